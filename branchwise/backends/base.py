@@ -1,0 +1,147 @@
+"""The backend protocol: the small set of operations a strategy executor needs.
+
+Why a protocol and not a base class: `reasoners` drives any backend through these few ops
+(`prefill`, `fork`, `append`, `extend`, `score_next`, `release`, `kv_stats`), and a remote backend
+(an OpenAI-compatible server) implements the same ops without inheriting torch code. Backends never
+import `branchwise.strategies`: the executor translates plan nodes into these calls.
+
+Nodes are opaque integer handles to states of a *branch tree*: `prefill` makes a root, `fork` makes
+children that share everything their parent holds, `append`/`extend` grow a node's own tokens. A node
+that has live children is frozen (its KV is shared), so growing it raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NodeId = int
+FinishReason = Literal["eos", "stop", "delimiter", "length"]
+ShareMode = Literal["none", "exact"]
+
+
+class DecodeParams(BaseModel):
+    """How to decode one `extend` call; validated so bad values name the field and its range."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(256, ge=1, le=131072)
+    min_tokens: int = Field(0, ge=0, le=131072, description="EOS is masked until this many tokens")
+    stop: tuple[str, ...] = Field((), description="stop strings; the text is cut before them")
+    step_delimiter: str | None = Field(
+        None, description="end of one reasoning step; kept in the text, finish_reason='delimiter'"
+    )
+    seed: int | None = Field(None, ge=0, description="seed of the sampler for this call")
+
+
+@dataclass
+class Generation:
+    """What one branch produced in one `extend` call."""
+
+    node: NodeId
+    token_ids: list[int]
+    text: str
+    top1_probs: list[float]
+    """Per generated token: the model's top-1 probability (temperature 1), CGEE's confidence signal."""
+    logprobs: list[float]
+    """Per generated token: log-probability of the chosen token (temperature 1)."""
+    finish_reason: FinishReason
+
+    @property
+    def confidence(self) -> float:
+        """Mean top-1 probability (RKSC Eq. 3); 0 for an empty generation."""
+        return sum(self.top1_probs) / len(self.top1_probs) if self.top1_probs else 0.0
+
+
+@dataclass
+class KVStats:
+    """KV-cache accounting of a backend since its last `reset_stats()`.
+
+    `bytes_held` counts the tensors actually allocated right now (shared storage once), `peak_bytes`
+    the maximum of that over time. `tokens_computed` counts token positions pushed through the model;
+    `tokens_reused` counts ancestor tokens that a branch read from shared KV instead of recomputing.
+    """
+
+    bytes_held: int = 0
+    peak_bytes: int = 0
+    tokens_computed: int = 0
+    tokens_reused: int = 0
+    forward_calls: int = 0
+    live_nodes: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "bytes_held": self.bytes_held,
+            "peak_bytes": self.peak_bytes,
+            "tokens_computed": self.tokens_computed,
+            "tokens_reused": self.tokens_reused,
+            "forward_calls": self.forward_calls,
+            "live_nodes": self.live_nodes,
+            **self.extra,
+        }
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Operations over a branch tree of KV states. See the module docstring for the semantics."""
+
+    name: str
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize plain text (no special tokens added)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Detokenize."""
+        ...
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a chat conversation with the generation prompt appended."""
+        ...
+
+    def prefill(self, token_ids: Sequence[int]) -> NodeId:
+        """Make a root node holding `token_ids` (computed lazily, on first use)."""
+        ...
+
+    def fork(self, node: NodeId, n: int) -> list[NodeId]:
+        """Make `n` children of `node` that start where it ends; `node` becomes frozen."""
+        ...
+
+    def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
+        """Add fixed tokens (a hint, a judge question) to each node; computed lazily."""
+        ...
+
+    def extend(self, nodes: Sequence[NodeId], params: DecodeParams) -> list[Generation]:
+        """Decode every node in one batch until EOS, a stop string, the step delimiter or max_tokens."""
+        ...
+
+    def score_next(
+        self, nodes: Sequence[NodeId], suffix: Sequence[int], candidates: Sequence[int]
+    ) -> list[list[float]]:
+        """Probability of each candidate token right after `node + suffix`, for each node.
+
+        The suffix is evaluated in a temporary child and released, so scoring never grows a node.
+        """
+        ...
+
+    def release(self, nodes: Sequence[NodeId]) -> None:
+        """Free the nodes (and any ancestor no longer needed); their KV tensors are dropped."""
+        ...
+
+    def tokens(self, node: NodeId) -> list[int]:
+        """All tokens from the root to `node`."""
+        ...
+
+    def kv_stats(self) -> KVStats:
+        """Current KV accounting."""
+        ...
+
+    def reset_stats(self) -> None:
+        """Zero the counters and set the peak to what is held now."""
+        ...

@@ -1,0 +1,534 @@
+"""The local backend: a HuggingFace causal LM driven by our own decode and layer loops.
+
+Why own the loops: RKSC App. I.1 measured 8-12 % lost to `generate()` overhead, and every
+acceleration in this project needs to act between layers or between tokens. The branch tree of KV
+segments (see `attention.py`) keeps a prefix shared by B branches once, not B times.
+
+Sharing modes (baselines in the same code path, DESIGN §4):
+- `share="exact"`: children of a node read its KV (token-exact prefix reuse).
+- `share="none"`: the No-KV baseline; each child recomputes the full token path, batched,
+  right-padded, with logits read at each row's last real token (not at a pad position).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from branchwise.backends.base import DecodeParams, FinishReason, Generation, KVStats, NodeId, ShareMode
+from branchwise.backends.hf import attention
+from branchwise.backends.hf.arch import DecoderParts, decoder_parts, kv_bytes_per_token
+from branchwise.backends.hf.attention import BatchContext, SharedSegment
+from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
+from branchwise.backends.hf.sampling import pick_tokens
+
+log = logging.getLogger(__name__)
+
+SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
+
+
+@dataclass(eq=False)
+class _Segment:
+    """A node of the branch tree and the KV of its own tokens.
+
+    `tokens[:n_computed]` have KV in `keys`/`values` (per layer `[H_kv, n_computed, D]`); the rest
+    are pending and computed on first use. A segment that shares its parent attends to the parent's
+    KV chain; one that does not holds its whole token path itself (the No-KV baseline).
+    """
+
+    id: int
+    parent: _Segment | None
+    shares_parent: bool
+    tokens: list[int]
+    n_computed: int = 0
+    keys: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None
+    last_logits: torch.Tensor | None = None
+    live_children: int = 0
+    released: bool = False
+    kv_bytes: int = 0
+
+    def kv_ancestors(self) -> list[_Segment]:
+        """Ancestors whose KV this segment attends to, nearest first."""
+        out = []
+        seg = self
+        while seg.shares_parent and seg.parent is not None:
+            seg = seg.parent
+            out.append(seg)
+        return out
+
+    @property
+    def pending(self) -> list[int]:
+        return self.tokens[self.n_computed :]
+
+
+@dataclass
+class _Row:
+    """Decode bookkeeping for one batch row during `extend`."""
+
+    seg: _Segment
+    kv_len: int  # valid KV tokens in the tail buffer for this row
+    out: list[int] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish: FinishReason | None = None
+    captured: bool = False
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' picks CUDA when present, else CPU; anything else is passed to torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' = bf16 on CUDA, fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(map(repr, table))}")
+    return table[dtype]
+
+
+class HFBackend:
+    """Local backend over a HuggingFace causal LM (Llama family). See the module docstring.
+
+    `HFBackend()` loads the embedded SmolLM2-135M-Instruct; `HFBackend("Qwen/Qwen2.5-1.5B-Instruct")`
+    or a local path loads any supported model. Operations are serialised by a lock, so the backend
+    can be shared by threads (concurrent callers wait; batching across callers is the caller's job).
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        share: ShareMode = "exact",
+    ) -> None:
+        dev = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        name = EMBEDDED_MODEL if model is None else str(model)
+        path: str | Path = embedded_model_dir() if name == EMBEDDED_MODEL else name
+        log.info("loading %s (%s, %s)", name, torch_dtype, dev)
+        attention.register()
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        self._setup(loaded.to(dev), tokenizer, share=share, model_name=name)
+
+    @classmethod
+    def from_model(
+        cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, share: ShareMode = "exact"
+    ) -> HFBackend:
+        """Wrap an already loaded model (tests, notebooks) without reloading it."""
+        self = cls.__new__(cls)
+        attention.register()
+        self._setup(model, tokenizer, share=share, model_name=getattr(model.config, "_name_or_path", "model"))
+        return self
+
+    def _setup(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, share: ShareMode, model_name: str
+    ) -> None:
+        if share not in SHARE_MODES:
+            raise ValueError(f"share={share!r} is not one of {SHARE_MODES}")
+        model.eval()
+        model.set_attn_implementation(attention.ATTN_NAME)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.share: ShareMode = share
+        self.parts: DecoderParts = decoder_parts(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.kv_token_bytes = kv_bytes_per_token(self.parts, self.dtype)
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = eos_ids
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids), 0)
+        self._segments: dict[int, _Segment] = {}
+        self._next_id = 0
+        self._lock = threading.RLock()
+        self._stats = KVStats()
+        self._held = 0
+
+    # ------------------------------------------------------------------ text
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return self.encode("\n".join(m["content"] for m in messages) + "\n")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
+
+    # ------------------------------------------------------------------ tree ops
+    def prefill(self, token_ids: Sequence[int]) -> NodeId:
+        ids = self._check_ids(token_ids, "token_ids")
+        if not ids:
+            raise ValueError("token_ids must hold at least 1 token")
+        with self._lock:
+            return self._new_segment(None, False, ids).id
+
+    def fork(self, node: NodeId, n: int, share: ShareMode | None = None) -> list[NodeId]:
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1")
+        mode = self.share if share is None else share
+        if mode not in SHARE_MODES:
+            raise ValueError(f"share={mode!r} is not one of {SHARE_MODES}")
+        with self._lock:
+            parent = self._get(node)
+            path = self._path_tokens(parent)
+            children = []
+            for _ in range(n):
+                if mode == "exact":
+                    child = self._new_segment(parent, True, [])
+                    self._stats.tokens_reused += len(path)
+                else:
+                    child = self._new_segment(parent, False, list(path))
+                children.append(child.id)
+            parent.live_children += n
+            return children
+
+    def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
+        if len(nodes) != len(token_ids):
+            raise ValueError(f"token_ids has {len(token_ids)} entries for {len(nodes)} nodes")
+        with self._lock:
+            for node, ids in zip(nodes, token_ids, strict=True):
+                seg = self._growable(node)
+                seg.tokens.extend(self._check_ids(ids, "token_ids"))
+
+    def extend(self, nodes: Sequence[NodeId], params: DecodeParams) -> list[Generation]:
+        with self._lock:
+            segs = [self._growable(n) for n in nodes]
+            if len({s.id for s in segs}) != len(segs):
+                raise ValueError("nodes must be distinct; fork a node to decode it several times")
+            if not segs:
+                return []
+            return self._run(segs, params)
+
+    def score_next(
+        self, nodes: Sequence[NodeId], suffix: Sequence[int], candidates: Sequence[int]
+    ) -> list[list[float]]:
+        cand = self._check_ids(candidates, "candidates")
+        suffix_ids = self._check_ids(suffix, "suffix")
+        with self._lock:
+            probes = [self.fork(n, 1)[0] for n in nodes]
+            try:
+                segs = [self._segments[p] for p in probes]
+                for s in segs:
+                    s.tokens.extend(suffix_ids)
+                self._run(segs, None)
+                out = []
+                for s in segs:
+                    probs = torch.softmax(s.last_logits.float(), dim=-1)
+                    out.append(probs[cand].tolist())
+                return out
+            finally:
+                self.release(probes)
+
+    def release(self, nodes: Sequence[NodeId]) -> None:
+        with self._lock:
+            for node in nodes:
+                seg = self._segments.get(node)
+                if seg is None or seg.released:
+                    raise KeyError(f"node {node} is not live")
+                seg.released = True
+                self._maybe_free(seg)
+
+    def tokens(self, node: NodeId) -> list[int]:
+        with self._lock:
+            return self._path_tokens(self._get(node))
+
+    def kv_stats(self) -> KVStats:
+        with self._lock:
+            s = self._stats
+            return KVStats(
+                bytes_held=self._held,
+                peak_bytes=s.peak_bytes,
+                tokens_computed=s.tokens_computed,
+                tokens_reused=s.tokens_reused,
+                forward_calls=s.forward_calls,
+                live_nodes=len(self._segments),
+                extra=dict(s.extra),
+            )
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats = KVStats(peak_bytes=self._held)
+
+    # ------------------------------------------------------------------ baseline
+    def hf_generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, exact_length: bool = False,
+        return_cache_bytes: bool = False,
+    ) -> list[list[int]] | tuple[list[list[int]], int]:
+        """What users do today: `model.generate` (greedy) on a left-padded batch. A baseline only.
+
+        With `return_cache_bytes`, also returns the bytes of the KV cache `generate` ended with.
+        """
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(list(p))
+            mask[i, width - len(p):] = 1
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+                max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if exact_length else None,
+                pad_token_id=self.pad_id, temperature=None, top_p=None, top_k=None,
+                return_dict_in_generate=return_cache_bytes,
+            )
+        sequences = out.sequences if return_cache_bytes else out
+        tokens = [row[width:].tolist() for row in sequences.cpu()]
+        if not return_cache_bytes:
+            return tokens
+        cache = out.past_key_values
+        nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        return tokens, nbytes
+
+    # ------------------------------------------------------------------ internals
+    def _check_ids(self, ids: Sequence[int], name: str) -> list[int]:
+        vocab = self.parts.embed.num_embeddings
+        out = [int(t) for t in ids]
+        bad = [t for t in out if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} holds ids outside [0, {vocab}): {bad[:5]}")
+        return out
+
+    def _new_segment(self, parent: _Segment | None, shares: bool, tokens: list[int]) -> _Segment:
+        seg = _Segment(id=self._next_id, parent=parent, shares_parent=shares, tokens=tokens)
+        self._next_id += 1
+        self._segments[seg.id] = seg
+        return seg
+
+    def _get(self, node: NodeId) -> _Segment:
+        seg = self._segments.get(node)
+        if seg is None or seg.released:
+            raise KeyError(f"node {node} is not live")
+        return seg
+
+    def _growable(self, node: NodeId) -> _Segment:
+        seg = self._get(node)
+        if seg.live_children:
+            raise ValueError(f"node {node} has {seg.live_children} live children and is frozen; fork it instead")
+        return seg
+
+    def _path_tokens(self, seg: _Segment) -> list[int]:
+        chain = [seg, *seg.kv_ancestors()]
+        return [t for s in reversed(chain) for t in s.tokens]
+
+    def _maybe_free(self, seg: _Segment) -> None:
+        while seg is not None and seg.released and seg.live_children == 0:
+            self._set_kv(seg, None, None)
+            seg.last_logits = None
+            del self._segments[seg.id]
+            parent = seg.parent
+            if parent is not None:
+                parent.live_children -= 1
+            seg = parent
+
+    def _set_kv(self, seg: _Segment, keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None) -> None:
+        self._held -= seg.kv_bytes
+        seg.keys, seg.values = keys, values
+        seg.kv_bytes = sum(t.nbytes for t in keys) + sum(t.nbytes for t in values) if keys else 0
+        self._held += seg.kv_bytes
+        self._stats.peak_bytes = max(self._stats.peak_bytes, self._held)
+
+    def _materialize_ancestors(self, segs: Sequence[_Segment]) -> None:
+        """Compute pending tokens of shared ancestors, top-down, batching those at the same depth."""
+        while True:
+            todo: dict[int, _Segment] = {}
+            for seg in segs:
+                for anc in seg.kv_ancestors():
+                    if anc.pending or anc.last_logits is None:
+                        todo[anc.id] = anc
+            if not todo:
+                return
+            ready = [a for a in todo.values() if not any(x.id in todo for x in a.kv_ancestors())]
+            self._run(ready, None)
+
+    def _start_context(self, rows: Sequence[_Row], extra: int) -> BatchContext:
+        parts = self.parts
+        b = len(rows)
+        lens = [r.kv_len for r in rows]
+        cap = max(n + len(r.seg.pending) for n, r in zip(lens, rows, strict=True)) + extra
+        shape = (b, parts.n_kv_heads, max(cap, 1), parts.head_dim)
+        tail_k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(parts.n_layers)]
+        tail_v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(parts.n_layers)]
+        for i, r in enumerate(rows):
+            if r.kv_len:
+                for layer in range(parts.n_layers):
+                    tail_k[layer][i, :, : r.kv_len] = r.seg.keys[layer]
+                    tail_v[layer][i, :, : r.kv_len] = r.seg.values[layer]
+        groups: dict[int, tuple[_Segment, list[int]]] = {}
+        for i, r in enumerate(rows):
+            for anc in r.seg.kv_ancestors():
+                groups.setdefault(anc.id, (anc, []))[1].append(i)
+        shared = [
+            SharedSegment(anc.keys, anc.values,
+                          None if len(idx) == b else torch.tensor(idx, device=self.device))
+            for anc, idx in groups.values()
+        ]
+        return BatchContext(
+            tail_k=tail_k, tail_v=tail_v, lens=torch.tensor(lens, device=self.device), shared=shared,
+            n_groups=parts.n_heads // parts.n_kv_heads,
+        )
+
+    def _ctx_bytes(self, ctx: BatchContext) -> int:
+        return sum(t.nbytes for t in ctx.tail_k) * 2
+
+    @torch.inference_mode()
+    def _forward(self, ctx: BatchContext, offsets: torch.Tensor, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Push `feeds[b]` (0+ tokens) through the model for every row; logits after each row's last one."""
+        parts = self.parts
+        b = len(feeds)
+        counts = [len(f) for f in feeds]
+        q = max(max(counts), 1)
+        ids = torch.full((b, q), self.pad_id, dtype=torch.long)
+        for i, f in enumerate(feeds):
+            if f:
+                ids[i, : len(f)] = torch.tensor(list(f), dtype=torch.long)
+        ids = ids.to(self.device)
+        ctx.begin(q)
+        pos = (offsets + ctx.lens)[:, None] + torch.arange(q, device=self.device)[None, :]
+        h = parts.embed(ids)
+        cos_sin = parts.rotary(h, pos)
+        for layer in parts.layers:
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=cos_sin, bw_ctx=ctx)
+        last = torch.tensor([max(c, 1) - 1 for c in counts], device=self.device)
+        h_last = h[torch.arange(b, device=self.device), last]
+        logits = parts.head(parts.norm(h_last))
+        ctx.lens = ctx.lens + torch.tensor(counts, device=self.device)
+        self._stats.tokens_computed += sum(counts)
+        self._stats.forward_calls += 1
+        self._stats.peak_bytes = max(self._stats.peak_bytes, self._held + self._ctx_bytes(ctx))
+        return logits
+
+    def _capture(self, ctx: BatchContext, pos: int, row: _Row) -> None:
+        """Copy a row's KV out of the batch buffers into its segment (independent tensors, so
+        releasing the node frees exactly its memory)."""
+        n = row.kv_len
+        keys = [t[pos, :, :n].clone() for t in ctx.tail_k]
+        values = [t[pos, :, :n].clone() for t in ctx.tail_v]
+        self._set_kv(row.seg, keys, values)
+        row.seg.n_computed = n
+        row.captured = True
+
+    def _run(self, segs: Sequence[_Segment], params: DecodeParams | None) -> list[Generation]:
+        """Compute pending tokens of `segs` and, with `params`, decode them as one batch."""
+        self._materialize_ancestors(segs)
+        rows = [_Row(seg=s, kv_len=s.n_computed) for s in segs]
+        extra = 0 if params is None else min(params.max_tokens, 128)
+        ctx = self._start_context(rows, extra)
+        offsets = torch.tensor(
+            [sum(len(a.tokens) for a in s.kv_ancestors()) for s in segs], device=self.device
+        )
+        feeds = [s.pending for s in segs]
+        logits = None
+        if any(feeds):
+            logits = self._forward(ctx, offsets, feeds)
+        start = []
+        for i, (r, f) in enumerate(zip(rows, feeds, strict=True)):
+            r.kv_len += len(f)
+            if f:
+                start.append(logits[i])
+            else:
+                source = r.seg if r.seg.n_computed else r.seg.parent
+                start.append(source.last_logits)
+        if params is None:
+            for i, r in enumerate(rows):
+                self._capture(ctx, i, r)
+                r.seg.last_logits = start[i].detach().clone()
+            return []
+        return self._decode(ctx, offsets, rows, torch.stack(start), params)
+
+    def _decode(
+        self, ctx: BatchContext, offsets: torch.Tensor, rows: list[_Row], logits: torch.Tensor,
+        params: DecodeParams,
+    ) -> list[Generation]:
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        present = list(range(len(rows)))  # batch position -> row index
+        for step in range(params.max_tokens):
+            if step < params.min_tokens and self.eos_ids:
+                logits = logits.clone()
+                logits[:, list(self.eos_ids)] = float("-inf")
+            tokens, top1, chosen = pick_tokens(logits, params.temperature, params.top_p, gen)
+            tok_list, top1_list, lp_list = tokens.tolist(), top1.tolist(), chosen.tolist()
+            for pos, ri in enumerate(present):
+                r = rows[ri]
+                if r.finish is not None:
+                    continue
+                r.out.append(tok_list[pos])
+                r.seg.tokens.append(tok_list[pos])
+                r.top1.append(top1_list[pos])
+                r.logprobs.append(lp_list[pos])
+                r.finish = self._finished(r, params, last_step=step == params.max_tokens - 1)
+            alive = [ri for ri in present if rows[ri].finish is None]
+            if not alive:
+                break
+            dead = len(present) - len(alive)
+            if dead and dead * 4 >= len(present):
+                for pos, ri in enumerate(present):
+                    if rows[ri].finish is not None:
+                        self._capture(ctx, pos, rows[ri])
+                keep = [pos for pos, ri in enumerate(present) if rows[ri].finish is None]
+                ctx.select_rows(torch.tensor(keep, device=self.device), {old: new for new, old in enumerate(keep)})
+                offsets = offsets.index_select(0, torch.tensor(keep, device=self.device))
+                present = alive
+            feeds = [[rows[ri].out[-1]] if rows[ri].finish is None else [] for ri in present]
+            logits = self._forward(ctx, offsets, feeds)
+            for ri, f in zip(present, feeds, strict=True):
+                rows[ri].kv_len += len(f)
+        for pos, ri in enumerate(present):
+            if not rows[ri].captured:
+                self._capture(ctx, pos, rows[ri])
+        results = []
+        for r in rows:
+            # the last sampled token was not fed; its KV is computed on the node's next use
+            r.seg.last_logits = None
+            results.append(Generation(node=r.seg.id, token_ids=r.out, text=r.text, top1_probs=r.top1,
+                                      logprobs=r.logprobs, finish_reason=r.finish or "length"))
+        return results
+
+    def _finished(self, row: _Row, params: DecodeParams, last_step: bool) -> FinishReason | None:
+        """Update the row's text and say whether (and why) it is done."""
+        if row.out[-1] in self.eos_ids:
+            row.text = self.decode(row.out)
+            return "eos"
+        text = self.decode(row.out)
+        for stop in params.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                row.text = text[:cut]
+                return "stop"
+        delim = params.step_delimiter
+        if delim:
+            body = len(text) - len(text.lstrip())
+            at = text.find(delim, body + 1) if body < len(text) else -1
+            if at >= 0:
+                row.text = text[: at + len(delim)]
+                return "delimiter"
+        row.text = text
+        return "length" if last_step else None

@@ -1,0 +1,53 @@
+"""What a reasoning run returns: the answer, every branch, the executed tree, timings and KV stats.
+
+Pydantic models so a result serialises to JSON as-is (eval rows, the CLI's `--json`).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class Branch(BaseModel):
+    """A leaf that reached aggregation: its whole text from the root and what it was judged."""
+
+    node: int
+    text: str
+    answer: str | None
+    n_tokens: int
+    confidence: float = Field(description="mean top-1 probability over the branch's generated tokens")
+    mean_logprob: float
+    finish_reason: str
+    scores: dict[str, float] = Field(default_factory=dict)
+    selected: bool = Field(False, description="chosen by the aggregation (winner of the vote or best score)")
+
+
+class TreeNode(BaseModel):
+    """One node of the executed branch tree (root = the prompt)."""
+
+    node: int
+    parent: int | None
+    depth: int
+    text: str
+    token_ids: list[int] = Field(default_factory=list)
+    top1_probs: list[float] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    finish_reason: str | None = None
+    scores: dict[str, float] = Field(default_factory=dict)
+    pruned: bool = False
+
+
+class ReasoningResult(BaseModel):
+    """The outcome of `Reasoner.run`."""
+
+    question: str
+    answer: str | None
+    strategy: str
+    share: str
+    votes: dict[str, float] = Field(default_factory=dict, description="answer -> weight behind it")
+    support: float = Field(0.0, description="share of the vote weight behind the answer")
+    branches: list[Branch]
+    tree: list[TreeNode]
+    timings: dict[str, float] = Field(description="seconds per plan op kind, plus 'total'")
+    kv_stats: dict[str, float]
+    notes: list[str] = Field(default_factory=list, description="what did not apply or fell back, in words")

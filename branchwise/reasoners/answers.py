@@ -216,8 +216,7 @@ def extract_boxed(text: str) -> str | None:
 
 _ANSWER_IS_RE = re.compile(
     r"(?:####[ \t]*"
-    r"|\banswer\b[ \t]*(?:\*\*|__)?[ \t]*(?:is\b[ \t]*:?|[:=])[ \t]*(?:\*\*|__)?)"
-    r"(?P<rest>[^\n]*)",
+    r"|\banswer\b[ \t]*(?:\*\*|__)?[ \t]*(?:is\b[ \t]*:?|[:=])[ \t]*(?:\*\*|__)?)",
     re.IGNORECASE,
 )
 _PHRASE_END_RE = re.compile(r"\.(?:\s|$)|;|,\s|\s+(?:because|since|as|which)\b", re.IGNORECASE)
@@ -232,8 +231,11 @@ def extract_answer_is(text: str) -> str | None:
     When X starts with a number, the number alone is returned ("19 apples." → "19") so that unit
     words do not split the vote; otherwise the phrase up to the end of its sentence, de-dressed.
     """
+    # The marker regex matches only the marker (not the rest of the line), so two statements on
+    # one line ("The answer is 3. No wait, the answer is 4.") are both seen and the last one wins.
     for m in reversed(list(_ANSWER_IS_RE.finditer(text))):
-        rest = m.group("rest").strip()
+        line_end = text.find("\n", m.end())
+        rest = text[m.end() : line_end if line_end >= 0 else len(text)].strip()
         boxed = extract_boxed(rest)
         if boxed:
             return boxed

@@ -110,8 +110,13 @@ class Reasoner:
         prompt = backend.chat_prompt(messages)
         root = backend.prefill(prompt)
         record = TreeNode(node=root, parent=None, depth=0, text="", token_ids=list(prompt))
-        run = _Run(question=question, leaves=[_Leaf(node=root, record=record)], tree={root: record},
-                   timings={}, notes=[])
+        run = _Run(
+            question=question,
+            leaves=[_Leaf(node=root, record=record)],
+            tree={root: record},
+            timings={},
+            notes=[],
+        )
         try:
             self._execute(self.plan.steps, run)
             stats = backend.kv_stats().as_dict()
@@ -158,8 +163,12 @@ class Reasoner:
     def _generate(self, node: GenerateNode, run: _Run) -> None:
         backend = self.backend
         params = DecodeParams(
-            temperature=node.temperature, top_p=node.top_p, max_tokens=node.max_tokens, stop=tuple(node.stop),
-            step_delimiter=node.step_delimiter if node.until == "step" else None, seed=node.seed,
+            temperature=node.temperature,
+            top_p=node.top_p,
+            max_tokens=node.max_tokens,
+            stop=tuple(node.stop),
+            step_delimiter=node.step_delimiter if node.until == "step" else None,
+            seed=node.seed,
         )
         expand = [leaf for leaf in run.leaves if not leaf.finished]
         keep = [leaf for leaf in run.leaves if leaf.finished]
@@ -178,23 +187,37 @@ class Reasoner:
             raise
         for (parent, _), gen in zip(children, gens, strict=True):
             record = TreeNode(
-                node=gen.node, parent=parent.node, depth=parent.record.depth + 1, text=gen.text,
-                token_ids=gen.token_ids, top1_probs=gen.top1_probs, logprobs=gen.logprobs,
+                node=gen.node,
+                parent=parent.node,
+                depth=parent.record.depth + 1,
+                text=gen.text,
+                token_ids=gen.token_ids,
+                top1_probs=gen.top1_probs,
+                logprobs=gen.logprobs,
                 finish_reason=gen.finish_reason,
             )
             run.tree[gen.node] = record
             run.leaves.append(
                 _Leaf(
-                    node=gen.node, record=record, text=parent.text + gen.text, top1=parent.top1 + gen.top1_probs,
-                    logprobs=parent.logprobs + gen.logprobs, n_tokens=parent.n_tokens + len(gen.token_ids),
+                    node=gen.node,
+                    record=record,
+                    text=parent.text + gen.text,
+                    top1=parent.top1 + gen.top1_probs,
+                    logprobs=parent.logprobs + gen.logprobs,
+                    n_tokens=parent.n_tokens + len(gen.token_ids),
                     finished=node.until == "answer" or gen.finish_reason != "delimiter",
                 )
             )
 
     def _candidates(self, leaves: Sequence[_Leaf], extractor: str = "auto") -> list[Candidate]:
         return [
-            Candidate(node=leaf.node, text=leaf.text, answer=extract_answer(leaf.text, extractor),
-                      top1_probs=leaf.top1, logprobs=leaf.logprobs)
+            Candidate(
+                node=leaf.node,
+                text=leaf.text,
+                answer=extract_answer(leaf.text, extractor),
+                top1_probs=leaf.top1,
+                logprobs=leaf.logprobs,
+            )
             for leaf in leaves
         ]
 
@@ -237,13 +260,18 @@ class Reasoner:
             weights = None
             if node.method == "weighted_majority":
                 weights = [
-                    leaf.score if leaf.score is not None else (sum(leaf.top1) / len(leaf.top1) if leaf.top1 else 0.0)
+                    leaf.score
+                    if leaf.score is not None
+                    else (sum(leaf.top1) / len(leaf.top1) if leaf.top1 else 0.0)
                     for leaf in run.leaves
                 ]
             vote = majority_vote(answers, weights)
             run.answer = vote.answer
-            run.winners = {leaf.node for leaf, a in zip(run.leaves, answers, strict=True)
-                           if a is not None and a == vote.answer}
+            run.winners = {
+                leaf.node
+                for leaf, a in zip(run.leaves, answers, strict=True)
+                if a is not None and a == vote.answer
+            }
         vote = majority_vote(answers, weights)
         run.votes, run.support = dict(vote.counts), vote.support
         if node.method == "best_score" and run.answer is not None:
@@ -253,16 +281,28 @@ class Reasoner:
     def _result(self, run: _Run, stats: dict[str, float]) -> ReasoningResult:
         branches = [
             Branch(
-                node=leaf.node, text=leaf.text, answer=extract_answer(leaf.text), n_tokens=leaf.n_tokens,
+                node=leaf.node,
+                text=leaf.text,
+                answer=extract_answer(leaf.text),
+                n_tokens=leaf.n_tokens,
                 confidence=sum(leaf.top1) / len(leaf.top1) if leaf.top1 else 0.0,
                 mean_logprob=sum(leaf.logprobs) / len(leaf.logprobs) if leaf.logprobs else 0.0,
-                finish_reason=leaf.record.finish_reason or "none", scores=dict(leaf.scores),
+                finish_reason=leaf.record.finish_reason or "none",
+                scores=dict(leaf.scores),
                 selected=leaf.node in run.winners,
             )
             for leaf in run.leaves
         ]
         return ReasoningResult(
-            question=run.question, answer=run.answer, strategy=self.strategy.name, share=self.share,
-            votes=run.votes, support=run.support, branches=branches, tree=list(run.tree.values()),
-            timings=run.timings, kv_stats=stats, notes=run.notes,
+            question=run.question,
+            answer=run.answer,
+            strategy=self.strategy.name,
+            share=self.share,
+            votes=run.votes,
+            support=run.support,
+            branches=branches,
+            tree=list(run.tree.values()),
+            timings=run.timings,
+            kv_stats=stats,
+            notes=run.notes,
         )

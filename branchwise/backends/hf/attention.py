@@ -98,7 +98,7 @@ class BatchContext:
         for layer in range(len(self.tail_k)):
             for buf in (self.tail_k, self.tail_v):
                 old = buf[layer]
-                new = old.new_empty(old.shape[0], old.shape[1], new_cap, old.shape[3])
+                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
                 new[:, :, : old.shape[2]] = old
                 buf[layer] = new
 

@@ -94,8 +94,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     """'auto' = bf16 on CUDA, fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in table:
@@ -278,7 +284,11 @@ class HFBackend:
 
     # ------------------------------------------------------------------ baseline
     def hf_generate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, exact_length: bool = False,
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        exact_length: bool = False,
         return_cache_bytes: bool = False,
     ) -> list[list[int]] | tuple[list[list[int]], int]:
         """What users do today: `model.generate` (greedy) on a left-padded batch. A baseline only.
@@ -289,13 +299,19 @@ class HFBackend:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(list(p))
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(list(p))
+            mask[i, width - len(p) :] = 1
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
-                max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens if exact_length else None,
-                pad_token_id=self.pad_id, temperature=None, top_p=None, top_k=None,
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens if exact_length else None,
+                pad_token_id=self.pad_id,
+                temperature=None,
+                top_p=None,
+                top_k=None,
                 return_dict_in_generate=return_cache_bytes,
             )
         sequences = out.sequences if return_cache_bytes else out
@@ -330,7 +346,9 @@ class HFBackend:
     def _growable(self, node: NodeId) -> _Segment:
         seg = self._get(node)
         if seg.live_children:
-            raise ValueError(f"node {node} has {seg.live_children} live children and is frozen; fork it instead")
+            raise ValueError(
+                f"node {node} has {seg.live_children} live children and is frozen; fork it instead"
+            )
         return seg
 
     def _path_tokens(self, seg: _Segment) -> list[int]:
@@ -347,7 +365,9 @@ class HFBackend:
                 parent.live_children -= 1
             seg = parent
 
-    def _set_kv(self, seg: _Segment, keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None) -> None:
+    def _set_kv(
+        self, seg: _Segment, keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None
+    ) -> None:
         self._held -= seg.kv_bytes
         seg.keys, seg.values = keys, values
         seg.kv_bytes = sum(t.nbytes for t in keys) + sum(t.nbytes for t in values) if keys else 0
@@ -373,8 +393,9 @@ class HFBackend:
         lens = [r.kv_len for r in rows]
         cap = max(n + len(r.seg.pending) for n, r in zip(lens, rows, strict=True)) + extra
         shape = (b, parts.n_kv_heads, max(cap, 1), parts.head_dim)
-        tail_k = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(parts.n_layers)]
-        tail_v = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(parts.n_layers)]
+        # zeros, not empty: masked slots still enter the products (0 * NaN garbage would be NaN)
+        tail_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(parts.n_layers)]
+        tail_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(parts.n_layers)]
         for i, r in enumerate(rows):
             if r.kv_len:
                 for layer in range(parts.n_layers):
@@ -385,12 +406,16 @@ class HFBackend:
             for anc in r.seg.kv_ancestors():
                 groups.setdefault(anc.id, (anc, []))[1].append(i)
         shared = [
-            SharedSegment(anc.keys, anc.values,
-                          None if len(idx) == b else torch.tensor(idx, device=self.device))
+            SharedSegment(
+                anc.keys, anc.values, None if len(idx) == b else torch.tensor(idx, device=self.device)
+            )
             for anc, idx in groups.values()
         ]
         return BatchContext(
-            tail_k=tail_k, tail_v=tail_v, lens=torch.tensor(lens, device=self.device), shared=shared,
+            tail_k=tail_k,
+            tail_v=tail_v,
+            lens=torch.tensor(lens, device=self.device),
+            shared=shared,
             n_groups=parts.n_heads // parts.n_kv_heads,
         )
 
@@ -398,7 +423,9 @@ class HFBackend:
         return sum(t.nbytes for t in ctx.tail_k) * 2
 
     @torch.inference_mode()
-    def _forward(self, ctx: BatchContext, offsets: torch.Tensor, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
+    def _forward(
+        self, ctx: BatchContext, offsets: torch.Tensor, feeds: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
         """Push `feeds[b]` (0+ tokens) through the model for every row; logits after each row's last one."""
         parts = self.parts
         b = len(feeds)
@@ -463,7 +490,11 @@ class HFBackend:
         return self._decode(ctx, offsets, rows, torch.stack(start), params)
 
     def _decode(
-        self, ctx: BatchContext, offsets: torch.Tensor, rows: list[_Row], logits: torch.Tensor,
+        self,
+        ctx: BatchContext,
+        offsets: torch.Tensor,
+        rows: list[_Row],
+        logits: torch.Tensor,
         params: DecodeParams,
     ) -> list[Generation]:
         gen = None
@@ -494,7 +525,9 @@ class HFBackend:
                     if rows[ri].finish is not None:
                         self._capture(ctx, pos, rows[ri])
                 keep = [pos for pos, ri in enumerate(present) if rows[ri].finish is None]
-                ctx.select_rows(torch.tensor(keep, device=self.device), {old: new for new, old in enumerate(keep)})
+                ctx.select_rows(
+                    torch.tensor(keep, device=self.device), {old: new for new, old in enumerate(keep)}
+                )
                 offsets = offsets.index_select(0, torch.tensor(keep, device=self.device))
                 present = alive
             feeds = [[rows[ri].out[-1]] if rows[ri].finish is None else [] for ri in present]
@@ -508,8 +541,16 @@ class HFBackend:
         for r in rows:
             # the last sampled token was not fed; its KV is computed on the node's next use
             r.seg.last_logits = None
-            results.append(Generation(node=r.seg.id, token_ids=r.out, text=r.text, top1_probs=r.top1,
-                                      logprobs=r.logprobs, finish_reason=r.finish or "length"))
+            results.append(
+                Generation(
+                    node=r.seg.id,
+                    token_ids=r.out,
+                    text=r.text,
+                    top1_probs=r.top1,
+                    logprobs=r.logprobs,
+                    finish_reason=r.finish or "length",
+                )
+            )
         return results
 
     def _finished(self, row: _Row, params: DecodeParams, last_step: bool) -> FinishReason | None:

@@ -1,0 +1,124 @@
+"""Reasoner end to end on tiny random models: plan execution, results, release on failure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from branchwise.backends import DecodeParams
+from branchwise.backends.hf import HFBackend
+from branchwise.reasoners import Reasoner, ReasoningResult
+from branchwise.reasoners.verifiers import Candidate
+from branchwise.strategies import (
+    AggregateNode,
+    GenerateNode,
+    LoopNode,
+    ScoreNode,
+    SelectNode,
+    Strategy,
+    best_of_n,
+    self_consistency,
+)
+
+
+@pytest.fixture
+def backend(tiny_llama_dir) -> HFBackend:
+    return HFBackend(tiny_llama_dir)
+
+
+def test_self_consistency_result_shape(backend: HFBackend) -> None:
+    result = Reasoner(self_consistency(n=6, max_tokens=12, seed=3), backend=backend).run("What is 12 + 7?")
+    assert isinstance(result, ReasoningResult)
+    assert len(result.branches) == 6
+    assert {b.finish_reason for b in result.branches} <= {"eos", "length"}
+    assert result.tree[0].parent is None and len(result.tree) == 7
+    assert all(t.parent == result.tree[0].node for t in result.tree[1:])
+    assert result.timings["total"] >= result.timings["generate"] > 0
+    assert result.kv_stats["tokens_reused"] == 6 * len(result.tree[0].token_ids)
+    # the vote is over the branches' extracted answers
+    answers = [b.answer for b in result.branches if b.answer is not None]
+    if answers:
+        assert result.answer in answers
+        assert sum(result.votes.values()) == len(answers)
+    json.loads(result.model_dump_json())
+    assert backend.kv_stats().live_nodes == 0
+
+
+def test_share_none_and_exact_agree_greedy(backend: HFBackend) -> None:
+    strat = self_consistency(n=4, temperature=0.0, max_tokens=10)
+    a = Reasoner(strat, backend=backend, share="exact").run("Count to five:")
+    b = Reasoner(strat, backend=backend, share="none").run("Count to five:")
+    assert [x.text for x in a.branches] == [x.text for x in b.branches]
+    assert a.kv_stats["peak_bytes"] < b.kv_stats["peak_bytes"]
+    assert b.kv_stats["tokens_reused"] == 0
+
+
+def test_best_of_n_with_judge(backend: HFBackend) -> None:
+    result = Reasoner(best_of_n(n=4, max_tokens=8, seed=1), backend=backend).run("What is 2 + 2?")
+    assert len(result.branches) == 1
+    assert 0.0 <= result.branches[0].scores["judge"] <= 1.0
+    pruned = [t for t in result.tree if t.pruned]
+    assert len(pruned) == 3
+    assert all("judge" in t.scores for t in result.tree[1:])
+
+
+def test_step_loop_strategy(backend: HFBackend) -> None:
+    strat = Strategy(
+        name="step_beam",
+        nodes=[
+            GenerateNode(id="start", n=2, max_tokens=6, until="step", step_delimiter=" ", seed=0),
+            LoopNode(id="loop", body=["expand", "score", "keep"], max_iterations=2),
+            GenerateNode(id="expand", n=2, max_tokens=6, until="step", step_delimiter=" ", seed=0),
+            ScoreNode(id="score", verifier="confidence"),
+            SelectNode(id="keep", k=2),
+            AggregateNode(id="vote", method="weighted_majority"),
+        ],
+        edges=[
+            ("start", "loop"),
+            ("loop", "expand"),
+            ("expand", "score"),
+            ("score", "keep"),
+            ("keep", "loop"),
+            ("loop", "vote"),
+        ],
+    )
+    result = Reasoner(strat, backend=backend).run("Say a few words.")
+    assert 1 <= len(result.branches) <= 4
+    assert max(t.depth for t in result.tree) <= 3
+    assert backend.kv_stats().live_nodes == 0
+
+
+class _Boom:
+    name = "boom"
+
+    def score(self, backend, question: str, candidates: list[Candidate]) -> list[float]:
+        raise RuntimeError("verifier failed")
+
+
+def test_nodes_released_when_a_step_raises(backend: HFBackend) -> None:
+    strat = best_of_n(n=3, max_tokens=4, verifier="boom")
+    reasoner = Reasoner(strat, backend=backend, verifiers={"boom": _Boom()})
+    with pytest.raises(RuntimeError, match="verifier failed"):
+        reasoner.run("Hi")
+    assert backend.kv_stats().live_nodes == 0
+    assert backend.kv_stats().bytes_held == 0
+
+
+def test_unknown_verifier_and_share_are_clear_errors(backend: HFBackend) -> None:
+    with pytest.raises(ValueError, match="verifier"):
+        Reasoner(best_of_n(n=2, verifier="nope"), backend=backend)
+    with pytest.raises(ValueError, match="share"):
+        Reasoner(self_consistency(n=2), backend=backend, share="fuzzy")  # type: ignore[arg-type]
+
+
+def test_batch_runs_each_question(backend: HFBackend) -> None:
+    results = Reasoner(self_consistency(n=2, max_tokens=4), backend=backend).batch(["a", "b"], progress=False)
+    assert [r.question for r in results] == ["a", "b"]
+
+
+def test_decode_params_forwarded(backend: HFBackend) -> None:
+    """Generate node parameters reach the backend (max_tokens bounds every branch)."""
+    result = Reasoner(self_consistency(n=3, max_tokens=5), backend=backend).run("x")
+    assert all(b.n_tokens <= 5 for b in result.branches)
+    assert DecodeParams(max_tokens=5).max_tokens == 5

@@ -25,9 +25,7 @@ PAD = "<|pad|>"
 ENDOFTEXT = "<|endoftext|>"
 
 # Qwen2's pre-tokenisation regex (transformers' Qwen2Tokenizer hard-codes the same one).
-_QWEN2_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+_QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # SmolLM2/Qwen-style ChatML: the same shape as the embedded model's template (minus its default
 # system prompt), so prompt-building code is tested against the format it meets in production.

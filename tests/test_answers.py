@@ -331,7 +331,12 @@ def test_vote_zero_total_weight_has_no_winner() -> None:
 
 @pytest.mark.parametrize(
     ("weights", "fragment"),
-    [([1.0], "same length"), ([1.0, 2.0, 3.0], "same length"), ([1.0, -0.5], ">= 0"), ([1.0, math.nan], ">= 0")],
+    [
+        ([1.0], "same length"),
+        ([1.0, 2.0, 3.0], "same length"),
+        ([1.0, -0.5], ">= 0"),
+        ([1.0, math.nan], ">= 0"),
+    ],
 )
 def test_vote_rejects_bad_weights(weights: list[float], fragment: str) -> None:
     with pytest.raises(ValueError, match="weights") as err:

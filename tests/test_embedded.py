@@ -158,7 +158,9 @@ def test_conversion_is_atomic_and_marked(
     # it was written elsewhere (a temp dir in the same parent) and renamed into place
     assert calls[0] != target and calls[0].parent == target.parent
     # only the finished dir and the lock file remain
-    assert sorted(p.name for p in target.parent.iterdir()) == sorted([EMBEDDED_MODEL, f"{EMBEDDED_MODEL}.lock"])
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted(
+        [EMBEDDED_MODEL, f"{EMBEDDED_MODEL}.lock"]
+    )
     assert embedded_model_dir() == target
     assert len(calls) == 1
 

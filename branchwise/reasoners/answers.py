@@ -148,9 +148,14 @@ def normalize_answer(answer: str) -> str:
         prev = s
         s = s.strip(_WRAPPERS).rstrip(".").strip()
     # "(C)" / "(19)" lose their brackets, but a tuple such as "(1, 2)" keeps them.
-    if len(s) >= 2 and s[0] + s[-1] in ("()", "[]", "{}") and re.fullmatch(r"[^\s,]+", s[1:-1]):
-        if _balanced(s[1:-1]):
-            s = s[1:-1]
+    inner = s[1:-1]
+    if (
+        len(s) >= 2
+        and s[0] + s[-1] in ("()", "[]", "{}")
+        and re.fullmatch(r"[^\s,]+", inner)
+        and _balanced(inner)
+    ):
+        s = inner
     numeric = re.sub(r"^(?:\\\$|[$€£¥])\s*|\s*(?:\\%|%|°|\^\\circ|\^\{\\circ\})$", "", s)
     if _FULL_NUMBER_RE.fullmatch(numeric):
         return normalize_number(numeric)
@@ -345,7 +350,7 @@ def majority_vote(answers: Sequence[str | None], weights: Sequence[float] | None
 
     counts: dict[str, float] = {}
     n_valid = 0
-    for answer, weight in zip(answers, weight_list):
+    for answer, weight in zip(answers, weight_list, strict=True):  # lengths checked above
         if answer is None:
             continue
         n_valid += 1

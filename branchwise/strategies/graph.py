@@ -31,7 +31,8 @@ class _YamlDumper(yaml.SafeDumper):
 
 
 def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = '"' if "\n" in value or "\r" in value else None
+    # YAML also folds NEL/LS/PS (\x85, \u2028, \u2029) as line breaks; quoting keeps them exact.
+    style = '"' if any(c in value for c in "\n\r\x85\u2028\u2029") or not value.isprintable() else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 

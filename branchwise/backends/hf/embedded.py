@@ -176,7 +176,7 @@ def embedded_model_dir() -> Path:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        logger.warning(
+        logger.info(
             "branchwise: embedded model converted in %.1f s -> %s", time.perf_counter() - started, target
         )
     return target

@@ -19,7 +19,7 @@ from typing import Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 NodeId = int
-FinishReason = Literal["eos", "stop", "delimiter", "length"]
+FinishReason = Literal["eos", "stop", "delimiter", "length", "confident"]
 ShareMode = Literal["none", "exact"]
 
 

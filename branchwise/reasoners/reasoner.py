@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from branchwise.backends.accel import Accel
 from branchwise.backends.base import Backend, DecodeParams, ShareMode
+from branchwise.backends.hf.cgee import verify_skip
 from branchwise.reasoners.answers import extract_answer, majority_vote
 from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
 from branchwise.reasoners.verifiers import Candidate, Verifier, default_verifiers
@@ -59,6 +61,8 @@ class _Run:
     timings: dict[str, float]
     notes: list[str]
     answer: str | None = None
+    verify_calls: int = 0
+    verify_skipped: int = 0
     votes: dict[str, float] = field(default_factory=dict)
     support: float = 0.0
     winners: set[int] = field(default_factory=set)
@@ -80,6 +84,7 @@ class Reasoner:
         verifiers: dict[str, Verifier] | None = None,
         system_prompt: str | None = None,
         prompt_template: Callable[[str], str] | None = None,
+        accel: Accel | None = None,
     ) -> None:
         if share not in ("none", "exact"):
             raise ValueError(f"share={share!r} is not one of 'none', 'exact'")
@@ -97,14 +102,32 @@ class Reasoner:
             raise ValueError(f"strategy uses verifier(s) {sorted(missing)}; known: {sorted(self.verifiers)}")
         self.system_prompt = system_prompt
         self.prompt_template = prompt_template
+        self.accel = accel
 
     # ------------------------------------------------------------------ public
     def run(self, question: str) -> ReasoningResult:
         """Answer one question with the strategy; every node is released even if a step raises."""
-        backend = self.backend
         messages = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
         content = self.prompt_template(question) if self.prompt_template else question
         messages.append({"role": "user", "content": content})
+        with self._accelerated():
+            return self._run(question, messages)
+
+    @contextmanager
+    def _accelerated(self) -> Iterator[None]:
+        """Apply this reasoner's `accel` to the backend for one run (None keeps the backend's own)."""
+        if self.accel is None or not hasattr(self.backend, "accel"):
+            yield
+            return
+        previous = self.backend.accel
+        self.backend.accel = self.accel
+        try:
+            yield
+        finally:
+            self.backend.accel = previous
+
+    def _run(self, question: str, messages: list[dict[str, str]]) -> ReasoningResult:
+        backend = self.backend
         backend.reset_stats()
         start = time.perf_counter()
         prompt = backend.chat_prompt(messages)
@@ -222,12 +245,25 @@ class Reasoner:
         ]
 
     def _score(self, node: ScoreNode, run: _Run) -> None:
-        verifier = self.verifiers[node.verifier]
-        scores = verifier.score(self.backend, run.question, self._candidates(run.leaves))
-        for leaf, s in zip(run.leaves, scores, strict=True):
+        cgee = getattr(getattr(self.backend, "accel", None), "cgee", None)
+        run.verify_calls += 1
+        name = node.verifier
+        if cgee is not None and cgee.level1:
+            confidences = [sum(leaf.top1) / len(leaf.top1) if leaf.top1 else 0.0 for leaf in run.leaves]
+            if verify_skip(confidences, cgee.tau_conf, cgee.r_gap):
+                # CGEE level 1 (RKSC Eq. 4): rank by generation confidence, no verify pass
+                run.verify_skipped += 1
+                self._set_scores(run.leaves, "confidence", confidences)
+                return
+        verifier = self.verifiers[name]
+        self._set_scores(run.leaves, name, verifier.score(self.backend, run.question, self._candidates(run.leaves)))
+
+    @staticmethod
+    def _set_scores(leaves: Sequence[_Leaf], name: str, scores: Sequence[float]) -> None:
+        for leaf, s in zip(leaves, scores, strict=True):
             leaf.score = float(s)
-            leaf.scores[node.verifier] = float(s)
-            leaf.record.scores[node.verifier] = float(s)
+            leaf.scores[name] = float(s)
+            leaf.record.scores[name] = float(s)
 
     def _select(self, node: SelectNode, run: _Run) -> None:
         unscored = [leaf for leaf in run.leaves if leaf.score is None]
@@ -305,4 +341,6 @@ class Reasoner:
             timings=run.timings,
             kv_stats=stats,
             notes=run.notes,
+            verify_calls=run.verify_calls,
+            verify_skipped=run.verify_skipped,
         )

@@ -50,4 +50,6 @@ class ReasoningResult(BaseModel):
     tree: list[TreeNode]
     timings: dict[str, float] = Field(description="seconds per plan op kind, plus 'total'")
     kv_stats: dict[str, float]
+    verify_calls: int = Field(0, description="score steps reached")
+    verify_skipped: int = Field(0, description="score steps CGEE level 1 answered from confidence alone")
     notes: list[str] = Field(default_factory=list, description="what did not apply or fell back, in words")

@@ -18,16 +18,22 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams, FinishReason, Generation, KVStats, NodeId, ShareMode
 from branchwise.backends.hf import attention
 from branchwise.backends.hf.arch import DecoderParts, decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import BatchContext, SharedSegment
+from branchwise.backends.hf.cgee import DEFAULT_THETA, Calibration, EntropyExit, EntropyTrace, verify_skip
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.sampling import pick_tokens
+
+if TYPE_CHECKING:
+    from branchwise.backends.hf.cgee import LayerObserver
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +132,7 @@ class HFBackend:
         dtype: str | torch.dtype = "auto",
         device: str = "auto",
         share: ShareMode = "exact",
+        accel: Accel | None = None,
     ) -> None:
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -135,20 +142,32 @@ class HFBackend:
         attention.register()
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        self._setup(loaded.to(dev), tokenizer, share=share, model_name=name)
+        self._setup(loaded.to(dev), tokenizer, share=share, model_name=name, accel=accel)
 
     @classmethod
     def from_model(
-        cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, share: ShareMode = "exact"
+        cls,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        share: ShareMode = "exact",
+        accel: Accel | None = None,
     ) -> HFBackend:
         """Wrap an already loaded model (tests, notebooks) without reloading it."""
         self = cls.__new__(cls)
         attention.register()
-        self._setup(model, tokenizer, share=share, model_name=getattr(model.config, "_name_or_path", "model"))
+        name = getattr(model.config, "_name_or_path", "model")
+        self._setup(model, tokenizer, share=share, model_name=name, accel=accel)
         return self
 
     def _setup(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, share: ShareMode, model_name: str
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        share: ShareMode,
+        model_name: str,
+        accel: Accel | None,
     ) -> None:
         if share not in SHARE_MODES:
             raise ValueError(f"share={share!r} is not one of {SHARE_MODES}")
@@ -173,6 +192,23 @@ class HFBackend:
         self._lock = threading.RLock()
         self._stats = KVStats()
         self._held = 0
+        self.accel = accel or Accel()
+
+    @property
+    def accel(self) -> Accel:
+        """The accelerations applied to every op (see `branchwise.backends.accel.Accel`)."""
+        return self._accel
+
+    @accel.setter
+    def accel(self, value: Accel) -> None:
+        self._accel = value
+        self.cgee_theta = None
+        if value.cgee is not None:
+            calibration = Calibration.load(self.model_name)
+            self.cgee_theta = value.cgee.theta or (calibration.theta if calibration else DEFAULT_THETA)
+
+    def _bump(self, key: str, value: float = 1.0) -> None:
+        self._stats.extra[key] = self._stats.extra.get(key, 0.0) + value
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:
@@ -233,22 +269,45 @@ class HFBackend:
             return self._run(segs, params)
 
     def score_next(
-        self, nodes: Sequence[NodeId], suffix: Sequence[int], candidates: Sequence[int]
+        self,
+        nodes: Sequence[NodeId],
+        suffix: Sequence[int],
+        candidates: Sequence[int],
+        trace: list[EntropyTrace] | None = None,
     ) -> list[list[float]]:
+        """See `Backend.score_next`. With CGEE level 2 on, each row may stop at an earlier layer.
+
+        Pass a list as `trace` to receive each row's per-layer entropies and exit layer (with level 2
+        off, every layer is recorded: that is what calibration needs).
+        """
         cand = self._check_ids(candidates, "candidates")
         suffix_ids = self._check_ids(suffix, "suffix")
+        if not suffix_ids:
+            raise ValueError("suffix must hold at least 1 token")
         with self._lock:
             probes = [self.fork(n, 1)[0] for n in nodes]
             try:
                 segs = [self._segments[p] for p in probes]
-                for s in segs:
-                    s.tokens.extend(suffix_ids)
-                self._run(segs, None)
-                out = []
-                for s in segs:
-                    probs = torch.softmax(s.last_logits.float(), dim=-1)
-                    out.append(probs[cand].tolist())
-                return out
+                for seg in segs:
+                    seg.tokens.extend(suffix_ids)
+                cgee = self.accel.cgee
+                observer = None
+                if cgee is not None and cgee.level2:
+                    observer = EntropyExit(self.parts, len(segs), self.cgee_theta, cgee.epsilon, cgee.l_min)
+                elif trace is not None:
+                    observer = EntropyExit(self.parts, len(segs), DEFAULT_THETA, 3.0, 1, exit=False)
+                self._materialize_ancestors(segs)
+                _, ctx, offsets, feeds = self._prepare(segs, 0)
+                logits = self._forward(ctx, offsets, feeds, observer)
+                probs = torch.softmax(logits.float(), dim=-1)[:, cand]
+                if observer is not None:
+                    layers = [t.exit_layer or self.parts.n_layers for t in observer.traces]
+                    self._bump("verify_rows", len(layers))
+                    self._bump("verify_layers", sum(layers))
+                    self._bump("verify_exits", sum(t.exit_layer is not None for t in observer.traces))
+                    if trace is not None:
+                        trace.extend(observer.traces)
+                return probs.tolist()
             finally:
                 self.release(probes)
 
@@ -424,9 +483,18 @@ class HFBackend:
 
     @torch.inference_mode()
     def _forward(
-        self, ctx: BatchContext, offsets: torch.Tensor, feeds: Sequence[Sequence[int]]
+        self,
+        ctx: BatchContext,
+        offsets: torch.Tensor,
+        feeds: Sequence[Sequence[int]],
+        observer: LayerObserver | None = None,
     ) -> torch.Tensor:
-        """Push `feeds[b]` (0+ tokens) through the model for every row; logits after each row's last one."""
+        """Push `feeds[b]` (0+ tokens) through the model for every row; logits after each row's last one.
+
+        `observer.after_layer` sees each layer's output at every row's last fed token and may let rows
+        exit early with their own logits (CGEE level 2); exited rows are dropped from the batch for the
+        remaining layers, so `ctx` must not be captured afterwards.
+        """
         parts = self.parts
         b = len(feeds)
         counts = [len(f) for f in feeds]
@@ -439,13 +507,35 @@ class HFBackend:
         ctx.begin(q)
         pos = (offsets + ctx.lens)[:, None] + torch.arange(q, device=self.device)[None, :]
         h = parts.embed(ids)
-        cos_sin = parts.rotary(h, pos)
-        for layer in parts.layers:
-            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=cos_sin, bw_ctx=ctx)
+        cos, sin = parts.rotary(h, pos)
         last = torch.tensor([max(c, 1) - 1 for c in counts], device=self.device)
-        h_last = h[torch.arange(b, device=self.device), last]
-        logits = parts.head(parts.norm(h_last))
-        ctx.lens = ctx.lens + torch.tensor(counts, device=self.device)
+        rows = torch.arange(b, device=self.device)  # original row of each active batch position
+        logits: torch.Tensor | None = None
+        for index, layer in enumerate(parts.layers):
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), bw_ctx=ctx)
+            if observer is None:
+                continue
+            exits = observer.after_layer(index, h[torch.arange(len(rows), device=self.device), last], rows)
+            if exits is None:
+                continue
+            exited, exit_logits = exits
+            if logits is None:
+                logits = exit_logits.new_zeros(b, exit_logits.shape[-1])
+            logits[rows[exited]] = exit_logits[exited]
+            keep = (~exited).nonzero().squeeze(-1)
+            if keep.numel() == 0:
+                rows = rows[:0]
+                break
+            h, pos, cos, sin, last, rows = h[keep], pos[keep], cos[keep], sin[keep], last[keep], rows[keep]
+            ctx.select_rows(keep, {int(old): new for new, old in enumerate(keep.tolist())})
+        if len(rows):
+            h_last = h[torch.arange(len(rows), device=self.device), last]
+            final = parts.head(parts.norm(h_last))
+            if logits is None:
+                logits = final
+            else:
+                logits[rows] = final.to(logits.dtype)
+        ctx.lens = ctx.lens + torch.tensor(counts, device=self.device)[rows]
         self._stats.tokens_computed += sum(counts)
         self._stats.forward_calls += 1
         self._stats.peak_bytes = max(self._stats.peak_bytes, self._held + self._ctx_bytes(ctx))
@@ -461,16 +551,19 @@ class HFBackend:
         row.seg.n_computed = n
         row.captured = True
 
+    def _prepare(
+        self, segs: Sequence[_Segment], extra: int
+    ) -> tuple[list[_Row], BatchContext, torch.Tensor, list[list[int]]]:
+        """Batch rows, their KV context (with `extra` free slots each), position offsets and pending feeds."""
+        rows = [_Row(seg=s, kv_len=s.n_computed) for s in segs]
+        ctx = self._start_context(rows, extra)
+        offsets = torch.tensor([sum(len(a.tokens) for a in s.kv_ancestors()) for s in segs], device=self.device)
+        return rows, ctx, offsets, [s.pending for s in segs]
+
     def _run(self, segs: Sequence[_Segment], params: DecodeParams | None) -> list[Generation]:
         """Compute pending tokens of `segs` and, with `params`, decode them as one batch."""
         self._materialize_ancestors(segs)
-        rows = [_Row(seg=s, kv_len=s.n_computed) for s in segs]
-        extra = 0 if params is None else min(params.max_tokens, 128)
-        ctx = self._start_context(rows, extra)
-        offsets = torch.tensor(
-            [sum(len(a.tokens) for a in s.kv_ancestors()) for s in segs], device=self.device
-        )
-        feeds = [s.pending for s in segs]
+        rows, ctx, offsets, feeds = self._prepare(segs, 0 if params is None else min(params.max_tokens, 128))
         logits = None
         if any(feeds):
             logits = self._forward(ctx, offsets, feeds)
@@ -517,6 +610,11 @@ class HFBackend:
                 r.logprobs.append(lp_list[pos])
                 r.finish = self._finished(r, params, last_step=step == params.max_tokens - 1)
             alive = [ri for ri in present if rows[ri].finish is None]
+            if alive and self._decode_gate_fires(rows, step):
+                for ri in alive:
+                    rows[ri].finish = "confident"
+                self._bump("decode_gate_stops")
+                alive = []
             if not alive:
                 break
             dead = len(present) - len(alive)
@@ -552,6 +650,14 @@ class HFBackend:
                 )
             )
         return results
+
+    def _decode_gate_fires(self, rows: Sequence[_Row], step: int) -> bool:
+        """App. I.1 decode-level gate: one branch's running confidence is decisive (θ_dec, r_dec)."""
+        cgee = self.accel.cgee
+        if cgee is None or not cgee.decode_gate or len(rows) < 2 or step + 1 < cgee.decode_gate_min_tokens:
+            return False
+        running = [sum(r.top1) / len(r.top1) for r in rows if r.top1]
+        return verify_skip(running, cgee.theta_dec, cgee.r_dec)
 
     def _finished(self, row: _Row, params: DecodeParams, last_step: bool) -> FinishReason | None:
         """Update the row's text and say whether (and why) it is done."""

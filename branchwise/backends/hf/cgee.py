@@ -1,0 +1,165 @@
+"""CGEE (RKSC §2.3, Alg. 3, App. C, I.1): confidence-gated early exit of the verify pass.
+
+- Level 1 (`verify_skip`): skip the verify pass when the best branch's generation confidence (mean
+  top-1 probability, Eq. 3, recorded during decode at no cost) is high and clearly ahead (Eq. 4).
+- Decode gate (`decode_gate`, App. I.1): stop the batched decode early once one branch is decisively
+  confident (θ_dec, r_dec).
+- Level 2 (`EntropyExit`): during the verify forward, project each layer's last-token state through
+  the *final norm and* the LM head (the public notebook skipped the norm), take the entropy, and let
+  a row exit at the first layer l ≥ l_min with H < θ and |ΔH| < ε, using that layer's distribution.
+  We own the layer loop, so an exit drops the row from the batch — no exceptions out of hooks.
+- Calibration (`calibrate_from`): τ_conf = 75th percentile of max confidence, r_gap = 25th percentile
+  of the relative gap, θ = median entropy at the first stabilisation layer; saved per model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from branchwise.backends.hf.arch import DecoderParts
+from branchwise.backends.hf.embedded import branchwise_cache_dir
+
+DEFAULT_THETA = 8.0  # RKSC Table 4, used until a model is calibrated
+
+
+class LayerObserver(Protocol):
+    """Sees each layer's output at every active row's last token; may let rows exit with logits."""
+
+    def after_layer(
+        self, layer: int, h_last: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
+def gap_ratio(confidences: Sequence[float]) -> float:
+    """(max − second max) / max; 1.0 for a single branch (nothing competes), 0.0 when max is 0."""
+    ordered = sorted(confidences, reverse=True)
+    if not ordered or ordered[0] <= 0:
+        return 0.0
+    second = ordered[1] if len(ordered) > 1 else 0.0
+    return (ordered[0] - second) / ordered[0]
+
+
+def verify_skip(confidences: Sequence[float], tau_conf: float, r_gap: float) -> bool:
+    """Eq. 4: both the absolute confidence and the relative gap must be decisive."""
+    return bool(confidences) and max(confidences) >= tau_conf and gap_ratio(confidences) >= r_gap
+
+
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of softmax(logits) along the last dim."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@dataclass
+class EntropyTrace:
+    """Per verify row: the entropy at each inspected layer (1-based) and where it exited (None = full)."""
+
+    entropies: dict[int, float] = field(default_factory=dict)
+    exit_layer: int | None = None
+
+    def first_stable(self, epsilon: float, l_min: int) -> tuple[int, float] | None:
+        """First layer l ≥ l_min with |H_l − H_{l−1}| < ε, and its entropy."""
+        for layer in sorted(self.entropies):
+            prev = self.entropies.get(layer - 1)
+            if layer >= l_min and prev is not None and abs(self.entropies[layer] - prev) < epsilon:
+                return layer, self.entropies[layer]
+        return None
+
+
+class EntropyExit:
+    """Level-2 observer (Alg. 3). With `exit=False` it only records entropies (calibration)."""
+
+    def __init__(
+        self, parts: DecoderParts, n_rows: int, theta: float, epsilon: float, l_min: int, exit: bool = True
+    ) -> None:
+        self.parts = parts
+        self.theta, self.epsilon, self.l_min, self.exit = theta, epsilon, l_min, exit
+        self.traces = [EntropyTrace() for _ in range(n_rows)]
+        self._prev = torch.full((n_rows,), math.inf)
+
+    def after_layer(
+        self, layer: int, h_last: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        depth = layer + 1
+        last_layer = depth == self.parts.n_layers
+        if last_layer or (self.exit and depth < self.l_min - 1):
+            return None  # the final layer's distribution comes from the normal path
+        logits = self.parts.head(self.parts.norm(h_last))
+        ent = entropy(logits).cpu()
+        rows_cpu = rows.cpu()
+        for r, e in zip(rows_cpu.tolist(), ent.tolist(), strict=True):
+            self.traces[r].entropies[depth] = e
+        prev = self._prev[rows_cpu]
+        self._prev[rows_cpu] = ent
+        if not self.exit:
+            return None
+        exited = (depth >= self.l_min) & (ent < self.theta) & ((ent - prev).abs() < self.epsilon)
+        if not bool(exited.any()):
+            return None
+        for r in rows_cpu[exited].tolist():
+            self.traces[r].exit_layer = depth
+        return exited.to(h_last.device), logits
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+@dataclass
+class Calibration:
+    """Per-model CGEE thresholds fit on held-out problems (RKSC §2.3)."""
+
+    model: str
+    tau_conf: float
+    r_gap: float
+    theta: float
+    n_problems: int
+    n_verify_rows: int
+
+    def save(self, path: Path | None = None) -> Path:
+        path = path or calibration_path(self.model)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.__dict__, indent=2))
+        return path
+
+    @classmethod
+    def load(cls, model: str, path: Path | None = None) -> Calibration | None:
+        path = path or calibration_path(model)
+        if not path.is_file():
+            return None
+        return cls(**json.loads(path.read_text()))
+
+
+def calibration_path(model: str) -> Path:
+    """Where a model's calibration lives: `<cache>/calibration/<model>.json`."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/"))[-120:]
+    return branchwise_cache_dir() / "calibration" / f"{safe}.json"
+
+
+def calibrate_from(
+    model: str,
+    confidences_per_problem: Sequence[Sequence[float]],
+    traces: Sequence[EntropyTrace],
+    epsilon: float,
+    l_min: int,
+) -> Calibration:
+    """Percentile rules of §2.3 applied to observed confidences and verify entropy traces."""
+    if not confidences_per_problem:
+        raise ValueError("confidences_per_problem is empty: calibrate on at least 1 problem")
+    maxima = [max(c) for c in confidences_per_problem if c]
+    gaps = [gap_ratio(c) for c in confidences_per_problem if len(c) > 1]
+    stable = [s[1] for s in (t.first_stable(epsilon, l_min) for t in traces) if s is not None]
+    return Calibration(
+        model=model,
+        tau_conf=float(np.percentile(maxima, 75)),
+        r_gap=float(np.percentile(gaps, 25)) if gaps else 0.0,
+        theta=float(np.median(stable)) if stable else DEFAULT_THETA,
+        n_problems=len(confidences_per_problem),
+        n_verify_rows=len(traces),
+    )

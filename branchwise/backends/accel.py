@@ -38,7 +38,8 @@ class CGEEConfig(_Config):
 
     Level 1 skips the verify pass when generation confidence is decisive (Eq. 4); level 2 stops the
     verify forward at the first layer whose logit entropy is low and stable (Eq. 5). `theta=None`
-    uses the model's saved calibration (`branchwise calibrate`) or, without one, the paper's 8.0 nats.
+    uses the model's saved calibration (`branchwise calibrate`) or, without one, the paper's 8.0 nats;
+    `l_min=None` likewise uses the calibrated minimum exit layer, or the paper's 2.
     """
 
     level1: bool = True
@@ -47,7 +48,9 @@ class CGEEConfig(_Config):
     r_gap: float = Field(0.06, ge=0.0, le=1.0)
     theta: float | None = Field(None, gt=0.0, le=100.0, description="entropy threshold θ (nats)")
     epsilon: float = Field(3.0, gt=0.0, le=100.0, description="entropy stabilisation tolerance ε (nats)")
-    l_min: int = Field(2, ge=1, le=1000, description="minimum exit layer (1-based)")
+    l_min: int | None = Field(
+        None, ge=1, le=1000, description="minimum exit layer (1-based); None = calibrated, else the paper's 2"
+    )
     decode_gate: bool = Field(False, description="App. I.1: stop decoding once one branch is decisively confident")
     theta_dec: float = Field(0.72, ge=0.0, le=1.0)
     r_dec: float = Field(0.10, ge=0.0, le=1.0)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from branchwise.backends.base import Backend, NodeId
+from branchwise.backends.hf.cgee import judge_score
 
 
 @dataclass(frozen=True)
@@ -65,17 +66,18 @@ class JudgeVerifier:
     def __init__(self, question: str = "\n\nIs the answer above correct? Reply Yes or No.\nReply:") -> None:
         self.question = question
 
+    def probe(self, backend: Backend) -> tuple[list[int], list[int], int]:
+        """The judge suffix, the candidate tokens ([yes spellings…, no spellings…]) and how many are yes."""
+        yes = _first_tokens(backend, ["Yes", " Yes", "yes", " yes"])
+        no = [t for t in _first_tokens(backend, ["No", " No", "no", " no"]) if t not in yes]
+        return backend.encode(self.question), yes + no, len(yes)
+
     def score(self, backend: Backend, question: str, candidates: Sequence[Candidate]) -> list[float]:
         if not candidates:
             return []
-        yes = _first_tokens(backend, ["Yes", " Yes", "yes", " yes"])
-        no = _first_tokens(backend, ["No", " No", "no", " no"])
-        probs = backend.score_next([c.node for c in candidates], backend.encode(self.question), yes + no)
-        out = []
-        for p in probs:
-            p_yes, p_no = sum(p[: len(yes)]), sum(p[len(yes) :])
-            out.append(p_yes / (p_yes + p_no) if p_yes + p_no > 0 else 0.5)
-        return out
+        suffix, tokens, n_yes = self.probe(backend)
+        probs = backend.score_next([c.node for c in candidates], suffix, tokens)
+        return [judge_score(p, n_yes) for p in probs]
 
 
 def _first_tokens(backend: Backend, words: Sequence[str]) -> list[int]:

@@ -202,10 +202,12 @@ class HFBackend:
     @accel.setter
     def accel(self, value: Accel) -> None:
         self._accel = value
-        self.cgee_theta = None
+        self.cgee_theta, self.cgee_l_min = DEFAULT_THETA, 2
         if value.cgee is not None:
+            # explicit values win; otherwise the model's saved calibration; otherwise the paper's defaults
             calibration = Calibration.load(self.model_name)
             self.cgee_theta = value.cgee.theta or (calibration.theta if calibration else DEFAULT_THETA)
+            self.cgee_l_min = value.cgee.l_min or (calibration.l_min if calibration else 2)
 
     def _bump(self, key: str, value: float = 1.0) -> None:
         self._stats.extra[key] = self._stats.extra.get(key, 0.0) + value
@@ -293,9 +295,11 @@ class HFBackend:
                 cgee = self.accel.cgee
                 observer = None
                 if cgee is not None and cgee.level2:
-                    observer = EntropyExit(self.parts, len(segs), self.cgee_theta, cgee.epsilon, cgee.l_min)
+                    observer = EntropyExit(
+                        self.parts, len(segs), self.cgee_theta, cgee.epsilon, self.cgee_l_min, candidates=cand
+                    )
                 elif trace is not None:
-                    observer = EntropyExit(self.parts, len(segs), DEFAULT_THETA, 3.0, 1, exit=False)
+                    observer = EntropyExit(self.parts, len(segs), DEFAULT_THETA, 3.0, 1, exit=False, candidates=cand)
                 self._materialize_ancestors(segs)
                 _, ctx, offsets, feeds = self._prepare(segs, 0)
                 logits = self._forward(ctx, offsets, feeds, observer)
@@ -306,6 +310,9 @@ class HFBackend:
                     self._bump("verify_layers", sum(layers))
                     self._bump("verify_exits", sum(t.exit_layer is not None for t in observer.traces))
                     if trace is not None:
+                        for row, t in enumerate(observer.traces):
+                            if t.exit_layer is None:
+                                t.probs[self.parts.n_layers] = probs[row].tolist()
                         trace.extend(observer.traces)
                 return probs.tolist()
             finally:
@@ -523,11 +530,10 @@ class HFBackend:
                 logits = exit_logits.new_zeros(b, exit_logits.shape[-1])
             logits[rows[exited]] = exit_logits[exited]
             keep = (~exited).nonzero().squeeze(-1)
-            if keep.numel() == 0:
-                rows = rows[:0]
-                break
-            h, pos, cos, sin, last, rows = h[keep], pos[keep], cos[keep], sin[keep], last[keep], rows[keep]
             ctx.select_rows(keep, {int(old): new for new, old in enumerate(keep.tolist())})
+            h, pos, cos, sin, last, rows = h[keep], pos[keep], cos[keep], sin[keep], last[keep], rows[keep]
+            if keep.numel() == 0:
+                break
         if len(rows):
             h_last = h[torch.arange(len(rows), device=self.device), last]
             final = parts.head(parts.norm(h_last))

@@ -61,10 +61,24 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class EntropyTrace:
-    """Per verify row: the entropy at each inspected layer (1-based) and where it exited (None = full)."""
+    """Per verify row: the entropy at each inspected layer (1-based) and where it exited (None = full).
+
+    `probs[l]` holds the candidate tokens' probabilities under layer l's distribution (the final layer
+    included), so calibration can replay exits offline and count the decisions they would flip.
+    """
 
     entropies: dict[int, float] = field(default_factory=dict)
+    probs: dict[int, list[float]] = field(default_factory=dict)
     exit_layer: int | None = None
+
+    def exit_at(self, theta: float, epsilon: float, l_min: int) -> int | None:
+        """The layer Alg. 3 would exit at under these thresholds (None = full depth)."""
+        for layer in sorted(self.entropies):
+            prev = self.entropies.get(layer - 1, math.inf)
+            h = self.entropies[layer]
+            if layer >= l_min and h < theta and abs(h - prev) < epsilon:
+                return layer
+        return None
 
     def first_stable(self, epsilon: float, l_min: int) -> tuple[int, float] | None:
         """First layer l ≥ l_min with |H_l − H_{l−1}| < ε, and its entropy."""
@@ -79,9 +93,17 @@ class EntropyExit:
     """Level-2 observer (Alg. 3). With `exit=False` it only records entropies (calibration)."""
 
     def __init__(
-        self, parts: DecoderParts, n_rows: int, theta: float, epsilon: float, l_min: int, exit: bool = True
+        self,
+        parts: DecoderParts,
+        n_rows: int,
+        theta: float,
+        epsilon: float,
+        l_min: int,
+        exit: bool = True,
+        candidates: Sequence[int] = (),
     ) -> None:
         self.parts = parts
+        self.candidates = list(candidates)
         self.theta, self.epsilon, self.l_min, self.exit = theta, epsilon, l_min, exit
         self.traces = [EntropyTrace() for _ in range(n_rows)]
         self._prev = torch.full((n_rows,), math.inf)
@@ -96,8 +118,11 @@ class EntropyExit:
         logits = self.parts.head(self.parts.norm(h_last))
         ent = entropy(logits).cpu()
         rows_cpu = rows.cpu()
-        for r, e in zip(rows_cpu.tolist(), ent.tolist(), strict=True):
+        cand = torch.softmax(logits.float(), -1)[:, self.candidates].cpu().tolist() if self.candidates else None
+        for i, (r, e) in enumerate(zip(rows_cpu.tolist(), ent.tolist(), strict=True)):
             self.traces[r].entropies[depth] = e
+            if cand is not None:
+                self.traces[r].probs[depth] = cand[i]
         prev = self._prev[rows_cpu]
         self._prev[rows_cpu] = ent
         if not self.exit:
@@ -119,8 +144,10 @@ class Calibration:
     tau_conf: float
     r_gap: float
     theta: float
+    l_min: int
     n_problems: int
     n_verify_rows: int
+    flips_at_l_min: int
 
     def save(self, path: Path | None = None) -> Path:
         path = path or calibration_path(self.model)
@@ -145,21 +172,66 @@ def calibration_path(model: str) -> Path:
 def calibrate_from(
     model: str,
     confidences_per_problem: Sequence[Sequence[float]],
-    traces: Sequence[EntropyTrace],
+    traces_per_problem: Sequence[Sequence[EntropyTrace]],
     epsilon: float,
     l_min: int,
+    n_layers: int,
+    n_yes: int = 1,
 ) -> Calibration:
-    """Percentile rules of §2.3 applied to observed confidences and verify entropy traces."""
+    """Percentile rules of §2.3 applied to observed confidences and verify entropy traces.
+
+    Beyond the paper, `l_min` is raised to the smallest exit layer whose replayed exits flip no
+    held-out decision (the best-scored branch of each problem), when such a layer exists: on small
+    models the logit lens is sharply peaked in early layers, and the paper's l_min = 2 exits there.
+    """
     if not confidences_per_problem:
         raise ValueError("confidences_per_problem is empty: calibrate on at least 1 problem")
     maxima = [max(c) for c in confidences_per_problem if c]
     gaps = [gap_ratio(c) for c in confidences_per_problem if len(c) > 1]
+    traces = [t for group in traces_per_problem for t in group]
     stable = [s[1] for s in (t.first_stable(epsilon, l_min) for t in traces) if s is not None]
+    theta = float(np.median(stable)) if stable else DEFAULT_THETA
+    best_l_min, flips = l_min, count_flips(traces_per_problem, theta, epsilon, l_min, n_layers, n_yes)
+    for candidate in range(l_min, n_layers + 1):
+        f = count_flips(traces_per_problem, theta, epsilon, candidate, n_layers, n_yes)
+        if f == 0:
+            best_l_min, flips = candidate, 0
+            break
     return Calibration(
         model=model,
         tau_conf=float(np.percentile(maxima, 75)),
         r_gap=float(np.percentile(gaps, 25)) if gaps else 0.0,
-        theta=float(np.median(stable)) if stable else DEFAULT_THETA,
+        theta=theta,
+        l_min=best_l_min,
         n_problems=len(confidences_per_problem),
         n_verify_rows=len(traces),
+        flips_at_l_min=flips,
     )
+
+
+def judge_score(probs: Sequence[float], n_yes: int = 1) -> float:
+    """The judge's P(Yes) / (P(Yes) + P(No)) when `probs` = [yes spellings…, no spellings…]."""
+    total = sum(probs)
+    return sum(probs[:n_yes]) / total if total > 0 else 0.5
+
+
+def count_flips(
+    traces_per_problem: Sequence[Sequence[EntropyTrace]],
+    theta: float,
+    epsilon: float,
+    l_min: int,
+    n_layers: int,
+    n_yes: int = 1,
+) -> int:
+    """How many problems' chosen branch (argmax judge score) would change under these exit thresholds."""
+    flips = 0
+    for group in traces_per_problem:
+        if not group or any(n_layers not in t.probs for t in group):
+            continue
+        full = [judge_score(t.probs[n_layers], n_yes) for t in group]
+        early = []
+        for t in group:
+            layer = t.exit_at(theta, epsilon, l_min) or n_layers
+            early.append(judge_score(t.probs.get(layer, t.probs[n_layers]), n_yes))
+        flips += int(np.argmax(full) != np.argmax(early))
+    return flips

@@ -125,7 +125,7 @@ _ARCHS = ("llama", "qwen2")
 
 
 def _build_tiny_model(arch: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
-    """A random 2-layer GQA model of the given architecture, fp32, eval mode.
+    """A random 3-layer GQA model (3 so an early exit has a middle layer to stop at) of the given architecture, fp32, eval mode.
 
     ``initializer_range=0.3`` (vs the usual 0.02) makes random logits peaked, so greedy argmax has
     no near-ties and results do not flip on floating-point noise (e.g. batched vs unbatched, or
@@ -138,7 +138,7 @@ def _build_tiny_model(arch: str, tokenizer: PreTrainedTokenizerBase) -> PreTrain
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 128,
-        "num_hidden_layers": 2,
+        "num_hidden_layers": 3,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 2048,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import emit, machine  # noqa: E402
-from _rksc import load_problems, run_grid  # noqa: E402
+from _common import emit, machine
+from _rksc import load_problems, run_grid
 
-from branchwise.backends.hf import HFBackend  # noqa: E402
-from branchwise.backends.hf.cgee import Calibration  # noqa: E402
-from branchwise.reasoners.calibrate import calibrate_cgee  # noqa: E402
+from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.cgee import Calibration
+from branchwise.reasoners.calibrate import calibrate_cgee
 
 
 def calibration_for(backend: HFBackend, task: str, n: int, branches: int, t: int, fit: bool) -> dict:

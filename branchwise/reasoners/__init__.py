@@ -1,16 +1,25 @@
-"""User-facing runnables: `Reasoner` (strategy + backend + verifiers), verifiers, answer handling."""
+"""User-facing runnables: `Reasoner` (strategy + backend + verifiers), verifiers, answer handling.
 
-from branchwise.reasoners.reasoner import Reasoner
-from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
-from branchwise.reasoners.verifiers import (
-    Candidate,
-    ConfidenceVerifier,
-    JudgeVerifier,
-    LogprobVerifier,
-    Verifier,
-    default_verifiers,
-)
+Names load lazily so that light submodules (`answers`, `search`) can be imported without torch.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Reasoner": "branchwise.reasoners.reasoner",
+    "Branch": "branchwise.reasoners.result",
+    "ReasoningResult": "branchwise.reasoners.result",
+    "TreeNode": "branchwise.reasoners.result",
+    "Candidate": "branchwise.reasoners.verifiers",
+    "ConfidenceVerifier": "branchwise.reasoners.verifiers",
+    "JudgeVerifier": "branchwise.reasoners.verifiers",
+    "LogprobVerifier": "branchwise.reasoners.verifiers",
+    "Verifier": "branchwise.reasoners.verifiers",
+    "default_verifiers": "branchwise.reasoners.verifiers",
+}
 __all__ = [
     "Branch",
     "Candidate",
@@ -23,3 +32,21 @@ __all__ = [
     "Verifier",
     "default_verifiers",
 ]
+
+if TYPE_CHECKING:
+    from branchwise.reasoners.reasoner import Reasoner
+    from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
+    from branchwise.reasoners.verifiers import (
+        Candidate,
+        ConfidenceVerifier,
+        JudgeVerifier,
+        LogprobVerifier,
+        Verifier,
+        default_verifiers,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'branchwise.reasoners' has no attribute {name!r}")

@@ -12,6 +12,7 @@ Sharing modes (baselines in the same code path, DESIGN §4):
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams, FinishReason, Generation, KVStats, NodeId, ShareMode
 from branchwise.backends.hf import attention
 from branchwise.backends.hf.arch import DecoderParts, decoder_parts, kv_bytes_per_token
+from branchwise.backends.hf.asks import HiddenCapture, KVProbe, layer_weights, similarity
 from branchwise.backends.hf.attention import BatchContext, SharedSegment
 from branchwise.backends.hf.cgee import DEFAULT_THETA, Calibration, EntropyExit, EntropyTrace, verify_skip
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
@@ -60,6 +62,8 @@ class _Segment:
     live_children: int = 0
     released: bool = False
     kv_bytes: int = 0
+    logical_parent: _Segment | None = None
+    """The node a child was forked from when its KV parent is elsewhere (a split prefix, or none)."""
 
     def kv_ancestors(self) -> list[_Segment]:
         """Ancestors whose KV this segment attends to, nearest first."""
@@ -87,6 +91,19 @@ class _Row:
     text: str = ""
     finish: FinishReason | None = None
     captured: bool = False
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
+    return _common_prefix(a[::-1], b[::-1])
 
 
 def resolve_device(device: str) -> torch.device:
@@ -192,6 +209,7 @@ class HFBackend:
         self._lock = threading.RLock()
         self._stats = KVStats()
         self._held = 0
+        self._probe: KVProbe | None = None
         self.accel = accel or Accel()
 
     @property
@@ -242,6 +260,8 @@ class HFBackend:
         with self._lock:
             parent = self._get(node)
             path = self._path_tokens(parent)
+            if mode == "exact" and not self._sharing_pays(path, n):
+                mode = "none"
             children = []
             for _ in range(n):
                 if mode == "exact":
@@ -252,6 +272,186 @@ class HFBackend:
                 children.append(child.id)
             parent.live_children += n
             return children
+
+    def fork_prompts(
+        self, node: NodeId, prompts: Sequence[Sequence[int]], share: ShareMode | None = None
+    ) -> list[NodeId]:
+        """One child per prompt, each standing for that whole token sequence (not appended to `node`).
+
+        `share="exact"` reuses the longest common token prefix with `node`'s path (splitting the
+        segment that holds it); with ASKS on, a prompt that diverges from the root may instead reuse
+        the root's whole KV when the Eq. 2 similarity passes τ (see `asks.py`). `share="none"`
+        recomputes every prompt. Stats: `asks_exact`, `asks_reused`, `asks_rejected`, `asks_sigma_sum`.
+        """
+        mode = self.share if share is None else share
+        if mode not in SHARE_MODES:
+            raise ValueError(f"share={mode!r} is not one of {SHARE_MODES}")
+        ids = [self._check_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        if any(not p for p in ids):
+            raise ValueError("every prompt must hold at least 1 token")
+        with self._lock:
+            root = self._get(node)
+            path = self._path_tokens(root)
+            if mode == "exact" and not self._sharing_pays(path, len(ids)):
+                mode = "none"
+            if mode == "none":
+                root.live_children += len(ids)
+                return [self._new_segment(root, False, list(p)).id for p in ids]
+            if root.pending or root.last_logits is None:
+                self._run([root], None)
+            out: list[int | None] = [None] * len(ids)
+            gate: list[tuple[int, int, int]] = []  # (prompt index, common prefix k, common suffix m)
+            for i, p in enumerate(ids):
+                k = _common_prefix(path, p)
+                if k == len(path):
+                    out[i] = self._share_child(root, p[k:], len(path))
+                    self._bump("asks_exact")
+                    continue
+                k = min(k, len(p) - 1)
+                m = min(_common_suffix(path, p), len(p) - k - 1, len(path) - k - 1)
+                if self.accel.asks is None or m < 0:
+                    out[i] = self._exact_child(root, k, p)
+                else:
+                    gate.append((i, k, m))
+            if gate:
+                self._asks_gate(root, path, ids, gate, out)
+            return [int(c) for c in out]
+
+    def _share_child(self, root: _Segment, own: list[int], reused: int) -> int:
+        child = self._new_segment(root, True, list(own))
+        root.live_children += 1
+        self._stats.tokens_reused += reused
+        return child.id
+
+    def _exact_child(self, root: _Segment, k: int, prompt: list[int]) -> int:
+        """A child sharing the first k tokens of root's path (k = 0: nothing shared)."""
+        if k == 0:
+            root.live_children += 1
+            return self._new_segment(root, False, list(prompt)).id
+        base = self._prefix_node(root, k)
+        child = self._new_segment(base, True, list(prompt[k:]))
+        base.live_children += 1
+        self._stats.tokens_reused += k
+        self._adopt(root, child)
+        return child.id
+
+    def _adopt(self, root: _Segment, child: _Segment) -> None:
+        """Count `child` as a logical child of `root` too, so `root` stays frozen while it lives."""
+        child.logical_parent = root
+        root.live_children += 1
+
+    def _prefix_node(self, root: _Segment, k: int) -> _Segment:
+        """The segment whose KV chain ends exactly at path position k (splitting one if needed)."""
+        chain = list(reversed([root, *root.kv_ancestors()]))
+        start = 0
+        for seg in chain:
+            end = start + len(seg.tokens)
+            if k == end:
+                return seg
+            if start < k < end:
+                return self._split(seg, k - start)
+            start = end
+        raise ValueError(f"position {k} is beyond the path of node {root.id}")
+
+    def _split(self, seg: _Segment, k: int) -> _Segment:
+        """Move seg's first k tokens (and their KV) into a new parent segment; returns the parent."""
+        if seg.n_computed < k:
+            raise RuntimeError("cannot split a segment inside its uncomputed tokens")
+        head = _Segment(id=self._next_id, parent=seg.parent, shares_parent=seg.shares_parent,
+                        tokens=seg.tokens[:k], n_computed=k, live_children=1, released=True)
+        self._next_id += 1
+        self._segments[head.id] = head
+        keys = [t[:, :k].clone() for t in seg.keys]
+        values = [t[:, :k].clone() for t in seg.values]
+        rest_k = [t[:, k:].clone() for t in seg.keys]
+        rest_v = [t[:, k:].clone() for t in seg.values]
+        self._set_kv(head, keys, values)
+        self._set_kv(seg, rest_k, rest_v)
+        seg.tokens, seg.n_computed = seg.tokens[k:], seg.n_computed - k
+        seg.parent, seg.shares_parent = head, True
+        return head
+
+    def _asks_gate(
+        self, root: _Segment, path: list[int], ids: list[list[int]], gate: list[tuple[int, int, int]],
+        out: list[int | None],
+    ) -> None:
+        """Alg. 2 in one batched pass: branch divergent parts and the root's, over the exact common prefix."""
+        cfg = self.accel.asks
+        probes: list[_Segment] = []
+        refs: dict[tuple[int, int], _Segment] = {}
+        for i, k, m in gate:
+            base = self._prefix_node(root, k) if k else None
+            seg = self._new_segment(base, base is not None, list(ids[i][k : len(ids[i]) - m]))
+            if base is not None:
+                base.live_children += 1
+            probes.append(seg)
+            if (k, m) not in refs:
+                ref = self._new_segment(base, base is not None, list(path[k : len(path) - m]))
+                if base is not None:
+                    base.live_children += 1
+                refs[(k, m)] = ref
+        batch = probes + list(refs.values())
+        capture = HiddenCapture()
+        self._run(batch, None, observer=capture)
+        states = capture.stacked()  # [L, rows, H]
+        weights = layer_weights(self.parts.n_layers, cfg.alpha).to(states.device)
+        ref_index = {key: len(probes) + j for j, key in enumerate(refs)}
+        for (i, k, m), seg in zip(gate, probes, strict=True):
+            root_state = torch.nn.functional.normalize(states[:, ref_index[(k, m)]].double(), dim=-1)
+            sigma = float(similarity(states[:, probes.index(seg)][:, None], root_state, weights)[0])
+            self._bump("asks_sigma_sum", sigma)
+            if sigma >= cfg.tau:
+                out[i] = self._share_child(root, [], len(path))
+                seg.released = True
+                self._maybe_free(seg)
+                self._bump("asks_reused")
+            else:
+                seg.tokens.extend(ids[i][len(ids[i]) - m :] if m else [])
+                self._adopt(root, seg)
+                out[i] = seg.id
+                self._bump("asks_rejected")
+        for ref in refs.values():
+            ref.released = True
+            self._maybe_free(ref)
+
+    def _sharing_pays(self, path: list[int], n: int) -> bool:
+        """The KV probe's verdict for this prefix length and branch count (True when the probe is off)."""
+        cfg = self.accel.probe
+        if cfg is None or cfg.override == "share":
+            return True
+        if cfg.override == "recompute":
+            return False
+        if self._probe is None or (self._probe.bucket_tokens, self._probe.repeats) != (cfg.bucket_tokens, cfg.repeats):
+            self._probe = KVProbe(cfg.bucket_tokens, cfg.repeats)
+        key = self._probe.key(len(path), n)
+        if key in self._probe.verdicts:
+            return self._probe.verdicts[key]
+        saved_stats, saved_accel = copy.deepcopy(self._stats), self._accel
+        self._accel = Accel()
+        suffix = path[-1:]
+
+        def paths(share: ShareMode, prefix_only: bool = False) -> None:
+            root = self._new_segment(None, False, list(path))
+            if prefix_only:
+                self._run([root], None)
+            else:
+                if share == "exact":
+                    self._run([root], None)
+                kids = self.fork(root.id, n, share=share)
+                self.append(kids, [suffix] * n)
+                self._run([self._segments[k] for k in kids], None)
+                self.release(kids)
+            self.release([root.id])
+
+        try:
+            verdict = self._probe.decide(
+                len(path), n, lambda: paths("none"), lambda: paths("exact", prefix_only=True),
+                lambda: paths("exact"),
+            )
+        finally:
+            self._stats, self._accel = saved_stats, saved_accel
+        self._bump("probe_share" if verdict else "probe_recompute")
+        return verdict
 
     def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
         if len(nodes) != len(token_ids):
@@ -429,6 +629,9 @@ class HFBackend:
             parent = seg.parent
             if parent is not None:
                 parent.live_children -= 1
+            if seg.logical_parent is not None:
+                seg.logical_parent.live_children -= 1
+                self._maybe_free(seg.logical_parent)
             seg = parent
 
     def _set_kv(
@@ -446,7 +649,7 @@ class HFBackend:
             todo: dict[int, _Segment] = {}
             for seg in segs:
                 for anc in seg.kv_ancestors():
-                    if anc.pending or anc.last_logits is None:
+                    if anc.pending:
                         todo[anc.id] = anc
             if not todo:
                 return
@@ -566,13 +769,18 @@ class HFBackend:
         offsets = torch.tensor([sum(len(a.tokens) for a in s.kv_ancestors()) for s in segs], device=self.device)
         return rows, ctx, offsets, [s.pending for s in segs]
 
-    def _run(self, segs: Sequence[_Segment], params: DecodeParams | None) -> list[Generation]:
-        """Compute pending tokens of `segs` and, with `params`, decode them as one batch."""
+    def _run(
+        self, segs: Sequence[_Segment], params: DecodeParams | None, observer: LayerObserver | None = None
+    ) -> list[Generation]:
+        """Compute pending tokens of `segs` and, with `params`, decode them as one batch.
+
+        `observer` watches the pending-token forward (it must not exit rows: their KV is kept).
+        """
         self._materialize_ancestors(segs)
         rows, ctx, offsets, feeds = self._prepare(segs, 0 if params is None else min(params.max_tokens, 128))
         logits = None
         if any(feeds):
-            logits = self._forward(ctx, offsets, feeds)
+            logits = self._forward(ctx, offsets, feeds, observer)
         start = []
         for i, (r, f) in enumerate(zip(rows, feeds, strict=True)):
             r.kv_len += len(f)

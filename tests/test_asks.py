@@ -1,0 +1,111 @@
+"""ASKS (RKSC §2.2): token-exact partial sharing, the similarity gate, and the KV probe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchwise.backends import DecodeParams
+from branchwise.backends.accel import Accel, ASKSConfig, ProbeConfig
+from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.asks import KVProbe, layer_weights, similarity
+
+GREEDY = DecodeParams(max_tokens=6, min_tokens=6)
+CONTEXT = " The farmer has 12 apples and buys 7 more in the morning market."
+PHRASINGS = ["How many apples now?", "What is the total number of apples?", "Count the apples.", "Apples in all?"]
+
+
+def _prompts(backend: HFBackend) -> tuple[list[int], list[list[int]]]:
+    root = backend.encode(PHRASINGS[0] + CONTEXT)
+    return root, [backend.encode(p + CONTEXT) for p in PHRASINGS] + [backend.encode(PHRASINGS[0] + CONTEXT + " Go")]
+
+
+def _decode(backend: HFBackend, root_ids: list[int], prompts: list[list[int]], share: str) -> list[list[int]]:
+    root = backend.prefill(root_ids)
+    kids = backend.fork_prompts(root, prompts, share=share)
+    backend.release([root])
+    gens = backend.extend(kids, GREEDY)
+    texts = [backend.tokens(k) for k in kids]
+    backend.release(kids)
+    assert backend.kv_stats().live_nodes == 0
+    if backend.accel.asks is None:  # each child stands for its whole prompt
+        assert texts == [p + g.token_ids for p, g in zip(prompts, gens, strict=True)]
+    return [g.token_ids for g in gens]
+
+
+def test_weights_and_similarity() -> None:
+    w = layer_weights(4, 1.5)
+    assert w.sum().item() == pytest.approx(1.0)
+    assert all(w[i] < w[i + 1] for i in range(3))  # later layers weigh more
+    root = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1)
+    same = similarity(root[:, None] * 3.0, root, w)
+    assert same.item() == pytest.approx(1.0)
+    assert similarity(-root[:, None], root, w).item() == pytest.approx(-1.0)
+
+
+def test_exact_partial_prefix_equals_recompute(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    root_ids, prompts = _prompts(backend)
+    prompts = [root_ids[:5] + p for p in prompts]  # a shared start, then divergence
+    root_ids = root_ids[:5] + root_ids
+    exact = _decode(backend, root_ids, prompts, "exact")
+    none = _decode(backend, root_ids, prompts, "none")
+    assert exact == none
+    assert backend.kv_stats().tokens_reused > 0
+
+
+def test_asks_gate_tau_one_keeps_exact_results(tiny_llama_dir) -> None:
+    """τ = 1: only identical states pass, so ASKS gives the exact results and says who it rejected."""
+    backend = HFBackend(tiny_llama_dir)
+    root_ids, prompts = _prompts(backend)
+    reference = _decode(backend, root_ids, prompts, "none")
+    backend.accel = Accel(asks=ASKSConfig(tau=1.0))
+    backend.reset_stats()
+    assert _decode(backend, root_ids, prompts, "exact") == reference
+    stats = backend.kv_stats().extra
+    assert stats["asks_exact"] == 2  # the root's own phrasing and its extension
+    assert stats["asks_rejected"] == 3 and "asks_reused" not in stats
+
+
+def test_asks_gate_tau_zero_reuses_similar(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    root_ids, prompts = _prompts(backend)
+    backend.accel = Accel(asks=ASKSConfig(tau=0.0))
+    root = backend.prefill(root_ids)
+    kids = backend.fork_prompts(root, prompts)
+    stats = backend.kv_stats().extra
+    reused = stats.get("asks_reused", 0)
+    assert reused + stats.get("asks_rejected", 0) == 3
+    # a reused branch reads the root's KV: its path is the root's phrasing
+    assert sum(backend.tokens(k) == root_ids for k in kids) == 1 + reused
+    backend.release([root, *kids])
+    assert backend.kv_stats().live_nodes == 0 and backend.kv_stats().bytes_held == 0
+
+
+def test_probe_decides_once_per_bucket(tiny_llama_dir) -> None:
+    probe = KVProbe(bucket_tokens=64, repeats=3)
+    calls: list[str] = []
+
+    def timed(name: str, cost: float):
+        def fn() -> None:
+            calls.append(name)
+            torch.randn(int(cost * 1e5)).sum()
+
+        return fn
+
+    assert probe.decide(100, 8, timed("r", 50), timed("p", 1), timed("s", 1)) is True
+    assert probe.decide(120, 8, timed("r", 50), timed("p", 1), timed("s", 1)) is True  # same bucket: cached
+    assert len(calls) == 9
+    backend = HFBackend(tiny_llama_dir)
+    backend.accel = Accel(probe=ProbeConfig(override="recompute"))
+    root = backend.prefill(backend.encode(CONTEXT))
+    kids = backend.fork(root, 3)
+    assert backend.kv_stats().tokens_reused == 0  # the override made the fork recompute
+    backend.release([root, *kids])
+    backend.accel = Accel(probe=ProbeConfig(repeats=1))
+    root = backend.prefill(backend.encode(CONTEXT))
+    kids = backend.fork(root, 3)
+    stats = backend.kv_stats().extra
+    assert stats.get("probe_share", 0) + stats.get("probe_recompute", 0) == 1
+    backend.release([root, *kids])
+    assert backend.kv_stats().live_nodes == 0

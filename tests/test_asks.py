@@ -12,12 +12,19 @@ from branchwise.backends.hf.asks import KVProbe, layer_weights, similarity
 
 GREEDY = DecodeParams(max_tokens=6, min_tokens=6)
 CONTEXT = " The farmer has 12 apples and buys 7 more in the morning market."
-PHRASINGS = ["How many apples now?", "What is the total number of apples?", "Count the apples.", "Apples in all?"]
+PHRASINGS = [
+    "How many apples now?",
+    "What is the total number of apples?",
+    "Count the apples.",
+    "Apples in all?",
+]
 
 
 def _prompts(backend: HFBackend) -> tuple[list[int], list[list[int]]]:
     root = backend.encode(PHRASINGS[0] + CONTEXT)
-    return root, [backend.encode(p + CONTEXT) for p in PHRASINGS] + [backend.encode(PHRASINGS[0] + CONTEXT + " Go")]
+    return root, [backend.encode(p + CONTEXT) for p in PHRASINGS] + [
+        backend.encode(PHRASINGS[0] + CONTEXT + " Go")
+    ]
 
 
 def _decode(backend: HFBackend, root_ids: list[int], prompts: list[list[int]], share: str) -> list[list[int]]:

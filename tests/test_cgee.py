@@ -79,14 +79,18 @@ def test_level1_skips_verify_in_reasoner(tiny_llama_dir) -> None:
     skip = Reasoner(strat, backend=backend, accel=Accel(cgee=CGEEConfig(tau_conf=0.0, r_gap=0.0))).run("q")
     assert skip.verify_calls == 1 and skip.verify_skipped == 1
     assert "confidence" in skip.branches[0].scores and "judge" not in skip.branches[0].scores
-    never = Reasoner(strat, backend=backend, accel=Accel(cgee=CGEEConfig(tau_conf=1.0, level2=False))).run("q")
+    never = Reasoner(strat, backend=backend, accel=Accel(cgee=CGEEConfig(tau_conf=1.0, level2=False))).run(
+        "q"
+    )
     assert never.verify_skipped == 0 and "judge" in never.branches[0].scores
     assert backend.accel == Accel()  # the reasoner's accel applied only during its runs
 
 
 def test_decode_gate_stops_confident_batches(tiny_llama_dir) -> None:
     backend = HFBackend(tiny_llama_dir)
-    backend.accel = Accel(cgee=CGEEConfig(decode_gate=True, theta_dec=0.0, r_dec=0.0, decode_gate_min_tokens=2))
+    backend.accel = Accel(
+        cgee=CGEEConfig(decode_gate=True, theta_dec=0.0, r_dec=0.0, decode_gate_min_tokens=2)
+    )
     root = backend.prefill(backend.encode("Hello"))
     kids = backend.fork(root, 3)
     gens = backend.extend(kids, DecodeParams(temperature=1.0, max_tokens=20, seed=1))

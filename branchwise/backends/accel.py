@@ -51,7 +51,9 @@ class CGEEConfig(_Config):
     l_min: int | None = Field(
         None, ge=1, le=1000, description="minimum exit layer (1-based); None = calibrated, else the paper's 2"
     )
-    decode_gate: bool = Field(False, description="App. I.1: stop decoding once one branch is decisively confident")
+    decode_gate: bool = Field(
+        False, description="App. I.1: stop decoding once one branch is decisively confident"
+    )
     theta_dec: float = Field(0.72, ge=0.0, le=1.0)
     r_dec: float = Field(0.10, ge=0.0, le=1.0)
     decode_gate_min_tokens: int = Field(4, ge=1, le=100000)
@@ -67,6 +69,9 @@ class RSBCMConfig(_Config):
 
     capacity_blocks: int = Field(2000, ge=1, le=10_000_000)
     block_tokens: int = Field(16, ge=1, le=65536)
+    pin_prompt: bool = Field(
+        True, description="never evict depth-0 segments (the prompt every branch shares)"
+    )
 
 
 class Accel(_Config):

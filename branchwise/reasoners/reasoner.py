@@ -256,7 +256,10 @@ class Reasoner:
                 self._set_scores(run.leaves, "confidence", confidences)
                 return
         verifier = self.verifiers[name]
-        self._set_scores(run.leaves, name, verifier.score(self.backend, run.question, self._candidates(run.leaves)))
+        scores = verifier.score(self.backend, run.question, self._candidates(run.leaves))
+        self._set_scores(run.leaves, name, scores)
+        if hasattr(self.backend, "set_scores"):  # RSBCM keeps the blocks of better branches longer
+            self.backend.set_scores([leaf.node for leaf in run.leaves], scores)
 
     @staticmethod
     def _set_scores(leaves: Sequence[_Leaf], name: str, scores: Sequence[float]) -> None:

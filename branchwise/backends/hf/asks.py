@@ -71,8 +71,10 @@ class KVProbe:
         """Share iff min-time(prefix) + min-time(suffix) < min-time(recompute); cached per bucket."""
         key = self.key(prefix_len, branches)
         if key not in self.verdicts:
-            t = {name: self._min_time(fn) for name, fn in (("recompute", recompute), ("prefix", prefix),
-                                                           ("suffix", suffix))}
+            t = {
+                name: self._min_time(fn)
+                for name, fn in (("recompute", recompute), ("prefix", prefix), ("suffix", suffix))
+            }
             self.timings[key] = t
             self.verdicts[key] = t["prefix"] + t["suffix"] < t["recompute"]
         return self.verdicts[key]

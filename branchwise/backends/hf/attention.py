@@ -35,6 +35,7 @@ class SharedSegment:
     keys: Sequence[torch.Tensor]  # per layer [H_kv, T, D]
     values: Sequence[torch.Tensor]
     rows: torch.Tensor | None
+    key: int = -1  # the backend's segment id (attention-mass bookkeeping)
 
 
 @dataclass
@@ -51,6 +52,12 @@ class BatchContext:
     tail_v: list[torch.Tensor]
     lens: torch.Tensor  # [B] long
     shared: list[SharedSegment] = field(default_factory=list)
+    pos_next: torch.Tensor | None = None  # [B] logical position of each row's next token
+    track_mass: bool = False
+    """Accumulate the attention mass each key receives (RSBCM's block importance); forces the
+    explicit-softmax path, since SDPA does not expose its weights."""
+    own_mass: torch.Tensor | None = None  # [B, cap]
+    seg_mass: dict[int, torch.Tensor] = field(default_factory=dict)  # segment key -> [T]
     n_groups: int = 1
     # set by begin():
     q_len: int = 0
@@ -89,10 +96,6 @@ class BatchContext:
         self._uniform = lens_list[0] if all(x == lens_list[0] for x in lens_list) else None
         self._write_idx = None if self._uniform is not None else limit  # [B, q]
 
-    def end(self) -> None:
-        """Advance every row by the tokens just written."""
-        self.lens = self.lens + self.q_len
-
     def _grow(self, needed: int) -> None:
         new_cap = max(needed, self.capacity + max(128, self.capacity // 2))
         for layer in range(len(self.tail_k)):
@@ -101,12 +104,20 @@ class BatchContext:
                 new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
                 new[:, :, : old.shape[2]] = old
                 buf[layer] = new
+        if self.own_mass is not None:
+            grown = self.own_mass.new_zeros(self.own_mass.shape[0], new_cap)
+            grown[:, : self.own_mass.shape[1]] = self.own_mass
+            self.own_mass = grown
 
     def select_rows(self, keep: torch.Tensor, row_map: dict[int, int]) -> None:
         """Drop batch rows not in `keep` (a long tensor of old row indices, in order)."""
         self.tail_k = [t.index_select(0, keep) for t in self.tail_k]
         self.tail_v = [t.index_select(0, keep) for t in self.tail_v]
         self.lens = self.lens.index_select(0, keep)
+        if self.own_mass is not None:
+            self.own_mass = self.own_mass.index_select(0, keep)
+        if self.pos_next is not None:
+            self.pos_next = self.pos_next.index_select(0, keep)
         new_shared = []
         for seg in self.shared:
             if seg.rows is None:
@@ -115,7 +126,7 @@ class BatchContext:
             rows = [row_map[r] for r in seg.rows.tolist() if r in row_map]
             if rows:
                 new_shared.append(
-                    SharedSegment(seg.keys, seg.values, torch.tensor(rows, device=self.lens.device))
+                    SharedSegment(seg.keys, seg.values, torch.tensor(rows, device=self.lens.device), seg.key)
                 )
         self.shared = new_shared
 
@@ -138,7 +149,7 @@ class BatchContext:
             tv[rows, :, self._write_idx] = value.transpose(1, 2)
         total = self._own_mask.shape[-1]
         k_own, v_own = tk[:, :, :total], tv[:, :, :total]
-        if not self.shared:
+        if not self.shared and not self.track_mass:
             out = F.scaled_dot_product_attention(
                 query, k_own, v_own, attn_mask=self._own_mask, scale=scaling, enable_gqa=self.n_groups > 1
             )
@@ -160,6 +171,8 @@ class BatchContext:
         p = torch.exp(scores - m)
         s = p.sum(-1, keepdim=True)
         o = torch.matmul(p, v_own)
+        own_stats = (m, p)
+        seg_stats = []
         for seg in self.shared:
             ks, vs = seg.keys[layer], seg.values[layer]
             q_rows = qg if seg.rows is None else qg.index_select(0, seg.rows)
@@ -176,14 +189,40 @@ class BatchContext:
                 return t.reshape(h_kv, r, gq, t.shape[-1]).permute(1, 0, 2, 3)
 
             ms, ss, os_ = back(ms), back(ss), back(os_)
+            seg_stats.append((seg, ms, ps))
             if seg.rows is None:
                 m, s, o = _merge(m, s, o, ms, ss, os_)
             else:
                 mm, sm, om = _merge(m[seg.rows], s[seg.rows], o[seg.rows], ms, ss, os_)
                 m, s, o = m.clone(), s.clone(), o.clone()
                 m[seg.rows], s[seg.rows], o[seg.rows] = mm, sm, om
+        if self.track_mass:
+            self._add_mass(own_stats, seg_stats, m, s)
         out = (o / s).reshape(b, h, q_len, d)
         return out.transpose(1, 2)
+
+    def _add_mass(
+        self,
+        own: tuple[torch.Tensor, torch.Tensor],
+        segments: list[tuple[SharedSegment, torch.Tensor, torch.Tensor]],
+        m: torch.Tensor,
+        s: torch.Tensor,
+    ) -> None:
+        """Add the normalised attention weight each key got (summed over heads and queries)."""
+        m_own, p_own = own
+        weight = (p_own * torch.exp(m_own - m) / s).sum(dim=(1, 2))  # [B, T]
+        self.own_mass[:, : weight.shape[-1]] += weight.float()
+        for seg, ms, ps in segments:
+            m_r = m if seg.rows is None else m[seg.rows]
+            s_r = s if seg.rows is None else s[seg.rows]
+            factor = torch.exp(ms - m_r) / s_r  # [R, H_kv, G*q, 1]
+            h_kv = factor.shape[1]
+            factor = factor.permute(1, 0, 2, 3).reshape(h_kv, -1, 1)
+            total = (ps * factor).sum(dim=(0, 1)).float()  # [T_seg]
+            if seg.key in self.seg_mass:
+                self.seg_mass[seg.key] += total
+            else:
+                self.seg_mass[seg.key] = total
 
 
 def _merge(

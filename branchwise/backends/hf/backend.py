@@ -32,6 +32,7 @@ from branchwise.backends.hf.asks import HiddenCapture, KVProbe, layer_weights, s
 from branchwise.backends.hf.attention import BatchContext, SharedSegment
 from branchwise.backends.hf.cgee import DEFAULT_THETA, Calibration, EntropyExit, EntropyTrace, verify_skip
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
+from branchwise.backends.hf.rsbcm import Block, blocks_of, keep_mask, plan_evictions
 from branchwise.backends.hf.sampling import pick_tokens
 
 if TYPE_CHECKING:
@@ -64,6 +65,10 @@ class _Segment:
     kv_bytes: int = 0
     logical_parent: _Segment | None = None
     """The node a child was forked from when its KV parent is elsewhere (a split prefix, or none)."""
+    mass: torch.Tensor | None = None
+    """Attention mass each physical KV token received (RSBCM), when tracking is on."""
+    score: float = 1.0
+    """Branch score used by RSBCM: generation confidence after decoding, or a verifier's score."""
 
     def kv_ancestors(self) -> list[_Segment]:
         """Ancestors whose KV this segment attends to, nearest first."""
@@ -78,13 +83,19 @@ class _Segment:
     def pending(self) -> list[int]:
         return self.tokens[self.n_computed :]
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens physically held in KV (fewer than `n_computed` once RSBCM evicted blocks)."""
+        return int(self.keys[0].shape[1]) if self.keys else 0
+
 
 @dataclass
 class _Row:
     """Decode bookkeeping for one batch row during `extend`."""
 
     seg: _Segment
-    kv_len: int  # valid KV tokens in the tail buffer for this row
+    kv_len: int  # valid KV tokens in the tail buffer for this row (physical)
+    computed: int  # tokens of the segment whose KV was computed (logical; > kv_len after eviction)
     out: list[int] = field(default_factory=list)
     top1: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -357,8 +368,17 @@ class HFBackend:
         """Move seg's first k tokens (and their KV) into a new parent segment; returns the parent."""
         if seg.n_computed < k:
             raise RuntimeError("cannot split a segment inside its uncomputed tokens")
-        head = _Segment(id=self._next_id, parent=seg.parent, shares_parent=seg.shares_parent,
-                        tokens=seg.tokens[:k], n_computed=k, live_children=1, released=True)
+        if seg.kv_tokens != seg.n_computed:
+            raise RuntimeError("cannot split a segment RSBCM has evicted blocks from")
+        head = _Segment(
+            id=self._next_id,
+            parent=seg.parent,
+            shares_parent=seg.shares_parent,
+            tokens=seg.tokens[:k],
+            n_computed=k,
+            live_children=1,
+            released=True,
+        )
         self._next_id += 1
         self._segments[head.id] = head
         keys = [t[:, :k].clone() for t in seg.keys]
@@ -367,12 +387,18 @@ class HFBackend:
         rest_v = [t[:, k:].clone() for t in seg.values]
         self._set_kv(head, keys, values)
         self._set_kv(seg, rest_k, rest_v)
+        if seg.mass is not None:
+            head.mass, seg.mass = seg.mass[:k].clone(), seg.mass[k:].clone()
         seg.tokens, seg.n_computed = seg.tokens[k:], seg.n_computed - k
         seg.parent, seg.shares_parent = head, True
         return head
 
     def _asks_gate(
-        self, root: _Segment, path: list[int], ids: list[list[int]], gate: list[tuple[int, int, int]],
+        self,
+        root: _Segment,
+        path: list[int],
+        ids: list[list[int]],
+        gate: list[tuple[int, int, int]],
         out: list[int | None],
     ) -> None:
         """Alg. 2 in one batched pass: branch divergent parts and the root's, over the exact common prefix."""
@@ -421,7 +447,10 @@ class HFBackend:
             return True
         if cfg.override == "recompute":
             return False
-        if self._probe is None or (self._probe.bucket_tokens, self._probe.repeats) != (cfg.bucket_tokens, cfg.repeats):
+        if self._probe is None or (self._probe.bucket_tokens, self._probe.repeats) != (
+            cfg.bucket_tokens,
+            cfg.repeats,
+        ):
             self._probe = KVProbe(cfg.bucket_tokens, cfg.repeats)
         key = self._probe.key(len(path), n)
         if key in self._probe.verdicts:
@@ -445,7 +474,10 @@ class HFBackend:
 
         try:
             verdict = self._probe.decide(
-                len(path), n, lambda: paths("none"), lambda: paths("exact", prefix_only=True),
+                len(path),
+                n,
+                lambda: paths("none"),
+                lambda: paths("exact", prefix_only=True),
                 lambda: paths("exact"),
             )
         finally:
@@ -499,10 +531,12 @@ class HFBackend:
                         self.parts, len(segs), self.cgee_theta, cgee.epsilon, self.cgee_l_min, candidates=cand
                     )
                 elif trace is not None:
-                    observer = EntropyExit(self.parts, len(segs), DEFAULT_THETA, 3.0, 1, exit=False, candidates=cand)
+                    observer = EntropyExit(
+                        self.parts, len(segs), DEFAULT_THETA, 3.0, 1, exit=False, candidates=cand
+                    )
                 self._materialize_ancestors(segs)
-                _, ctx, offsets, feeds = self._prepare(segs, 0)
-                logits = self._forward(ctx, offsets, feeds, observer)
+                _, ctx, feeds = self._prepare(segs, 0)
+                logits = self._forward(ctx, feeds, observer)
                 probs = torch.softmax(logits.float(), dim=-1)[:, cand]
                 if observer is not None:
                     layers = [t.exit_layer or self.parts.n_layers for t in observer.traces]
@@ -676,17 +710,25 @@ class HFBackend:
                 groups.setdefault(anc.id, (anc, []))[1].append(i)
         shared = [
             SharedSegment(
-                anc.keys, anc.values, None if len(idx) == b else torch.tensor(idx, device=self.device)
+                anc.keys, anc.values, None if len(idx) == b else torch.tensor(idx, device=self.device), anc.id
             )
             for anc, idx in groups.values()
+            if anc.kv_tokens  # a segment RSBCM emptied has nothing left to attend to
         ]
-        return BatchContext(
+        ctx = BatchContext(
             tail_k=tail_k,
             tail_v=tail_v,
             lens=torch.tensor(lens, device=self.device),
             shared=shared,
             n_groups=parts.n_heads // parts.n_kv_heads,
+            track_mass=self.accel.rsbcm is not None,
         )
+        if ctx.track_mass:
+            ctx.own_mass = torch.zeros(b, shape[2], device=self.device)
+            for i, r in enumerate(rows):
+                if r.kv_len and r.seg.mass is not None:
+                    ctx.own_mass[i, : r.kv_len] = r.seg.mass
+        return ctx
 
     def _ctx_bytes(self, ctx: BatchContext) -> int:
         return sum(t.nbytes for t in ctx.tail_k) * 2
@@ -695,7 +737,6 @@ class HFBackend:
     def _forward(
         self,
         ctx: BatchContext,
-        offsets: torch.Tensor,
         feeds: Sequence[Sequence[int]],
         observer: LayerObserver | None = None,
     ) -> torch.Tensor:
@@ -715,7 +756,8 @@ class HFBackend:
                 ids[i, : len(f)] = torch.tensor(list(f), dtype=torch.long)
         ids = ids.to(self.device)
         ctx.begin(q)
-        pos = (offsets + ctx.lens)[:, None] + torch.arange(q, device=self.device)[None, :]
+        # logical positions: evicted KV (RSBCM) leaves the tail shorter than the token path
+        pos = ctx.pos_next[:, None] + torch.arange(q, device=self.device)[None, :]
         h = parts.embed(ids)
         cos, sin = parts.rotary(h, pos)
         last = torch.tensor([max(c, 1) - 1 for c in counts], device=self.device)
@@ -744,7 +786,9 @@ class HFBackend:
                 logits = final
             else:
                 logits[rows] = final.to(logits.dtype)
-        ctx.lens = ctx.lens + torch.tensor(counts, device=self.device)[rows]
+        advance = torch.tensor(counts, device=self.device)[rows]
+        ctx.lens = ctx.lens + advance
+        ctx.pos_next = ctx.pos_next + advance
         self._stats.tokens_computed += sum(counts)
         self._stats.forward_calls += 1
         self._stats.peak_bytes = max(self._stats.peak_bytes, self._held + self._ctx_bytes(ctx))
@@ -757,17 +801,20 @@ class HFBackend:
         keys = [t[pos, :, :n].clone() for t in ctx.tail_k]
         values = [t[pos, :, :n].clone() for t in ctx.tail_v]
         self._set_kv(row.seg, keys, values)
-        row.seg.n_computed = n
+        row.seg.n_computed = row.computed
+        if ctx.own_mass is not None:
+            row.seg.mass = ctx.own_mass[pos, :n].clone()
         row.captured = True
 
     def _prepare(
         self, segs: Sequence[_Segment], extra: int
-    ) -> tuple[list[_Row], BatchContext, torch.Tensor, list[list[int]]]:
-        """Batch rows, their KV context (with `extra` free slots each), position offsets and pending feeds."""
-        rows = [_Row(seg=s, kv_len=s.n_computed) for s in segs]
+    ) -> tuple[list[_Row], BatchContext, list[list[int]]]:
+        """Batch rows, their KV context (with `extra` free slots each) and pending feeds."""
+        rows = [_Row(seg=s, kv_len=s.kv_tokens, computed=s.n_computed) for s in segs]
         ctx = self._start_context(rows, extra)
-        offsets = torch.tensor([sum(len(a.tokens) for a in s.kv_ancestors()) for s in segs], device=self.device)
-        return rows, ctx, offsets, [s.pending for s in segs]
+        offsets = [sum(len(a.tokens) for a in s.kv_ancestors()) + s.n_computed for s in segs]
+        ctx.pos_next = torch.tensor(offsets, device=self.device)
+        return rows, ctx, [s.pending for s in segs]
 
     def _run(
         self, segs: Sequence[_Segment], params: DecodeParams | None, observer: LayerObserver | None = None
@@ -777,13 +824,14 @@ class HFBackend:
         `observer` watches the pending-token forward (it must not exit rows: their KV is kept).
         """
         self._materialize_ancestors(segs)
-        rows, ctx, offsets, feeds = self._prepare(segs, 0 if params is None else min(params.max_tokens, 128))
+        rows, ctx, feeds = self._prepare(segs, 0 if params is None else min(params.max_tokens, 128))
         logits = None
         if any(feeds):
-            logits = self._forward(ctx, offsets, feeds, observer)
+            logits = self._forward(ctx, feeds, observer)
         start = []
         for i, (r, f) in enumerate(zip(rows, feeds, strict=True)):
             r.kv_len += len(f)
+            r.computed += len(f)
             if f:
                 start.append(logits[i])
             else:
@@ -793,13 +841,50 @@ class HFBackend:
             for i, r in enumerate(rows):
                 self._capture(ctx, i, r)
                 r.seg.last_logits = start[i].detach().clone()
-            return []
-        return self._decode(ctx, offsets, rows, torch.stack(start), params)
+            generations: list[Generation] = []
+        else:
+            generations = self._decode(ctx, rows, torch.stack(start), params)
+        if ctx.track_mass:
+            self._fold_mass(ctx)
+            self._enforce_capacity()
+        return generations
+
+    def _fold_mass(self, ctx: BatchContext) -> None:
+        """Add the attention mass shared segments received in this batch to their running totals."""
+        for key, mass in ctx.seg_mass.items():
+            seg = self._segments.get(key)
+            if seg is not None and seg.kv_tokens == mass.shape[0]:
+                seg.mass = mass if seg.mass is None else seg.mass + mass
+
+    def _enforce_capacity(self) -> None:
+        """RSBCM: evict the lowest-ω blocks above capacity, freeing their tensors (Alg. 4)."""
+        cfg = self.accel.rsbcm
+        table = []
+        for seg in self._segments.values():
+            depth = len(seg.kv_ancestors())
+            if seg.kv_tokens and not (cfg.pin_prompt and depth == 0 and seg.parent is None):
+                table += blocks_of(seg.id, seg.mass, seg.kv_tokens, cfg.block_tokens, seg.score, depth)
+        evictions = plan_evictions(table, cfg.capacity_blocks)
+        by_segment: dict[int, list[Block]] = {}
+        for block in evictions:
+            by_segment.setdefault(block.segment, []).append(block)
+        for key, blocks in by_segment.items():
+            seg = self._segments[key]
+            keep = keep_mask(seg.kv_tokens, blocks, self.device)
+            self._set_kv(seg, [k[:, keep] for k in seg.keys], [v[:, keep] for v in seg.values])
+            seg.mass = seg.mass[keep] if seg.mass is not None else None
+            self._bump("rsbcm_evicted_tokens", int((~keep).sum()))
+        self._bump("rsbcm_evictions", len(evictions))
+
+    def set_scores(self, nodes: Sequence[NodeId], scores: Sequence[float]) -> None:
+        """Tell RSBCM how good each branch is (a verifier's score); higher keeps its blocks longer."""
+        with self._lock:
+            for node, score in zip(nodes, scores, strict=True):
+                self._get(node).score = float(score)
 
     def _decode(
         self,
         ctx: BatchContext,
-        offsets: torch.Tensor,
         rows: list[_Row],
         logits: torch.Tensor,
         params: DecodeParams,
@@ -840,12 +925,12 @@ class HFBackend:
                 ctx.select_rows(
                     torch.tensor(keep, device=self.device), {old: new for new, old in enumerate(keep)}
                 )
-                offsets = offsets.index_select(0, torch.tensor(keep, device=self.device))
                 present = alive
             feeds = [[rows[ri].out[-1]] if rows[ri].finish is None else [] for ri in present]
-            logits = self._forward(ctx, offsets, feeds)
+            logits = self._forward(ctx, feeds)
             for ri, f in zip(present, feeds, strict=True):
                 rows[ri].kv_len += len(f)
+                rows[ri].computed += len(f)
         for pos, ri in enumerate(present):
             if not rows[ri].captured:
                 self._capture(ctx, pos, rows[ri])
@@ -853,6 +938,8 @@ class HFBackend:
         for r in rows:
             # the last sampled token was not fed; its KV is computed on the node's next use
             r.seg.last_logits = None
+            if r.top1:
+                r.seg.score = sum(r.top1) / len(r.top1)
             results.append(
                 Generation(
                     node=r.seg.id,

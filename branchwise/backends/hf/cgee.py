@@ -118,7 +118,9 @@ class EntropyExit:
         logits = self.parts.head(self.parts.norm(h_last))
         ent = entropy(logits).cpu()
         rows_cpu = rows.cpu()
-        cand = torch.softmax(logits.float(), -1)[:, self.candidates].cpu().tolist() if self.candidates else None
+        cand = (
+            torch.softmax(logits.float(), -1)[:, self.candidates].cpu().tolist() if self.candidates else None
+        )
         for i, (r, e) in enumerate(zip(rows_cpu.tolist(), ent.tolist(), strict=True)):
             self.traces[r].entropies[depth] = e
             if cand is not None:

@@ -196,3 +196,15 @@ def test_cascade_attention_matches_concatenated_keys() -> None:
     mask[:, n_shared + n_own :] = torch.tril(torch.ones(q, q, dtype=torch.bool))
     ref = torch.nn.functional.scaled_dot_product_attention(query, keys, vals, attn_mask=mask)
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_copy_broadcast_baseline_matches(tiny_llama_dir: Path) -> None:
+    """broadcast='copy' (per-row prefix copies, the RKSC notebook's path) gives the same tokens."""
+    backend = HFBackend(tiny_llama_dir)
+    prompt = backend.encode(PROMPTS[0])
+    hints = [backend.encode(" hint" * (i % 3)) for i in range(4)]
+    cascade = _branch_tokens(backend, prompt, hints, "exact")
+    backend.broadcast = "copy"
+    assert _branch_tokens(backend, prompt, hints, "exact") == cascade
+    with pytest.raises(ValueError, match="broadcast"):
+        HFBackend(tiny_llama_dir, broadcast="fuzzy")  # type: ignore[arg-type]

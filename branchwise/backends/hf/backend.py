@@ -19,7 +19,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
+Broadcast = Literal["cascade", "copy"]
+"""How rows read shared ancestors: one batched product per segment, or per-row copies (baseline)."""
 
 
 @dataclass(eq=False)
@@ -96,6 +98,7 @@ class _Row:
     seg: _Segment
     kv_len: int  # valid KV tokens in the tail buffer for this row (physical)
     computed: int  # tokens of the segment whose KV was computed (logical; > kv_len after eviction)
+    tail_start: int = 0  # where the row's own KV starts in the tail (after copied ancestors)
     out: list[int] = field(default_factory=list)
     top1: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -161,6 +164,7 @@ class HFBackend:
         device: str = "auto",
         share: ShareMode = "exact",
         accel: Accel | None = None,
+        broadcast: Broadcast = "cascade",
     ) -> None:
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -170,7 +174,10 @@ class HFBackend:
         attention.register()
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
+        if broadcast not in ("cascade", "copy"):
+            raise ValueError(f"broadcast={broadcast!r} is not one of 'cascade', 'copy'")
         self._setup(loaded.to(dev), tokenizer, share=share, model_name=name, accel=accel)
+        self.broadcast = broadcast
 
     @classmethod
     def from_model(
@@ -222,6 +229,7 @@ class HFBackend:
         self._held = 0
         self._probe: KVProbe | None = None
         self.accel = accel or Accel()
+        self.broadcast: Broadcast = "cascade"
 
     @property
     def accel(self) -> Accel:
@@ -691,22 +699,38 @@ class HFBackend:
             self._run(ready, None)
 
     def _start_context(self, rows: Sequence[_Row], extra: int) -> BatchContext:
+        """Batch buffers for `rows`: each row's own KV in its tail; ancestors shared (or copied).
+
+        With `broadcast="copy"` (the RKSC notebook's `repeat_interleave(...).clone()`, kept as a
+        baseline) every row gets its own copy of its ancestors' KV in front of its tail instead.
+        """
         parts = self.parts
         b = len(rows)
-        lens = [r.kv_len for r in rows]
+        copy_mode = self.broadcast == "copy"
+        if copy_mode and self.accel.rsbcm is not None:
+            raise ValueError("RSBCM needs broadcast='cascade' (block masses are kept per shared segment)")
+        for r in rows:
+            chain = list(reversed(r.seg.kv_ancestors())) if copy_mode else []
+            r.tail_start = sum(a.kv_tokens for a in chain)
+        lens = [r.tail_start + r.kv_len for r in rows]
         cap = max(n + len(r.seg.pending) for n, r in zip(lens, rows, strict=True)) + extra
         shape = (b, parts.n_kv_heads, max(cap, 1), parts.head_dim)
         # zeros, not empty: masked slots still enter the products (0 * NaN garbage would be NaN)
         tail_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(parts.n_layers)]
         tail_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(parts.n_layers)]
         for i, r in enumerate(rows):
-            if r.kv_len:
-                for layer in range(parts.n_layers):
-                    tail_k[layer][i, :, : r.kv_len] = r.seg.keys[layer]
-                    tail_v[layer][i, :, : r.kv_len] = r.seg.values[layer]
+            pieces = (list(reversed(r.seg.kv_ancestors())) if copy_mode else []) + [r.seg]
+            at = 0
+            for piece in pieces:
+                n = r.kv_len if piece is r.seg else piece.kv_tokens
+                if n:
+                    for layer in range(parts.n_layers):
+                        tail_k[layer][i, :, at : at + n] = piece.keys[layer]
+                        tail_v[layer][i, :, at : at + n] = piece.values[layer]
+                at += n
         groups: dict[int, tuple[_Segment, list[int]]] = {}
         for i, r in enumerate(rows):
-            for anc in r.seg.kv_ancestors():
+            for anc in [] if copy_mode else r.seg.kv_ancestors():
                 groups.setdefault(anc.id, (anc, []))[1].append(i)
         shared = [
             SharedSegment(
@@ -727,7 +751,7 @@ class HFBackend:
             ctx.own_mass = torch.zeros(b, shape[2], device=self.device)
             for i, r in enumerate(rows):
                 if r.kv_len and r.seg.mass is not None:
-                    ctx.own_mass[i, : r.kv_len] = r.seg.mass
+                    ctx.own_mass[i, r.tail_start : r.tail_start + r.kv_len] = r.seg.mass
         return ctx
 
     def _ctx_bytes(self, ctx: BatchContext) -> int:
@@ -797,13 +821,13 @@ class HFBackend:
     def _capture(self, ctx: BatchContext, pos: int, row: _Row) -> None:
         """Copy a row's KV out of the batch buffers into its segment (independent tensors, so
         releasing the node frees exactly its memory)."""
-        n = row.kv_len
-        keys = [t[pos, :, :n].clone() for t in ctx.tail_k]
-        values = [t[pos, :, :n].clone() for t in ctx.tail_v]
+        n, at = row.kv_len, row.tail_start
+        keys = [t[pos, :, at : at + n].clone() for t in ctx.tail_k]
+        values = [t[pos, :, at : at + n].clone() for t in ctx.tail_v]
         self._set_kv(row.seg, keys, values)
         row.seg.n_computed = row.computed
         if ctx.own_mass is not None:
-            row.seg.mass = ctx.own_mass[pos, :n].clone()
+            row.seg.mass = ctx.own_mass[pos, at : at + n].clone()
         row.captured = True
 
     def _prepare(

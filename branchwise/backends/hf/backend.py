@@ -664,17 +664,23 @@ class HFBackend:
         return [t for s in reversed(chain) for t in s.tokens]
 
     def _maybe_free(self, seg: _Segment) -> None:
-        while seg is not None and seg.released and seg.live_children == 0:
+        """Free released segments without live children, then whatever that frees upstream.
+
+        A segment counts as a child of its KV parent and, when forked elsewhere (a split prefix), of
+        its logical parent too; a worklist visits both without freeing anything twice.
+        """
+        work = [seg]
+        while work:
+            seg = work.pop()
+            if seg.id not in self._segments or not seg.released or seg.live_children:
+                continue
             self._set_kv(seg, None, None)
-            seg.last_logits = None
+            seg.last_logits = seg.mass = None
             del self._segments[seg.id]
-            parent = seg.parent
-            if parent is not None:
-                parent.live_children -= 1
-            if seg.logical_parent is not None:
-                seg.logical_parent.live_children -= 1
-                self._maybe_free(seg.logical_parent)
-            seg = parent
+            for up in (seg.parent, seg.logical_parent):
+                if up is not None:
+                    up.live_children -= 1
+                    work.append(up)
 
     def _set_kv(
         self, seg: _Segment, keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None

@@ -876,7 +876,8 @@ class HFBackend:
             generations = self._decode(ctx, rows, torch.stack(start), params)
         if ctx.track_mass:
             self._fold_mass(ctx)
-            self._enforce_capacity()
+            if params is not None:  # capacity is checked once per decode batch, as in RKSC's solve
+                self._enforce_capacity()
         return generations
 
     def _fold_mass(self, ctx: BatchContext) -> None:

@@ -77,16 +77,39 @@ def run(
         str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full results as JSON lines.")] = False,
+    cgee: Annotated[bool, typer.Option(help="CGEE verify skip + entropy exit (RKSC §2.3).")] = False,
+    asks_tau: Annotated[
+        float | None, typer.Option(min=0.0, max=1.0, help="ASKS similarity gate τ (off if unset).")
+    ] = None,
+    rsbcm_capacity: Annotated[
+        int | None, typer.Option(min=1, help="RSBCM capacity in KV blocks (off if unset).")
+    ] = None,
+    probe: Annotated[
+        bool, typer.Option(help="KV probe: time share vs recompute per 64-token bucket.")
+    ] = False,
+    variant: Annotated[
+        list[str] | None, typer.Option(help="An alternative phrasing of the question (repeatable).")
+    ] = None,
 ) -> None:
     """Answer QUESTIONS with a multi-branch strategy and print the answer, the vote and the KV/time summary."""
+    from branchwise.backends.accel import Accel, ASKSConfig, CGEEConfig, ProbeConfig, RSBCMConfig
     from branchwise.backends.hf import HFBackend
     from branchwise.reasoners import Reasoner
 
     strat = _load_strategy(strategy, n, temperature, max_tokens, seed, verifier)
+    accel = Accel(
+        asks=ASKSConfig(tau=asks_tau) if asks_tau is not None else None,
+        cgee=CGEEConfig() if cgee else None,
+        rsbcm=RSBCMConfig(capacity_blocks=rsbcm_capacity) if rsbcm_capacity else None,
+        probe=ProbeConfig() if probe else None,
+    )
     with console.status(f"loading {model or 'the embedded model'}…"):
         backend = HFBackend(model)
-    reasoner = Reasoner(strat, backend=backend, share=share.value)
-    results = reasoner.batch(questions, progress=len(questions) > 1 or not as_json)
+    reasoner = Reasoner(strat, backend=backend, share=share.value, accel=accel)
+    if variant:
+        results = [reasoner.run(q, variants=variant) for q in questions]
+    else:
+        results = reasoner.batch(questions, progress=len(questions) > 1 or not as_json)
     for result in results:
         if as_json:
             print(result.model_dump_json())
@@ -108,6 +131,11 @@ def run(
             "tokens computed / reused", f"{kv['tokens_computed']:.0f} / {kv['tokens_reused']:.0f}"
         )
         summary.add_row("branches", str(len(result.branches)))
+        if result.verify_calls:
+            summary.add_row("verify skipped (CGEE)", f"{result.verify_skipped} / {result.verify_calls}")
+        for key in ("asks_reused", "asks_rejected", "rsbcm_evictions", "verify_exits"):
+            if key in kv:
+                summary.add_row(key.replace("_", " "), f"{kv[key]:g}")
         console.print(summary)
         for note in result.notes:
             console.print(f"[yellow]note:[/yellow] {note}")
@@ -139,6 +167,38 @@ def strategy_validate(path: Annotated[Path, typer.Argument(exists=True, dir_okay
         console.print(f"[red]invalid strategy[/red] {path}:\n{err}")
         raise typer.Exit(1) from err
     console.print(f"[green]ok[/green] {strat.name}: {json.dumps([n.id for n in strat.compile().nodes()])}")
+
+
+@app.command()
+def calibrate(
+    model: Annotated[
+        str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
+    ] = None,
+    task: Annotated[str, typer.Option(help="reasoning-gym task for held-out questions.")] = "gsm_symbolic",
+    problems: Annotated[int, typer.Option(min=1, max=10000, help="held-out problems (paper: 30).")] = 30,
+    n: Annotated[int, typer.Option(min=2, max=4096, help="branches per problem.")] = 8,
+    max_tokens: Annotated[int, typer.Option(min=1, max=131072)] = 32,
+    seed: Annotated[
+        int, typer.Option(min=0, help="seed of the held-out split (keep it apart from evals).")
+    ] = 10_000,
+) -> None:
+    """Fit CGEE's thresholds (τ_conf, r_gap, θ, decision-safe l_min) on held-out problems and save them."""
+    import reasoning_gym
+
+    from branchwise.backends.hf import HFBackend
+    from branchwise.reasoners.calibrate import calibrate_cgee
+
+    questions = [entry["question"] for entry in reasoning_gym.create_dataset(task, size=problems, seed=seed)]
+    with console.status(f"loading {model or 'the embedded model'}…"):
+        backend = HFBackend(model)
+    calibration = calibrate_cgee(backend, questions, n=n, max_tokens=max_tokens)
+    console.print_json(json.dumps(calibration.__dict__))
+
+
+from branchwise.evals.cli import eval_command, report_command  # noqa: E402 - registered last, kept apart
+
+app.command("eval")(eval_command)
+app.command("report")(report_command)
 
 
 if __name__ == "__main__":

@@ -116,3 +116,19 @@ def test_probe_decides_once_per_bucket(tiny_llama_dir) -> None:
     assert stats.get("probe_share", 0) + stats.get("probe_recompute", 0) == 1
     backend.release([root, *kids])
     assert backend.kv_stats().live_nodes == 0
+
+
+def test_reasoner_variants_use_fork_prompts(tiny_llama_dir) -> None:
+    from branchwise.reasoners import Reasoner
+    from branchwise.strategies import self_consistency
+
+    backend = HFBackend(tiny_llama_dir)
+    strat = self_consistency(n=4, temperature=0.0, max_tokens=5)
+    variants = ["How many apples?", "Count the apples.", "Apples in total?"]
+    none = Reasoner(strat, backend=backend, share="none").run("How many apples?", variants=variants)
+    gated = Reasoner(strat, backend=backend, accel=Accel(asks=ASKSConfig(tau=1.0))).run(
+        "How many apples?", variants=variants
+    )
+    assert [b.text for b in gated.branches] == [b.text for b in none.branches]
+    assert gated.kv_stats["asks_rejected"] == 2 and gated.kv_stats["asks_exact"] == 2
+    assert backend.kv_stats().live_nodes == 0

@@ -57,6 +57,7 @@ class _Run:
 
     question: str
     leaves: list[_Leaf]
+    variants: list[str]
     tree: dict[int, TreeNode]
     timings: dict[str, float]
     notes: list[str]
@@ -105,13 +106,24 @@ class Reasoner:
         self.accel = accel
 
     # ------------------------------------------------------------------ public
-    def run(self, question: str) -> ReasoningResult:
-        """Answer one question with the strategy; every node is released even if a step raises."""
+    def run(self, question: str, variants: Sequence[str] | None = None) -> ReasoningResult:
+        """Answer one question with the strategy; every node is released even if a step raises.
+
+        `variants` are alternative phrasings of the question: the first generate step gives branch i
+        the phrasing `variants[i % len(variants)]` (diverse-phrasing self-consistency). Token-exact
+        sharing then reuses only their common prefix; with ASKS on, similar phrasings reuse the
+        question's whole KV (RKSC §4.1).
+        """
+        if variants is not None and not variants:
+            raise ValueError("variants must hold at least 1 phrasing (or be None)")
+        with self._accelerated():
+            return self._run(question, self._messages(question), list(variants or []))
+
+    def _messages(self, question: str) -> list[dict[str, str]]:
         messages = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
         content = self.prompt_template(question) if self.prompt_template else question
         messages.append({"role": "user", "content": content})
-        with self._accelerated():
-            return self._run(question, messages)
+        return messages
 
     @contextmanager
     def _accelerated(self) -> Iterator[None]:
@@ -126,7 +138,7 @@ class Reasoner:
         finally:
             self.backend.accel = previous
 
-    def _run(self, question: str, messages: list[dict[str, str]]) -> ReasoningResult:
+    def _run(self, question: str, messages: list[dict[str, str]], variants: list[str]) -> ReasoningResult:
         backend = self.backend
         backend.reset_stats()
         start = time.perf_counter()
@@ -134,6 +146,7 @@ class Reasoner:
         root = backend.prefill(prompt)
         record = TreeNode(node=root, parent=None, depth=0, text="", token_ids=list(prompt))
         run = _Run(
+            variants=variants,
             question=question,
             leaves=[_Leaf(node=root, record=record)],
             tree={root: record},
@@ -197,8 +210,15 @@ class Reasoner:
         keep = [leaf for leaf in run.leaves if leaf.finished]
         children: list[tuple[_Leaf, int]] = []
         for leaf in expand:
-            for child in backend.fork(leaf.node, node.n, share=self.share):
-                children.append((leaf, child))
+            if run.variants and leaf.record.parent is None and hasattr(backend, "fork_prompts"):
+                prompts = [
+                    backend.chat_prompt(self._messages(run.variants[i % len(run.variants)]))
+                    for i in range(node.n)
+                ]
+                kids = backend.fork_prompts(leaf.node, prompts, share=self.share)
+            else:
+                kids = backend.fork(leaf.node, node.n, share=self.share)
+            children += [(leaf, child) for child in kids]
         # the parents stay alive in the backend while their children need their KV
         if expand:
             backend.release([leaf.node for leaf in expand])

@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
 
     t_none, (tok_none, kv_none) = median_time(lambda: ours("none"), args.repeats)
     t_exact, (tok_exact, kv_exact) = median_time(lambda: ours("exact"), args.repeats)
+    backend.broadcast = "copy"  # RKSC notebook's repeat_interleave(...).clone() path
+    t_copy, (tok_copy, kv_copy) = median_time(lambda: ours("exact"), args.repeats)
+    backend.broadcast = "cascade"
     t_hf, (tok_hf, kv_hf) = median_time(hf, args.repeats)
     one_branch = (args.prefix + args.suffix + args.tokens) * backend.kv_token_bytes
     emit(
@@ -90,13 +93,16 @@ def main(argv: list[str] | None = None) -> None:
             "latency_s": {
                 "none": round(t_none, 4),
                 "exact": round(t_exact, 4),
+                "exact_copy_broadcast": round(t_copy, 4),
                 "hf_generate": round(t_hf, 4),
             },
             "speedup_exact_vs_none": round(t_none / t_exact, 3),
             "speedup_exact_vs_hf_generate": round(t_hf / t_exact, 3),
+            "speedup_cascade_vs_copy_broadcast": round(t_copy / t_exact, 3),
             "kv_peak_bytes": {
                 "none": kv_none["peak_bytes"],
                 "exact": kv_exact["peak_bytes"],
+                "exact_copy_broadcast": kv_copy["peak_bytes"],
                 "hf_generate": kv_hf["peak_bytes"],
             },
             "kv_ratio_exact_vs_none": round(kv_exact["peak_bytes"] / kv_none["peak_bytes"], 4),
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
             "greedy_tokens_match": {
                 "exact_vs_none": tok_exact == tok_none,
                 "exact_vs_hf_generate": tok_exact == tok_hf,
+                "copy_vs_none": tok_copy == tok_none,
             },
             "machine": machine(),
         }

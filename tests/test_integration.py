@@ -88,5 +88,9 @@ def test_prefix_sharing_benchmark_quick() -> None:
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["benchmark"] == "prefix_sharing"
-    assert out["greedy_tokens_match"] == {"exact_vs_none": True, "exact_vs_hf_generate": True}
+    assert out["greedy_tokens_match"] == {
+        "exact_vs_none": True,
+        "exact_vs_hf_generate": True,
+        "copy_vs_none": True,
+    }
     assert out["kv_peak_bytes"]["exact"] < out["kv_peak_bytes"]["none"]

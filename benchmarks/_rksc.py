@@ -4,20 +4,28 @@ One solve = root prefill of a padded problem prefix, B branches each with its ow
 hint, t decoded tokens, then a verify pass (LM-as-judge P(Yes), one batched pass) unless CGEE level 1
 skips it. Conditions: "nokv" (share="none"), "kv" (share="exact"), "kv+cgee" (exact + CGEE), and
 "kv+l2" (exact + CGEE level 2 alone).
+
+Why the grid is split into `collect_grid` (raw timings and outcomes) and `summarise_grid`: Table 2
+pools several tasks into an "overall" row, which needs the raw per-problem data, not summaries.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import torch
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, CGEEConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.cgee import EntropyTrace, verify_skip
+from branchwise.backends.hf.cgee import Calibration, EntropyTrace, verify_skip
 from branchwise.reasoners.answers import extract_answer
+from branchwise.reasoners.calibrate import calibrate_cgee
 from branchwise.reasoners.verifiers import JudgeVerifier
 
 FILLER = "Read the problem carefully and keep every quantity in mind. "
@@ -47,6 +55,19 @@ def load_problems(task: str, n: int, seed: int) -> list[tuple[str, Any, Any]]:
     return [(entry["question"], entry, dataset) for entry in dataset]
 
 
+def calibration_for(backend: HFBackend, task: str, n: int, branches: int, t: int, fit: bool) -> dict:
+    """Fit (if asked or missing) and return the CGEE calibration used by the run.
+
+    Held-out problems come from seed 10,000, disjoint from the evaluation seeds (RKSC §3.1).
+    """
+    cal = Calibration.load(backend.model_name)
+    if fit or cal is None:
+        held_out = [q for q, _, _ in load_problems(task, n, seed=10_000)]
+        cal = calibrate_cgee(backend, held_out, n=branches, max_tokens=t, progress=False)
+    backend.accel = backend.accel  # the setter re-reads the saved thresholds
+    return cal.__dict__
+
+
 def padded_prompt(backend: HFBackend, question: str, n_tokens: int) -> list[int]:
     """Chat prompt of the question with a neutral filler prepended until it is ≈ n_tokens (RKSC §3.1)."""
     filler = ""
@@ -67,6 +88,24 @@ def hint_suffixes(backend: HFBackend, b: int, length: int) -> list[list[int]]:
             ids += backend.encode(" Answer:")
         out.append(ids[:length])
     return out
+
+
+THREADS_HELP = (
+    "torch CPU threads (default: torch's choice). On a shared CPU, 1 keeps timings stable: with as "
+    "many OpenMP threads as cores, a busy neighbour makes single solves swing 10-20x"
+)
+
+
+def set_threads(n: int | None) -> None:
+    """Pin torch's intra-op threads; `None` leaves torch's default (recorded by `machine()`)."""
+    if n is not None:
+        torch.set_num_threads(n)
+
+
+def sync(backend: HFBackend) -> None:
+    """Wait for queued GPU work so wall-clock timings cover it (RKSC §3.1 synchronises likewise)."""
+    if backend.device.type == "cuda":
+        torch.cuda.synchronize(backend.device)
 
 
 @dataclass
@@ -90,12 +129,19 @@ def solve(
     condition: str,
     judge: JudgeVerifier | None = None,
 ) -> Solve:
-    """Alg. 1 under one condition; the backend's accel is set for the call and restored."""
+    """Alg. 1 under one condition; the backend's accel is set for the call and restored.
+
+    The entropy trace is requested only when level 2 is on: with a trace and level 2 off the backend
+    projects every layer through the LM head (calibration mode), which would slow the baselines'
+    verify pass and inflate CGEE's speedup.
+    """
     share, accel = CONDITIONS[condition]
     judge = judge or JudgeVerifier()
     previous_share, previous_accel = backend.share, backend.accel
     backend.share, backend.accel = share, accel
+    cgee = accel.cgee
     try:
+        sync(backend)
         t0 = time.perf_counter()
         root = backend.prefill(prompt)
         kids = backend.fork(root, len(suffixes), share=share)
@@ -104,7 +150,6 @@ def solve(
             backend.append(kids, suffixes)
             gens = backend.extend(kids, DecodeParams(max_tokens=t, min_tokens=t))
             confidences = [g.confidence for g in gens]
-            cgee = accel.cgee
             skipped = cgee is not None and cgee.level1 and verify_skip(confidences, cgee.tau_conf, cgee.r_gap)
             exit_layers: list[int] = []
             tv = time.perf_counter()
@@ -112,10 +157,16 @@ def solve(
                 scores = confidences
             else:
                 suffix, tokens, n_yes = judge.probe(backend)
-                trace: list[EntropyTrace] = []
+                trace: list[EntropyTrace] | None = [] if cgee is not None and cgee.level2 else None
                 probs = backend.score_next(kids, suffix, tokens, trace=trace)
                 scores = [sum(p[:n_yes]) / max(sum(p), 1e-30) for p in probs]
-                exit_layers = [tr.exit_layer or backend.parts.n_layers for tr in trace]
+                n_layers = backend.parts.n_layers
+                exit_layers = (
+                    [tr.exit_layer or n_layers for tr in trace]
+                    if trace is not None
+                    else [n_layers] * len(kids)
+                )
+            sync(backend)
             verify_seconds = time.perf_counter() - tv
             seconds = time.perf_counter() - t0
         finally:
@@ -138,6 +189,174 @@ def summarise(times: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(times), 4), "mean": round(statistics.fmean(times), 4)}
 
 
+def bootstrap_ci(
+    columns: Sequence[Sequence[float]],
+    statistic: Callable[..., float],
+    *,
+    n_boot: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+) -> list[float]:
+    """Percentile bootstrap CI of `statistic(*columns)`, resampling problems (rows) with replacement.
+
+    Columns are aligned per problem (e.g. baseline and accelerated latency), so a resample keeps
+    each problem's pair together, as the paper's per-problem bootstrap does. Fixed seed: reruns
+    on the same data give the same interval.
+    """
+    data = [np.asarray(c, dtype=float) for c in columns]
+    n = len(data[0])
+    rng = np.random.default_rng(seed)
+    stats = [statistic(*(c[idx] for c in data)) for idx in rng.integers(0, n, size=(n_boot, n))]
+    lo, hi = np.percentile(stats, [50 * (1 - level), 50 * (1 + level)])
+    return [round(float(lo), 3), round(float(hi), 3)]
+
+
+@dataclass
+class GridRun:
+    """Raw data of a grid: every timed solve, per-problem mean latency and one outcome per problem."""
+
+    conditions: list[str]
+    problems: list[tuple[str, Any, Any]]
+    times: dict[str, list[float]]
+    per_problem: dict[str, list[float]]
+    outcome: dict[str, list[Solve]]
+    prompt_tokens: list[int]
+
+    @classmethod
+    def concat(cls, runs: Sequence[GridRun]) -> GridRun:
+        """Pool grids of the same conditions (e.g. several tasks) into one, problems in order."""
+        conditions = runs[0].conditions
+        return cls(
+            conditions,
+            [p for r in runs for p in r.problems],
+            {c: [x for r in runs for x in r.times[c]] for c in conditions},
+            {c: [x for r in runs for x in r.per_problem[c]] for c in conditions},
+            {c: [x for r in runs for x in r.outcome[c]] for c in conditions},
+            [n for r in runs for n in r.prompt_tokens],
+        )
+
+
+def collect_grid(
+    backend: HFBackend,
+    problems: list[tuple[str, Any, Any]],
+    conditions: list[str],
+    *,
+    prefix: int,
+    branches: int,
+    suffix: int,
+    t: int,
+    repeats: int,
+    warmup: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> GridRun:
+    """Time every condition on every problem (conditions interleaved per problem, after warm-up).
+
+    The outcome kept per problem and condition is that of its last timed solve: decoding is greedy,
+    so every repeat makes the same decision and no extra untimed solve is needed.
+    """
+    suffixes = hint_suffixes(backend, branches, suffix)
+    prompts = [padded_prompt(backend, q, prefix) for q, _, _ in problems]
+    for _ in range(warmup):
+        for cond in conditions:
+            solve(backend, prompts[0], suffixes, t, cond)
+    times: dict[str, list[float]] = {c: [] for c in conditions}
+    per_problem: dict[str, list[float]] = {c: [] for c in conditions}
+    outcome: dict[str, list[Solve]] = {c: [] for c in conditions}
+    for i, prompt in enumerate(prompts):
+        runs: dict[str, list[float]] = {c: [] for c in conditions}
+        last: dict[str, Solve] = {}
+        for _ in range(repeats):
+            for cond in conditions:
+                last[cond] = solve(backend, prompt, suffixes, t, cond)
+                runs[cond].append(last[cond].seconds)
+        for cond in conditions:
+            times[cond] += runs[cond]
+            per_problem[cond].append(statistics.fmean(runs[cond]))
+            outcome[cond].append(last[cond])
+        if progress is not None:
+            means = " ".join(f"{c}={per_problem[c][-1] * 1e3:.0f}ms" for c in conditions)
+            progress(f"problem {i + 1}/{len(prompts)} ({len(prompt)} tok): {means}")
+    return GridRun(conditions, problems, times, per_problem, outcome, [len(p) for p in prompts])
+
+
+def accuracy(grid: GridRun, cond: str) -> float:
+    """Fraction of problems whose chosen branch's answer the task's exact checker scores 1.0.
+
+    Not the mean score: some reasoning-gym checkers give partial credit (gsm_symbolic scores any
+    wrong number 0.01), which would make a changed wrong answer look like an accuracy change.
+    """
+    chosen = [s.answers[s.decision] for s in grid.outcome[cond]]
+    return statistics.fmean(
+        float(ds.score_answer(a, e) >= 1.0) for a, (_, e, ds) in zip(chosen, grid.problems, strict=True)
+    )
+
+
+def speedups(grid: GridRun, base: str) -> dict[str, dict[str, float]]:
+    """Speedup of each other condition over `base`: ratio of mean latencies and median per-problem ratio."""
+    out = {}
+    for c in grid.conditions:
+        if c == base:
+            continue
+        ratios = [b / x for b, x in zip(grid.per_problem[base], grid.per_problem[c], strict=True)]
+        out[c] = {
+            "ratio_of_means": round(statistics.fmean(grid.times[base]) / statistics.fmean(grid.times[c]), 3),
+            "median_per_problem": round(statistics.median(ratios), 3),
+        }
+    return out
+
+
+def cgee_impact(grid: GridRun, cond: str, base: str = "kv") -> dict[str, Any]:
+    """RKSC Table 3 for one CGEE condition against the full-depth, never-skipping `base`.
+
+    Branches decode identically under both (same greedy path), so any difference in the chosen
+    branch is CGEE's doing. One verify call = one solve's verify decision (skipped or run early-
+    exited). An error is a changed final answer; a decision flip that picks another branch with the
+    same answer is counted separately (`decision_flips`) because it changes nothing downstream.
+    """
+    ours, ref = grid.outcome[cond], grid.outcome[base]
+    pairs = list(zip(ours, ref, strict=True))
+    errors = sum(a.answers[a.decision] != b.answers[b.decision] for a, b in pairs)
+    calls = len(pairs)
+    return {
+        "verify_calls": calls,
+        "verify_skipped": sum(a.skipped for a in ours),
+        "verify_rows_run": sum(len(a.exit_layers) for a in ours),
+        "decision_flips": sum(a.decision != b.decision for a, b in pairs),
+        "errors": errors,
+        "error_rate": round(errors / calls, 4) if calls else None,
+        "delta_accuracy": round(accuracy(grid, cond) - accuracy(grid, base), 4),
+    }
+
+
+def summarise_grid(grid: GridRun) -> dict[str, Any]:
+    """Per-condition latency stats, speedups vs "nokv" and "kv" (ratio of means, and the median of
+    per-problem ratios), CGEE skip rate, CGEE-induced decision flips vs "kv", and accuracy."""
+    conditions = grid.conditions
+    summary: dict[str, Any] = {"latency_s": {c: summarise(v) for c, v in grid.times.items()}}
+    for base in ("nokv", "kv"):
+        if base in conditions:
+            summary[f"speedup_vs_{base}"] = speedups(grid, base)
+    acc, skip_rate, flips, exit_layer = {}, {}, {}, {}
+    for cond in conditions:
+        acc[cond] = round(accuracy(grid, cond), 3)
+        skip_rate[cond] = round(statistics.fmean(s.skipped for s in grid.outcome[cond]), 3)
+        layers = [layer for s in grid.outcome[cond] for layer in s.exit_layers]
+        exit_layer[cond] = round(statistics.fmean(layers), 2) if layers else None
+        if "kv" in conditions and cond != "kv":
+            flips[cond] = sum(
+                a.answers[a.decision] != b.answers[b.decision]
+                for a, b in zip(grid.outcome[cond], grid.outcome["kv"], strict=True)
+            )
+    summary.update(
+        accuracy=acc,
+        verify_skip_rate=skip_rate,
+        mean_verify_exit_layer=exit_layer,
+        decision_flips_vs_kv=flips,
+        n_problems=len(grid.problems),
+    )
+    return summary
+
+
 def run_grid(
     backend: HFBackend,
     problems: list[tuple[str, Any, Any]],
@@ -150,68 +369,16 @@ def run_grid(
     repeats: int,
     warmup: int = 1,
 ) -> dict[str, Any]:
-    """Time every condition on every problem (conditions interleaved per problem, after warm-up).
-
-    Returns per-condition latency stats, speedups vs "nokv" and "kv" (ratio of means, and the median
-    of per-problem ratios), CGEE skip rate, CGEE-induced decision flips vs "kv", and accuracy.
-    """
-    suffixes = hint_suffixes(backend, branches, suffix)
-    prompts = [padded_prompt(backend, q, prefix) for q, _, _ in problems]
-    for _ in range(warmup):
-        for cond in conditions:
-            solve(backend, prompts[0], suffixes, t, cond)
-    times: dict[str, list[float]] = {c: [] for c in conditions}
-    per_problem: dict[str, list[float]] = {c: [] for c in conditions}
-    outcome: dict[str, list[Solve]] = {c: [] for c in conditions}
-    for prompt in prompts:
-        runs: dict[str, list[float]] = {c: [] for c in conditions}
-        for _ in range(repeats):
-            for cond in conditions:
-                result = solve(backend, prompt, suffixes, t, cond)
-                runs[cond].append(result.seconds)
-        for cond in conditions:
-            times[cond] += runs[cond]
-            per_problem[cond].append(statistics.fmean(runs[cond]))
-            outcome[cond].append(
-                result if cond == conditions[-1] else solve(backend, prompt, suffixes, t, cond)
-            )
-    summary: dict[str, Any] = {"latency_s": {c: summarise(v) for c, v in times.items()}}
-    for base in ("nokv", "kv"):
-        if base not in conditions:
-            continue
-        summary[f"speedup_vs_{base}"] = {
-            c: {
-                "ratio_of_means": round(statistics.fmean(times[base]) / statistics.fmean(times[c]), 3),
-                "median_per_problem": round(
-                    statistics.median(b / x for b, x in zip(per_problem[base], per_problem[c], strict=True)),
-                    3,
-                ),
-            }
-            for c in conditions
-            if c != base
-        }
-    accuracy, skip_rate, flips, exit_layer = {}, {}, {}, {}
-    for cond in conditions:
-        chosen = [s.answers[s.decision] for s in outcome[cond]]
-        accuracy[cond] = round(
-            statistics.fmean(
-                float(ds.score_answer(a, e)) for a, (_, e, ds) in zip(chosen, problems, strict=True)
-            ),
-            3,
-        )
-        skip_rate[cond] = round(statistics.fmean(s.skipped for s in outcome[cond]), 3)
-        layers = [layer for s in outcome[cond] for layer in s.exit_layers]
-        exit_layer[cond] = round(statistics.fmean(layers), 2) if layers else None
-        if "kv" in conditions and cond != "kv":
-            flips[cond] = sum(
-                a.answers[a.decision] != b.answers[b.decision]
-                for a, b in zip(outcome[cond], outcome["kv"], strict=True)
-            )
-    summary.update(
-        accuracy=accuracy,
-        verify_skip_rate=skip_rate,
-        mean_verify_exit_layer=exit_layer,
-        decision_flips_vs_kv=flips,
-        n_problems=len(problems),
+    """`collect_grid` then `summarise_grid` (see both)."""
+    grid = collect_grid(
+        backend,
+        problems,
+        conditions,
+        prefix=prefix,
+        branches=branches,
+        suffix=suffix,
+        t=t,
+        repeats=repeats,
+        warmup=warmup,
     )
-    return summary
+    return summarise_grid(grid)

@@ -14,21 +14,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import emit, machine
-from _rksc import load_problems, run_grid
+from _rksc import calibration_for, load_problems, run_grid
 
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.cgee import Calibration
-from branchwise.reasoners.calibrate import calibrate_cgee
-
-
-def calibration_for(backend: HFBackend, task: str, n: int, branches: int, t: int, fit: bool) -> dict:
-    """Fit (if asked or missing) and return the CGEE calibration used by the run."""
-    cal = Calibration.load(backend.model_name)
-    if fit or cal is None:
-        held_out = [q for q, _, _ in load_problems(task, n, seed=10_000)]
-        cal = calibrate_cgee(backend, held_out, n=branches, max_tokens=t, progress=False)
-    backend.accel = backend.accel  # reload thresholds
-    return cal.__dict__
 
 
 def main(argv: list[str] | None = None) -> None:

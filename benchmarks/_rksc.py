@@ -23,7 +23,7 @@ import torch
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, CGEEConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.cgee import Calibration, EntropyTrace, verify_skip
+from branchwise.backends.hf.cgee import Calibration, EntropyTrace
 from branchwise.reasoners.answers import extract_answer
 from branchwise.reasoners.calibrate import calibrate_cgee
 from branchwise.reasoners.verifiers import JudgeVerifier
@@ -150,7 +150,7 @@ def solve(
             backend.append(kids, suffixes)
             gens = backend.extend(kids, DecodeParams(max_tokens=t, min_tokens=t))
             confidences = [g.confidence for g in gens]
-            skipped = cgee is not None and cgee.level1 and verify_skip(confidences, cgee.tau_conf, cgee.r_gap)
+            skipped = backend.skip_verify(confidences)
             exit_layers: list[int] = []
             tv = time.perf_counter()
             if skipped:

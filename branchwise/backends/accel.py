@@ -39,13 +39,14 @@ class CGEEConfig(_Config):
     Level 1 skips the verify pass when generation confidence is decisive (Eq. 4); level 2 stops the
     verify forward at the first layer whose logit entropy is low and stable (Eq. 5). `theta=None`
     uses the model's saved calibration (`branchwise calibrate`) or, without one, the paper's 8.0 nats;
-    `l_min=None` likewise uses the calibrated minimum exit layer, or the paper's 2.
+    `tau_conf`, `r_gap` and `l_min` left `None` likewise take the calibrated values, or the paper's
+    0.70, 0.06 and 2.
     """
 
     level1: bool = True
     level2: bool = True
-    tau_conf: float = Field(0.70, ge=0.0, le=1.0)
-    r_gap: float = Field(0.06, ge=0.0, le=1.0)
+    tau_conf: float | None = Field(None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.70")
+    r_gap: float | None = Field(None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.06")
     theta: float | None = Field(None, gt=0.0, le=100.0, description="entropy threshold θ (nats)")
     epsilon: float = Field(3.0, gt=0.0, le=100.0, description="entropy stabilisation tolerance ε (nats)")
     l_min: int | None = Field(

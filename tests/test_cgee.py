@@ -126,3 +126,16 @@ def test_calibration_percentiles_and_safe_l_min(tmp_path, monkeypatch) -> None:
 def test_entropy_of_uniform_and_peaked() -> None:
     assert entropy(torch.zeros(4)).item() == pytest.approx(torch.log(torch.tensor(4.0)).item())
     assert entropy(torch.tensor([100.0, 0.0, 0.0])).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_candidate_mass_guard_blocks_uninformative_exits(tiny_llama_dir) -> None:
+    """With the guard, a row exits only where the verdict tokens hold enough probability."""
+    backend = HFBackend(tiny_llama_dir)
+    root, kids = _kids(backend, 3)
+    backend.accel = Accel(cgee=CGEEConfig.lossless(theta=99.0, epsilon=99.0, l_min=1, min_candidate_mass=0.999))
+    trace: list[EntropyTrace] = []
+    backend.score_next(kids, backend.encode(" Yes?"), [5, 6], trace=trace)
+    assert all(t.exit_layer is None for t in trace)  # two random tokens never hold 99.9 % of the mass
+    assert all(t.exit_at(99.0, 99.0, 1) == 2 for t in trace)  # without the guard they would exit at 2
+    assert all(t.exit_at(99.0, 99.0, 1, min_candidate_mass=0.999) is None for t in trace)
+    backend.release([root, *kids])

@@ -49,6 +49,12 @@ class CGEEConfig(_Config):
     r_gap: float | None = Field(None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.06")
     theta: float | None = Field(None, gt=0.0, le=100.0, description="entropy threshold θ (nats)")
     epsilon: float = Field(3.0, gt=0.0, le=100.0, description="entropy stabilisation tolerance ε (nats)")
+    min_candidate_mass: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="beyond the paper: exit only where the verdict tokens hold this much probability (0 = off)",
+    )
     l_min: int | None = Field(
         None, ge=1, le=1000, description="minimum exit layer (1-based); None = calibrated, else the paper's 2"
     )

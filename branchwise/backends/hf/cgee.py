@@ -71,12 +71,13 @@ class EntropyTrace:
     probs: dict[int, list[float]] = field(default_factory=dict)
     exit_layer: int | None = None
 
-    def exit_at(self, theta: float, epsilon: float, l_min: int) -> int | None:
+    def exit_at(self, theta: float, epsilon: float, l_min: int, min_candidate_mass: float = 0.0) -> int | None:
         """The layer Alg. 3 would exit at under these thresholds (None = full depth)."""
         for layer in sorted(self.entropies):
             prev = self.entropies.get(layer - 1, math.inf)
             h = self.entropies[layer]
-            if layer >= l_min and h < theta and abs(h - prev) < epsilon:
+            mass_ok = min_candidate_mass <= 0 or sum(self.probs.get(layer, [])) >= min_candidate_mass
+            if layer >= l_min and h < theta and abs(h - prev) < epsilon and mass_ok:
                 return layer
         return None
 
@@ -101,9 +102,11 @@ class EntropyExit:
         l_min: int,
         exit: bool = True,
         candidates: Sequence[int] = (),
+        min_candidate_mass: float = 0.0,
     ) -> None:
         self.parts = parts
         self.candidates = list(candidates)
+        self.min_candidate_mass = min_candidate_mass
         self.theta, self.epsilon, self.l_min, self.exit = theta, epsilon, l_min, exit
         self.traces = [EntropyTrace() for _ in range(n_rows)]
         self._prev = torch.full((n_rows,), math.inf)
@@ -130,6 +133,9 @@ class EntropyExit:
         if not self.exit:
             return None
         exited = (depth >= self.l_min) & (ent < self.theta) & ((ent - prev).abs() < self.epsilon)
+        if self.min_candidate_mass > 0 and cand is not None:
+            # a low entropy that sits on other tokens says nothing about the verdict (seen on SmolLM2)
+            exited &= torch.tensor([sum(c) >= self.min_candidate_mass for c in cand])
         if not bool(exited.any()):
             return None
         for r in rows_cpu[exited].tolist():

@@ -37,6 +37,31 @@ class TreeNode(BaseModel):
     pruned: bool = False
 
 
+class SearchStep(BaseModel):
+    """What one tree-search select did (methods beam, rebase, ets, dfs): the search's audit trail."""
+
+    select: str = Field(description="id of the select node")
+    method: str
+    width: int | None = Field(None, description="remaining width this step (None for dfs)")
+    active: int = Field(description="unfinished leaves considered")
+    finished: int = Field(description="finished leaves set aside (each shrank the width by one)")
+    kept: int = Field(description="unfinished leaves kept")
+    pruned: int = Field(description="leaves pruned (their KV released)")
+    children: int = Field(
+        description="children allocated to the next generate (dfs: leaves to expand, each by the generate's n)"
+    )
+    clusters: int | None = Field(None, description="ets: semantic clusters of the leaves' last steps")
+    solver_status: str | None = Field(
+        None, description="ets: optimal, feasible, trivial, or why it fell back"
+    )
+    used_fallback: bool = Field(False, description="ets: the greedy heuristic chose the kept leaves")
+    objective: float | None = None
+    ilp_s: float = Field(0.0, description="ets: seconds in the ILP (build + solve + REBASE split)")
+    cluster_s: float = Field(0.0, description="ets: seconds embedding and clustering the last steps")
+    kv_bytes_before: int | None = Field(None, description="KV bytes held by the backend before this select")
+    kv_bytes_after: int | None = Field(None, description="... and after it pruned and retired leaves")
+
+
 class ReasoningResult(BaseModel):
     """The outcome of `Reasoner.run`."""
 
@@ -53,3 +78,10 @@ class ReasoningResult(BaseModel):
     verify_calls: int = Field(0, description="score steps reached")
     verify_skipped: int = Field(0, description="score steps CGEE level 1 answered from confidence alone")
     notes: list[str] = Field(default_factory=list, description="what did not apply or fell back, in words")
+    kv_metric_tokens: int = Field(
+        0,
+        description="ETS's KV metric: per generate step, the tokens of all new candidates plus their "
+        "unique ancestors (the prompt included), summed over steps",
+    )
+    kv_per_step: list[int] = Field(default_factory=list, description="the KV metric's per-step terms")
+    search_steps: list[SearchStep] = Field(default_factory=list, description="one entry per search select")

@@ -7,10 +7,11 @@ that never load a model.
 """
 
 from .graph import Edge, LoopStep, OpStep, Plan, PlanStep, Strategy, StrategyGraphError
-from .nodes import AggregateNode, GenerateNode, LoopNode, Node, ScoreNode, SelectNode
-from .prebuilt import best_of_n, self_consistency
+from .nodes import ALLOCATING_METHODS, AggregateNode, GenerateNode, LoopNode, Node, ScoreNode, SelectNode
+from .prebuilt import beam_search, best_of_n, dvts, ets, rebase, self_consistency, tree_of_thoughts
 
 __all__ = [
+    "ALLOCATING_METHODS",
     "AggregateNode",
     "Edge",
     "GenerateNode",
@@ -24,6 +25,11 @@ __all__ = [
     "SelectNode",
     "Strategy",
     "StrategyGraphError",
+    "beam_search",
     "best_of_n",
+    "dvts",
+    "ets",
+    "rebase",
     "self_consistency",
+    "tree_of_thoughts",
 ]

@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "ALLOCATING_METHODS",
     "NODE_ID_PATTERN",
     "AggregateNode",
     "GenerateNode",
@@ -25,6 +26,7 @@ __all__ = [
     "Node",
     "NodeId",
     "ScoreNode",
+    "SelectMethod",
     "SelectNode",
 ]
 
@@ -50,6 +52,12 @@ class GenerateNode(_NodeBase):
     ``until="step"`` decodes only up to the next ``step_delimiter`` so that step-level search
     (generate a step, score it, prune, repeat inside a loop) can share the prefix KV cache;
     ``until="answer"`` decodes to the end of the answer (or ``max_tokens``/``stop``).
+
+    ``n`` is the default number of children per unfinished leaf. When the select that ran just
+    before this node *allocated* children per leaf (methods ``beam``, ``rebase``, ``ets``, ``dfs``),
+    that allocation replaces ``n``: tree search decides per leaf how many continuations it gets
+    (REBASE's reward-weighted split), which one number on the generate node cannot express.
+    Finished leaves are never expanded.
     """
 
     kind: Literal["generate"] = "generate"
@@ -84,26 +92,106 @@ class ScoreNode(_NodeBase):
     target: Literal["answer", "step"] = "answer"
 
 
+SelectMethod = Literal["top_k", "threshold", "beam", "rebase", "ets", "dfs"]
+#: Methods that allocate children per kept leaf for the next generate (and retire finished leaves).
+ALLOCATING_METHODS: frozenset[str] = frozenset({"beam", "rebase", "ets", "dfs"})
+_WIDTH_METHODS = frozenset({"beam", "rebase", "ets"})
+_THRESHOLD_METHODS = ("threshold", "dfs")
+
+
 class SelectNode(_NodeBase):
-    """Prune the leaves by score: keep the ``k`` best, or those at or above ``threshold``."""
+    """Prune the leaves by score, and for tree search also decide how many children each kept leaf gets.
+
+    Methods:
+
+    * ``top_k`` — keep the ``k`` best leaves (finished or not); the next generate uses its ``n``.
+    * ``threshold`` — keep the leaves scoring at least ``threshold`` (the best one if none does).
+    * ``beam`` — PRM-guided beam search over a search ``width`` N: keep the best ``k`` unfinished
+      leaves (``keep="sqrt"``: round(sqrt(N))) and split the width evenly over them (N/M children
+      each). ``group_by="subtree"`` is DVTS: the first select splits the leaves into ``k`` (or
+      sqrt(N)) subtrees, each with its own share of the width, and every subtree keeps its one best
+      leaf per step, so the subtrees search independently.
+    * ``rebase`` — REBASE: no hard cut; the width is split over the unfinished leaves by
+      ``ceil(W_rem * exp(R_i/T) / sum_rest)`` from best to worst; leaves given 0 children are pruned.
+    * ``ets`` — ETS: REBASE weights, then the ILP that trades kept weight against retained tree
+      nodes (``lambda_b``) and semantic coverage (``lambda_d``, clusters of the leaves' last steps
+      embedded by ``embedder`` and cut at ``cluster_distance``), then REBASE over the kept leaves.
+    * ``dfs`` — Tree-of-Thoughts DFS: prune leaves below ``threshold``, expand only the deepest
+      best unfinished leaf and park the rest as the frontier to backtrack to; stops once a
+      finished leaf passes the threshold or the frontier is empty.
+
+    For the search methods (``beam``, ``rebase``, ``ets``) the width shrinks by one per finished
+    leaf (REBASE's and ETS's rule; applied to beam and DVTS too so that every method produces the
+    same number of trajectories). Finished leaves are set aside: kept for the final vote, never
+    expanded, and their KV is released at once since nothing reads it again.
+
+    A parameter set to a non-default value on a method that ignores it is an error rather than
+    silently unused (values are compared with the defaults, so JSON/YAML round trips stay valid).
+    """
 
     kind: Literal["select"] = "select"
     id: NodeId
-    method: Literal["top_k", "threshold"] = "top_k"
-    k: int = Field(default=1, ge=1)
+    method: SelectMethod = "top_k"
+    k: int = Field(default=1, ge=1, description="top_k: leaves kept; beam: kept per step (subtrees for DVTS)")
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    width: int | None = Field(
+        default=None, ge=1, le=65536, description="beam/rebase/ets: search width N (children per step)"
+    )
+    keep: Literal["fixed", "sqrt"] = Field(default="fixed", description="beam: keep k, or round(sqrt(width))")
+    group_by: Literal["none", "subtree"] = Field(default="none", description="beam: 'subtree' is DVTS")
+    temperature: float = Field(
+        default=0.2, gt=0.0, le=100.0, description="rebase/ets: softmax temperature T_R"
+    )
+    lambda_b: float = Field(
+        default=1.0, ge=0.0, le=100.0, description="ets: weight of the retained-node budget"
+    )
+    lambda_d: float = Field(default=1.4, ge=0.0, le=100.0, description="ets: weight of semantic coverage")
+    cluster_distance: float = Field(
+        default=0.05, ge=0.0, le=2.0, description="ets: cosine-distance cut of the step clusters"
+    )
+    embedder: Literal["minilm", "hidden"] = Field(
+        default="minilm", description="ets: all-MiniLM-L6-v2, or the backend's own hidden states"
+    )
+    time_limit: float = Field(default=5.0, gt=0.0, le=3600.0, description="ets: ILP solver seconds per step")
 
     @model_validator(mode="after")
-    def _threshold_matches_method(self) -> SelectNode:
-        # Both directions are checked: a threshold that is silently ignored is as surprising as
-        # a threshold method with nothing to compare against.
-        if self.method == "threshold" and self.threshold is None:
-            raise ValueError("select method='threshold' requires threshold (a float in [0, 1])")
-        if self.method != "threshold" and self.threshold is not None:
+    def _parameters_match_method(self) -> SelectNode:
+        # Both directions are checked: a parameter that is silently ignored is as surprising as a
+        # method with nothing to compare against.
+        method = self.method
+        if method in _THRESHOLD_METHODS and self.threshold is None:
+            raise ValueError(f"select method={method!r} requires threshold (a float in [0, 1])")
+        if method not in _THRESHOLD_METHODS and self.threshold is not None:
             raise ValueError(
-                f"select threshold is only used with method='threshold' (method is {self.method!r}); "
-                "drop threshold or set method='threshold'"
+                f"select threshold is only used with method='threshold' or 'dfs' (method is {method!r}); "
+                "drop threshold or change the method"
             )
+        if method in _WIDTH_METHODS and self.width is None:
+            raise ValueError(f"select method={method!r} requires width (the search width N, an int >= 1)")
+        if method not in _WIDTH_METHODS and self.width is not None:
+            raise ValueError(
+                f"select width is only used with method 'beam', 'rebase' or 'ets' (method is {method!r})"
+            )
+        users = {
+            "k": ("top_k", "beam"),
+            "keep": ("beam",),
+            "group_by": ("beam",),
+            "temperature": ("rebase", "ets"),
+            "lambda_b": ("ets",),
+            "lambda_d": ("ets",),
+            "cluster_distance": ("ets",),
+            "embedder": ("ets",),
+            "time_limit": ("ets",),
+        }
+        if self.keep == "sqrt" and self.k != 1:
+            raise ValueError("select keep='sqrt' keeps round(sqrt(width)) leaves; drop k or use keep='fixed'")
+        for name, methods in users.items():
+            if method not in methods and getattr(self, name) != type(self).model_fields[name].default:
+                allowed = " or ".join(repr(m) for m in methods)
+                raise ValueError(
+                    f"select {name} is only used with method {allowed} (method is {method!r}); "
+                    f"drop {name} or change the method"
+                )
         return self
 
 
@@ -114,10 +202,18 @@ class AggregateNode(_NodeBase):
     id: NodeId
     method: Literal["majority", "weighted_majority", "best_score"] = "majority"
     extractor: str = Field(default="auto", min_length=1)
+    finished_only: bool = Field(
+        default=False,
+        description="vote over finished branches only (tree search: a leaf cut off by the depth "
+        "cap holds a partial solution); falls back to all branches when none finished",
+    )
 
 
 class LoopNode(_NodeBase):
     """Repeat ``body`` (node ids, executed in order) until every branch finished or the cap.
+
+    A search select that leaves nothing to expand (every branch finished or pruned, or a DFS that
+    found its solution) also ends the loop, so ``max_iterations`` is a depth cap, not a promise.
 
     Loops are the only sanctioned cycle: the graph must contain ``loop -> body[0] -> ... ->
     body[-1] -> loop`` plus exactly one exit edge ``loop -> x``; ``Strategy`` checks that shape.

@@ -1,20 +1,41 @@
-"""Ready-made strategies for the two baselines every multi-branch method is compared against.
+"""Ready-made strategies: the two sampling baselines and the tree searches compared against them.
 
 They are plain ``Strategy`` values (not special cases in the reasoner), so they serialise,
 compile and validate exactly like a hand-written graph and double as worked examples.
 Nodes are constructed directly so that a bad argument (``n=0``) fails with a pydantic
 ``ValidationError`` whose ``loc`` is the argument's own name.
+
+Every step-level search has the same shape, which is why one helper builds them all::
+
+    first_step (generate N steps) -> search loop [score_step -> select -> next_step] -> score_last -> answer
+
+The select node is what differs (beam, DVTS, REBASE, ETS, ToT's top-b or DFS); an allocating
+select tells ``next_step`` how many children each kept leaf gets. ``depth`` counts reasoning
+steps, so the loop runs ``depth - 1`` times after the first step; ``score_last`` scores the leaves
+of the last expansion (leaves scored earlier keep their score) so the final vote can weigh every
+branch by its last-step score.
 """
 
 from __future__ import annotations
 
+import math
 from itertools import pairwise
 from typing import Literal
 
 from .graph import Edge, Strategy
-from .nodes import AggregateNode, GenerateNode, ScoreNode, SelectNode
+from .nodes import AggregateNode, GenerateNode, LoopNode, Node, ScoreNode, SelectNode
 
-__all__ = ["best_of_n", "self_consistency"]
+__all__ = [
+    "beam_search",
+    "best_of_n",
+    "dvts",
+    "ets",
+    "rebase",
+    "self_consistency",
+    "tree_of_thoughts",
+]
+
+Aggregate = Literal["majority", "weighted_majority", "best_score"]
 
 
 def self_consistency(
@@ -80,4 +101,295 @@ def best_of_n(
         description=f"Sample {n} answers, score them with {verifier!r} and keep the best.",
         nodes=chain,
         edges=[Edge(source=a.id, target=b.id) for a, b in pairwise(chain)],
+    )
+
+
+def _step_search(
+    name: str,
+    description: str,
+    select: SelectNode,
+    *,
+    first_n: int,
+    expand_n: int,
+    depth: int,
+    verifier: str,
+    temperature: float,
+    top_p: float,
+    max_step_tokens: int,
+    step_delimiter: str,
+    aggregate: Aggregate,
+    extractor: str,
+    seed: int | None,
+) -> Strategy:
+    """The common step-search graph (see the module docstring); ``depth`` >= 1 steps in all."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1 (reasoning steps), got {depth}")
+
+    def step(node_id: str, n: int) -> GenerateNode:
+        return GenerateNode(
+            id=node_id,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_step_tokens,
+            until="step",
+            step_delimiter=step_delimiter,
+            seed=seed,
+        )
+
+    first = step("first_step", first_n)
+    last = ScoreNode(id="score_last", verifier=verifier, target="step")
+    agg = AggregateNode(id="answer", method=aggregate, extractor=extractor, finished_only=True)
+    if depth == 1:
+        nodes: list[Node] = [first, last, agg]
+        edges = [Edge(source=a.id, target=b.id) for a, b in pairwise(nodes)]
+        return Strategy(name=name, description=description, nodes=nodes, edges=edges)
+    score = ScoreNode(id="score_step", verifier=verifier, target="step")
+    expand = step("next_step", expand_n)
+    loop = LoopNode(id="search", body=[score.id, select.id, expand.id], max_iterations=depth - 1)
+    pairs = [
+        (first, loop),
+        (loop, score),
+        (score, select),
+        (select, expand),
+        (expand, loop),
+        (loop, last),
+        (last, agg),
+    ]
+    return Strategy(
+        name=name,
+        description=description,
+        nodes=[first, loop, score, select, expand, last, agg],
+        edges=[Edge(source=a.id, target=b.id) for a, b in pairs],
+    )
+
+
+def _kept(width: int, keep: Literal["fixed", "sqrt"], k: int) -> int:
+    """How many leaves a beam keeps per step: ``k``, or round(sqrt(width)) (Snell et al.'s sqrt(N))."""
+    return max(1, round(math.sqrt(width))) if keep == "sqrt" else k
+
+
+def beam_search(
+    width: int = 16,
+    keep: Literal["fixed", "sqrt"] = "sqrt",
+    k: int = 4,
+    depth: int = 8,
+    verifier: str = "step_judge",
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    max_step_tokens: int = 96,
+    step_delimiter: str = "\n\n",
+    aggregate: Aggregate = "weighted_majority",
+    extractor: str = "auto",
+    seed: int | None = None,
+) -> Strategy:
+    """PRM-guided beam search: keep M = ``k`` (or sqrt(N)) best steps, expand each N/M times.
+
+    ``verifier`` scores each step (the process reward); the final answer is a vote over the finished
+    branches weighted by their last-step score (``aggregate``).
+    """
+    m = _kept(width, keep, k)
+    select = SelectNode(
+        id="select", method="beam", width=width, keep=keep, **({"k": k} if keep == "fixed" else {})
+    )
+    return _step_search(
+        "beam_search",
+        f"PRM beam search: width {width}, keep {m} per step, scored by {verifier!r}.",
+        select,
+        first_n=width,
+        expand_n=max(1, width // m),
+        depth=depth,
+        verifier=verifier,
+        temperature=temperature,
+        top_p=top_p,
+        max_step_tokens=max_step_tokens,
+        step_delimiter=step_delimiter,
+        aggregate=aggregate,
+        extractor=extractor,
+        seed=seed,
+    )
+
+
+def dvts(
+    width: int = 16,
+    subtrees: int | None = None,
+    depth: int = 8,
+    verifier: str = "step_judge",
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    max_step_tokens: int = 96,
+    step_delimiter: str = "\n\n",
+    aggregate: Aggregate = "weighted_majority",
+    extractor: str = "auto",
+    seed: int | None = None,
+) -> Strategy:
+    """Diverse verifier tree search: independent greedy beam searches in ``subtrees`` subtrees.
+
+    ``subtrees`` defaults to round(sqrt(width)); each subtree owns width/subtrees of the width and
+    keeps its single best step per iteration (Beeching et al.), so the subtrees never compete.
+    """
+    select = (
+        SelectNode(id="select", method="beam", width=width, keep="sqrt", group_by="subtree")
+        if subtrees is None
+        else SelectNode(id="select", method="beam", width=width, k=subtrees, group_by="subtree")
+    )
+    s = _kept(width, "sqrt", 1) if subtrees is None else subtrees
+    return _step_search(
+        "dvts",
+        f"DVTS: width {width} in {s} independent subtrees, scored by {verifier!r}.",
+        select,
+        first_n=width,
+        expand_n=max(1, width // s),
+        depth=depth,
+        verifier=verifier,
+        temperature=temperature,
+        top_p=top_p,
+        max_step_tokens=max_step_tokens,
+        step_delimiter=step_delimiter,
+        aggregate=aggregate,
+        extractor=extractor,
+        seed=seed,
+    )
+
+
+def rebase(
+    width: int = 16,
+    T: float = 0.2,  # the paper's symbol T_R (allocation temperature)
+    depth: int = 8,
+    verifier: str = "step_judge",
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    max_step_tokens: int = 96,
+    step_delimiter: str = "\n\n",
+    aggregate: Aggregate = "weighted_majority",
+    extractor: str = "auto",
+    seed: int | None = None,
+) -> Strategy:
+    """REBASE (Wu et al., 2024): split the width over all leaves by softmax(R/T), best first.
+
+    ``T`` is the allocation temperature (0.2 in the public code); ``temperature`` the sampling one.
+    """
+    select = SelectNode(id="select", method="rebase", width=width, temperature=T)
+    return _step_search(
+        "rebase",
+        f"REBASE: width {width}, T={T}, scored by {verifier!r}.",
+        select,
+        first_n=width,
+        expand_n=1,
+        depth=depth,
+        verifier=verifier,
+        temperature=temperature,
+        top_p=top_p,
+        max_step_tokens=max_step_tokens,
+        step_delimiter=step_delimiter,
+        aggregate=aggregate,
+        extractor=extractor,
+        seed=seed,
+    )
+
+
+def ets(
+    width: int = 16,
+    lambda_b: float = 1.0,
+    lambda_d: float = 1.4,
+    T: float = 0.2,  # the paper's symbol T_R (allocation temperature)
+    cluster_distance: float = 0.05,
+    embedder: Literal["minilm", "hidden"] = "minilm",
+    time_limit: float = 5.0,
+    depth: int = 8,
+    verifier: str = "step_judge",
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    max_step_tokens: int = 96,
+    step_delimiter: str = "\n\n",
+    aggregate: Aggregate = "weighted_majority",
+    extractor: str = "auto",
+    seed: int | None = None,
+) -> Strategy:
+    """ETS (Hooper et al., 2025): REBASE weights -> KV/coverage ILP -> REBASE over the kept leaves.
+
+    ``lambda_b`` penalises retained tree nodes (KV), ``lambda_d`` rewards covering the clusters of
+    the leaves' last steps (``embedder``, cut at ``cluster_distance``); ``time_limit`` bounds the
+    solver per step (a greedy answer is used, and reported, if it fails).
+    """
+    select = SelectNode(
+        id="select",
+        method="ets",
+        width=width,
+        temperature=T,
+        lambda_b=lambda_b,
+        lambda_d=lambda_d,
+        cluster_distance=cluster_distance,
+        embedder=embedder,
+        time_limit=time_limit,
+    )
+    return _step_search(
+        "ets",
+        f"ETS: width {width}, lambda_b={lambda_b}, lambda_d={lambda_d}, T={T}, scored by {verifier!r}.",
+        select,
+        first_n=width,
+        expand_n=1,
+        depth=depth,
+        verifier=verifier,
+        temperature=temperature,
+        top_p=top_p,
+        max_step_tokens=max_step_tokens,
+        step_delimiter=step_delimiter,
+        aggregate=aggregate,
+        extractor=extractor,
+        seed=seed,
+    )
+
+
+def tree_of_thoughts(
+    breadth: int = 5,
+    depth: int = 3,
+    n_generate: int = 5,
+    evaluator: Literal["value", "vote"] = "value",
+    search: Literal["bfs", "dfs"] = "bfs",
+    threshold: float = 0.5,
+    max_expansions: int | None = None,
+    temperature: float = 0.7,
+    top_p: float = 1.0,
+    max_step_tokens: int = 64,
+    step_delimiter: str = "\n",
+    extractor: str = "auto",
+    seed: int | None = None,
+) -> Strategy:
+    """Tree of Thoughts (Yao et al., 2023): sample ``n_generate`` thoughts per state, evaluate, search.
+
+    ``evaluator="value"`` scores each state on its own (verifier ``tot_value``: sure/likely/impossible),
+    ``"vote"`` compares the candidate states in one prompt (verifier ``tot_vote``); register
+    task-specific prompts under those names. ``search="bfs"`` keeps the ``breadth`` best states per
+    step for ``depth`` steps; ``"dfs"`` expands the deepest best state first, prunes states valued
+    below ``threshold``, backtracks to the parked frontier, and stops at the first finished state that
+    passes the threshold (at most ``max_expansions`` expansions, default ``breadth * depth``).
+    The answer is the best-valued finished state.
+    """
+    verifier = "tot_value" if evaluator == "value" else "tot_vote"
+    if search == "bfs":
+        select = SelectNode(id="select", method="top_k", k=breadth)
+        iterations = depth
+    elif search == "dfs":
+        select = SelectNode(id="select", method="dfs", threshold=threshold)
+        iterations = max_expansions if max_expansions is not None else breadth * depth
+    else:
+        raise ValueError(f"search={search!r} is not one of 'bfs', 'dfs'")
+    return _step_search(
+        "tree_of_thoughts",
+        f"Tree of Thoughts ({search.upper()}): {n_generate} thoughts per state, "
+        f"{'keep ' + str(breadth) if search == 'bfs' else 'threshold ' + str(threshold)}, "
+        f"{evaluator} evaluator.",
+        select,
+        first_n=n_generate,
+        expand_n=n_generate,
+        depth=iterations,
+        verifier=verifier,
+        temperature=temperature,
+        top_p=top_p,
+        max_step_tokens=max_step_tokens,
+        step_delimiter=step_delimiter,
+        aggregate="best_score",
+        extractor=extractor,
+        seed=seed,
     )

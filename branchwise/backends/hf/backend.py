@@ -239,12 +239,26 @@ class HFBackend:
     @accel.setter
     def accel(self, value: Accel) -> None:
         self._accel = value
-        self.cgee_theta, self.cgee_l_min = DEFAULT_THETA, 2
-        if value.cgee is not None:
+        self.cgee_theta, self.cgee_l_min, self.cgee_tau_conf, self.cgee_r_gap = DEFAULT_THETA, 2, 0.70, 0.06
+        cgee = value.cgee
+        if cgee is not None:
             # explicit values win; otherwise the model's saved calibration; otherwise the paper's defaults
-            calibration = Calibration.load(self.model_name)
-            self.cgee_theta = value.cgee.theta or (calibration.theta if calibration else DEFAULT_THETA)
-            self.cgee_l_min = value.cgee.l_min or (calibration.l_min if calibration else 2)
+            cal = Calibration.load(self.model_name)
+
+            def pick(explicit: float | None, calibrated: float | None, paper: float) -> float:
+                return explicit if explicit is not None else calibrated if calibrated is not None else paper
+
+            self.cgee_theta = pick(cgee.theta, cal.theta if cal else None, DEFAULT_THETA)
+            self.cgee_l_min = int(pick(cgee.l_min, cal.l_min if cal else None, 2))
+            self.cgee_tau_conf = pick(cgee.tau_conf, cal.tau_conf if cal else None, 0.70)
+            self.cgee_r_gap = pick(cgee.r_gap, cal.r_gap if cal else None, 0.06)
+
+    def skip_verify(self, confidences: Sequence[float]) -> bool:
+        """CGEE level 1 (RKSC Eq. 4) with this model's thresholds; False when level 1 is off."""
+        cgee = self.accel.cgee
+        return (
+            cgee is not None and cgee.level1 and verify_skip(confidences, self.cgee_tau_conf, self.cgee_r_gap)
+        )
 
     def _bump(self, key: str, value: float = 1.0) -> None:
         self._stats.extra[key] = self._stats.extra.get(key, 0.0) + value
@@ -536,7 +550,13 @@ class HFBackend:
                 observer = None
                 if cgee is not None and cgee.level2:
                     observer = EntropyExit(
-                        self.parts, len(segs), self.cgee_theta, cgee.epsilon, self.cgee_l_min, candidates=cand
+                        self.parts,
+                        len(segs),
+                        self.cgee_theta,
+                        cgee.epsilon,
+                        self.cgee_l_min,
+                        candidates=cand,
+                        min_candidate_mass=cgee.min_candidate_mass,
                     )
                 elif trace is not None:
                     observer = EntropyExit(
@@ -559,6 +579,35 @@ class HFBackend:
                 return probs.tolist()
             finally:
                 self.release(probes)
+
+    def embed_nodes(self, nodes: Sequence[NodeId], probe: Sequence[int]) -> torch.Tensor:
+        """The model's own embedding of each node: its final-norm hidden state after `node + probe`.
+
+        Why a probe token: a node's last token is often computed already (a judge read it), and its
+        hidden state is not kept, so a short fixed `probe` (say one newline token) is pushed through
+        in a temporary child, reading the node's whole path from the shared KV — one batched forward
+        of len(probe) tokens per node, released at once. ETS clusters these to find redundant steps
+        without loading a sentence-embedding model. Returns a float32 CPU tensor [len(nodes), hidden].
+        """
+        probe_ids = self._check_ids(probe, "probe")
+        if not probe_ids:
+            raise ValueError("probe must hold at least 1 token")
+        if not nodes:
+            return torch.zeros(0, self.parts.embed.embedding_dim)
+        with self._lock:
+            kids = [self.fork(n, 1)[0] for n in nodes]
+            try:
+                segs = [self._segments[k] for k in kids]
+                for seg in segs:
+                    seg.tokens.extend(probe_ids)
+                self._materialize_ancestors(segs)
+                _, ctx, feeds = self._prepare(segs, 0)
+                capture = HiddenCapture()
+                self._forward(ctx, feeds, capture)
+                with torch.inference_mode():
+                    return self.parts.norm(capture.states[-1]).float().cpu()
+            finally:
+                self.release(kids)
 
     def release(self, nodes: Sequence[NodeId]) -> None:
         with self._lock:

@@ -139,3 +139,23 @@ def test_candidate_mass_guard_blocks_uninformative_exits(tiny_llama_dir) -> None
     assert all(t.exit_at(99.0, 99.0, 1) == 2 for t in trace)  # without the guard they would exit at 2
     assert all(t.exit_at(99.0, 99.0, 1, min_candidate_mass=0.999) is None for t in trace)
     backend.release([root, *kids])
+
+
+def test_rows_exiting_at_different_layers(tiny_llama_dir) -> None:
+    """Some rows exit at layer 2, the rest run to full depth in the same forward (batch shrinks mid-loop)."""
+    backend = HFBackend(tiny_llama_dir)
+    root, kids = _kids(backend, 4)
+    suffix, cands = backend.encode(" Yes?"), [5, 6]
+    full = backend.score_next(kids, suffix, cands)
+    trace: list[EntropyTrace] = []
+    backend.score_next(kids, suffix, cands, trace=trace)  # record entropies (level 2 off)
+    layer2 = sorted(t.entropies[2] for t in trace)
+    theta = (layer2[1] + layer2[2]) / 2  # two rows below, two above
+    backend.accel = Accel(cgee=CGEEConfig.lossless(theta=theta, epsilon=99.0, l_min=2))
+    exits: list[EntropyTrace] = []
+    got = backend.score_next(kids, suffix, cands, trace=exits)
+    assert sorted(t.exit_layer is not None for t in exits) == [False, False, True, True]
+    for t, g, f in zip(exits, got, full, strict=True):
+        if t.exit_layer is None:  # rows that stayed see exactly the full-depth result
+            torch.testing.assert_close(torch.tensor(g), torch.tensor(f), atol=1e-6, rtol=1e-5)
+    backend.release([root, *kids])

@@ -114,6 +114,12 @@ class BatchContext:
         self.tail_k = [t.index_select(0, keep) for t in self.tail_k]
         self.tail_v = [t.index_select(0, keep) for t in self.tail_v]
         self.lens = self.lens.index_select(0, keep)
+        # per-forward state too: rows can leave between layers (CGEE level-2 exits)
+        if self._own_mask is not None:
+            self._own_mask = self._own_mask.index_select(0, keep)
+            self._own_mask_g = self._own_mask_g.index_select(0, keep)
+        if self._write_idx is not None:
+            self._write_idx = self._write_idx.index_select(0, keep)
         if self.own_mass is not None:
             self.own_mass = self.own_mass.index_select(0, keep)
         if self.pos_next is not None:

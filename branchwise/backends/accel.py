@@ -45,7 +45,9 @@ class CGEEConfig(_Config):
 
     level1: bool = True
     level2: bool = True
-    tau_conf: float | None = Field(None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.70")
+    tau_conf: float | None = Field(
+        None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.70"
+    )
     r_gap: float | None = Field(None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.06")
     theta: float | None = Field(None, gt=0.0, le=100.0, description="entropy threshold θ (nats)")
     epsilon: float = Field(3.0, gt=0.0, le=100.0, description="entropy stabilisation tolerance ε (nats)")

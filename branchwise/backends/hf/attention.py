@@ -36,6 +36,7 @@ class SharedSegment:
     values: Sequence[torch.Tensor]
     rows: torch.Tensor | None
     key: int = -1  # the backend's segment id (attention-mass bookkeeping)
+    track: bool = True  # accumulate its attention mass (False for segments RSBCM never evicts)
 
 
 @dataclass
@@ -132,7 +133,9 @@ class BatchContext:
             rows = [row_map[r] for r in seg.rows.tolist() if r in row_map]
             if rows:
                 new_shared.append(
-                    SharedSegment(seg.keys, seg.values, torch.tensor(rows, device=self.lens.device), seg.key)
+                    SharedSegment(
+                        seg.keys, seg.values, torch.tensor(rows, device=self.lens.device), seg.key, seg.track
+                    )
                 )
         self.shared = new_shared
 
@@ -219,6 +222,8 @@ class BatchContext:
         weight = (p_own * torch.exp(m_own - m) / s).sum(dim=(1, 2))  # [B, T]
         self.own_mass[:, : weight.shape[-1]] += weight.float()
         for seg, ms, ps in segments:
+            if not seg.track:
+                continue
             m_r = m if seg.rows is None else m[seg.rows]
             s_r = s if seg.rows is None else s[seg.rows]
             factor = torch.exp(ms - m_r) / s_r  # [R, H_kv, G*q, 1]

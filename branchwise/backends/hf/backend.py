@@ -787,9 +787,20 @@ class HFBackend:
         for i, r in enumerate(rows):
             for anc in [] if copy_mode else r.seg.kv_ancestors():
                 groups.setdefault(anc.id, (anc, []))[1].append(i)
+        rsbcm = self.accel.rsbcm
+
+        def evictable(seg: _Segment) -> bool:
+            return rsbcm is not None and not (
+                rsbcm.pin_prompt and seg.parent is None and not seg.kv_ancestors()
+            )
+
         shared = [
             SharedSegment(
-                anc.keys, anc.values, None if len(idx) == b else torch.tensor(idx, device=self.device), anc.id
+                anc.keys,
+                anc.values,
+                None if len(idx) == b else torch.tensor(idx, device=self.device),
+                anc.id,
+                evictable(anc),
             )
             for anc, idx in groups.values()
             if anc.kv_tokens  # a segment RSBCM emptied has nothing left to attend to
@@ -800,7 +811,8 @@ class HFBackend:
             lens=torch.tensor(lens, device=self.device),
             shared=shared,
             n_groups=parts.n_heads // parts.n_kv_heads,
-            track_mass=self.accel.rsbcm is not None,
+            # only when something here can be evicted: tracking forces the explicit-softmax path
+            track_mass=any(evictable(r.seg) for r in rows) or any(seg.track for seg in shared),
         )
         if ctx.track_mass:
             ctx.own_mass = torch.zeros(b, shape[2], device=self.device)

@@ -71,7 +71,9 @@ class EntropyTrace:
     probs: dict[int, list[float]] = field(default_factory=dict)
     exit_layer: int | None = None
 
-    def exit_at(self, theta: float, epsilon: float, l_min: int, min_candidate_mass: float = 0.0) -> int | None:
+    def exit_at(
+        self, theta: float, epsilon: float, l_min: int, min_candidate_mass: float = 0.0
+    ) -> int | None:
         """The layer Alg. 3 would exit at under these thresholds (None = full depth)."""
         for layer in sorted(self.entropies):
             prev = self.entropies.get(layer - 1, math.inf)

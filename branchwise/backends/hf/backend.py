@@ -915,6 +915,16 @@ class HFBackend:
         `observer` watches the pending-token forward (it must not exit rows: their KV is kept).
         """
         self._materialize_ancestors(segs)
+        pending = [s for s in segs if s.pending]
+        if (
+            params is not None
+            and pending
+            and len(pending) < len(segs)
+            and max(len(s.pending) for s in pending) > 1
+        ):
+            # a mixed batch would push dummy tokens through every row for the longest pending run
+            # (e.g. ASKS: reused branches have nothing to prefill, rejected ones a whole prompt)
+            self._run(pending, None, observer)
         rows, ctx, feeds = self._prepare(segs, 0 if params is None else min(params.max_tokens, 128))
         logits = None
         if any(feeds):

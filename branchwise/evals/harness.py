@@ -1,0 +1,468 @@
+"""Run an eval suite: every problem in every cell, one JSONL row each, resumable after a kill.
+
+Durability: each row is appended to ``results.jsonl`` as one line and flushed and fsync'ed as soon as
+its problem is scored, so an interruption (Ctrl-C, SIGKILL, a crash) loses at most the problem in
+flight. On restart the rows already on disk are keyed by ``(cell, problem_id)`` and skipped; a last
+line cut off by a kill (no trailing newline, or not valid JSON) is detected and truncated away before
+anything is appended, so the final file holds every key exactly once.
+
+Order: problems run model → dataset → strategy → problem → acceleration, so a problem's baseline
+and accelerated runs are adjacent in time. These machines are noisy; adjacent runs share the noise,
+which is what the paired speedup in the report assumes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import inspect
+import json
+import logging
+import os
+import time
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+from pydantic import BaseModel
+
+from branchwise.evals.datasets import Problem, Task
+from branchwise.evals.suite import AccelSpec, Cell, ModelSpec, StrategySpec, SuiteConfig
+
+__all__ = ["CONFIG_FILE", "ROWS_FILE", "RunSummary", "SuiteMismatch", "read_rows", "run_suite"]
+
+log = logging.getLogger(__name__)
+
+ROWS_FILE = "results.jsonl"
+CONFIG_FILE = "suite.json"
+_RESULT_SKIP = {
+    "question",
+    "answer",
+    "strategy",
+    "share",
+    "votes",
+    "branches",
+    "tree",
+    "timings",
+    "kv_stats",
+    "notes",
+}
+
+
+class SuiteMismatch(RuntimeError):
+    """The run directory holds results of a different suite configuration."""
+
+
+@dataclass
+class RunSummary:
+    """What one `run_suite` call did."""
+
+    out_dir: Path
+    rows_total: int
+    rows_written: int
+    rows_skipped: int
+    dropped_partial_line: bool
+    errors: int
+    seconds: float
+    cells: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rows file
+# --------------------------------------------------------------------------------------------------
+
+
+def _repair_tail(path: Path) -> bool:
+    """Truncate a last line that a kill cut short (no newline, or not JSON); True if it did."""
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with path.open("rb+") as f:
+        data = f.read()
+        end = len(data)
+        keep = end
+        if not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1  # 0 when the only line is partial
+        else:
+            last_start = data.rfind(b"\n", 0, end - 1) + 1
+            try:
+                json.loads(data[last_start:end])
+            except ValueError:
+                keep = last_start
+        if keep == end:
+            return False
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    log.warning("dropped a partial last line from %s (%d bytes)", path, end - keep)
+    return True
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """All complete rows of a rows file (a partial last line is ignored, not repaired).
+
+    A corrupt line in the middle cannot come from an interrupted append, so it raises.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / ROWS_FILE
+    if not p.exists():
+        return []
+    raw = p.read_bytes()
+    lines = raw.split(b"\n")
+    complete, tail = lines[:-1], lines[-1]
+    rows = []
+    for i, line in enumerate(complete):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError as exc:
+            if i == len(complete) - 1 and not tail:
+                break  # a newline-terminated but garbled last line: also a partial write
+            raise ValueError(f"{p}:{i + 1}: corrupt row ({exc})") from exc
+    return rows
+
+
+class _RowWriter:
+    """Append-only JSONL writer that makes each row durable before returning."""
+
+    def __init__(self, path: Path) -> None:
+        self._f = path.open("a", encoding="utf-8")
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._f.write(json.dumps(row, default=str, ensure_ascii=False) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Option plumbing
+# --------------------------------------------------------------------------------------------------
+
+
+def _annotations(fn: Callable[..., Any]) -> dict[str, Any]:
+    """Resolved parameter annotations of `fn`, skipping ones that cannot be resolved at run time."""
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:
+        pass
+    out: dict[str, Any] = {}
+    module = inspect.getmodule(fn)
+    namespace = vars(module) if module else {}
+    for name, param in inspect.signature(fn).parameters.items():
+        ann = param.annotation
+        if isinstance(ann, str):
+            try:
+                # what get_type_hints does, one parameter at a time (annotations of our constructors)
+                ann = eval(ann, namespace)
+            except Exception:
+                continue
+        out[name] = ann
+    return out
+
+
+def _pydantic_target(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        target = _pydantic_target(arg)
+        if target is not None:
+            return target
+    return None
+
+
+def coerce_options(fn: Callable[..., Any], options: dict[str, Any], where: str) -> dict[str, Any]:
+    """Check option names against `fn`'s signature and turn dicts into the pydantic configs it
+    annotates (``accel: {cgee: {...}}`` -> ``Accel``), so suites stay plain YAML."""
+    sig = inspect.signature(fn)
+    params = sig.parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in options if k not in params and not takes_kwargs]
+    if unknown:
+        allowed = [n for n in params if n not in ("self", "strategy", "backend")]
+        raise ValueError(f"{where}: unknown option(s) {unknown}; {fn.__qualname__} accepts {allowed}")
+    hints = _annotations(fn)
+    out = {}
+    for key, value in options.items():
+        target = _pydantic_target(hints.get(key))
+        out[key] = target.model_validate(value) if target is not None and isinstance(value, dict) else value
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Runner
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    model: ModelSpec
+    task: Task
+    strategy: StrategySpec
+    problem: Problem
+    accel: AccelSpec
+    cell: Cell
+
+
+def _row(
+    cell: Cell, problem: Problem, task: Task, result: Any | None, error: str | None, wall: float
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "cell": cell.id,
+        "model": cell.model.display_name,
+        "dataset": cell.dataset.display_name,
+        "strategy": cell.strategy.label,
+        "accel": cell.accel.label,
+        "problem_id": problem.id,
+        "gold": problem.gold,
+    }
+    if result is None:
+        row.update(answer=None, score=0.0, correct=False, error=error, latency_s=None, wall_s=wall)
+    else:
+        text = next(
+            (b.text for b in result.branches if b.selected),
+            result.branches[0].text if result.branches else "",
+        )
+        score = float(task.score(problem, result.answer, text))
+        kv = result.kv_stats
+        row.update(
+            answer=result.answer,
+            score=score,
+            correct=score >= 1.0,
+            error=None,
+            latency_s=float(result.timings.get("total", wall)),
+            wall_s=wall,
+            tokens_generated=sum(len(n.token_ids) for n in result.tree if n.parent is not None),
+            tokens_computed=kv.get("tokens_computed"),
+            tokens_reused=kv.get("tokens_reused"),
+            forward_calls=kv.get("forward_calls"),
+            kv_peak_bytes=kv.get("peak_bytes"),
+            n_branches=len(result.branches),
+            support=result.support,
+            votes=result.votes,
+            timings=result.timings,
+            kv_stats=kv,
+            notes=result.notes,
+            text=text[:4000],
+        )
+        # optional per-acceleration fields of the result (verify_calls, verify_skipped, cgee_flip...)
+        for key, value in result:
+            if (
+                key not in _RESULT_SKIP
+                and key not in row
+                and (value is None or isinstance(value, int | float | bool | str))
+            ):
+                row[key] = value
+    row["finished_at"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return row
+
+
+def _write_config(out_dir: Path, suite: SuiteConfig, force: bool, expected_rows: int) -> None:
+    path = out_dir / CONFIG_FILE
+    record = {
+        "fingerprint": suite.fingerprint(),
+        "expected_rows": expected_rows,
+        "suite": suite.model_dump(mode="json", by_alias=True),
+    }
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("fingerprint") != record["fingerprint"] and not force:
+            raise SuiteMismatch(
+                f"{out_dir} holds results of a different configuration of suite "
+                f"{old.get('suite', {}).get('name')!r}; use another --out, or --force to add to it "
+                "(rows are keyed by cell and problem, so nothing is duplicated)"
+            )
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, path)
+
+
+def run_suite(
+    suite: SuiteConfig,
+    out_dir: str | Path,
+    *,
+    base_dir: str | Path | None = None,
+    limit: int | None = None,
+    progress: bool = True,
+    force: bool = False,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> RunSummary:
+    """Run (or resume) `suite`, appending rows to ``OUT_DIR/results.jsonl``.
+
+    Args:
+        base_dir: folder that relative strategy paths are resolved against (the suite file's).
+        limit: cap on problems per dataset (on top of the suite's own caps).
+        force: resume into a run directory made by a different suite configuration.
+        on_row: called after each row is durable (tests, live dashboards).
+    """
+    out = Path(out_dir)
+    caps = [c for c in (suite.limit, limit) if c is not None]
+    cap = min(caps) if caps else None
+    base = Path(base_dir) if base_dir is not None else None
+    strategies = {s.label: s.build(base) for s in suite.strategies}
+
+    # validate acceleration options before any model is loaded
+    from branchwise.reasoners.reasoner import Reasoner
+
+    backend_cls = _backend_class()
+    for accel in suite.accelerations:
+        coerce_options(Reasoner.__init__, accel.reasoner, f"acceleration {accel.label!r} reasoner")
+        coerce_options(backend_cls.__init__, accel.backend, f"acceleration {accel.label!r} backend")
+    for model in suite.models:
+        coerce_options(backend_cls.__init__, model.backend, f"model {model.display_name!r} backend")
+
+    tasks: dict[str, Task] = {}
+    plans = list(_plans(suite, tasks, cap))
+    out.mkdir(parents=True, exist_ok=True)
+    # two runners appending to one file would duplicate rows: the second one is refused
+    lock = FileLock(str(out / ".lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout as exc:
+        raise SuiteMismatch(f"another `branchwise eval` is writing to {out}") from exc
+    try:
+        return _run_locked(suite, out, plans, strategies, force, progress, on_row)
+    finally:
+        lock.release()
+
+
+def _run_locked(
+    suite: SuiteConfig,
+    out: Path,
+    plans: list[_Plan],
+    strategies: dict[str, Any],
+    force: bool,
+    progress: bool,
+    on_row: Callable[[dict[str, Any]], None] | None,
+) -> RunSummary:
+    from tqdm.auto import tqdm
+
+    from branchwise.reasoners.reasoner import Reasoner
+
+    backend_cls = _backend_class()
+    _write_config(out, suite, force, len(plans))
+    rows_path = out / ROWS_FILE
+    dropped = _repair_tail(rows_path)
+    existing = read_rows(rows_path)
+    done = {(r["cell"], r["problem_id"]) for r in existing}
+    todo = [plan for plan in plans if (plan.cell.id, plan.problem.id) not in done]
+
+    start = time.perf_counter()
+    writer = _RowWriter(rows_path)
+    written = errors = 0
+    backends: dict[str, Any] = {}
+    voting: dict[tuple[str, str], Any] = {}
+    accel_options: dict[str, dict[str, Any]] = {}
+    current_model: str | None = None
+    bar = tqdm(total=len(todo), desc=suite.name, unit="run", disable=not progress, dynamic_ncols=True)
+    try:
+        for plan in todo:
+            if plan.model.display_name != current_model:
+                backends.clear()  # one model in memory at a time
+                current_model = plan.model.display_name
+            backend = _backend(backends, backend_cls, plan.model, plan.accel)
+            bar.set_postfix_str(plan.cell.id, refresh=False)
+            if plan.accel.label not in accel_options:
+                accel_options[plan.accel.label] = coerce_options(
+                    Reasoner.__init__, plan.accel.reasoner, plan.accel.label
+                )
+            options = accel_options[plan.accel.label]
+            t0 = time.perf_counter()
+            result, error = None, None
+            try:
+                key = (plan.strategy.label, plan.task.extractor)
+                if key not in voting:
+                    voting[key] = _with_extractor(strategies[plan.strategy.label], plan.task.extractor)
+                reasoner = Reasoner(
+                    voting[key], backend=backend, system_prompt=plan.task.system_prompt, **options
+                )
+                result = reasoner.run(plan.task.prompt(plan.problem))
+            except Exception as exc:  # one failing problem must not end the suite
+                error = f"{type(exc).__name__}: {exc}"
+                log.warning("%s %s failed: %s", plan.cell.id, plan.problem.id, error)
+            row = _row(plan.cell, plan.problem, plan.task, result, error, time.perf_counter() - t0)
+            writer.write(row)
+            written += 1
+            errors += error is not None
+            if on_row is not None:
+                on_row(row)
+            bar.update(1)
+    finally:
+        bar.close()
+        writer.close()
+    return RunSummary(
+        out_dir=out,
+        rows_total=len(existing) + written,
+        rows_written=written,
+        rows_skipped=len(existing),
+        dropped_partial_line=dropped,
+        errors=errors,
+        seconds=time.perf_counter() - start,
+        cells=[c.id for c in suite.cells()],
+    )
+
+
+def _plans(suite: SuiteConfig, tasks: dict[str, Task], cap: int | None) -> Iterator[_Plan]:
+    for model in suite.models:
+        for dataset in suite.datasets:
+            key = dataset.display_name
+            if key not in tasks:
+                tasks[key] = dataset.load(cap)
+            task = tasks[key]
+            problems = task.problems()
+            for strategy in suite.strategies:
+                for problem in problems:
+                    for accel in suite.accelerations:
+                        cell = Cell(model, dataset, strategy, accel)
+                        yield _Plan(model, task, strategy, problem, accel, cell)
+
+
+def _backend_class() -> Any:
+    from branchwise.backends.hf import HFBackend
+
+    return HFBackend
+
+
+def _backend(cache: dict[str, Any], cls: Any, model: ModelSpec, accel: AccelSpec) -> Any:
+    """One backend per distinct set of backend options (usually one per model)."""
+    options = {**model.backend, **accel.backend}
+    key = json.dumps(options, sort_keys=True, default=str)
+    if key not in cache:
+        coerced = coerce_options(cls.__init__, options, f"model {model.display_name!r} backend")
+        cache[key] = backend = cls(model.load_name, **coerced)
+        _warm_up(backend)
+    return cache[key]
+
+
+def _warm_up(backend: Any) -> None:
+    """One throwaway batched decode, so one-time costs (allocator, kernel selection) are not billed
+    to whichever cell happens to run first."""
+    from branchwise.backends.base import DecodeParams
+
+    root = backend.prefill(backend.encode("Warm up: 1 2 3"))
+    kids = backend.fork(root, 2)
+    backend.release([root])
+    try:
+        backend.extend(kids, DecodeParams(temperature=0.0, max_tokens=4))
+    finally:
+        backend.release(kids)
+
+
+def _with_extractor(strategy: Any, extractor: str) -> Any:
+    """The strategy with its aggregate votes on the dataset's extractor (when it uses 'auto')."""
+    from branchwise.strategies import AggregateNode, Strategy
+
+    nodes = [
+        n.model_copy(update={"extractor": extractor})
+        if isinstance(n, AggregateNode) and n.extractor == "auto"
+        else n
+        for n in strategy.nodes
+    ]
+    return Strategy(
+        name=strategy.name, description=strategy.description, nodes=nodes, edges=list(strategy.edges)
+    )

@@ -1,0 +1,452 @@
+"""DSPy plug-in: `BranchwiseLM` follows DSPy's BaseLM contract, batches concurrent calls exactly,
+and `Reason` runs branchwise strategies as a DSPy module.
+
+Fast tests use the tiny random models (their replies are gibberish, so programs run with
+`LenientChatAdapter`, which fills fields from free text); the slow ones use the embedded SmolLM2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+dspy = pytest.importorskip("dspy")
+
+from branchwise.backends.base import DecodeParams, Generation  # noqa: E402
+from branchwise.reasoners.dspy import BranchwiseLM, LenientChatAdapter, Reason  # noqa: E402
+from branchwise.strategies import best_of_n, self_consistency  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Implementing custom LMs:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning"),
+]
+
+QUESTIONS = [
+    "What is 12 + 7?",
+    "If Tom has 5 apples and eats 2, how many are left?",
+    "What is 6 times 7?",
+    "How many days are in a week?",
+    "What is 100 - 37?",
+    "The train leaves at 10:30. When does it arrive?",
+    "What is 0.5 + 0.25?",
+    "Is 19 a prime number?",
+    "What is 8 * 9?",
+    "How many months are in a year?",
+    "What is 1,000 + 2,500?",
+    "Let's think step by step: 3 + 4 + 5?",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_llama_dir: Path) -> Any:
+    from branchwise.backends.hf import HFBackend
+
+    return HFBackend(tiny_llama_dir)
+
+
+def _lm(backend: Any, **kwargs: Any) -> BranchwiseLM:
+    kwargs.setdefault("cache", False)
+    kwargs.setdefault("max_tokens", 16)
+    return BranchwiseLM(backend=backend, **kwargs)
+
+
+def _msgs(q: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": q}]
+
+
+# --------------------------------------------------------------------------------------------------
+# The BaseLM contract
+# --------------------------------------------------------------------------------------------------
+
+
+def test_forward_returns_openai_shape_with_n_choices(tiny_backend: Any) -> None:
+    lm = _lm(tiny_backend)
+    resp = lm.forward(messages=_msgs("What is 12 + 7?"), n=3, temperature=0.8, seed=1, logprobs=True)
+    assert len(resp.choices) == 3
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    for c in resp.choices:
+        assert isinstance(c.message.content, str)
+        assert c.finish_reason in ("stop", "length")
+        assert len(c.logprobs.content) >= 1 and "logprob" in c.logprobs.content[0]
+    usage = resp.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert resp["model"] == lm.model  # plain-dict access works too (DSPy reads either way)
+    # through DSPy's public call: a list of n outputs (dicts, since logprobs were asked for)
+    outs = lm("What is 12 + 7?", n=2, temperature=0.7)
+    assert len(outs) == 2 and all(isinstance(o, str) for o in outs)
+
+
+def test_n_samples_share_one_prompt_prefill(tiny_backend: Any) -> None:
+    """share='exact': the prompt is computed once and read by all n branches; 'none' recomputes."""
+    prompt_len = len(tiny_backend.chat_prompt(_msgs("What is 6 times 7?")))
+    stats = {}
+    for share in ("exact", "none"):
+        lm = _lm(tiny_backend, share=share)
+        tiny_backend.reset_stats()
+        resp = lm.forward(
+            messages=_msgs("What is 6 times 7?"), n=4, temperature=0.7, max_tokens=4, min_tokens=4
+        )
+        assert len(resp.choices) == 4
+        stats[share] = tiny_backend.kv_stats()
+    assert stats["exact"].tokens_reused == 4 * prompt_len
+    assert stats["none"].tokens_reused == 0
+    # the prompt is computed once vs. four times (plus the same decode tokens in both)
+    assert stats["none"].tokens_computed - stats["exact"].tokens_computed == 3 * prompt_len
+
+
+def test_cache_key_uses_rollout_id_and_drops_cache_kwargs(tiny_backend: Any, monkeypatch: Any) -> None:
+    from dspy.clients.cache import Cache
+
+    monkeypatch.setattr(
+        dspy, "cache", Cache(enable_disk_cache=False, enable_memory_cache=True, disk_cache_dir=None)
+    )
+    lm = _lm(tiny_backend, cache=True)
+    first = lm("What is 12 + 7?", temperature=0.9)
+    served = lm.batch_stats.requests
+    assert lm("What is 12 + 7?", temperature=0.9) == first  # memory cache hit: no decode
+    assert lm.batch_stats.requests == served
+    lm("What is 12 + 7?", temperature=0.9, rollout_id=1)  # a new rollout is a new request
+    assert lm.batch_stats.requests == served + 1
+    lm.copy(rollout_id=2)("What is 12 + 7?", temperature=0.9)
+    assert lm.batch_stats.requests == served + 2
+    lm("What is 12 + 7?", temperature=0.9, cache=False)  # per-call opt-out
+    assert lm.batch_stats.requests == served + 3
+
+
+def test_copy_and_deepcopy_share_the_model(tiny_backend: Any) -> None:
+    lm = _lm(tiny_backend, temperature=0.0)
+    other = lm.copy(temperature=1.0, rollout_id=3)
+    assert other.backend is lm.backend and other.batch_stats is lm.batch_stats
+    assert other.kwargs["temperature"] == 1.0 and other.kwargs["rollout_id"] == 3
+    assert lm.kwargs["temperature"] == 0.0 and "rollout_id" not in lm.kwargs
+    assert other.history is not lm.history
+    assert copy.deepcopy(lm).backend is lm.backend
+    program = dspy.ChainOfThought("question -> answer")
+    program.set_lm(lm)
+    clone = program.deepcopy()
+    assert clone.predict.lm.backend is lm.backend
+
+
+def test_dump_and_load_state_round_trip(tiny_llama_dir: Path) -> None:
+    lm = BranchwiseLM(
+        str(tiny_llama_dir), share="none", temperature=0.3, max_tokens=9, cache=False, top_p=0.9
+    )
+    state = lm.dump_state()
+    assert state["share"] == "none" and state["model"] == str(tiny_llama_dir)
+    loaded = dspy.BaseLM.load_state(state, allow_custom_lm_class=True)
+    assert isinstance(loaded, BranchwiseLM)
+    assert loaded.share == "none" and loaded.cache is False
+    assert loaded.kwargs == lm.kwargs
+    greedy = {"temperature": 0.0}
+    assert loaded("What is 12 + 7?", **greedy) == lm("What is 12 + 7?", **greedy)
+
+
+def test_bad_requests_fail_in_the_caller(tiny_backend: Any) -> None:
+    lm = _lm(tiny_backend)
+    with pytest.raises(ValueError, match="n=0"):
+        lm.forward(prompt="hi", n=0)
+    with pytest.raises(ValueError, match="temperature"):
+        lm.forward(prompt="hi", temperature=99.0)
+    with pytest.raises(ValueError, match="text content only"):
+        lm.forward(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+# --------------------------------------------------------------------------------------------------
+# Batching
+# --------------------------------------------------------------------------------------------------
+
+
+class FakeBackend:
+    """Records `extend` calls; each branch 'generates' its prompt length and a per-call counter."""
+
+    name = "fake"
+    model_name = "fake"
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.lock = threading.Lock()
+        self.extends: list[tuple[int, DecodeParams]] = []
+        self.live: set[int] = set()
+        self.prompts: dict[int, list[int]] = {}
+        self.next = 0
+        self.fail_on = fail_on
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return [ord(c) % 50 for c in messages[-1]["content"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(map(str, ids))
+
+    def prefill(self, ids: Sequence[int]) -> int:
+        with self.lock:
+            self.next += 1
+            self.live.add(self.next)
+            self.prompts[self.next] = list(ids)
+            return self.next
+
+    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
+        kids = [self.prefill(self.prompts[node]) for _ in range(n)]
+        return kids
+
+    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+        with self.lock:
+            self.extends.append((len(nodes), params))
+            if self.fail_on is not None and len(self.extends) == self.fail_on:
+                raise RuntimeError("boom")
+        return [
+            Generation(n, [len(self.prompts[n])], f"len={len(self.prompts[n])}", [0.9], [-0.1], "eos")
+            for n in nodes
+        ]
+
+    def release(self, nodes: Sequence[int]) -> None:
+        with self.lock:
+            for n in nodes:
+                self.live.discard(n)
+
+
+def test_concurrent_calls_are_batched_and_grouped_by_params() -> None:
+    backend = FakeBackend()
+    lm = BranchwiseLM(backend=backend, cache=False, batch_window_s=0.05)
+    barrier = threading.Barrier(8)
+
+    def call(i: int) -> str:
+        barrier.wait()
+        temp = 0.0 if i % 2 == 0 else 0.5
+        return lm.forward(messages=_msgs("x" * (i + 1)), temperature=temp, n=2).choices[1].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(call, range(8)))
+    assert texts == [f"len={i + 1}" for i in range(8)]  # every caller gets its own answer
+    assert backend.live == set()  # every node released
+    # 8 calls with two distinct decoding settings -> (at least) one extend per setting, not 8
+    assert len(backend.extends) < 8
+    temps = {p.temperature for _, p in backend.extends}
+    assert temps == {0.0, 0.5}
+    assert all(rows % 2 == 0 for rows, _ in backend.extends)
+    assert lm.batch_stats.requests == 8 and lm.batch_stats.max_requests_per_call >= 2
+
+
+def test_seeded_sampling_calls_are_not_co_batched() -> None:
+    backend = FakeBackend()
+    lm = BranchwiseLM(backend=backend, cache=False, batch_window_s=0.05)
+    barrier = threading.Barrier(4)
+
+    def call(i: int) -> None:
+        barrier.wait()
+        lm.forward(prompt="same", temperature=0.7, seed=5, n=3)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(call, range(4)))
+    assert [rows for rows, _ in backend.extends] == [3, 3, 3, 3]
+
+
+def test_worker_errors_reach_every_caller_and_the_worker_survives() -> None:
+    backend = FakeBackend(fail_on=1)
+    lm = BranchwiseLM(backend=backend, cache=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        lm.forward(prompt="a")
+    assert backend.live == set()
+    assert lm.forward(prompt="abc").choices[0].message.content == "len=3"
+
+
+def test_threaded_calls_equal_serial_greedy(tiny_backend: Any) -> None:
+    """Batched greedy decoding is token-exact: 12 threads give the serial texts, in fewer decodes."""
+    lm = _lm(tiny_backend, max_tokens=24, temperature=0.0)
+    serial = [lm.forward(messages=_msgs(q)).choices[0].message.content for q in QUESTIONS]
+    assert lm.batch_stats.max_requests_per_call == 1
+    lm.reset_batch_stats()
+    barrier = threading.Barrier(len(QUESTIONS))
+
+    def call(q: str) -> str:
+        barrier.wait()
+        return lm.forward(messages=_msgs(q)).choices[0].message.content
+
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        threaded = list(pool.map(call, QUESTIONS))
+    assert threaded == serial
+    stats = lm.batch_stats
+    assert stats.requests == len(QUESTIONS)
+    assert stats.extend_calls < len(QUESTIONS) and stats.max_requests_per_call > 1
+
+
+def test_async_calls_batch_too(tiny_backend: Any) -> None:
+    lm = _lm(tiny_backend, temperature=0.0)
+    serial = [lm.forward(messages=_msgs(q)).choices[0].message.content for q in QUESTIONS[:6]]
+    lm.reset_batch_stats()
+
+    async def main() -> list[str]:
+        outs = await asyncio.gather(*(lm.acall(messages=_msgs(q)) for q in QUESTIONS[:6]))
+        return [o[0] for o in outs]
+
+    assert asyncio.run(main()) == serial
+    assert lm.batch_stats.extend_calls < 6
+
+
+# --------------------------------------------------------------------------------------------------
+# Unchanged DSPy programs
+# --------------------------------------------------------------------------------------------------
+
+
+def _devset(n: int) -> list[Any]:
+    return [dspy.Example(question=q, answer="19").with_inputs("question") for q in QUESTIONS[:n]]
+
+
+def _metric(example: Any, pred: Any, trace: Any = None) -> float:
+    return float(str(pred.answer).strip() == example.answer)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_chain_of_thought_and_evaluate_threaded_equals_serial(tiny_model_dir: Any, arch: str) -> None:
+    from branchwise.backends.hf import HFBackend
+
+    lm = _lm(HFBackend(tiny_model_dir(arch)), max_tokens=20, temperature=0.0)
+    program = dspy.ChainOfThought("question -> answer")  # unchanged DSPy program
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        pred = program(question="What is 12 + 7?")
+        assert isinstance(pred.reasoning, str) and isinstance(pred.answer, str)
+        devset = _devset(10)
+        serial = dspy.Evaluate(devset=devset, metric=_metric, num_threads=1, display_progress=False)(program)
+        lm.reset_batch_stats()
+        threaded = dspy.Evaluate(devset=devset, metric=_metric, num_threads=16, display_progress=False)(
+            program
+        )
+    assert [(p.reasoning, p.answer) for _, p, _ in threaded.results] == [
+        (p.reasoning, p.answer) for _, p, _ in serial.results
+    ]
+    assert threaded.score == serial.score
+    assert lm.batch_stats.max_requests_per_call > 1
+
+
+def test_predict_with_n_uses_one_shared_prefill(tiny_backend: Any) -> None:
+    lm = _lm(tiny_backend)
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        pred = dspy.Predict("question -> answer", n=4)(question="What is 12 + 7?")
+    assert len(pred.completions) == 4
+    assert lm.batch_stats.extend_calls == 1 and lm.batch_stats.rows == 4
+
+
+def test_best_of_n_and_refine_run(tiny_backend: Any) -> None:
+    lm = _lm(tiny_backend)
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        best = dspy.BestOfN(
+            dspy.Predict("question -> answer"), N=3, reward_fn=lambda args, pred: 0.0, threshold=1.0
+        )
+        assert isinstance(best(question="What is 12 + 7?").answer, str)
+        # a passing first attempt: Refine's feedback step would feed the tiny model a 12k-token
+        # prompt (its byte-level tokenizer), which is slow and adds nothing to what is tested here
+        refine = dspy.Refine(
+            dspy.Predict("question -> answer"), N=2, reward_fn=lambda args, pred: 1.0, threshold=1.0
+        )
+        assert isinstance(refine(question="What is 12 + 7?").answer, str)
+    assert lm.batch_stats.requests == 4  # 3 BestOfN rollouts (distinct rollout_ids) + 1 Refine attempt
+
+
+def test_lenient_adapter_keeps_what_parses_and_salvages_the_rest() -> None:
+    sig = dspy.ensure_signature("question -> reasoning, answer")
+    adapter = LenientChatAdapter()
+    good = "[[ ## reasoning ## ]]\nadd\n\n[[ ## answer ## ]]\n19\n\n[[ ## completed ## ]]"
+    assert adapter.parse(sig, good) == {"reasoning": "add", "answer": "19"}
+    assert adapter.parse(sig, "12 + 7 = 19") == {"reasoning": "12 + 7 = 19", "answer": "19"}
+    assert adapter.parse(sig, "[[ ## reasoning ## ]]\nso the answer is 8")["answer"] == "8"
+    typed = dspy.ensure_signature("question -> answer: int")
+    with pytest.raises(dspy.utils.exceptions.AdapterParseError):
+        adapter.parse(typed, "no number here")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reason: strategies as a DSPy module
+# --------------------------------------------------------------------------------------------------
+
+
+def test_reason_module_returns_prediction_with_completions_and_trace(tiny_backend: Any) -> None:
+    lm = _lm(tiny_backend)
+    reason = Reason("question -> answer", strategy=self_consistency(n=3, max_tokens=12, seed=0))
+    with dspy.context(lm=lm):
+        pred = reason(question="What is 12 + 7?")
+    assert len(pred.completions) == 3
+    assert set(pred.completions[0]) == {"reasoning", "answer"}
+    result = pred.reasoning_result
+    assert len(result.branches) == 3 and result.strategy == "self_consistency"
+    if result.answer is not None:
+        from branchwise.reasoners.answers import normalize_answer
+
+        assert normalize_answer(pred.answer.splitlines()[0]) == result.answer
+    assert sum(pred.votes.values()) <= 3
+
+
+def test_reason_inside_a_larger_program_with_best_of_n(tiny_backend: Any) -> None:
+    class Pipeline(dspy.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.solve = Reason(
+                "question -> answer",
+                strategy=best_of_n(n=2, verifier="confidence", max_tokens=10, seed=0),
+                backend=tiny_backend,
+            )
+            self.explain = dspy.Predict("question, answer -> explanation")
+
+        def forward(self, question: str) -> Any:
+            answer = self.solve(question=question).answer
+            return self.explain(question=question, answer=answer)
+
+    lm = _lm(tiny_backend)
+    program = Pipeline()
+    assert program.deepcopy().solve._backend.obj is tiny_backend  # copies share the model
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        out = program(question="What is 12 + 7?")
+    assert isinstance(out.explanation, str)
+
+
+def test_reason_needs_a_branchwise_lm() -> None:
+    with dspy.context(lm=None), pytest.raises(ValueError, match="BranchwiseLM"):
+        Reason("question -> answer")(question="hi")
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedded model (slow)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_embedded_chain_of_thought_evaluate_threaded_equals_serial(embedded_dir: Path) -> None:
+    from branchwise.backends.hf import HFBackend
+
+    lm = BranchwiseLM(backend=HFBackend(embedded_dir), cache=False, max_tokens=24, temperature=0.0)
+    program = dspy.ChainOfThought("question -> answer")
+    devset = [
+        dspy.Example(question=q, answer=a).with_inputs("question")
+        for q, a in [
+            ("What is 12 + 7?", "19"),
+            ("What is 6 times 7?", "42"),
+            ("What is 100 - 37?", "63"),
+            ("How many days are in a week?", "7"),
+        ]
+    ]
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        serial = dspy.Evaluate(devset=devset, metric=_metric, num_threads=1, display_progress=False)(program)
+        lm.reset_batch_stats()
+        threaded = dspy.Evaluate(devset=devset, metric=_metric, num_threads=4, display_progress=False)(
+            program
+        )
+    assert [p.answer for _, p, _ in threaded.results] == [p.answer for _, p, _ in serial.results]
+    assert [p.reasoning for _, p, _ in threaded.results] == [p.reasoning for _, p, _ in serial.results]
+    assert lm.batch_stats.max_requests_per_call > 1
+
+
+@pytest.mark.slow
+def test_embedded_reason_self_consistency(embedded_dir: Path) -> None:
+    from branchwise.backends.hf import HFBackend
+
+    lm = BranchwiseLM(backend=HFBackend(embedded_dir), cache=False)
+    with dspy.context(lm=lm):
+        pred = Reason("question -> answer", strategy=self_consistency(n=4, max_tokens=40, seed=0))(
+            question="What is 12 + 7?"
+        )
+    assert len(pred.completions) == 4
+    assert pred.reasoning_result.kv_stats["tokens_reused"] > 0

@@ -15,22 +15,13 @@ import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import emit, machine
-from _rksc import CONDITIONS, hint_suffixes, load_problems, padded_prompt, solve
+from _rksc import CONDITIONS, bootstrap_ci, hint_suffixes, load_problems, padded_prompt, solve
 
 from branchwise.backends.accel import Accel, RSBCMConfig
 from branchwise.backends.hf import HFBackend
-
-
-def bootstrap_ci(diffs: list[float], seed: int = 0, n: int = 2000) -> tuple[float, float]:
-    rng = np.random.default_rng(seed)
-    values = np.asarray(diffs)
-    means = [rng.choice(values, size=len(values), replace=True).mean() for _ in range(n)]
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         times["kv+rsbcm"].append(evicting.seconds)
         agree.append(base.answers[base.decision] == evicting.answers[evicting.decision])
     diffs = [(b - a) * 1000 for a, b in zip(times["kv"], times["kv+rsbcm"], strict=True)]
-    low, high = bootstrap_ci(diffs)
+    # paired per problem: resample problems, keep each (kv, kv+rsbcm) pair together
+    low, high = bootstrap_ci([times["kv"], times["kv+rsbcm"]], lambda a, b: float(((b - a) * 1000).mean()))
     emit(
         {
             "benchmark": "rksc_rsbcm",

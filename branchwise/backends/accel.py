@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Config(BaseModel):
@@ -83,6 +83,87 @@ class RSBCMConfig(_Config):
     )
 
 
+class RiverConfig(_Config):
+    """River-LLM §4: token-level early exit onto a KV-shared river of weight-quantized layer copies.
+
+    After each backbone layer from `entry_layer` on, the state-transition similarity cos(block input,
+    block output) is taken at every row's newest token (decode) or averaged over each row's fed tokens
+    (prefill, sequence level). When it reaches `threshold` for every row of the batch, the remaining
+    layers run on their quantized copies, which write K/V into the backbone's own cache slots.
+    """
+
+    threshold: float = Field(
+        0.9, ge=-1.0, le=1.0, description="exit when cos(input, output) >= this for the whole batch"
+    )
+    entry_layer: int = Field(
+        1, ge=0, le=1000, description="first backbone layer (0-based) whose similarity is tested"
+    )
+    bits: Literal[4, 8] = Field(8, description="weight bits of the river layers")
+    group_size: int = Field(
+        64, ge=8, le=8192, description="weights per quantization group (weight-only kernel)"
+    )
+    kernel: Literal["auto", "dynamic_int8", "weight_only"] = Field(
+        "auto",
+        description="'dynamic_int8' = torch's int8 dynamic Linear (CPU); 'weight_only' = group-wise packed "
+        "weights dequantized per call; 'auto' picks dynamic_int8 for bits=8 on CPU, else weight_only",
+    )
+    prefill: bool = Field(True, description="let prefill forwards exit too (sequence level)")
+    audit: bool = Field(
+        False, description="also run the backbone for exited tokens to report next-token match and KL (slow)"
+    )
+
+
+class SteeringConfig(_Config):
+    """SkipKV §4.2: add α_t·v at layer k's residual input at delimiter tokens, α_t = α0 + γ·N_nonexec."""
+
+    alpha0: float = Field(1.0, ge=0.0, le=100.0, description="initial strength α0")
+    gamma: float = Field(0.02, ge=0.0, le=10.0, description="strength added per non-execution thought γ")
+    layer: int | None = Field(None, ge=0, le=1000, description="None = the layer saved with the vector")
+    vector_path: str | None = Field(
+        None, description="a vector saved by `branchwise steering build`; None = the model's saved one"
+    )
+
+
+class SkipKVConfig(_Config):
+    """SkipKV §4: keep each branch's own generated KV under `budget` tokens by sentence-aware eviction.
+
+    Every `interval` decode steps a branch above budget drops the tokens with the lowest Eq. 6 score
+    (σ·attention importance − (1−σ)·key redundancy − sentence redundancy λ). Prompt and ancestor KV
+    (shared with other branches) is never evicted. `sigma=1, redundancy=False, sentence_scoring=False`
+    is the attention-only (H2O/SnapKV-style) baseline; `sentence_scoring=False` alone is R-KV.
+    """
+
+    budget: int = Field(..., ge=2, le=10_000_000, description="KV tokens a branch's generated part may keep")
+    interval: int = Field(128, ge=1, le=100_000, description="decode steps between compressions Δt")
+    window: int = Field(8, ge=0, le=100_000, description="newest tokens always kept")
+    query_window: int = Field(8, ge=1, le=1024, description="recent queries α scoring token importance")
+    pool_kernel: int = Field(7, ge=1, le=255, description="max-pool kernel over token importance (odd)")
+    sigma: float = Field(0.1, ge=0.0, le=1.0, description="importance vs redundancy trade-off σ")
+    tau: float = Field(0.95, ge=0.0, le=1.0, description="sentence similarity threshold τ (paper 0.95-0.99)")
+    redundancy: bool = Field(True, description="R-KV key-redundancy term")
+    sentence_scoring: bool = Field(True, description="Eq. 3 sentence redundancy term")
+    keywords: tuple[str, ...] = Field(("Wait", "Alternatively", "again"), description="non-execution markers")
+    steering: SteeringConfig | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> SkipKVConfig:
+        if self.window >= self.budget:
+            raise ValueError(f"window={self.window} must be below budget={self.budget}")
+        if self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel={self.pool_kernel} must be odd (1-255)")
+        return self
+
+    @classmethod
+    def attention_only(cls, budget: int, **kwargs: object) -> SkipKVConfig:
+        """H2O/SnapKV-style baseline: evict by windowed attention importance alone."""
+        return cls(budget=budget, sigma=1.0, redundancy=False, sentence_scoring=False, **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def rkv(cls, budget: int, **kwargs: object) -> SkipKVConfig:
+        """R-KV baseline: importance and key redundancy, no sentences, no steering."""
+        return cls(budget=budget, sentence_scoring=False, **kwargs)  # type: ignore[arg-type]
+
+
 class Accel(_Config):
     """Which accelerations are on. `Accel()` = all off (plain exact/none sharing)."""
 
@@ -90,6 +171,8 @@ class Accel(_Config):
     probe: ProbeConfig | None = None
     cgee: CGEEConfig | None = None
     rsbcm: RSBCMConfig | None = None
+    river: RiverConfig | None = None
+    skipkv: SkipKVConfig | None = None
 
     @classmethod
     def rksc(cls) -> Accel:

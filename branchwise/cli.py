@@ -90,9 +90,33 @@ def run(
     variant: Annotated[
         list[str] | None, typer.Option(help="An alternative phrasing of the question (repeatable).")
     ] = None,
+    river_threshold: Annotated[
+        float | None,
+        typer.Option(
+            min=-1.0,
+            max=1.0,
+            help="River early exit onto quantized layers at this similarity (off if unset).",
+        ),
+    ] = None,
+    skipkv_budget: Annotated[
+        int | None,
+        typer.Option(min=2, help="SkipKV: KV tokens each branch's generation may keep (off if unset)."),
+    ] = None,
+    steer: Annotated[
+        bool, typer.Option(help="SkipKV adaptive steering (needs `branchwise steering build` first).")
+    ] = False,
 ) -> None:
     """Answer QUESTIONS with a multi-branch strategy and print the answer, the vote and the KV/time summary."""
-    from branchwise.backends.accel import Accel, ASKSConfig, CGEEConfig, ProbeConfig, RSBCMConfig
+    from branchwise.backends.accel import (
+        Accel,
+        ASKSConfig,
+        CGEEConfig,
+        ProbeConfig,
+        RiverConfig,
+        RSBCMConfig,
+        SkipKVConfig,
+        SteeringConfig,
+    )
     from branchwise.backends.hf import HFBackend
     from branchwise.reasoners import Reasoner
 
@@ -102,7 +126,13 @@ def run(
         cgee=CGEEConfig() if cgee else None,
         rsbcm=RSBCMConfig(capacity_blocks=rsbcm_capacity) if rsbcm_capacity else None,
         probe=ProbeConfig() if probe else None,
+        river=RiverConfig(threshold=river_threshold) if river_threshold is not None else None,
+        skipkv=SkipKVConfig(budget=skipkv_budget, steering=SteeringConfig() if steer else None)
+        if skipkv_budget
+        else None,
     )
+    if steer and not skipkv_budget:
+        raise typer.BadParameter("--steer needs --skipkv-budget (steering is part of SkipKV)")
     with console.status(f"loading {model or 'the embedded model'}…"):
         backend = HFBackend(model)
     reasoner = Reasoner(strat, backend=backend, share=share.value, accel=accel)
@@ -133,7 +163,17 @@ def run(
         summary.add_row("branches", str(len(result.branches)))
         if result.verify_calls:
             summary.add_row("verify skipped (CGEE)", f"{result.verify_skipped} / {result.verify_calls}")
-        for key in ("asks_reused", "asks_rejected", "rsbcm_evictions", "verify_exits"):
+        if kv.get("river_tokens"):
+            summary.add_row(
+                "River backbone layers / token", f"{kv['river_backbone_layers'] / kv['river_tokens']:.2f}"
+            )
+        for key in (
+            "asks_reused",
+            "asks_rejected",
+            "rsbcm_evictions",
+            "verify_exits",
+            "skipkv_evicted_tokens",
+        ):
             if key in kv:
                 summary.add_row(key.replace("_", " "), f"{kv[key]:g}")
         console.print(summary)
@@ -193,6 +233,61 @@ def calibrate(
         backend = HFBackend(model)
     calibration = calibrate_cgee(backend, questions, n=n, max_tokens=max_tokens)
     console.print_json(json.dumps(calibration.__dict__))
+
+
+steering_app = typer.Typer(
+    help="SkipKV steering vectors (§4.2): build and inspect them.", no_args_is_help=True
+)
+app.add_typer(steering_app, name="steering")
+
+
+@steering_app.command("build")
+def steering_build(
+    model: Annotated[
+        str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
+    ] = None,
+    task: Annotated[str, typer.Option(help="reasoning-gym task the traces are sampled on.")] = "gsm_symbolic",
+    problems: Annotated[
+        int, typer.Option(min=1, max=100000, help="questions (paper: 1,000 MATH train).")
+    ] = 16,
+    samples: Annotated[int, typer.Option(min=1, max=4096, help="traces sampled per question.")] = 4,
+    layer: Annotated[
+        int | None, typer.Option(min=0, help="layer whose residual input is steered; default ≈70 % depth.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, max=131072)] = 256,
+    seed: Annotated[
+        int, typer.Option(min=0, help="seed of the question split (keep it apart from evals).")
+    ] = 20_000,
+    out: Annotated[
+        Path | None, typer.Option(help="where to save; default: the model's slot in the cache.")
+    ] = None,
+) -> None:
+    """Sample reasoning traces, and save v = mean(execution) − mean(non-execution) delimiter states."""
+    import reasoning_gym
+
+    from branchwise.backends.hf import HFBackend
+    from branchwise.reasoners.steering import build_steering
+
+    questions = [entry["question"] for entry in reasoning_gym.create_dataset(task, size=problems, seed=seed)]
+    with console.status(f"loading {model or 'the embedded model'}…"):
+        backend = HFBackend(model)
+    try:
+        vector = build_steering(
+            backend, questions, layer=layer, samples=samples, max_tokens=max_tokens, save=out is None
+        )
+    except ValueError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from err
+    if out is not None:
+        vector.save(out)
+    summary = {
+        "model": vector.model,
+        "layer": vector.layer,
+        "n_exec": vector.n_exec,
+        "n_nonexec": vector.n_nonexec,
+        "norm": round(float(vector.vector.norm()), 4),
+    }
+    console.print_json(json.dumps(summary))
 
 
 from branchwise.evals.cli import eval_command, report_command  # noqa: E402 - registered last, kept apart

@@ -630,6 +630,7 @@ class Reasoner:
             run.support = vote.counts.get(run.answer, 0.0) / total if total else 0.0
 
     def _result(self, run: _Run, stats: dict[str, float]) -> ReasoningResult:
+        run.notes += _accel_notes(getattr(self.backend, "accel", None), stats)
         branches = [
             Branch(
                 node=leaf.node,
@@ -662,3 +663,19 @@ class Reasoner:
             kv_per_step=run.kv_per_step,
             search_steps=run.search,
         )
+
+
+def _accel_notes(accel: Accel | None, stats: dict[str, float]) -> list[str]:
+    """Say when an acceleration was on but never acted, so a result never implies a speed-up it lacks."""
+    notes = []
+    if accel is not None and accel.river is not None and stats.get("river_forwards") and not stats.get("river_exits"):
+        notes.append(
+            f"river: no forward passed threshold {accel.river.threshold} after layer {accel.river.entry_layer}; "
+            "every token ran the whole backbone"
+        )
+    if accel is not None and accel.skipkv is not None and not stats.get("skipkv_compressions"):
+        notes.append(
+            f"skipkv: no branch held more than {accel.skipkv.budget} generated tokens at a compression step "
+            f"(every {accel.skipkv.interval}); nothing was evicted"
+        )
+    return notes

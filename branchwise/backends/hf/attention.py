@@ -60,6 +60,10 @@ class BatchContext:
     own_mass: torch.Tensor | None = None  # [B, cap]
     seg_mass: dict[int, torch.Tensor] = field(default_factory=dict)  # segment key -> [T]
     n_groups: int = 1
+    query_window: list[torch.Tensor] | None = None
+    """SkipKV: per layer the last α post-RoPE decode queries `[B, H, α', D]` (None = not recorded)."""
+    window_size: int = 0
+    last_hidden: torch.Tensor | None = None  # final-norm hidden state at each row's last fed token
     # set by begin():
     q_len: int = 0
     _own_mask: torch.Tensor | None = None  # [B,1,q,T] bool
@@ -125,6 +129,8 @@ class BatchContext:
             self.own_mass = self.own_mass.index_select(0, keep)
         if self.pos_next is not None:
             self.pos_next = self.pos_next.index_select(0, keep)
+        if self.query_window is not None:
+            self.query_window = [w.index_select(0, keep) for w in self.query_window]
         new_shared = []
         for seg in self.shared:
             if seg.rows is None:
@@ -148,6 +154,11 @@ class BatchContext:
         """
         tk, tv = self.tail_k[layer], self.tail_v[layer]
         q_len = self.q_len
+        if self.query_window is not None and q_len == 1:
+            # decode step: slide the observation window SkipKV scores token importance with
+            self.query_window[layer] = torch.cat([self.query_window[layer], query], dim=2)[
+                :, :, -self.window_size :
+            ]
         if self._uniform is not None:
             start = self._uniform
             tk[:, :, start : start + q_len] = key

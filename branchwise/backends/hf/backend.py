@@ -16,7 +16,7 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -32,8 +32,10 @@ from branchwise.backends.hf.asks import HiddenCapture, KVProbe, layer_weights, s
 from branchwise.backends.hf.attention import BatchContext, SharedSegment
 from branchwise.backends.hf.cgee import DEFAULT_THETA, Calibration, EntropyExit, EntropyTrace, verify_skip
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
+from branchwise.backends.hf.river import RiverPath, exit_fidelity
 from branchwise.backends.hf.rsbcm import Block, blocks_of, keep_mask, plan_evictions
 from branchwise.backends.hf.sampling import pick_tokens
+from branchwise.backends.hf.skipkv import SkipKV, SkipState, Steering
 
 if TYPE_CHECKING:
     from branchwise.backends.hf.cgee import LayerObserver
@@ -71,6 +73,8 @@ class _Segment:
     """Attention mass each physical KV token received (RSBCM), when tracking is on."""
     score: float = 1.0
     """Branch score used by RSBCM: generation confidence after decoding, or a verifier's score."""
+    skip: SkipState | None = None
+    """SkipKV: the sentences of this segment's generated tokens and where they sit in its KV."""
 
     def kv_ancestors(self) -> list[_Segment]:
         """Ancestors whose KV this segment attends to, nearest first."""
@@ -238,7 +242,17 @@ class HFBackend:
 
     @accel.setter
     def accel(self, value: Accel) -> None:
+        if value.skipkv is not None and value.rsbcm is not None:
+            raise ValueError("accel.skipkv and accel.rsbcm both evict a branch's KV; enable one of them")
         self._accel = value
+        river: RiverPath | None = getattr(self, "_river", None)
+        if value.river is None:
+            self._river = None
+        elif river is None or not river.same_weights(value.river):
+            self._river = RiverPath(self.parts, value.river, self.device)
+        else:
+            river.cfg = value.river  # threshold/prefill/audit change without rebuilding the river
+        self._skip = None if value.skipkv is None else SkipKV(value.skipkv, self.tokenizer, self.parts, self.model_name)
         self.cgee_theta, self.cgee_l_min, self.cgee_tau_conf, self.cgee_r_gap = DEFAULT_THETA, 2, 0.70, 0.06
         cgee = value.cgee
         if cgee is not None:
@@ -830,8 +844,13 @@ class HFBackend:
         ctx: BatchContext,
         feeds: Sequence[Sequence[int]],
         observer: LayerObserver | None = None,
+        steer: Steering | None = None,
     ) -> torch.Tensor:
         """Push `feeds[b]` (0+ tokens) through the model for every row; logits after each row's last one.
+
+        `steer` (SkipKV §4.2) adds its vector to one layer's residual input at delimiter tokens. With
+        River on, the batch leaves the backbone for the quantized river once every row's state
+        transition is similar enough (decode: token level; prefill: sequence level).
 
         `observer.after_layer` sees each layer's output at every row's last fed token and may let rows
         exit early with their own logits (CGEE level 2); exited rows are dropped from the batch for the
@@ -854,8 +873,26 @@ class HFBackend:
         last = torch.tensor([max(c, 1) - 1 for c in counts], device=self.device)
         rows = torch.arange(b, device=self.device)  # original row of each active batch position
         logits: torch.Tensor | None = None
+        river = self._river if self._river is not None and (q == 1 or self.accel.river.prefill) else None
+        exited_at: int | None = None  # River: the backbone layer after which the batch left for the river
+        audit: torch.Tensor | None = None  # River audit: the backbone's own logits for exited tokens
+        n_fed = torch.tensor(counts, device=self.device)
+
+        def run(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return block(x, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), bw_ctx=ctx)
+
         for index, layer in enumerate(parts.layers):
-            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), bw_ctx=ctx)
+            if steer is not None and index == steer.layer:
+                h = steer.apply(h, ids[rows], rows)
+            if exited_at is not None:
+                h = run(river.layers[index], h)
+            else:
+                h_in = h
+                h = run(layer, h)
+                if river is not None and river.may_exit(index) and river.passes(h_in, h, n_fed[rows]):
+                    exited_at = index
+                    if river.cfg.audit and observer is None:
+                        audit = self._audit_backbone(h, index, last, run)
             if observer is None:
                 continue
             exits = observer.after_layer(index, h[torch.arange(len(rows), device=self.device), last], rows)
@@ -871,12 +908,15 @@ class HFBackend:
             if keep.numel() == 0:
                 break
         if len(rows):
-            h_last = h[torch.arange(len(rows), device=self.device), last]
-            final = parts.head(parts.norm(h_last))
+            h_last = parts.norm(h[torch.arange(len(rows), device=self.device), last])
+            ctx.last_hidden = h_last
+            final = parts.head(h_last)
             if logits is None:
                 logits = final
             else:
                 logits[rows] = final.to(logits.dtype)
+        if river is not None:
+            self._river_account(river, exited_at, sum(counts), logits, audit)
         advance = torch.tensor(counts, device=self.device)[rows]
         ctx.lens = ctx.lens + advance
         ctx.pos_next = ctx.pos_next + advance
@@ -884,6 +924,45 @@ class HFBackend:
         self._stats.forward_calls += 1
         self._stats.peak_bytes = max(self._stats.peak_bytes, self._held + self._ctx_bytes(ctx))
         return logits
+
+    def _audit_backbone(
+        self,
+        h: torch.Tensor,
+        index: int,
+        last: torch.Tensor,
+        run: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """River audit: finish the forward on the backbone too, for the logits it would have given.
+
+        The backbone layers write their K/V first and the river layers then overwrite the same slots,
+        so the cache ends up exactly as in an unaudited run; only the time (and RSBCM's attention mass,
+        counted twice) differ, which is why audit runs are for fidelity numbers, not timings.
+        """
+        for j in range(index + 1, self.parts.n_layers):
+            h = run(self.parts.layers[j], h)
+        return self.parts.head(self.parts.norm(h[torch.arange(h.shape[0], device=self.device), last]))
+
+    def _river_account(
+        self,
+        river: RiverPath,
+        exited_at: int | None,
+        n_tokens: int,
+        logits: torch.Tensor | None,
+        audit: torch.Tensor | None,
+    ) -> None:
+        """Per-forward River statistics: backbone depth per token, exits, and audited fidelity."""
+        depth = self.parts.n_layers if exited_at is None else exited_at + 1
+        self._bump("river_forwards")
+        self._bump("river_tokens", n_tokens)
+        self._bump("river_backbone_layers", depth * n_tokens)
+        if exited_at is not None:
+            self._bump("river_exits")
+            self._bump("river_exit_tokens", n_tokens)
+        if audit is not None and logits is not None:
+            match, kl = exit_fidelity(audit, logits)
+            self._bump("river_audit_rows", match.numel())
+            self._bump("river_audit_matches", int(match.sum()))
+            self._bump("river_audit_kl_sum", float(kl.sum()))
 
     def _capture(self, ctx: BatchContext, pos: int, row: _Row) -> None:
         """Copy a row's KV out of the batch buffers into its segment (independent tensors, so
@@ -933,6 +1012,8 @@ class HFBackend:
         for i, (r, f) in enumerate(zip(rows, feeds, strict=True)):
             r.kv_len += len(f)
             r.computed += len(f)
+            if r.seg.skip is not None and f:  # e.g. the last sampled token of an earlier extend
+                r.seg.skip.tracker.append(f)
             if f:
                 start.append(logits[i])
             else:
@@ -995,6 +1076,9 @@ class HFBackend:
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
         present = list(range(len(rows)))  # batch position -> row index
+        skip = self._skip
+        if skip is not None:
+            skip.begin(ctx, rows)
         for step in range(params.max_tokens):
             if step < params.min_tokens and self.eos_ids:
                 logits = logits.clone()
@@ -1029,10 +1113,14 @@ class HFBackend:
                 )
                 present = alive
             feeds = [[rows[ri].out[-1]] if rows[ri].finish is None else [] for ri in present]
-            logits = self._forward(ctx, feeds)
+            steer = None if skip is None else skip.steering([rows[ri] for ri in present])
+            logits = self._forward(ctx, feeds, steer=steer)
             for ri, f in zip(present, feeds, strict=True):
                 rows[ri].kv_len += len(f)
                 rows[ri].computed += len(f)
+            if skip is not None:
+                for key, value in skip.after_step(ctx, [rows[ri] for ri in present], feeds, step).items():
+                    self._bump(key, value)
         for pos, ri in enumerate(present):
             if not rows[ri].captured:
                 self._capture(ctx, pos, rows[ri])

@@ -173,10 +173,15 @@ class Calibration:
         return cls(**json.loads(path.read_text()))
 
 
+def safe_model_name(model: str) -> str:
+    """A file-name-safe stem for a model id or local path, so per-model caches never nest or collide
+    on `/`; the tail is kept (it names the checkpoint) and capped below common file-name limits."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/"))[-120:]
+
+
 def calibration_path(model: str) -> Path:
     """Where a model's calibration lives: `<cache>/calibration/<model>.json`."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/"))[-120:]
-    return branchwise_cache_dir() / "calibration" / f"{safe}.json"
+    return branchwise_cache_dir() / "calibration" / f"{safe_model_name(model)}.json"
 
 
 def calibrate_from(

@@ -1,0 +1,104 @@
+"""River exits inside the backend: KV integrity, fidelity at a threshold nothing passes, composition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchwise.backends import DecodeParams
+from branchwise.backends.accel import Accel, RiverConfig
+from branchwise.backends.hf import HFBackend
+from branchwise.reasoners import Reasoner
+from branchwise.strategies import beam_search
+
+GREEDY = DecodeParams(temperature=0.0, max_tokens=10, min_tokens=10)
+PROMPT = "Reasoning branches explore different paths and vote on the result."
+
+
+def _decode(backend: HFBackend, n: int = 2) -> tuple[list[list[int]], list[int]]:
+    root = backend.prefill(backend.encode(PROMPT))
+    kids = backend.fork(root, n)
+    gens = backend.extend(kids, GREEDY)
+    return [g.token_ids for g in gens], [root, *kids]
+
+
+def test_nothing_exits_equals_backbone_token_for_token(tiny_arch_dir) -> None:
+    backend = HFBackend(tiny_arch_dir)
+    plain, nodes = _decode(backend)
+    backend.release(nodes)
+    backend.accel = Accel(river=RiverConfig(threshold=1.0, entry_layer=0))
+    backend.reset_stats()
+    river, nodes = _decode(backend)
+    stats = backend.kv_stats().extra
+    assert river == plain
+    assert stats["river_forwards"] > 0 and stats.get("river_exits", 0) == 0
+    assert stats["river_backbone_layers"] == stats["river_tokens"] * backend.parts.n_layers
+    backend.release(nodes)
+
+
+@pytest.mark.parametrize("kernel", ["dynamic_int8", "weight_only"])
+def test_exited_tokens_leave_a_complete_cache(tiny_llama_dir, kernel: str) -> None:
+    """Every layer holds K/V for every position; layers up to the exit equal the backbone's exactly."""
+    backend = HFBackend(tiny_llama_dir)
+    backend.accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, kernel=kernel))
+    root = backend.prefill(backend.encode(PROMPT))
+    (kid,) = backend.fork(root, 1)
+    backend.extend([kid], GREEDY)
+    stats = backend.kv_stats().extra
+    assert stats["river_exits"] == stats["river_forwards"]  # threshold -1: every forward exits at entry
+    assert stats["river_backbone_layers"] == stats["river_tokens"]  # one backbone layer per token
+    backend.append([kid], [backend.encode(" ok")])
+    backend.extend([kid], DecodeParams(max_tokens=1))  # computes the pending tokens too
+    segs = [backend._segments[root], backend._segments[kid]]
+    path = backend.tokens(kid)[:-1]  # the last sampled token has no KV yet
+    assert sum(s.kv_tokens for s in segs) == len(path)
+    keys = [torch.cat([s.keys[layer] for s in segs], dim=1) for layer in range(backend.parts.n_layers)]
+    with torch.inference_mode():
+        ref = backend.model(torch.tensor([path]), use_cache=True).past_key_values
+    for layer in range(backend.parts.n_layers):
+        got, want = keys[layer], ref.layers[layer].keys[0]
+        assert got.shape == want.shape and torch.isfinite(got).all()
+        if layer == 0:  # never skipped: bit-for-bit the backbone's
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:  # written by the river layer into the same slot: close to, not equal to, the backbone's
+            cos = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1), dim=-1)
+            assert (cos > 0.9).all(), cos
+    backend.release([root, kid])
+
+
+def test_river_composes_with_prefix_sharing(tiny_llama_dir) -> None:
+    """Same exits, same tokens under exact sharing and the No-KV baseline (weight-only kernel: per-row math)."""
+    outs = {}
+    for share in ("none", "exact"):
+        backend = HFBackend(tiny_llama_dir, share=share)
+        backend.accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=1, kernel="weight_only", bits=4))
+        outs[share], nodes = _decode(backend, n=3)
+        backend.release(nodes)
+    assert outs["none"] == outs["exact"]
+
+
+def test_audit_reports_match_and_kl(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    backend.accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, audit=True))
+    _, nodes = _decode(backend)
+    stats = backend.kv_stats().extra
+    assert stats["river_audit_rows"] > 0
+    assert 0 <= stats["river_audit_matches"] <= stats["river_audit_rows"]
+    assert stats["river_audit_kl_sum"] >= 0.0
+    backend.release(nodes)
+
+
+def test_river_under_a_tree_strategy_and_notes(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    strategy = beam_search(width=4, depth=2, verifier="chain_sum", max_step_tokens=8, step_delimiter="\n", seed=0)
+    result = Reasoner(strategy, backend=backend, accel=Accel(river=RiverConfig(threshold=-1.0))).run("1 + 2?")
+    assert result.kv_stats["river_exits"] > 0
+    assert not any(note.startswith("river") for note in result.notes)
+    result = Reasoner(strategy, backend=backend, accel=Accel(river=RiverConfig(threshold=1.0))).run("1 + 2?")
+    assert any(note.startswith("river: no forward") for note in result.notes)
+
+
+def test_bad_entry_layer_names_the_field(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    with pytest.raises(ValueError, match="entry_layer"):
+        backend.accel = Accel(river=RiverConfig(entry_layer=2))  # 3 layers: entry must be 0..1

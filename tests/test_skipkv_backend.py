@@ -1,0 +1,167 @@
+"""SkipKV inside the backend: per-row eviction with correct positions, steering only at delimiters,
+composition with prefix sharing and the strategies, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchwise.backends import DecodeParams
+from branchwise.backends.accel import Accel, RSBCMConfig, SkipKVConfig, SteeringConfig
+from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.skipkv import Steering, SteeringVector
+from branchwise.reasoners import Reasoner
+from branchwise.strategies import beam_search, self_consistency
+
+PROMPT = "Count: one two three four five six seven."
+SMALL = SkipKVConfig(budget=6, interval=4, window=2, query_window=4)
+
+
+def _extend(backend: HFBackend, n: int, tokens: int, temperature: float = 0.0) -> tuple[int, list[int]]:
+    root = backend.prefill(backend.encode(PROMPT))
+    kids = backend.fork(root, n)
+    backend.extend(kids, DecodeParams(temperature=temperature, max_tokens=tokens, min_tokens=tokens, seed=0))
+    return root, kids
+
+
+def test_under_budget_is_exactly_full_kv(tiny_arch_dir) -> None:
+    backend = HFBackend(tiny_arch_dir)
+    outs = []
+    for accel in (Accel(), Accel(skipkv=SkipKVConfig(budget=64, interval=4))):
+        backend.accel = accel
+        backend.reset_stats()
+        root, kids = _extend(backend, 2, 12)
+        outs.append([backend.tokens(k) for k in kids])
+        backend.release([root, *kids])
+    assert outs[0] == outs[1]
+    assert "skipkv_evicted_tokens" not in backend.kv_stats().extra or not backend.kv_stats().extra[
+        "skipkv_evicted_tokens"
+    ]
+
+
+def test_budget_holds_per_row_and_frees_memory(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)  # share="exact": each branch's own segment holds only its tokens
+    backend.accel = Accel(skipkv=SMALL)
+    root, kids = _extend(backend, 3, 21, temperature=1.0)
+    stats = backend.kv_stats()
+    assert stats.extra["skipkv_compressions"] >= 3 * 4  # steps 4, 8, 12, 16, 20 for each row
+    kept_sets = []
+    for k in kids:
+        seg = backend._segments[k]
+        state = seg.skip
+        # generated KV: at most budget after the last compression (step 20) + the token fed since
+        assert state.tracker.cache_len <= SMALL.budget + 1
+        assert seg.kv_tokens == state.gen_start + state.tracker.cache_len
+        kept_sets.append(tuple(state.tracker.positions))
+    assert len(set(kept_sets)) > 1  # each row chose its own tokens (not row 0's choice for all)
+    prompt_tokens = len(backend.encode(PROMPT))
+    assert backend._segments[root].kv_tokens == prompt_tokens  # the shared prompt is never evicted
+    own = sum(backend._segments[k].kv_tokens for k in kids)
+    assert stats.bytes_held == (prompt_tokens + own) * backend.kv_token_bytes
+    backend.release([root, *kids])
+    assert backend.kv_stats().bytes_held == 0
+
+
+def test_positions_after_eviction_match_masked_reference(tiny_llama_dir) -> None:
+    """New tokens keep their logical positions and only stop seeing the evicted keys."""
+    backend = HFBackend(tiny_llama_dir)
+    # one compression, after the 12th fed token: every earlier query saw the full cache
+    backend.accel = Accel(skipkv=SkipKVConfig(budget=6, interval=12, window=2, query_window=4))
+    root, (kid,) = _extend(backend, 1, 13)
+    seg = backend._segments[kid]
+    kept_generated = list(seg.skip.tracker.positions)
+    assert len(kept_generated) == 6  # 12 generated tokens were fed, 6 evicted
+    backend.accel = Accel()
+    path = backend.tokens(kid)
+    suffix = backend.encode(" next?")
+    got = backend.score_next([kid], suffix, list(range(8)))[0]
+    prompt_tokens = len(backend.encode(PROMPT))
+    evicted = [prompt_tokens + j for j in range(12) if j not in kept_generated]
+    seq = path + suffix
+    n = len(seq)
+    mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    for q in range(len(path) - 1, n):  # the 13th token was pending: fed with the suffix
+        mask[q, evicted] = False
+    bias = torch.zeros(1, 1, n, n).masked_fill(~mask, float("-inf"))
+    with torch.inference_mode():
+        logits = backend.model(torch.tensor([seq]), attention_mask=bias).logits[0, -1]
+    ref = torch.softmax(logits.float(), -1)[:8]
+    torch.testing.assert_close(torch.tensor(got), ref, atol=1e-5, rtol=1e-4)
+    backend.release([root, kid])
+
+
+def test_steering_changes_the_residual_only_at_delimiters(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    parts = backend.parts
+    layer = 1
+    d = parts.embed.embedding_dim
+    vector = torch.randn(d)
+    ids = backend.encode("One.\nTwo)\n\nThree: four\nfive")
+    delims = torch.zeros(parts.embed.num_embeddings, dtype=torch.bool)
+    text_of = [backend.tokenizer.decode([i]) for i in ids]
+    from branchwise.backends.hf.skipkv import is_delimiter_text
+
+    flags = [is_delimiter_text(t) for t in text_of]
+    assert any(flags) and not all(flags)
+    delims[[i for i, f in zip(ids, flags, strict=True) if f]] = True
+    captured: list[torch.Tensor] = []
+    hook = parts.layers[layer].register_forward_pre_hook(lambda _m, args: captured.append(args[0].clone()))
+    try:
+        for steer in (None, Steering(layer, vector, delims, torch.tensor([1.5]))):
+            _, ctx, _ = backend._prepare([backend._new_segment(None, False, ids)], 0)
+            backend._forward(ctx, [ids], steer=steer)
+    finally:
+        hook.remove()
+    diff = (captured[1] - captured[0])[0]  # [q, d]
+    for pos, flag in enumerate(flags):
+        if flag:
+            torch.testing.assert_close(diff[pos], 1.5 * vector, atol=1e-5, rtol=1e-5)
+        else:
+            assert diff[pos].abs().max() == 0
+
+
+def test_adaptive_strength_counts_nonexec_sentences(tiny_llama_dir, tmp_path) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    d = backend.parts.embed.embedding_dim
+    path = tmp_path / "v.pt"
+    SteeringVector(layer=1, vector=torch.ones(d), n_exec=3, n_nonexec=2, model="tiny").save(path)
+    steer = SteeringConfig(alpha0=1.0, gamma=0.5, vector_path=str(path))
+    backend.accel = Accel(skipkv=SkipKVConfig(budget=64, interval=4, steering=steer))
+    root, kids = _extend(backend, 2, 8)
+    skip = backend._skip
+    rows = [type("R", (), {"seg": backend._segments[k]})() for k in kids]
+    for r in rows:
+        r.seg.skip.tracker.append(backend.encode("\nWait, that is wrong.\n"))  # closes any open one first
+    got = skip.steering(rows)
+    expected = [1.0 + 0.5 * r.seg.skip.tracker.n_nonexec for r in rows]
+    assert all(r.seg.skip.tracker.n_nonexec >= 1 for r in rows)
+    torch.testing.assert_close(got.strengths, torch.tensor(expected))
+    backend.release([root, *kids])
+
+
+def test_missing_steering_vector_says_how_to_build_one(tiny_llama_dir, tmp_path) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    cfg = SkipKVConfig(budget=16, steering=SteeringConfig(vector_path=str(tmp_path / "none.pt")))
+    with pytest.raises(FileNotFoundError, match="branchwise steering build"):
+        backend.accel = Accel(skipkv=cfg)
+
+
+def test_skipkv_and_rsbcm_are_exclusive(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    with pytest.raises(ValueError, match="skipkv"):
+        backend.accel = Accel(skipkv=SMALL, rsbcm=RSBCMConfig())
+
+
+@pytest.mark.parametrize("share", ["exact", "none"])
+def test_shared_prompt_is_never_evicted_under_strategies(tiny_llama_dir, share: str) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    accel = Accel(skipkv=SMALL)
+    sc = Reasoner(self_consistency(n=3, max_tokens=20, seed=0), backend=backend, share=share, accel=accel)
+    result = sc.run("What is 1 + 2?")
+    assert result.kv_stats["skipkv_evicted_tokens"] > 0
+    assert not any(note.startswith("skipkv") for note in result.notes)
+    tree = beam_search(width=4, depth=2, verifier="chain_sum", max_step_tokens=12, step_delimiter="\n", seed=0)
+    result = Reasoner(tree, backend=backend, share=share, accel=accel).run("What is 1 + 2?")
+    assert len(result.branches) > 0
+    loose = Reasoner(self_consistency(n=2, max_tokens=4, seed=0), backend=backend, accel=accel).run("1 + 2?")
+    assert any(note.startswith("skipkv: no branch") for note in loose.notes)

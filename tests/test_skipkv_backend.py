@@ -165,3 +165,18 @@ def test_shared_prompt_is_never_evicted_under_strategies(tiny_llama_dir, share: 
     assert len(result.branches) > 0
     loose = Reasoner(self_consistency(n=2, max_tokens=4, seed=0), backend=backend, accel=accel).run("1 + 2?")
     assert any(note.startswith("skipkv: no branch") for note in loose.notes)
+
+
+def test_delimiter_states_split_execution_from_reflection(tiny_llama_dir) -> None:
+    """The steering builder reads layer k's input at each closing delimiter, labelled by its sentence."""
+    from branchwise.reasoners.steering import delimiter_states
+
+    backend = HFBackend(tiny_llama_dir)
+    prompt = backend.encode("Question: 2 + 3?\n")
+    response = backend.encode("Add 2 and 3.\nWait, check again.\n\nThe answer is 5.\n")
+    execution, other = delimiter_states(backend, prompt, response, 1, ("Wait",))
+    assert (len(execution), len(other)) == (2, 1)
+    with torch.inference_mode():
+        states = backend.model(torch.tensor([prompt + response]), output_hidden_states=True).hidden_states[1][0]
+    last = len(prompt) + len(response) - 1  # the final "\n" closes "The answer is 5."
+    torch.testing.assert_close(execution[-1], states[last].float())

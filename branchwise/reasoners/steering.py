@@ -52,19 +52,12 @@ def delimiter_states(
     with torch.inference_mode():
         out = backend.model(input_ids=ids, output_hidden_states=True)
     states = out.hidden_states[layer][0]  # hidden_states[k] is the input of decoder layer k
-    closing: list[tuple[int, int]] = []  # (response index, sentence index) of each sentence's last delimiter
-    for i, token in enumerate(response):
-        tracker.append([token])
-        sentence = tracker.sentences[-1]
-        if sentence.closed and sentence.end == i:
-            if closing and closing[-1][1] == len(tracker.sentences) - 1:
-                closing[-1] = (i, closing[-1][1])  # merged consecutive delimiters: keep the last
-            else:
-                closing.append((i, len(tracker.sentences) - 1))
+    tracker.append(response)
     execution, other = [], []
-    for i, s in closing:
-        h = states[len(prompt) + i].float().cpu()
-        (other if tracker.sentences[s].nonexec else execution).append(h)
+    for sentence in tracker.sentences:
+        if sentence.closed:  # its end is the last of its (merged) delimiters
+            h = states[len(prompt) + sentence.end].float().cpu()
+            (other if sentence.nonexec else execution).append(h)
     return execution, other
 
 

@@ -916,7 +916,7 @@ class HFBackend:
             else:
                 logits[rows] = final.to(logits.dtype)
         if river is not None:
-            self._river_account(river, exited_at, sum(counts), logits, audit)
+            self._river_account(exited_at, sum(counts), q == 1, logits, audit)
         advance = torch.tensor(counts, device=self.device)[rows]
         ctx.lens = ctx.lens + advance
         ctx.pos_next = ctx.pos_next + advance
@@ -944,17 +944,21 @@ class HFBackend:
 
     def _river_account(
         self,
-        river: RiverPath,
         exited_at: int | None,
         n_tokens: int,
+        decode: bool,
         logits: torch.Tensor | None,
         audit: torch.Tensor | None,
     ) -> None:
-        """Per-forward River statistics: backbone depth per token, exits, and audited fidelity."""
+        """Per-forward River statistics: backbone depth per token (all, and decode steps alone, which
+        the paper's mean exit layer counts), exits, and audited fidelity."""
         depth = self.parts.n_layers if exited_at is None else exited_at + 1
         self._bump("river_forwards")
         self._bump("river_tokens", n_tokens)
         self._bump("river_backbone_layers", depth * n_tokens)
+        if decode:
+            self._bump("river_decode_tokens", n_tokens)
+            self._bump("river_decode_backbone_layers", depth * n_tokens)
         if exited_at is not None:
             self._bump("river_exits")
             self._bump("river_exit_tokens", n_tokens)

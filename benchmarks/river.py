@@ -1,0 +1,174 @@
+"""River-LLM (§5, Table 3, Fig. 7): tokens/s and fidelity of the exit river, in one run.
+
+Conditions, on the same reasoning-gym problems, greedy, batch size 1 as in the paper's Table 3:
+- `backbone`: River off (the full-precision model, same decode loop);
+- `full_quant`: every token leaves after the entry layer (threshold −1): all later layers run
+  quantized — the "fully quantized model" of §5.3 except for the layers up to the entry layer;
+- `river@T` for two thresholds T.
+Reported per condition: decode tokens/s and its ratio to the backbone, answer accuracy and answer /
+token agreement with the backbone, and the mean backbone layers per decoded token (the paper's mean
+exit layer). A second, untimed pass with `audit=True` measures the paper's Fig. 7 quantities on
+every exited token: next-token match and KL(backbone ‖ river). Paper (Llama-3.1-8B, GPU): 1.71–2.16×
+over the backbone at near-lossless quality; GSM8K match 98.03 %, KL 0.0045 at 3.79 layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import emit, machine
+from _rksc import THREADS_HELP, load_problems, set_threads, sync
+
+from branchwise.backends.accel import Accel, RiverConfig
+from branchwise.backends.base import DecodeParams
+from branchwise.backends.hf import HFBackend
+from branchwise.reasoners.answers import extract_answer
+
+PAPER = {
+    "speedup_vs_backbone": [1.71, 2.16],
+    "gsm8k_next_token_match": 0.9803,
+    "gsm8k_kl": 0.0045,
+    "gsm8k_mean_exit_layers": 3.79,
+    "setting": "Llama-3.1-8B / Llama-3.2-1B, 4-bit HQQ river, GPU, batch 1",
+}
+
+
+def decode_all(
+    backend: HFBackend, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[str], float, dict[str, float]]:
+    """Greedy-decode each prompt alone; return tokens, texts, decode seconds and River counters.
+
+    The prompt is prefilled (with one token) before the clock starts, so tokens/s is decode speed.
+    """
+    tokens, texts, seconds = [], [], 0.0
+    backend.reset_stats()
+    for prompt in prompts:
+        root = backend.prefill(prompt)
+        (kid,) = backend.fork(root, 1)
+        first = backend.extend([kid], DecodeParams(temperature=0.0, max_tokens=1))[0]
+        sync(backend)
+        t0 = time.perf_counter()
+        rest = backend.extend([kid], DecodeParams(temperature=0.0, max_tokens=max_tokens - 1))[0]
+        sync(backend)
+        seconds += time.perf_counter() - t0
+        ids = first.token_ids + rest.token_ids if first.finish_reason == "length" else first.token_ids
+        tokens.append(ids)
+        texts.append(backend.decode(ids))
+        backend.release([root, kid])
+    return tokens, texts, seconds, dict(backend.kv_stats().extra)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of positions where two greedy decodes agree (up to the shorter one)."""
+    fractions = []
+    for x, y in zip(a, b, strict=True):
+        n = max(len(x), len(y))
+        same = sum(1 for i in range(min(len(x), len(y))) if x[i] == y[i])
+        fractions.append(same / n if n else 1.0)
+    return statistics.fmean(fractions)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (bf16 on cuda)")
+    parser.add_argument("--tasks", default="gsm_symbolic,basic_arithmetic")
+    parser.add_argument("--problems", "-N", type=int, default=6, help="per task")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--thresholds", default="0.9,0.95", help="two (or more) exit thresholds")
+    parser.add_argument("--entry-layer", type=int, default=None, help="default: RiverConfig's")
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=8)
+    parser.add_argument("--kernel", default="auto", choices=("auto", "dynamic_int8", "weight_only"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    parser.add_argument("--quick", action="store_true", help="1 task, 2 problems, 24 tokens")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tasks, args.problems, args.max_tokens = "gsm_symbolic", 2, 24
+    set_threads(args.threads)
+    thresholds = [float(t) for t in args.thresholds.split(",")]
+    backend = HFBackend(args.model, device=args.device)
+    base = RiverConfig(bits=args.bits, kernel=args.kernel)
+    if args.entry_layer is not None:
+        base = base.model_copy(update={"entry_layer": args.entry_layer})
+    problems = [p for task in args.tasks.split(",") for p in load_problems(task, args.problems, args.seed)]
+    prompts = [backend.chat_prompt([{"role": "user", "content": q}]) for q, _, _ in problems]
+    conditions: dict[str, RiverConfig | None] = {
+        "backbone": None,
+        "full_quant": base.model_copy(update={"threshold": -1.0}),
+        **{f"river@{t}": base.model_copy(update={"threshold": t}) for t in thresholds},
+    }
+    results: dict[str, dict[str, Any]] = {}
+    reference: list[list[int]] = []
+    reference_answers: list[str | None] = []
+    build: dict[str, Any] = {}
+    for name, cfg in conditions.items():
+        print(f"[river] {name}", file=sys.stderr)
+        backend.accel = Accel(river=cfg)
+        if cfg is not None and not build:
+            river = backend._river
+            build = {"kernel": river.kernel, "seconds": round(river.build_s, 2), "river_bytes": river.nbytes}
+        decode_all(backend, prompts[:1], 4)  # warm-up (first-call allocations, kernel selection)
+        tokens, texts, seconds, extra = decode_all(backend, prompts, args.max_tokens)
+        answers = [extract_answer(t) for t in texts]
+        correct = [
+            float(ds.score_answer(a, e) >= 1.0) for a, (_, e, ds) in zip(answers, problems, strict=True)
+        ]
+        generated = sum(len(t) - 1 for t in tokens)  # the first token was decoded before the clock
+        row: dict[str, Any] = {
+            "tokens_per_s": round(generated / seconds, 2) if seconds else None,
+            "decode_s": round(seconds, 3),
+            "generated_tokens": generated,
+            "accuracy": round(statistics.fmean(correct), 3),
+        }
+        if cfg is None:
+            reference, reference_answers = tokens, answers
+        else:
+            decoded = extra.get("river_decode_tokens", 0.0)
+            row["mean_backbone_layers_per_token"] = (
+                round(extra["river_decode_backbone_layers"] / decoded, 2) if decoded else None
+            )
+            row["exit_rate"] = round(extra.get("river_exits", 0.0) / extra["river_forwards"], 3)
+            row["token_agreement_vs_backbone"] = round(agreement(tokens, reference), 3)
+            row["answer_agreement_vs_backbone"] = round(
+                statistics.fmean(float(a == b) for a, b in zip(answers, reference_answers, strict=True)), 3
+            )
+            backend.accel = Accel(river=cfg.model_copy(update={"audit": True}))
+            _, _, _, audited = decode_all(backend, prompts, args.max_tokens)
+            rows = audited.get("river_audit_rows", 0.0)
+            row["audit"] = {  # over the exited forwards' last tokens; the others ran the whole backbone
+                "exited_tokens": int(rows),
+                "next_token_match": round(audited["river_audit_matches"] / rows, 4) if rows else None,
+                "kl": round(audited["river_audit_kl_sum"] / rows, 5) if rows else None,
+            }
+        results[name] = row
+    backbone_speed = results["backbone"]["tokens_per_s"]
+    for name, row in results.items():
+        if name != "backbone" and backbone_speed and row["tokens_per_s"]:
+            row["speedup_vs_backbone"] = round(row["tokens_per_s"] / backbone_speed, 3)
+    emit(
+        {
+            "benchmark": "river",
+            "model": backend.model_name,
+            "device": backend.device.type,
+            "dtype": str(backend.dtype).removeprefix("torch."),
+            "config": {**vars(args), "entry_layer": base.entry_layer, "n_layers": backend.parts.n_layers},
+            "river_build": build,
+            "conditions": results,
+            "paper": PAPER,
+            "machine": machine(),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

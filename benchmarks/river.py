@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", default="gsm_symbolic,basic_arithmetic")
     parser.add_argument("--problems", "-N", type=int, default=6, help="per task")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--thresholds", default="0.9,0.95", help="two (or more) exit thresholds")
+    parser.add_argument("--thresholds", default="0.95,0.97", help="two (or more) exit thresholds")
     parser.add_argument("--entry-layer", type=int, default=None, help="default: RiverConfig's")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=8)
     parser.add_argument("--kernel", default="auto", choices=("auto", "dynamic_int8", "weight_only"))

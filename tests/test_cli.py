@@ -13,7 +13,8 @@ runner = CliRunner()
 
 
 def test_help_on_every_command() -> None:
-    for args in ([], ["run"], ["strategy"], ["strategy", "show"], ["strategy", "validate"]):
+    commands = ([], ["run"], ["strategy"], ["strategy", "show"], ["strategy", "validate"], ["steering"])
+    for args in (*commands, ["steering", "build"], ["calibrate"], ["eval"], ["report"]):
         result = runner.invoke(app, [*args, "--help"])
         assert result.exit_code == 0, result.output
         assert "Usage" in result.output
@@ -48,3 +49,14 @@ def test_run_rejects_out_of_range_n(tiny_llama_dir) -> None:
     result = runner.invoke(app, ["run", "q", "--n", "0", "--model", str(tiny_llama_dir)])
     assert result.exit_code != 0
     assert "--n" in result.output
+
+
+def test_run_with_skipkv_reports_in_notes(tiny_llama_dir) -> None:
+    args = ["run", "What is 12 + 7?", "--n", "2", "--max-tokens", "6", "--model", str(tiny_llama_dir), "--json"]
+    result = runner.invoke(app, [*args, "--skipkv-budget", "16"])
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert any(note.startswith("skipkv: no branch") for note in row["notes"])  # 6 tokens never outgrow 16
+    result = runner.invoke(app, [*args, "--steer"])
+    assert result.exit_code != 0
+    assert "--skipkv-budget" in result.output

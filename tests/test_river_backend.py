@@ -90,11 +90,17 @@ def test_audit_reports_match_and_kl(tiny_llama_dir) -> None:
 
 def test_river_under_a_tree_strategy_and_notes(tiny_llama_dir) -> None:
     backend = HFBackend(tiny_llama_dir)
-    strategy = beam_search(width=4, depth=2, verifier="chain_sum", max_step_tokens=8, step_delimiter="\n", seed=0)
-    result = Reasoner(strategy, backend=backend, accel=Accel(river=RiverConfig(threshold=-1.0))).run("1 + 2?")
+    strategy = beam_search(
+        width=4, depth=2, verifier="chain_sum", max_step_tokens=8, step_delimiter="\n", seed=0
+    )
+    result = Reasoner(
+        strategy, backend=backend, accel=Accel(river=RiverConfig(threshold=-1.0, entry_layer=0))
+    ).run("1 + 2?")
     assert result.kv_stats["river_exits"] > 0
     assert not any(note.startswith("river") for note in result.notes)
-    result = Reasoner(strategy, backend=backend, accel=Accel(river=RiverConfig(threshold=1.0))).run("1 + 2?")
+    result = Reasoner(
+        strategy, backend=backend, accel=Accel(river=RiverConfig(threshold=1.0, entry_layer=0))
+    ).run("1 + 2?")
     assert any(note.startswith("river: no forward") for note in result.notes)
 
 

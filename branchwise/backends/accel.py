@@ -93,19 +93,28 @@ class RiverConfig(_Config):
     """
 
     threshold: float = Field(
-        0.9, ge=-1.0, le=1.0, description="exit when cos(input, output) >= this for the whole batch"
+        0.95,
+        ge=-1.0,
+        le=1.0,
+        description="exit when cos(input, output) >= this for the whole batch (the paper uses 0.5-0.9 on "
+        "Llama 3; SmolLM2's middle layers sit at 0.92-0.97, so 0.95 lets most B=1 tokens exit after ~3 layers)",
     )
     entry_layer: int = Field(
-        1, ge=0, le=1000, description="first backbone layer (0-based) whose similarity is tested"
+        2,
+        ge=0,
+        le=1000,
+        description="first backbone layer (0-based) whose similarity is tested (the first layers rotate the "
+        "state almost completely, so testing them gains nothing)",
     )
     bits: Literal[4, 8] = Field(8, description="weight bits of the river layers")
     group_size: int = Field(
-        64, ge=8, le=8192, description="weights per quantization group (weight-only kernel)"
+        64, ge=8, le=8192, description="weights per quantization group of the 4-bit kernel (8-bit is per row)"
     )
     kernel: Literal["auto", "dynamic_int8", "weight_only"] = Field(
         "auto",
-        description="'dynamic_int8' = torch's int8 dynamic Linear (CPU); 'weight_only' = group-wise packed "
-        "weights dequantized per call; 'auto' picks dynamic_int8 for bits=8 on CPU, else weight_only",
+        description="'weight_only' = int weights with per-row (8-bit) or per-group (4-bit) scales, fused "
+        "kernels where torch has them; 'dynamic_int8' = torch's dynamic int8 Linear (CPU fp32 only, fastest at "
+        "large batch, but it quantizes activations too and is lossy); 'auto' = weight_only",
     )
     prefill: bool = Field(True, description="let prefill forwards exit too (sequence level)")
     audit: bool = Field(

@@ -264,3 +264,29 @@ def embedded_dir() -> Path:
         return embedded_model_dir()
     except EmbeddedModelMissing as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture
+def masked_reference() -> Callable[..., Any]:
+    """Reference next-token probabilities after KV eviction, from a full-model forward.
+
+    `seq` is the whole token path; queries from position `first_blind` on (the tokens computed after
+    the eviction) must not see the positions in `evicted`, earlier ones saw everything. Returns the
+    probabilities of `candidates` at the last position, as `score_next` reports them.
+    """
+
+    def reference(
+        backend: Any, seq: list[int], first_blind: int, evicted: list[int], candidates: list[int]
+    ) -> Any:
+        import torch
+
+        n = len(seq)
+        mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        for q in range(first_blind, n):
+            mask[q, evicted] = False
+        bias = torch.zeros(1, 1, n, n).masked_fill(~mask, float("-inf"))
+        with torch.inference_mode():
+            logits = backend.model(torch.tensor([seq]), attention_mask=bias).logits[0, -1]
+        return torch.softmax(logits.float(), -1)[candidates]
+
+    return reference

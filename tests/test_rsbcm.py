@@ -46,7 +46,7 @@ def test_stress_capacity_four_of_eight(tiny_llama_dir) -> None:
     assert backend.kv_stats().bytes_held == 0
 
 
-def test_positions_after_eviction_match_masked_reference(tiny_llama_dir) -> None:
+def test_positions_after_eviction_match_masked_reference(tiny_llama_dir, masked_reference) -> None:
     """After eviction, new tokens keep their logical positions and simply stop seeing the evicted keys."""
     backend = HFBackend(tiny_llama_dir)
     backend.accel = Accel(rsbcm=RSBCMConfig(capacity_blocks=2, block_tokens=4, pin_prompt=True))
@@ -73,15 +73,7 @@ def test_positions_after_eviction_match_masked_reference(tiny_llama_dir) -> None
     ]
     assert len(kept) in (7, 8) and seg.kv_tokens == len(kept) + 1  # + the 12th, computed after eviction
     evicted = [len(prompt) + j for j in range(11) if j not in kept]
-    seq = path + suffix
-    n = len(seq)
-    mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    first_new = len(path) - 1  # the last generated token was pending: it is fed with the suffix
-    for q in range(first_new, n):
-        mask[q, evicted] = False
-    bias = torch.zeros(1, 1, n, n).masked_fill(~mask, float("-inf"))
-    with torch.inference_mode():
-        logits = backend.model(torch.tensor([seq]), attention_mask=bias).logits[0, -1]
-    ref = torch.softmax(logits.float(), -1)[:8]
+    # the last generated token was pending: it is fed with the suffix, after the eviction
+    ref = masked_reference(backend, path + suffix, len(path) - 1, evicted, list(range(8)))
     torch.testing.assert_close(torch.tensor(got), ref, atol=1e-5, rtol=1e-4)
     backend.release([root, kid])

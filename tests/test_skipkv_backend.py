@@ -34,9 +34,10 @@ def test_under_budget_is_exactly_full_kv(tiny_arch_dir) -> None:
         outs.append([backend.tokens(k) for k in kids])
         backend.release([root, *kids])
     assert outs[0] == outs[1]
-    assert "skipkv_evicted_tokens" not in backend.kv_stats().extra or not backend.kv_stats().extra[
-        "skipkv_evicted_tokens"
-    ]
+    assert (
+        "skipkv_evicted_tokens" not in backend.kv_stats().extra
+        or not backend.kv_stats().extra["skipkv_evicted_tokens"]
+    )
 
 
 def test_budget_holds_per_row_and_frees_memory(tiny_llama_dir) -> None:
@@ -62,7 +63,7 @@ def test_budget_holds_per_row_and_frees_memory(tiny_llama_dir) -> None:
     assert backend.kv_stats().bytes_held == 0
 
 
-def test_positions_after_eviction_match_masked_reference(tiny_llama_dir) -> None:
+def test_positions_after_eviction_match_masked_reference(tiny_llama_dir, masked_reference) -> None:
     """New tokens keep their logical positions and only stop seeing the evicted keys."""
     backend = HFBackend(tiny_llama_dir)
     # one compression, after the 12th fed token: every earlier query saw the full cache
@@ -77,15 +78,8 @@ def test_positions_after_eviction_match_masked_reference(tiny_llama_dir) -> None
     got = backend.score_next([kid], suffix, list(range(8)))[0]
     prompt_tokens = len(backend.encode(PROMPT))
     evicted = [prompt_tokens + j for j in range(12) if j not in kept_generated]
-    seq = path + suffix
-    n = len(seq)
-    mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    for q in range(len(path) - 1, n):  # the 13th token was pending: fed with the suffix
-        mask[q, evicted] = False
-    bias = torch.zeros(1, 1, n, n).masked_fill(~mask, float("-inf"))
-    with torch.inference_mode():
-        logits = backend.model(torch.tensor([seq]), attention_mask=bias).logits[0, -1]
-    ref = torch.softmax(logits.float(), -1)[:8]
+    # the last generated token was pending: it is fed with the suffix, after the eviction
+    ref = masked_reference(backend, path + suffix, len(path) - 1, evicted, list(range(8)))
     torch.testing.assert_close(torch.tensor(got), ref, atol=1e-5, rtol=1e-4)
     backend.release([root, kid])
 
@@ -160,7 +154,9 @@ def test_shared_prompt_is_never_evicted_under_strategies(tiny_llama_dir, share: 
     result = sc.run("What is 1 + 2?")
     assert result.kv_stats["skipkv_evicted_tokens"] > 0
     assert not any(note.startswith("skipkv") for note in result.notes)
-    tree = beam_search(width=4, depth=2, verifier="chain_sum", max_step_tokens=12, step_delimiter="\n", seed=0)
+    tree = beam_search(
+        width=4, depth=2, verifier="chain_sum", max_step_tokens=12, step_delimiter="\n", seed=0
+    )
     result = Reasoner(tree, backend=backend, share=share, accel=accel).run("What is 1 + 2?")
     assert len(result.branches) > 0
     loose = Reasoner(self_consistency(n=2, max_tokens=4, seed=0), backend=backend, accel=accel).run("1 + 2?")
@@ -177,6 +173,8 @@ def test_delimiter_states_split_execution_from_reflection(tiny_llama_dir) -> Non
     execution, other = delimiter_states(backend, prompt, response, 1, ("Wait",))
     assert (len(execution), len(other)) == (2, 1)
     with torch.inference_mode():
-        states = backend.model(torch.tensor([prompt + response]), output_hidden_states=True).hidden_states[1][0]
+        states = backend.model(torch.tensor([prompt + response]), output_hidden_states=True).hidden_states[1][
+            0
+        ]
     last = len(prompt) + len(response) - 1  # the final "\n" closes "The answer is 5."
     torch.testing.assert_close(execution[-1], states[last].float())

@@ -90,3 +90,69 @@ def test_rksc_prefix_sweep_quick() -> None:
         assert {"median_per_problem", "ci95", "ratio_of_means", "cv"} <= set(row["speedup"])
         assert row["speedup"]["ci95"][0] <= row["speedup"]["ci95"][1]
     assert out["paper"]["speedup"]["1024"] == 1.452
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_skipkv_quick() -> None:
+    out = run_quick("skipkv.py")
+    assert out["benchmark"] == "skipkv"
+    cfg = out["config"]
+    assert cfg["quick"] and cfg["n_problems"] == cfg["problems"] * len(cfg["tasks"])
+    full = out["fullkv"]
+    assert 0 < full["mean_length"] <= full["max_length"] <= cfg["max_tokens"]
+    assert full["evicted_tokens"] == 0 and len(full["voted_answers"]) == cfg["n_problems"]
+    assert set(out["budgets"]) == {str(r) for r in cfg["ratios"]}
+    steer = out["steering"]
+    assert steer["available"] or steer["reason"]
+    budgets = sorted(out["budgets"].values(), key=lambda b: b["budget"])
+    for entry in budgets:
+        assert entry["budget"] > cfg["window"] and 1 <= entry["interval"] <= 128
+        methods = entry["methods"]
+        assert set(methods) == {"attention_only", "rkv", "skipkv_ungrouped", "skipkv", "skipkv+steer"}
+        if not steer["available"]:
+            assert methods.pop("skipkv+steer") == {"skipped": steer["reason"]}
+        assert methods["rkv"]["throughput_vs_rkv"] == 1.0
+        for row in methods.values():
+            assert 0 < row["mean_length"] <= row["max_length"] <= cfg["max_tokens"]
+            assert 0.0 <= row["accuracy_vote"] <= 1.0 and 0.0 <= row["agreement_with_fullkv"] <= 1.0
+            assert row["length_ratio_vs_fullkv"] > 0 and row["tokens_per_s"] > 0
+            # a compression evicts at least one token (it runs only above budget)
+            assert row["evicted_tokens"] >= row["compressions"] >= 0
+            assert (row["evicted_tokens"] == 0) == ("note" in row)  # a note says why nothing went
+        assert methods["skipkv"]["order"] == "grouped"
+        assert methods["rkv"]["order"] == methods["skipkv_ungrouped"]["order"] == "original"
+    for row in budgets[0]["methods"].values():  # the smallest budget evicts (or says why not)
+        if "skipped" not in row:
+            assert row["evicted_tokens"] > 0 or "note" in row
+    grouping = out["grouping"]
+    lengths = grouping["prefill_lengths"]
+    assert len(lengths) == cfg["n_problems"]
+    assert sorted(i for g in grouping["batches_grouped"] for i in g) == list(range(len(lengths)))
+    assert grouping["padding_tokens"]["grouped"] <= grouping["padding_tokens"]["original"]
+    assert grouping["effective_budget"]["equals_budget"] is True
+    assert out["paper"]["throughput_vs_rkv"]["max"] == 1.7
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_river_quick() -> None:
+    out = run_quick("river.py")
+    assert out["benchmark"] == "river"
+    conds = out["conditions"]
+    thresholds = out["config"]["thresholds"].split(",")
+    assert set(conds) == {"backbone", "full_quant", *(f"river@{t}" for t in thresholds)}
+    n_layers = out["config"]["n_layers"]
+    for name, row in conds.items():
+        assert row["tokens_per_s"] > 0 and 0.0 <= row["accuracy"] <= 1.0
+        if name == "backbone":
+            continue
+        assert 1.0 <= row["mean_backbone_layers_per_token"] <= n_layers
+        assert 0.0 <= row["exit_rate"] <= 1.0 and "speedup_vs_backbone" in row
+        audit = row["audit"]
+        if audit["exited_tokens"]:
+            assert 0.0 <= audit["next_token_match"] <= 1.0 and audit["kl"] >= 0.0
+    # full_quant leaves after the entry layer on every forward
+    assert conds["full_quant"]["exit_rate"] == 1.0
+    assert conds["full_quant"]["mean_backbone_layers_per_token"] == out["config"]["entry_layer"] + 1
+    assert out["river_build"]["river_bytes"] > 0

@@ -40,7 +40,7 @@ def test_nothing_exits_equals_backbone_token_for_token(tiny_arch_dir) -> None:
 def test_exited_tokens_leave_a_complete_cache(tiny_llama_dir, kernel: str) -> None:
     """Every layer holds K/V for every position; layers up to the exit equal the backbone's exactly."""
     backend = HFBackend(tiny_llama_dir)
-    backend.accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, kernel=kernel))
+    backend.accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, kernel=kernel, prefill=True))
     root = backend.prefill(backend.encode(PROMPT))
     (kid,) = backend.fork(root, 1)
     backend.extend([kid], GREEDY)
@@ -71,7 +71,9 @@ def test_river_composes_with_prefix_sharing(tiny_llama_dir) -> None:
     outs = {}
     for share in ("none", "exact"):
         backend = HFBackend(tiny_llama_dir, share=share)
-        backend.accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=1, kernel="weight_only", bits=4))
+        backend.accel = Accel(
+            river=RiverConfig(threshold=-1.0, entry_layer=1, kernel="weight_only", bits=4, prefill=True)
+        )
         outs[share], nodes = _decode(backend, n=3)
         backend.release(nodes)
     assert outs["none"] == outs["exact"]

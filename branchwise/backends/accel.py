@@ -116,7 +116,11 @@ class RiverConfig(_Config):
         "kernels where torch has them; 'dynamic_int8' = torch's dynamic int8 Linear (CPU fp32 only, fastest at "
         "large batch, but it quantizes activations too and is lossy); 'auto' = weight_only",
     )
-    prefill: bool = Field(True, description="let prefill forwards exit too (sequence level)")
+    prefill: bool = Field(
+        False,
+        description="let prefill forwards exit too (sequence level); off by default because the fused "
+        "low-bit CPU kernels are built for a few rows and run long prefills slower than the fp32 layers",
+    )
     audit: bool = Field(
         False, description="also run the backbone for exited tokens to report next-token match and KL (slow)"
     )

@@ -132,7 +132,9 @@ def test_candidate_mass_guard_blocks_uninformative_exits(tiny_llama_dir) -> None
     """With the guard, a row exits only where the verdict tokens hold enough probability."""
     backend = HFBackend(tiny_llama_dir)
     root, kids = _kids(backend, 3)
-    backend.accel = Accel(cgee=CGEEConfig.lossless(theta=99.0, epsilon=99.0, l_min=1, min_candidate_mass=0.999))
+    backend.accel = Accel(
+        cgee=CGEEConfig.lossless(theta=99.0, epsilon=99.0, l_min=1, min_candidate_mass=0.999)
+    )
     trace: list[EntropyTrace] = []
     backend.score_next(kids, backend.encode(" Yes?"), [5, 6], trace=trace)
     assert all(t.exit_layer is None for t in trace)  # two random tokens never hold 99.9 % of the mass

@@ -52,7 +52,17 @@ def test_run_rejects_out_of_range_n(tiny_llama_dir) -> None:
 
 
 def test_run_with_skipkv_reports_in_notes(tiny_llama_dir) -> None:
-    args = ["run", "What is 12 + 7?", "--n", "2", "--max-tokens", "6", "--model", str(tiny_llama_dir), "--json"]
+    args = [
+        "run",
+        "What is 12 + 7?",
+        "--n",
+        "2",
+        "--max-tokens",
+        "6",
+        "--model",
+        str(tiny_llama_dir),
+        "--json",
+    ]
     result = runner.invoke(app, [*args, "--skipkv-budget", "16"])
     assert result.exit_code == 0, result.output
     row = json.loads(result.stdout.strip().splitlines()[-1])

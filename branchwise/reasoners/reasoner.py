@@ -668,7 +668,12 @@ class Reasoner:
 def _accel_notes(accel: Accel | None, stats: dict[str, float]) -> list[str]:
     """Say when an acceleration was on but never acted, so a result never implies a speed-up it lacks."""
     notes = []
-    if accel is not None and accel.river is not None and stats.get("river_forwards") and not stats.get("river_exits"):
+    if (
+        accel is not None
+        and accel.river is not None
+        and stats.get("river_forwards")
+        and not stats.get("river_exits")
+    ):
         notes.append(
             f"river: no forward passed threshold {accel.river.threshold} after layer {accel.river.entry_layer}; "
             "every token ran the whole backbone"

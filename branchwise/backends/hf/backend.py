@@ -252,7 +252,11 @@ class HFBackend:
             self._river = RiverPath(self.parts, value.river, self.device)
         else:
             river.cfg = value.river  # threshold/prefill/audit change without rebuilding the river
-        self._skip = None if value.skipkv is None else SkipKV(value.skipkv, self.tokenizer, self.parts, self.model_name)
+        self._skip = (
+            None
+            if value.skipkv is None
+            else SkipKV(value.skipkv, self.tokenizer, self.parts, self.model_name)
+        )
         self.cgee_theta, self.cgee_l_min, self.cgee_tau_conf, self.cgee_r_gap = DEFAULT_THETA, 2, 0.70, 0.06
         cgee = value.cgee
         if cgee is not None:

@@ -52,6 +52,35 @@ def test_self_consistency_answers_on_embedded(embedded) -> None:
     assert embedded.kv_stats().live_nodes == 0
 
 
+def test_river_and_skipkv_under_strategies_on_embedded(embedded) -> None:
+    """Both accelerations act under self-consistency and beam search on the real model, and the
+    accel-free greedy path is untouched afterwards (River at a threshold nothing passes is exact)."""
+    from branchwise.backends.accel import Accel, RiverConfig, SkipKVConfig
+    from branchwise.reasoners import Reasoner
+    from branchwise.strategies import beam_search, self_consistency
+
+    question = "What is 12 + 7?"
+    sc = self_consistency(n=4, max_tokens=48, seed=0)
+    tree = beam_search(
+        width=4, depth=2, verifier="confidence", max_step_tokens=24, step_delimiter="\n", seed=0
+    )
+    skip = Accel(skipkv=SkipKVConfig(budget=12, interval=8, window=4))
+    for strategy in (sc, tree):
+        result = Reasoner(strategy, backend=embedded, accel=skip).run(question)
+        assert result.kv_stats["skipkv_evicted_tokens"] > 0 and all(b.text for b in result.branches)
+        result = Reasoner(strategy, backend=embedded, accel=Accel(river=RiverConfig())).run(question)
+        assert result.kv_stats["river_exits"] > 0
+        assert result.kv_stats["river_decode_backbone_layers"] < 30 * result.kv_stats["river_decode_tokens"]
+    greedy = Reasoner(self_consistency(n=2, max_tokens=16, temperature=0.0), backend=embedded, accel=Accel())
+    plain = greedy.run(question)
+    strict = Reasoner(greedy.strategy, backend=embedded, accel=Accel(river=RiverConfig(threshold=1.0))).run(
+        question
+    )
+    assert [b.text for b in strict.branches] == [b.text for b in plain.branches]
+    assert embedded.kv_stats().live_nodes == 0
+    embedded.accel = Accel()
+
+
 def test_cli_run_on_embedded_model() -> None:
     proc = subprocess.run(
         [

@@ -35,7 +35,7 @@ from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.river import RiverPath, exit_fidelity
 from branchwise.backends.hf.rsbcm import Block, blocks_of, keep_mask, plan_evictions
 from branchwise.backends.hf.sampling import pick_tokens
-from branchwise.backends.hf.skipkv import SkipKV, SkipState, Steering
+from branchwise.backends.hf.skipkv import SkipKV, SkipState, Steering, delimiter_token_ids
 
 if TYPE_CHECKING:
     from branchwise.backends.hf.cgee import LayerObserver
@@ -232,6 +232,7 @@ class HFBackend:
         self._stats = KVStats()
         self._held = 0
         self._probe: KVProbe | None = None
+        self._delimiters: frozenset[int] | None = None  # SkipKV's newline delimiter ids, scanned on first use
         self.accel = accel or Accel()
         self.broadcast: Broadcast = "cascade"
 
@@ -252,11 +253,11 @@ class HFBackend:
             self._river = RiverPath(self.parts, value.river, self.device)
         else:
             river.cfg = value.river  # threshold/prefill/audit change without rebuilding the river
-        self._skip = (
-            None
-            if value.skipkv is None
-            else SkipKV(value.skipkv, self.tokenizer, self.parts, self.model_name)
-        )
+        self._skip = None
+        if value.skipkv is not None:
+            if self._delimiters is None:  # a vocabulary scan: once per backend, not per accel change
+                self._delimiters = delimiter_token_ids(self.tokenizer)
+            self._skip = SkipKV(value.skipkv, self.tokenizer, self.parts, self.model_name, self._delimiters)
         self.cgee_theta, self.cgee_l_min, self.cgee_tau_conf, self.cgee_r_gap = DEFAULT_THETA, 2, 0.70, 0.06
         cgee = value.cgee
         if cgee is not None:

@@ -596,13 +596,21 @@ class SkipKV:
     """The backend-side runtime of one `SkipKVConfig`: delimiters, steering vector, eviction."""
 
     def __init__(
-        self, cfg: SkipKVConfig, tokenizer: PreTrainedTokenizerBase, parts: DecoderParts, model_name: str
+        self,
+        cfg: SkipKVConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        parts: DecoderParts,
+        model_name: str,
+        delimiters: frozenset[int] | None = None,
     ) -> None:
+        """`delimiters` may be passed in by a caller that already scanned this tokenizer's vocabulary
+        (a scan decodes every token: about half a second for a 49k vocabulary)."""
         self.cfg = cfg
         self.parts = parts
-        self.delimiters = delimiter_token_ids(tokenizer)
+        self.delimiters = delimiter_token_ids(tokenizer) if delimiters is None else delimiters
         self._decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
         self._delim_mask: torch.Tensor | None = None
+        self._vector: torch.Tensor | None = None  # the vector on the model's device and dtype
         self.vector: SteeringVector | None = None
         self.layer = 0
         if cfg.steering is not None:
@@ -638,15 +646,16 @@ class SkipKV:
         if self.vector is None or self.cfg.steering is None:
             return None
         device = self.parts.embed.weight.device
-        if self._delim_mask is None:
+        if self._delim_mask is None or self._vector is None:
             mask = torch.zeros(self.parts.embed.num_embeddings, dtype=torch.bool)
             mask[[i for i in self.delimiters if i < mask.numel()]] = True
             self._delim_mask = mask.to(device)
+            self._vector = self.vector.vector.to(device=device, dtype=self.parts.embed.weight.dtype)
         steer = self.cfg.steering
         strengths = [steering_strength(steer.alpha0, steer.gamma, r.seg.skip.tracker.n_nonexec) for r in rows]
         return Steering(
             layer=self.layer,
-            vector=self.vector.vector.to(device=device, dtype=self.parts.embed.weight.dtype),
+            vector=self._vector,
             delimiters=self._delim_mask,
             strengths=torch.tensor(strengths, device=device),
         )

@@ -25,7 +25,6 @@ answer the scorer sees (an expression for Game of 24, the ``<answer>`` tag for r
 
 from __future__ import annotations
 
-import ast
 import gzip
 import importlib.util
 import json
@@ -48,6 +47,7 @@ from branchwise.reasoners.answers import (
     normalize_answer,
     register_extractor,
 )
+from branchwise.reasoners.tasks import check_game24 as solves_game24
 
 __all__ = [
     "ChampConfig",
@@ -310,52 +310,13 @@ _GAME24_SYSTEM = (
 
 
 def check_game24(expression: str | None, numbers: list[int]) -> bool:
-    """True when `expression` uses exactly `numbers` (as a multiset) and equals 24 exactly.
+    """True when a model's answer is an expression that uses exactly `numbers` and equals 24.
 
-    Evaluated with fractions over a whitelisted AST (numbers, + - * /, unary minus), never `eval`.
+    The answer is cleaned first (LaTeX operators, "x" for times, a trailing "= 24"); the exact
+    evaluation over a whitelisted AST is the reasoners' own Game-of-24 check, never `eval`.
     """
-    if not expression:
-        return False
-    expr = _clean_expression(expression)
-    if expr is None:
-        return False
-    try:
-        tree = ast.parse(expr, mode="eval")
-    except SyntaxError:
-        return False
-    used: list[int] = []
-
-    def value(node: ast.AST) -> Fraction:
-        if isinstance(node, ast.Expression):
-            return value(node.body)
-        if (
-            isinstance(node, ast.Constant)
-            and isinstance(node.value, int)
-            and not isinstance(node.value, bool)
-        ):
-            used.append(node.value)
-            return Fraction(node.value)
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        if isinstance(node, ast.BinOp):
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Add):
-                return left + right
-            if isinstance(node.op, ast.Sub):
-                return left - right
-            if isinstance(node.op, ast.Mult):
-                return left * right
-            if isinstance(node.op, ast.Div):
-                if right == 0:
-                    raise ZeroDivisionError
-                return left / right
-        raise ValueError(f"disallowed element {type(node).__name__}")
-
-    try:
-        result = value(tree)
-    except (ValueError, ZeroDivisionError, RecursionError):
-        return False
-    return result == 24 and sorted(used) == sorted(numbers)
+    expr = _clean_expression(expression) if expression else None
+    return expr is not None and solves_game24(numbers, expr)
 
 
 class Game24Config(_DatasetBase):

@@ -7,11 +7,33 @@ that never load a model.
 """
 
 from .graph import Edge, LoopStep, OpStep, Plan, PlanStep, Strategy, StrategyGraphError
-from .nodes import ALLOCATING_METHODS, AggregateNode, GenerateNode, LoopNode, Node, ScoreNode, SelectNode
-from .prebuilt import beam_search, best_of_n, dvts, ets, rebase, self_consistency, tree_of_thoughts
+from .nodes import (
+    ALLOCATING_METHODS,
+    MAX_SEED,
+    AggregateNode,
+    GenerateNode,
+    LoopNode,
+    Node,
+    ScoreNode,
+    SelectNode,
+)
+from .prebuilt import (
+    PREBUILT,
+    Prebuilt,
+    StepParams,
+    beam_search,
+    best_of_n,
+    dvts,
+    ets,
+    rebase,
+    self_consistency,
+    tree_of_thoughts,
+)
 
 __all__ = [
     "ALLOCATING_METHODS",
+    "MAX_SEED",
+    "PREBUILT",
     "AggregateNode",
     "Edge",
     "GenerateNode",
@@ -21,8 +43,10 @@ __all__ = [
     "OpStep",
     "Plan",
     "PlanStep",
+    "Prebuilt",
     "ScoreNode",
     "SelectNode",
+    "StepParams",
     "Strategy",
     "StrategyGraphError",
     "beam_search",

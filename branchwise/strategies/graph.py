@@ -15,9 +15,10 @@ from typing import Any
 
 import networkx as nx
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from .nodes import AggregateNode, GenerateNode, LoopNode, Node, ScoreNode, SelectNode
+from .nodes import AggregateNode, GenerateNode, LoopNode, Node, ScoreNode, SelectNode, SpecModel
 
 __all__ = ["Edge", "LoopStep", "OpStep", "Plan", "PlanStep", "Strategy", "StrategyGraphError"]
 
@@ -39,14 +40,12 @@ def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 _YamlDumper.add_representer(str, _represent_str)
 
 
-class Edge(BaseModel):
+class Edge(SpecModel):
     """A directed ``source -> target`` dependency between two node ids.
 
     A 2-item list/tuple ``["a", "b"]`` is accepted as input because that is the natural way to
     write edges in YAML; it is always dumped back in the explicit mapping form.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     source: str = Field(min_length=1)
     target: str = Field(min_length=1)
@@ -145,7 +144,7 @@ class StrategyGraphError(ValueError):
         super().__init__(message)
 
 
-class Strategy(BaseModel):
+class Strategy(SpecModel):
     """A named, validated graph of nodes.
 
     Invariants (checked at construction; every violation is reported, not just the first):
@@ -158,8 +157,6 @@ class Strategy(BaseModel):
     * the only cycles are loops of the shape ``L -> body[0] -> ... -> body[-1] -> L`` with exactly
       one exit edge ``L -> x``; loops may not be nested and their body must contain a generate.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
     description: str = ""
@@ -412,6 +409,33 @@ class Strategy(BaseModel):
 
     @classmethod
     def from_yaml(cls, text: str | bytes) -> Strategy:
-        """Parse YAML with the safe loader (strategies may come from untrusted files)."""
-        data = yaml.safe_load(text)
+        """Parse YAML with the safe loader (strategies may come from untrusted files).
+
+        Every failure is a ``ValidationError``, as it is for ``from_json``: a YAML syntax error
+        carries the line and column the parser stopped at, and a document that holds no mapping
+        (empty, a bare scalar, a list) says what a strategy file must contain.
+        """
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+            where = (
+                f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
+            )
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise _document_error("yaml_invalid", f"invalid YAML at {where}: {problem}", text) from None
+        if not isinstance(data, dict):
+            found = "an empty document" if data is None else f"a {type(data).__name__}"
+            raise _document_error(
+                "yaml_not_mapping",
+                f"a strategy file must hold a mapping with keys name, nodes and edges; found {found}",
+                text,
+            )
         return cls.model_validate(data)
+
+
+def _document_error(kind: str, message: str, text: str | bytes) -> ValidationError:
+    """A ``ValidationError`` about the document as a whole (empty ``loc``), like pydantic's own
+    ``json_invalid``, so callers catch one exception type whatever the format."""
+    detail = InitErrorDetails(type=PydanticCustomError(kind, message), loc=(), input=text)
+    return ValidationError.from_exception_data(Strategy.__name__, [detail])

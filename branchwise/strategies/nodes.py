@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 __all__ = [
     "ALLOCATING_METHODS",
+    "MAX_SEED",
     "NODE_ID_PATTERN",
     "AggregateNode",
     "GenerateNode",
@@ -28,6 +29,7 @@ __all__ = [
     "ScoreNode",
     "SelectMethod",
     "SelectNode",
+    "SpecModel",
 ]
 
 #: Ids double as YAML keys, log labels and file-name fragments, so they are kept identifier-like.
@@ -35,15 +37,45 @@ NODE_ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_\-]*$"
 
 NodeId = Annotated[str, Field(min_length=1, pattern=NODE_ID_PATTERN)]
 
+#: Largest seed a sampler accepts (torch generators take an unsigned 64-bit seed).
+MAX_SEED = 2**64 - 1
 
-class _NodeBase(BaseModel):
-    """Shared config: unknown keys are typos, not extensions, so they are rejected.
 
-    Each subclass declares ``kind`` then ``id`` itself (rather than inheriting ``id``) so that
-    dumps list the discriminator first, which reads better in YAML.
+def _encodable(value: object) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"text must be valid UTF-8; character {value[err.start]!r} at index {err.start} "
+                "(a lone surrogate) cannot be written to JSON or YAML"
+            ) from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _encodable(item)
+
+
+class SpecModel(BaseModel):
+    """Base of every model a strategy file is made of.
+
+    Unknown keys are typos, not extensions, so they are rejected; models are frozen because a
+    strategy is validated once, at construction. Every string must be encodable as UTF-8: a lone
+    surrogate (``"\\ud800"`` in JSON or YAML) parses, but would make ``to_json()`` fail later,
+    far from the file that carried it.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _utf8_only(cls, value: object) -> object:
+        _encodable(value)
+        return value
+
+
+class _NodeBase(SpecModel):
+    """Each node subclass declares ``kind`` then ``id`` itself (rather than inheriting ``id``) so
+    that dumps list the discriminator first, which reads better in YAML."""
 
 
 class GenerateNode(_NodeBase):
@@ -69,7 +101,7 @@ class GenerateNode(_NodeBase):
     stop: list[str] = Field(default_factory=list)
     until: Literal["answer", "step"] = "answer"
     step_delimiter: str = Field(default="\n\n", min_length=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="sampling seed of this node")
 
     @field_validator("stop")
     @classmethod

@@ -19,13 +19,20 @@ branch by its last-step score.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import pairwise
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import Field
 
 from .graph import Edge, Strategy
-from .nodes import AggregateNode, GenerateNode, LoopNode, Node, ScoreNode, SelectNode
+from .nodes import MAX_SEED, AggregateNode, GenerateNode, LoopNode, Node, ScoreNode, SelectNode, SpecModel
 
 __all__ = [
+    "PREBUILT",
+    "Prebuilt",
+    "StepParams",
     "beam_search",
     "best_of_n",
     "dvts",
@@ -104,49 +111,52 @@ def best_of_n(
     )
 
 
+class StepParams(SpecModel):
+    """The parameters every step-level search shares (beam, DVTS, REBASE, ETS, Tree of Thoughts).
+
+    One model instead of the same nine keyword arguments on five functions: each search takes its
+    own parameters explicitly and these as ``**step``, so a typo (``depht=3``) or a bad value fails
+    with a ``ValidationError`` that names the field, exactly as a strategy file would.
+    """
+
+    depth: int = Field(default=8, ge=1, le=10000, description="reasoning steps (generate levels)")
+    verifier: str = Field(default="step_judge", min_length=1, description="scores each step")
+    temperature: float = Field(default=0.7, ge=0.0, le=5.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_step_tokens: int = Field(default=96, ge=1, le=131072)
+    step_delimiter: str = Field(default="\n\n", min_length=1)
+    aggregate: Aggregate = "weighted_majority"
+    extractor: str = Field(default="auto", min_length=1)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+
+
 def _step_search(
-    name: str,
-    description: str,
-    select: SelectNode,
-    *,
-    first_n: int,
-    expand_n: int,
-    depth: int,
-    verifier: str,
-    temperature: float,
-    top_p: float,
-    max_step_tokens: int,
-    step_delimiter: str,
-    aggregate: Aggregate,
-    extractor: str,
-    seed: int | None,
+    name: str, description: str, select: SelectNode, p: StepParams, *, first_n: int, expand_n: int
 ) -> Strategy:
-    """The common step-search graph (see the module docstring); ``depth`` >= 1 steps in all."""
-    if depth < 1:
-        raise ValueError(f"depth must be >= 1 (reasoning steps), got {depth}")
+    """The common step-search graph (see the module docstring); ``p.depth`` >= 1 steps in all."""
 
     def step(node_id: str, n: int) -> GenerateNode:
         return GenerateNode(
             id=node_id,
             n=n,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_step_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            max_tokens=p.max_step_tokens,
             until="step",
-            step_delimiter=step_delimiter,
-            seed=seed,
+            step_delimiter=p.step_delimiter,
+            seed=p.seed,
         )
 
     first = step("first_step", first_n)
-    last = ScoreNode(id="score_last", verifier=verifier, target="step")
-    agg = AggregateNode(id="answer", method=aggregate, extractor=extractor, finished_only=True)
-    if depth == 1:
+    last = ScoreNode(id="score_last", verifier=p.verifier, target="step")
+    agg = AggregateNode(id="answer", method=p.aggregate, extractor=p.extractor, finished_only=True)
+    if p.depth == 1:
         nodes: list[Node] = [first, last, agg]
         edges = [Edge(source=a.id, target=b.id) for a, b in pairwise(nodes)]
         return Strategy(name=name, description=description, nodes=nodes, edges=edges)
-    score = ScoreNode(id="score_step", verifier=verifier, target="step")
+    score = ScoreNode(id="score_step", verifier=p.verifier, target="step")
     expand = step("next_step", expand_n)
-    loop = LoopNode(id="search", body=[score.id, select.id, expand.id], max_iterations=depth - 1)
+    loop = LoopNode(id="search", body=[score.id, select.id, expand.id], max_iterations=p.depth - 1)
     pairs = [
         (first, loop),
         (loop, score),
@@ -170,64 +180,37 @@ def _kept(width: int, keep: Literal["fixed", "sqrt"], k: int) -> int:
 
 
 def beam_search(
-    width: int = 16,
-    keep: Literal["fixed", "sqrt"] = "sqrt",
-    k: int = 4,
-    depth: int = 8,
-    verifier: str = "step_judge",
-    temperature: float = 0.7,
-    top_p: float = 1.0,
-    max_step_tokens: int = 96,
-    step_delimiter: str = "\n\n",
-    aggregate: Aggregate = "weighted_majority",
-    extractor: str = "auto",
-    seed: int | None = None,
+    width: int = 16, keep: Literal["fixed", "sqrt"] = "sqrt", k: int = 4, **step: Any
 ) -> Strategy:
     """PRM-guided beam search: keep M = ``k`` (or sqrt(N)) best steps, expand each N/M times.
 
-    ``verifier`` scores each step (the process reward); the final answer is a vote over the finished
-    branches weighted by their last-step score (``aggregate``).
+    ``step`` takes the fields of :class:`StepParams`: ``verifier`` scores each step (the process
+    reward); the final answer is a vote over the finished branches weighted by their last-step
+    score (``aggregate``).
     """
+    p = StepParams(**step)
     m = _kept(width, keep, k)
     select = SelectNode(
         id="select", method="beam", width=width, keep=keep, **({"k": k} if keep == "fixed" else {})
     )
     return _step_search(
         "beam_search",
-        f"PRM beam search: width {width}, keep {m} per step, scored by {verifier!r}.",
+        f"PRM beam search: width {width}, keep {m} per step, scored by {p.verifier!r}.",
         select,
+        p,
         first_n=width,
         expand_n=max(1, width // m),
-        depth=depth,
-        verifier=verifier,
-        temperature=temperature,
-        top_p=top_p,
-        max_step_tokens=max_step_tokens,
-        step_delimiter=step_delimiter,
-        aggregate=aggregate,
-        extractor=extractor,
-        seed=seed,
     )
 
 
-def dvts(
-    width: int = 16,
-    subtrees: int | None = None,
-    depth: int = 8,
-    verifier: str = "step_judge",
-    temperature: float = 0.7,
-    top_p: float = 1.0,
-    max_step_tokens: int = 96,
-    step_delimiter: str = "\n\n",
-    aggregate: Aggregate = "weighted_majority",
-    extractor: str = "auto",
-    seed: int | None = None,
-) -> Strategy:
+def dvts(width: int = 16, subtrees: int | None = None, **step: Any) -> Strategy:
     """Diverse verifier tree search: independent greedy beam searches in ``subtrees`` subtrees.
 
     ``subtrees`` defaults to round(sqrt(width)); each subtree owns width/subtrees of the width and
     keeps its single best step per iteration (Beeching et al.), so the subtrees never compete.
+    ``step`` takes the fields of :class:`StepParams`.
     """
+    p = StepParams(**step)
     select = (
         SelectNode(id="select", method="beam", width=width, keep="sqrt", group_by="subtree")
         if subtrees is None
@@ -236,55 +219,33 @@ def dvts(
     s = _kept(width, "sqrt", 1) if subtrees is None else subtrees
     return _step_search(
         "dvts",
-        f"DVTS: width {width} in {s} independent subtrees, scored by {verifier!r}.",
+        f"DVTS: width {width} in {s} independent subtrees, scored by {p.verifier!r}.",
         select,
+        p,
         first_n=width,
         expand_n=max(1, width // s),
-        depth=depth,
-        verifier=verifier,
-        temperature=temperature,
-        top_p=top_p,
-        max_step_tokens=max_step_tokens,
-        step_delimiter=step_delimiter,
-        aggregate=aggregate,
-        extractor=extractor,
-        seed=seed,
     )
 
 
 def rebase(
     width: int = 16,
     T: float = 0.2,  # the paper's symbol T_R (allocation temperature)
-    depth: int = 8,
-    verifier: str = "step_judge",
-    temperature: float = 0.7,
-    top_p: float = 1.0,
-    max_step_tokens: int = 96,
-    step_delimiter: str = "\n\n",
-    aggregate: Aggregate = "weighted_majority",
-    extractor: str = "auto",
-    seed: int | None = None,
+    **step: Any,
 ) -> Strategy:
     """REBASE (Wu et al., 2024): split the width over all leaves by softmax(R/T), best first.
 
-    ``T`` is the allocation temperature (0.2 in the public code); ``temperature`` the sampling one.
+    ``T`` is the allocation temperature (0.2 in the public code); ``temperature`` (one of the
+    :class:`StepParams` fields ``step`` takes) the sampling one.
     """
+    p = StepParams(**step)
     select = SelectNode(id="select", method="rebase", width=width, temperature=T)
     return _step_search(
         "rebase",
-        f"REBASE: width {width}, T={T}, scored by {verifier!r}.",
+        f"REBASE: width {width}, T={T}, scored by {p.verifier!r}.",
         select,
+        p,
         first_n=width,
         expand_n=1,
-        depth=depth,
-        verifier=verifier,
-        temperature=temperature,
-        top_p=top_p,
-        max_step_tokens=max_step_tokens,
-        step_delimiter=step_delimiter,
-        aggregate=aggregate,
-        extractor=extractor,
-        seed=seed,
     )
 
 
@@ -296,22 +257,16 @@ def ets(
     cluster_distance: float = 0.05,
     embedder: Literal["minilm", "hidden"] = "minilm",
     time_limit: float = 5.0,
-    depth: int = 8,
-    verifier: str = "step_judge",
-    temperature: float = 0.7,
-    top_p: float = 1.0,
-    max_step_tokens: int = 96,
-    step_delimiter: str = "\n\n",
-    aggregate: Aggregate = "weighted_majority",
-    extractor: str = "auto",
-    seed: int | None = None,
+    **step: Any,
 ) -> Strategy:
     """ETS (Hooper et al., 2025): REBASE weights -> KV/coverage ILP -> REBASE over the kept leaves.
 
     ``lambda_b`` penalises retained tree nodes (KV), ``lambda_d`` rewards covering the clusters of
     the leaves' last steps (``embedder``, cut at ``cluster_distance``); ``time_limit`` bounds the
-    solver per step (a greedy answer is used, and reported, if it fails).
+    solver per step (a greedy answer is used, and reported, if it fails). ``step`` takes the
+    fields of :class:`StepParams`.
     """
+    p = StepParams(**step)
     select = SelectNode(
         id="select",
         method="ets",
@@ -325,36 +280,22 @@ def ets(
     )
     return _step_search(
         "ets",
-        f"ETS: width {width}, lambda_b={lambda_b}, lambda_d={lambda_d}, T={T}, scored by {verifier!r}.",
+        f"ETS: width {width}, lambda_b={lambda_b}, lambda_d={lambda_d}, T={T}, scored by {p.verifier!r}.",
         select,
+        p,
         first_n=width,
         expand_n=1,
-        depth=depth,
-        verifier=verifier,
-        temperature=temperature,
-        top_p=top_p,
-        max_step_tokens=max_step_tokens,
-        step_delimiter=step_delimiter,
-        aggregate=aggregate,
-        extractor=extractor,
-        seed=seed,
     )
 
 
 def tree_of_thoughts(
     breadth: int = 5,
-    depth: int = 3,
     n_generate: int = 5,
     evaluator: Literal["value", "vote"] = "value",
     search: Literal["bfs", "dfs"] = "bfs",
     threshold: float = 0.5,
     max_expansions: int | None = None,
-    temperature: float = 0.7,
-    top_p: float = 1.0,
-    max_step_tokens: int = 64,
-    step_delimiter: str = "\n",
-    extractor: str = "auto",
-    seed: int | None = None,
+    **step: Any,
 ) -> Strategy:
     """Tree of Thoughts (Yao et al., 2023): sample ``n_generate`` thoughts per state, evaluate, search.
 
@@ -364,15 +305,28 @@ def tree_of_thoughts(
     step for ``depth`` steps; ``"dfs"`` expands the deepest best state first, prunes states valued
     below ``threshold``, backtracks to the parked frontier, and stops at the first finished state that
     passes the threshold (at most ``max_expansions`` expansions, default ``breadth * depth``).
-    The answer is the best-valued finished state.
+    The answer is the best-valued finished state. ``step`` takes the fields of :class:`StepParams`
+    (with ToT's own defaults: ``depth=3``, one-line thoughts of up to 64 tokens) except
+    ``verifier`` and ``aggregate``, which the evaluator decides.
     """
+    fixed = sorted({"verifier", "aggregate"} & step.keys())
+    if fixed:
+        raise ValueError(
+            f"tree_of_thoughts sets {' and '.join(fixed)} itself (evaluator={evaluator!r}); "
+            "register a task-specific verifier under 'tot_value' or 'tot_vote' instead"
+        )
     verifier = "tot_value" if evaluator == "value" else "tot_vote"
+    p = StepParams(
+        **{"depth": 3, "max_step_tokens": 64, "step_delimiter": "\n", **step},
+        verifier=verifier,
+        aggregate="best_score",
+    )
     if search == "bfs":
         select = SelectNode(id="select", method="top_k", k=breadth)
-        iterations = depth
+        iterations = p.depth
     elif search == "dfs":
         select = SelectNode(id="select", method="dfs", threshold=threshold)
-        iterations = max_expansions if max_expansions is not None else breadth * depth
+        iterations = max_expansions if max_expansions is not None else breadth * p.depth
     else:
         raise ValueError(f"search={search!r} is not one of 'bfs', 'dfs'")
     return _step_search(
@@ -381,15 +335,58 @@ def tree_of_thoughts(
         f"{'keep ' + str(breadth) if search == 'bfs' else 'threshold ' + str(threshold)}, "
         f"{evaluator} evaluator.",
         select,
+        StepParams.model_validate({**p.model_dump(), "depth": iterations}),
         first_n=n_generate,
         expand_n=n_generate,
-        depth=iterations,
-        verifier=verifier,
-        temperature=temperature,
-        top_p=top_p,
-        max_step_tokens=max_step_tokens,
-        step_delimiter=step_delimiter,
-        aggregate="best_score",
-        extractor=extractor,
-        seed=seed,
     )
+
+
+@dataclass(frozen=True)
+class Prebuilt:
+    """How a front end (the CLI, a suite file) drives one prebuilt strategy with generic knobs.
+
+    ``branches`` and ``tokens`` name the builder's own parameters for "how many branches" and
+    "tokens per generate", which differ (``n``, ``width``, ``n_generate``; ``max_tokens`` or
+    ``max_step_tokens``); ``verifier`` says whether the builder takes a verifier name.
+    """
+
+    build: Callable[..., Strategy]
+    branches: str
+    tokens: str
+    verifier: bool
+    summary: str
+
+    def __call__(
+        self,
+        *,
+        branches: int | None = None,
+        temperature: float | None = None,
+        tokens: int | None = None,
+        seed: int | None = None,
+        verifier: str | None = None,
+    ) -> Strategy:
+        """Build the strategy; ``None`` keeps the builder's own default for that knob."""
+        if verifier is not None and not self.verifier:
+            raise ValueError(f"{self.build.__name__} chooses its own verifier; it takes no verifier name")
+        knobs = {
+            self.branches: branches,
+            "temperature": temperature,
+            self.tokens: tokens,
+            "seed": seed,
+            "verifier": verifier,
+        }
+        return self.build(**{k: v for k, v in knobs.items() if v is not None})
+
+
+#: Every prebuilt strategy under its command-line name.
+PREBUILT: dict[str, Prebuilt] = {
+    "self-consistency": Prebuilt(self_consistency, "n", "max_tokens", False, "sample n answers and vote"),
+    "best-of-n": Prebuilt(best_of_n, "n", "max_tokens", True, "sample n answers, keep the best scored"),
+    "tree-of-thoughts": Prebuilt(
+        tree_of_thoughts, "n_generate", "max_step_tokens", False, "BFS over thoughts with a value evaluator"
+    ),
+    "beam-search": Prebuilt(beam_search, "width", "max_step_tokens", True, "PRM-guided beam search"),
+    "dvts": Prebuilt(dvts, "width", "max_step_tokens", True, "independent beam searches in subtrees"),
+    "rebase": Prebuilt(rebase, "width", "max_step_tokens", True, "reward-balanced tree search"),
+    "ets": Prebuilt(ets, "width", "max_step_tokens", True, "REBASE + KV/coverage ILP pruning"),
+}

@@ -9,29 +9,42 @@ from __future__ import annotations
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from branchwise.strategies import Strategy, best_of_n, self_consistency
+if TYPE_CHECKING:
+    from branchwise.backends.hf import HFBackend
+
+from branchwise.cli_params import one_line, ranged
+from branchwise.strategies import MAX_SEED, PREBUILT, Strategy
 
 app = typer.Typer(
     help="Multi-branch LLM reasoning with shared KV: run strategies, inspect strategy graphs.",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_show_locals=False,
+    # Plain click errors: one "Error: Invalid value for '--n': ..." line a script can grep, never a
+    # box that wraps the option name and the allowed range over several lines.
+    rich_markup_mode=None,
 )
 strategy_app = typer.Typer(
-    help="Inspect and validate strategy graphs (no model is loaded).", no_args_is_help=True
+    help="Inspect and validate strategy graphs (no model is loaded).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(strategy_app, name="strategy")
 console = Console()
+err_console = Console(stderr=True)
 
-
-class Prebuilt(str, Enum):
-    self_consistency = "self-consistency"
-    best_of_n = "best-of-n"
+STRATEGY_HELP = (
+    "A prebuilt strategy ("
+    + "; ".join(f"{name}: {p.summary}" for name, p in PREBUILT.items())
+    + ") or a JSON/YAML strategy file."
+)
 
 
 class Share(str, Enum):
@@ -39,51 +52,129 @@ class Share(str, Enum):
     exact = "exact"
 
 
+class Format(str, Enum):
+    yaml = "yaml"
+    json = "json"
+
+
+def _verifier_names() -> list[str]:
+    from branchwise.reasoners.registry import verifier_names
+
+    return verifier_names()
+
+
+def _read_strategy(path: Path) -> Strategy:
+    """Load, validate and compile a strategy file; every failure is a ``ValueError`` of one line."""
+    from branchwise.reasoners.registry import check_names
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from None
+    try:
+        strategy = Strategy.from_json(text) if path.suffix == ".json" else Strategy.from_yaml(text)
+        strategy.compile()
+    except ValidationError as err:
+        raise ValueError(f"invalid strategy {path}: {one_line(err)}") from None
+    check_names(strategy)
+    return strategy
+
+
 def _load_strategy(
-    name: str, n: int, temperature: float, max_tokens: int, seed: int | None, verifier: str
+    name: str,
+    *,
+    branches: int | None = None,
+    temperature: float | None = None,
+    tokens: int | None = None,
+    seed: int | None = None,
+    verifier: str | None = None,
 ) -> Strategy:
-    """A prebuilt name, or a path to a JSON/YAML strategy file."""
-    if name == Prebuilt.self_consistency.value:
-        return self_consistency(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed)
-    if name == Prebuilt.best_of_n.value:
-        return best_of_n(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed, verifier=verifier)
+    """A prebuilt name (the knobs set its parameters), or a path to a JSON/YAML strategy file."""
+    if name in PREBUILT:
+        if verifier is not None and verifier not in _verifier_names():
+            raise typer.BadParameter(
+                f"{verifier!r} is not a verifier; allowed: {', '.join(_verifier_names())}",
+                param_hint="--verifier",
+            )
+        try:
+            return PREBUILT[name](
+                branches=branches, temperature=temperature, tokens=tokens, seed=seed, verifier=verifier
+            )
+        except ValidationError as err:
+            raise typer.BadParameter(f"{name}: {one_line(err)}", param_hint="--strategy") from None
+        except ValueError as err:
+            raise typer.BadParameter(f"{name}: {err}", param_hint="--strategy") from None
     path = Path(name)
     if not path.is_file():
         raise typer.BadParameter(
-            f"{name!r} is neither a prebuilt strategy ({', '.join(p.value for p in Prebuilt)}) nor a file",
+            f"{name!r} is neither a prebuilt strategy ({', '.join(PREBUILT)}) nor a file",
             param_hint="--strategy",
         )
-    text = path.read_text()
-    return Strategy.from_json(text) if path.suffix == ".json" else Strategy.from_yaml(text)
+    if any(v is not None for v in (branches, temperature, tokens, verifier)):
+        raise typer.BadParameter(
+            "--n, --temperature, --max-tokens and --verifier set a prebuilt strategy's parameters; "
+            "a strategy file carries its own",
+            param_hint="--strategy",
+        )
+    try:
+        return _read_strategy(path)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--strategy") from None
+
+
+def _load_backend(model: str | None) -> HFBackend:
+    """Load the model, turning "no such model" into a usage error that names ``--model``."""
+    from branchwise.backends.hf import HFBackend
+    from branchwise.backends.hf.embedded import EmbeddedModelMissing
+
+    with console.status(f"loading {model or 'the embedded model'}…"):
+        try:
+            return HFBackend(model)
+        except EmbeddedModelMissing as err:
+            raise typer.BadParameter(str(err), param_hint="--model") from None
+        except (OSError, ValueError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise typer.BadParameter(
+                f"{model!r} is neither a local model folder nor a reachable hub id ({first})",
+                param_hint="--model",
+            ) from None
 
 
 @app.command()
 def run(
-    questions: Annotated[list[str], typer.Argument(help="One or more questions to answer.")],
-    strategy: Annotated[
-        str, typer.Option(help="self-consistency, best-of-n, or a JSON/YAML strategy file.")
-    ] = Prebuilt.self_consistency.value,
-    n: Annotated[int, typer.Option(min=1, max=4096, help="Branches per question.")] = 8,
+    questions: Annotated[
+        list[str], typer.Argument(metavar="QUESTION...", help="One or more questions to answer.")
+    ],
+    strategy: Annotated[str, typer.Option(help=STRATEGY_HELP)] = "self-consistency",
+    n: Annotated[
+        int | None,
+        ranged("Branches per question (n, or the search width); default: the strategy's.", 1, 4096),
+    ] = None,
     share: Annotated[
         Share, typer.Option(help="KV sharing: none (No-KV baseline) or exact (prefix reuse).")
     ] = Share.exact,
-    temperature: Annotated[float, typer.Option(min=0.0, max=5.0)] = 0.7,
-    max_tokens: Annotated[int, typer.Option(min=1, max=131072)] = 256,
-    seed: Annotated[int | None, typer.Option(min=0, help="Sampling seed (reproducible runs).")] = 0,
+    temperature: Annotated[
+        float | None, ranged("Sampling temperature; default: the strategy's.", 0.0, 5.0)
+    ] = None,
+    max_tokens: Annotated[
+        int | None,
+        ranged("Tokens per answer (per step in tree searches); default: the strategy's.", 1, 131072),
+    ] = None,
+    seed: Annotated[int, ranged("Sampling seed (reproducible runs).", 0, MAX_SEED)] = 0,
     verifier: Annotated[
-        str, typer.Option(help="Verifier for best-of-n: judge, confidence, logprob.")
-    ] = "judge",
+        str | None,
+        typer.Option(
+            help="Verifier of best-of-n and the step searches (default: theirs): "
+            + ", ".join(_verifier_names())
+        ),
+    ] = None,
     model: Annotated[
         str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full results as JSON lines.")] = False,
     cgee: Annotated[bool, typer.Option(help="CGEE verify skip + entropy exit (RKSC §2.3).")] = False,
-    asks_tau: Annotated[
-        float | None, typer.Option(min=0.0, max=1.0, help="ASKS similarity gate τ (off if unset).")
-    ] = None,
-    rsbcm_capacity: Annotated[
-        int | None, typer.Option(min=1, help="RSBCM capacity in KV blocks (off if unset).")
-    ] = None,
+    asks_tau: Annotated[float | None, ranged("ASKS similarity gate τ (off if unset).", 0.0, 1.0)] = None,
+    rsbcm_capacity: Annotated[int | None, ranged("RSBCM capacity in KV blocks (off if unset).", 1)] = None,
     probe: Annotated[
         bool, typer.Option(help="KV probe: time share vs recompute per 64-token bucket.")
     ] = False,
@@ -92,15 +183,11 @@ def run(
     ] = None,
     river_threshold: Annotated[
         float | None,
-        typer.Option(
-            min=-1.0,
-            max=1.0,
-            help="River early exit onto quantized layers at this similarity (off if unset).",
-        ),
+        ranged("River early exit onto quantized layers at this similarity (off if unset).", -1.0, 1.0),
     ] = None,
     skipkv_budget: Annotated[
         int | None,
-        typer.Option(min=2, help="SkipKV: KV tokens each branch's generation may keep (off if unset)."),
+        ranged("SkipKV: KV tokens each branch's generation may keep (off if unset).", 2),
     ] = None,
     steer: Annotated[
         bool, typer.Option(help="SkipKV adaptive steering (needs `branchwise steering build` first).")
@@ -117,24 +204,32 @@ def run(
         SkipKVConfig,
         SteeringConfig,
     )
-    from branchwise.backends.hf import HFBackend
     from branchwise.reasoners import Reasoner
 
-    strat = _load_strategy(strategy, n, temperature, max_tokens, seed, verifier)
-    accel = Accel(
-        asks=ASKSConfig(tau=asks_tau) if asks_tau is not None else None,
-        cgee=CGEEConfig() if cgee else None,
-        rsbcm=RSBCMConfig(capacity_blocks=rsbcm_capacity) if rsbcm_capacity else None,
-        probe=ProbeConfig() if probe else None,
-        river=RiverConfig(threshold=river_threshold) if river_threshold is not None else None,
-        skipkv=SkipKVConfig(budget=skipkv_budget, steering=SteeringConfig() if steer else None)
-        if skipkv_budget
-        else None,
-    )
+    for i, question in enumerate(questions):
+        if not question.strip():
+            raise typer.BadParameter(
+                f"question {i + 1} is empty; give the text to answer", param_hint="QUESTIONS"
+            )
     if steer and not skipkv_budget:
         raise typer.BadParameter("--steer needs --skipkv-budget (steering is part of SkipKV)")
-    with console.status(f"loading {model or 'the embedded model'}…"):
-        backend = HFBackend(model)
+    strat = _load_strategy(
+        strategy, branches=n, temperature=temperature, tokens=max_tokens, seed=seed, verifier=verifier
+    )
+    try:
+        accel = Accel(
+            asks=ASKSConfig(tau=asks_tau) if asks_tau is not None else None,
+            cgee=CGEEConfig() if cgee else None,
+            rsbcm=RSBCMConfig(capacity_blocks=rsbcm_capacity) if rsbcm_capacity else None,
+            probe=ProbeConfig() if probe else None,
+            river=RiverConfig(threshold=river_threshold) if river_threshold is not None else None,
+            skipkv=SkipKVConfig(budget=skipkv_budget, steering=SteeringConfig() if steer else None)
+            if skipkv_budget
+            else None,
+        )
+    except ValidationError as err:
+        raise typer.BadParameter(f"these accelerations cannot run together: {one_line(err)}") from None
+    backend = _load_backend(model)
     reasoner = Reasoner(strat, backend=backend, share=share.value, accel=accel)
     if variant:
         results = [reasoner.run(q, variants=variant) for q in questions]
@@ -183,30 +278,41 @@ def run(
 
 @strategy_app.command("show")
 def strategy_show(
-    name: Annotated[str, typer.Argument(help="self-consistency, best-of-n, or a JSON/YAML file.")],
-    n: Annotated[int, typer.Option(min=1, max=4096)] = 8,
-    fmt: Annotated[str, typer.Option("--format", help="yaml or json")] = "yaml",
+    name: Annotated[str, typer.Argument(help=STRATEGY_HELP)],
+    n: Annotated[
+        int | None,
+        ranged("Branches (n, or the search width) of a prebuilt strategy.", 1, 4096),
+    ] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.yaml,
 ) -> None:
-    """Print a strategy graph and its compiled plan."""
-    strat = _load_strategy(name, n, 0.7, 256, None, "judge")
-    print(strat.to_json() if fmt == "json" else strat.to_yaml())
-    plan = strat.compile()
-    console.print("[bold]plan:[/bold] " + " → ".join(node.id for node in plan.nodes()))
+    """Print a strategy graph (loadable by `strategy validate` and `run --strategy`); the plan goes to stderr."""
+    strat = _load_strategy(name, branches=n)
+    print(strat.to_json() if fmt is Format.json else strat.to_yaml(), end="" if fmt is Format.yaml else "\n")
+    err_console.print("[bold]plan:[/bold] " + " → ".join(node.id for node in strat.compile().nodes()))
 
 
 @strategy_app.command("validate")
 def strategy_validate(path: Annotated[Path, typer.Argument(exists=True, dir_okay=False)]) -> None:
-    """Validate a JSON/YAML strategy file; exit 1 with the errors if it is invalid."""
-    from pydantic import ValidationError
-
-    text = path.read_text()
+    """Validate a JSON/YAML strategy file (graph, ranges, verifier and extractor names); exit 1 if invalid."""
     try:
-        strat = Strategy.from_json(text) if path.suffix == ".json" else Strategy.from_yaml(text)
-        strat.compile()
-    except ValidationError as err:
-        console.print(f"[red]invalid strategy[/red] {path}:\n{err}")
-        raise typer.Exit(1) from err
+        strat = _read_strategy(path)
+    except ValueError as err:
+        err_console.print(f"error: {err}", style="red", soft_wrap=True, highlight=False, markup=False)
+        raise typer.Exit(1) from None
     console.print(f"[green]ok[/green] {strat.name}: {json.dumps([n.id for n in strat.compile().nodes()])}")
+
+
+def _gym_questions(task: str, size: int, seed: int) -> list[str]:
+    """Questions of a reasoning-gym task; an unknown task name is a usage error naming ``--task``."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        raise typer.BadParameter(
+            f"{task!r} is not a reasoning-gym task; e.g. {', '.join(sorted(DATASETS)[:8])}, …",
+            param_hint="--task",
+        )
+    return [entry["question"] for entry in reasoning_gym.create_dataset(task, size=size, seed=seed)]
 
 
 @app.command()
@@ -215,28 +321,26 @@ def calibrate(
         str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
     ] = None,
     task: Annotated[str, typer.Option(help="reasoning-gym task for held-out questions.")] = "gsm_symbolic",
-    problems: Annotated[int, typer.Option(min=1, max=10000, help="held-out problems (paper: 30).")] = 30,
-    n: Annotated[int, typer.Option(min=2, max=4096, help="branches per problem.")] = 8,
-    max_tokens: Annotated[int, typer.Option(min=1, max=131072)] = 32,
+    problems: Annotated[int, ranged("held-out problems (paper: 30).", 1, 10000)] = 30,
+    n: Annotated[int, ranged("branches per problem.", 2, 4096)] = 8,
+    max_tokens: Annotated[int, ranged("tokens per answer.", 1, 131072)] = 32,
     seed: Annotated[
-        int, typer.Option(min=0, help="seed of the held-out split (keep it apart from evals).")
+        int, ranged("seed of the held-out split (keep it apart from evals).", 0, MAX_SEED)
     ] = 10_000,
 ) -> None:
     """Fit CGEE's thresholds (τ_conf, r_gap, θ, decision-safe l_min) on held-out problems and save them."""
-    import reasoning_gym
-
-    from branchwise.backends.hf import HFBackend
     from branchwise.reasoners.calibrate import calibrate_cgee
 
-    questions = [entry["question"] for entry in reasoning_gym.create_dataset(task, size=problems, seed=seed)]
-    with console.status(f"loading {model or 'the embedded model'}…"):
-        backend = HFBackend(model)
+    questions = _gym_questions(task, problems, seed)
+    backend = _load_backend(model)
     calibration = calibrate_cgee(backend, questions, n=n, max_tokens=max_tokens)
     console.print_json(json.dumps(calibration.__dict__))
 
 
 steering_app = typer.Typer(
-    help="SkipKV steering vectors (§4.2): build and inspect them.", no_args_is_help=True
+    help="SkipKV steering vectors (§4.2): build and inspect them.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(steering_app, name="steering")
 
@@ -247,30 +351,24 @@ def steering_build(
         str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
     ] = None,
     task: Annotated[str, typer.Option(help="reasoning-gym task the traces are sampled on.")] = "gsm_symbolic",
-    problems: Annotated[
-        int, typer.Option(min=1, max=100000, help="questions (paper: 1,000 MATH train).")
-    ] = 16,
-    samples: Annotated[int, typer.Option(min=1, max=4096, help="traces sampled per question.")] = 4,
+    problems: Annotated[int, ranged("questions (paper: 1,000 MATH train).", 1, 100000)] = 16,
+    samples: Annotated[int, ranged("traces sampled per question.", 1, 4096)] = 4,
     layer: Annotated[
-        int | None, typer.Option(min=0, help="layer whose residual input is steered; default ≈70 % depth.")
+        int | None, ranged("layer whose residual input is steered; default ≈70 % depth.", 0)
     ] = None,
-    max_tokens: Annotated[int, typer.Option(min=1, max=131072)] = 256,
+    max_tokens: Annotated[int, ranged("tokens per trace.", 1, 131072)] = 256,
     seed: Annotated[
-        int, typer.Option(min=0, help="seed of the question split (keep it apart from evals).")
+        int, ranged("seed of the question split (keep it apart from evals).", 0, MAX_SEED)
     ] = 20_000,
     out: Annotated[
         Path | None, typer.Option(help="where to save; default: the model's slot in the cache.")
     ] = None,
 ) -> None:
     """Sample reasoning traces, and save v = mean(execution) − mean(non-execution) delimiter states."""
-    import reasoning_gym
-
-    from branchwise.backends.hf import HFBackend
     from branchwise.reasoners.steering import build_steering
 
-    questions = [entry["question"] for entry in reasoning_gym.create_dataset(task, size=problems, seed=seed)]
-    with console.status(f"loading {model or 'the embedded model'}…"):
-        backend = HFBackend(model)
+    questions = _gym_questions(task, problems, seed)
+    backend = _load_backend(model)
     try:
         vector = build_steering(
             backend, questions, layer=layer, samples=samples, max_tokens=max_tokens, save=out is None

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
+import yaml
 from typer.testing import CliRunner
 
 from branchwise.cli import app
-from branchwise.strategies import self_consistency
+from branchwise.strategies import PREBUILT, Strategy, best_of_n, self_consistency
 
 runner = CliRunner()
 
@@ -18,6 +23,29 @@ def test_help_on_every_command() -> None:
         result = runner.invoke(app, [*args, "--help"])
         assert result.exit_code == 0, result.output
         assert "Usage" in result.output
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "branchwise", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Usage: branchwise")
+
+
+@pytest.mark.parametrize("name", list(PREBUILT))
+@pytest.mark.parametrize("fmt", ["yaml", "json"])
+def test_strategy_show_loads_back(name: str, fmt: str, tmp_path: Path) -> None:
+    """What `show` prints on stdout is a strategy file (the plan goes to stderr)."""
+    result = runner.invoke(app, ["strategy", "show", name, "--n", "4", "--format", fmt])
+    assert result.exit_code == 0, result.output
+    path = tmp_path / f"s.{fmt}"
+    path.write_text(result.stdout)
+    loaded = Strategy.from_json(result.stdout) if fmt == "json" else Strategy.from_yaml(result.stdout)
+    assert loaded == PREBUILT[name](branches=4)
+    assert "plan:" in result.stderr and "plan:" not in result.stdout
+    check = runner.invoke(app, ["strategy", "validate", str(path)])
+    assert check.exit_code == 0, check.output
 
 
 def test_strategy_show_and_validate(tmp_path) -> None:
@@ -70,3 +98,117 @@ def test_run_with_skipkv_reports_in_notes(tiny_llama_dir) -> None:
     result = runner.invoke(app, [*args, "--steer"])
     assert result.exit_code != 0
     assert "--skipkv-budget" in result.output
+
+
+def test_validate_rejects_what_would_fail_at_run_time(tmp_path: Path) -> None:
+    """Unknown verifier and extractor names, negative seeds, broken YAML: exit 1, one line each, no traceback."""
+    doc = yaml.safe_load(best_of_n(n=2).to_yaml())
+    cases = {
+        "verifier.yaml": ("nodes", 1, "verifier", "nope", "nodes[1].verifier 'nope'"),
+        "extractor.yaml": ("nodes", 3, "extractor", "nope", "nodes[3].extractor 'nope'"),
+        "seed.yaml": (
+            "nodes",
+            0,
+            "seed",
+            -1,
+            "nodes.0.generate.seed: Input should be greater than or equal to 0",
+        ),
+    }
+    for file, (_, index, key, value, expected) in cases.items():
+        bad = json.loads(json.dumps(doc))
+        bad["nodes"][index][key] = value
+        path = tmp_path / file
+        path.write_text(yaml.safe_dump(bad))
+        out = runner.invoke(app, ["strategy", "validate", str(path)])
+        assert out.exit_code == 1, out.output
+        assert expected in out.stderr and "Traceback" not in out.output
+    for text, expected in [("name: x\nnodes: [\n", "invalid YAML at line 3"), ("", "empty document")]:
+        path = tmp_path / "broken.yaml"
+        path.write_text(text)
+        out = runner.invoke(app, ["strategy", "validate", str(path)])
+        assert out.exit_code == 1 and expected in out.stderr and "Traceback" not in out.output
+
+
+@pytest.fixture
+def strategy_files(tmp_path: Path) -> dict[str, str]:
+    good = self_consistency(n=2).to_yaml()
+    files = {
+        "malformed": "name: x\nnodes: [\n",
+        "empty": "",
+        "invalid": good.replace("n: 2", "n: 0"),
+        "verifier": best_of_n(n=2).to_yaml().replace("verifier: judge", "verifier: nope"),
+        "good": good,
+    }
+    paths = {}
+    for name, text in files.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        paths[name] = str(path)
+    paths["dir"] = str(tmp_path)
+    return paths
+
+
+#: Bad command lines and the words their one-line error must contain (the option and what is wrong).
+BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
+    (["run"], "Missing argument"),
+    (["run", ""], "question 1 is empty"),
+    (["run", "   "], "question 1 is empty"),
+    (["run", "q", "--n", "0"], "'--n': 0 is not in the range 1<=x<=4096"),
+    (["run", "q", "--n", "5000"], "'--n': 5000 is not in the range"),
+    (["run", "q", "--n", "abc"], "'--n': Input should be a valid integer"),
+    (["run", "q", "--temperature", "-1"], "'--temperature': -1.0 is not in the range 0.0<=x<=5.0"),
+    (["run", "q", "--max-tokens", "0"], "'--max-tokens': 0 is not in the range"),
+    (["run", "q", "--seed", "-1"], "'--seed': -1 is not in the range"),
+    (["run", "q", "--seed", str(10**30)], f"'--seed': {10**30} is not in the range 0<=x<={2**64 - 1}"),
+    (["run", "q", "--share", "fuzzy"], "'--share': Value error, 'fuzzy' is not one of 'none', 'exact'"),
+    (["run", "q", "--strategy", "nope"], "--strategy: 'nope' is neither a prebuilt strategy"),
+    (["run", "q", "--strategy", "{malformed}"], "invalid YAML at line 3, column 1"),
+    (["run", "q", "--strategy", "{empty}"], "found an empty document"),
+    (
+        ["run", "q", "--strategy", "{invalid}"],
+        "nodes.0.generate.n: Input should be greater than or equal to 1",
+    ),
+    (
+        ["run", "q", "--strategy", "{verifier}"],
+        "nodes[1].verifier 'nope' (score 'score') is not a known verifier",
+    ),
+    (["run", "q", "--strategy", "best-of-n", "--verifier", "nope"], "'nope' is not a verifier; allowed: "),
+    (["run", "q", "--verifier", "judge"], "self_consistency chooses its own verifier"),
+    (["run", "q", "--strategy", "{good}", "--n", "3"], "a strategy file carries its own"),
+    (["run", "q", "--strategy", "beam-search", "--n", "70000"], "'--n': 70000 is not in the range"),
+    (["run", "q", "--asks-tau", "2"], "'--asks-tau': 2.0 is not in the range 0.0<=x<=1.0"),
+    (["run", "q", "--rsbcm-capacity", "0"], "'--rsbcm-capacity': 0 is not in the range x>=1"),
+    (["run", "q", "--river-threshold", "1.5"], "'--river-threshold': 1.5 is not in the range"),
+    (["run", "q", "--skipkv-budget", "1"], "'--skipkv-budget': 1 is not in the range x>=2"),
+    (["run", "q", "--steer"], "--steer needs --skipkv-budget"),
+    (
+        ["run", "q", "--model", "/nonexistent/model"],
+        "--model: '/nonexistent/model' is neither a local model folder",
+    ),
+    (["run", "q", "--bogus"], "No such option: --bogus"),
+    (["strategy", "show", "nope"], "'nope' is neither a prebuilt strategy"),
+    (["strategy", "show", "best-of-n", "--format", "xml"], "'--format': Value error, 'xml' is not one of 'yaml', 'json'"),
+    (["strategy", "show", "best-of-n", "--n", "0"], "'--n': 0 is not in the range"),
+    (["strategy", "validate", "/nonexistent.yaml"], "'path': file '/nonexistent.yaml' does not exist"),
+    (["strategy", "validate", "{dir}"], "is a directory"),
+    (["strategy", "nope"], "No such command 'nope'"),
+    (["calibrate", "--task", "nope"], "--task: 'nope' is not a reasoning-gym task"),
+    (["calibrate", "--n", "1"], "'--n': 1 is not in the range"),
+    (["steering", "build", "--task", "nope"], "--task: 'nope' is not a reasoning-gym task"),
+    (["steering", "build", "--samples", "0"], "'--samples': 0 is not in the range"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"), BAD_COMMAND_LINES, ids=lambda v: " ".join(v) if isinstance(v, list) else ""
+)
+def test_bad_command_line_exits_2_with_one_line(
+    args: list[str], expected: str, strategy_files: dict[str, str]
+) -> None:
+    args = [a.format(**strategy_files) for a in args]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit), result.exception  # no traceback
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.output
+    assert expected in errors[0], errors[0]

@@ -112,6 +112,29 @@ def test_unknown_verifier_and_share_are_clear_errors(backend: HFBackend) -> None
         Reasoner(self_consistency(n=2), backend=backend, share="fuzzy")  # type: ignore[arg-type]
 
 
+def test_unknown_extractor_is_rejected_before_running(backend: HFBackend) -> None:
+    with pytest.raises(ValueError, match=r"nodes\[1\]\.extractor 'nope' .* allowed: .*last_number"):
+        Reasoner(self_consistency(n=2, extractor="nope"), backend=backend)
+
+
+class _Short:
+    """A verifier that loses a score: the error must name it and both counts."""
+
+    name = "short"
+
+    def score(self, backend, question, candidates):  # type: ignore[no-untyped-def]
+        return [0.5] * (len(candidates) - 1)
+
+
+def test_verifier_returning_wrong_count_is_named(backend: HFBackend) -> None:
+    reasoner = Reasoner(
+        best_of_n(n=3, max_tokens=4, verifier="short"), backend=backend, verifiers={"short": _Short()}
+    )
+    with pytest.raises(ValueError, match=r"verifier 'short' \(_Short\) returned 2 scores for 3 candidates"):
+        reasoner.run("Hi")
+    assert backend.kv_stats().live_nodes == 0
+
+
 def test_batch_runs_each_question(backend: HFBackend) -> None:
     results = Reasoner(self_consistency(n=2, max_tokens=4), backend=backend).batch(["a", "b"], progress=False)
     assert [r.question for r in results] == ["a", "b"]

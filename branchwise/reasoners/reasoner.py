@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import Backend, DecodeParams, ShareMode
 from branchwise.reasoners.answers import extract_answer, majority_vote
+from branchwise.reasoners.registry import check_names
 from branchwise.reasoners.result import Branch, ReasoningResult, SearchStep, TreeNode
 from branchwise.reasoners.search import (
     MiniLMEmbedder,
@@ -144,9 +145,7 @@ class Reasoner:
         self.backend = backend
         self.share: ShareMode = share
         self.verifiers = {**default_verifiers(), **(verifiers or {})}
-        missing = {n.verifier for n in self.plan.nodes() if isinstance(n, ScoreNode)} - set(self.verifiers)
-        if missing:
-            raise ValueError(f"strategy uses verifier(s) {sorted(missing)}; known: {sorted(self.verifiers)}")
+        check_names(strategy, self.verifiers)
         self.system_prompt = system_prompt
         self.prompt_template = prompt_template
         self.accel = accel
@@ -367,7 +366,12 @@ class Reasoner:
                 self._set_scores(todo, "confidence", confidences)
                 return
         verifier = self.verifiers[name]
-        scores = verifier.score(self.backend, run.question, self._candidates(todo))
+        scores = list(verifier.score(self.backend, run.question, self._candidates(todo)))
+        if len(scores) != len(todo):
+            raise ValueError(
+                f"verifier {name!r} ({type(verifier).__name__}) returned {len(scores)} scores for "
+                f"{len(todo)} candidates; a verifier must return exactly one score per candidate"
+            )
         self._set_scores(todo, name, scores)
         if hasattr(self.backend, "set_scores"):  # RSBCM keeps the blocks of better branches longer
             self.backend.set_scores([leaf.node for leaf in todo], scores)

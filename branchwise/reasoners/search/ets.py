@@ -85,14 +85,17 @@ def _binary(lp: pulp.LpProblem, name: str) -> pulp.LpVariable:
 
 
 def default_solver(time_limit: float = DEFAULT_TIME_LIMIT_S) -> pulp.LpSolver:
-    """CBC with a wall-clock limit and no console output.
+    """HiGHS (the ``highspy`` dependency) with a wall-clock limit and no console output.
 
-    PuLP <= 3.x bundles a CBC binary behind ``PULP_CBC_CMD``; PuLP 3.3 deprecates that name (CBC moves
-    to the ``pulp[cbc]`` extra, found by ``COIN_CMD``), and constructing it emits a
-    ``DeprecationWarning`` that says nothing actionable to a branchwise user, so it is silenced here.
-    When the bundled binary is absent, ``COIN_CMD`` looks for a ``cbc`` on the path; if there is none,
-    solving raises and :meth:`ETSProblem.solve` falls back to greedy and reports ``"error"``.
+    HiGHS is installed with branchwise, so a fresh install always has a MILP solver. PuLP's bundled
+    CBC binary (``PULP_CBC_CMD``) is the second choice: PuLP 3.3 deprecates it and moves CBC to an
+    extra, and constructing it warns with nothing actionable for a branchwise user, so that warning
+    is silenced. If neither is available, ``COIN_CMD`` looks for a ``cbc`` on the path; if there is
+    none, solving raises and :meth:`ETSProblem.solve` falls back to greedy and reports ``"error"``.
     """
+    highs = pulp.HiGHS(msg=False, timeLimit=time_limit)
+    if highs.available():
+        return highs
     bundled = getattr(pulp, "PULP_CBC_CMD", None)
     if bundled is not None:
         with warnings.catch_warnings():

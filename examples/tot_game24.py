@@ -65,7 +65,7 @@ def main() -> None:
         threshold=args.threshold,
         max_step_tokens=32,
         step_delimiter="\n",
-        extractor="game24",
+        extractor="expression",
         seed=0,
     )
     reasoner = Reasoner(

@@ -41,13 +41,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from branchwise.reasoners.answers import (
-    extract_answer,
-    extract_auto,
-    normalize_answer,
-    register_extractor,
-)
-from branchwise.reasoners.tasks import check_game24 as solves_game24
+from branchwise.reasoners.answers import extract_answer, normalize_answer, register_extractor
+from branchwise.reasoners.tasks import check_game24, game24_csv, game24_rows
 
 __all__ = [
     "ChampConfig",
@@ -60,7 +55,6 @@ __all__ = [
     "Problem",
     "ReasoningGymConfig",
     "Task",
-    "check_game24",
     "run_humaneval",
 ]
 
@@ -102,69 +96,17 @@ class Task(ABC):
 
     @abstractmethod
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
-        """1.0 = correct; values in (0, 1) are partial credit (reported, counted as wrong)."""
+        """1.0 = correct; values in (0, 1) are partial credit (reported, counted as wrong).
+
+        A checker may raise on an answer it cannot parse: the harness then scores 0 and says so in
+        the row's notes, so a checker failure is never mistaken for a plain wrong answer.
+        """
 
 
 # --------------------------------------------------------------------------------------------------
-# Extractors shared by several datasets
+# Extractors and scorers (the answer tag and expression extractors live in `reasoners`, with the
+# verifiers that read the same formats)
 # --------------------------------------------------------------------------------------------------
-
-_TAG_RE = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
-_OPEN_TAG_RE = re.compile(r"<answer>\s*([^<\n]+)", re.IGNORECASE)
-
-
-def _tag(text: str) -> str | None:
-    """Content of the last closed ``<answer>`` tag, or of an unclosed last one (cut at the line end)."""
-    found = _TAG_RE.findall(text)
-    if found:
-        return found[-1].strip() or None
-    found = _OPEN_TAG_RE.findall(text)
-    return found[-1].strip() if found else None
-
-
-def extract_answer_tag(text: str) -> str | None:
-    """``<answer>X</answer>`` (normalised), else the generic `extract_auto` fallback."""
-    inner = _tag(text)
-    if inner is not None:
-        return normalize_answer(inner)
-    return extract_auto(text)
-
-
-_EXPR_CHARS = re.compile(r"^[\d\s+\-*/().×÷xX]+$")
-
-
-def _clean_expression(s: str) -> str | None:
-    s = normalize_answer(s).replace("×", "*").replace("÷", "/").replace("\\times", "*").replace("\\div", "/")
-    s = s.split("=")[0].strip() if "=" in s else s
-    s = re.sub(r"(?<=\d)\s*[xX]\s*(?=[\d(])", "*", s)
-    return s if s and _EXPR_CHARS.match(s) and re.search(r"\d", s) else None
-
-
-def extract_expression(text: str) -> str | None:
-    """An arithmetic expression answer (Game of 24, countdown): the ``<answer>`` tag, a box, the
-    phrase after "answer is", or the last line that is an expression (``... = 24`` is cut at '=')."""
-    for candidate in (_tag(text), extract_answer_is_raw(text)):
-        if candidate:
-            cleaned = _clean_expression(candidate)
-            if cleaned:
-                return cleaned
-    for line in reversed(text.splitlines()):
-        head = line.split("=")[0]
-        runs = [r.strip() for r in _EXPR_RUN.findall(head.replace("×", "*").replace("÷", "/"))]
-        runs = [r for r in runs if any(op in r for op in "+-*/") and r.count("(") == r.count(")")]
-        if runs:
-            return max(runs, key=len)
-    return None
-
-
-_EXPR_RUN = re.compile(r"[\d(][\d\s+\-*/().]*[\d)]")
-
-
-def extract_answer_is_raw(text: str) -> str | None:
-    """The text after the last "answer is"/"answer:" marker up to the line end (not normalised)."""
-    matches = list(re.finditer(r"answer\s*(?:is|:)\s*:?\s*(.+)", text, re.IGNORECASE))
-    return matches[-1].group(1).strip() if matches else None
-
 
 _CODE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
 
@@ -177,12 +119,7 @@ def extract_code(text: str) -> str | None:
     return text if text.strip() else None
 
 
-for _name, _fn in (
-    ("answer_tag", extract_answer_tag),
-    ("expression", extract_expression),
-    ("code", extract_code),
-):
-    register_extractor(_name, _fn, replace=True)
+register_extractor("code", extract_code, replace=True)
 
 
 def _numbers_equal(a: str, b: str) -> bool:
@@ -294,12 +231,7 @@ class _ReasoningGymTask(Task):
         return self.cfg._cap(out, self._limit)
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
-        if answer is None:
-            return 0.0
-        try:
-            return float(self.ds.score_answer(answer, problem.raw))
-        except Exception:  # a checker that chokes on a malformed answer scores it wrong
-            return 0.0
+        return 0.0 if answer is None else float(self.ds.score_answer(answer, problem.raw))
 
 
 _GAME24_SYSTEM = (
@@ -307,16 +239,6 @@ _GAME24_SYSTEM = (
     "Think briefly, then give only the expression inside <answer></answer> tags, for example "
     "<answer>(1 + 2 + 3) * 4</answer>."
 )
-
-
-def check_game24(expression: str | None, numbers: list[int]) -> bool:
-    """True when a model's answer is an expression that uses exactly `numbers` and equals 24.
-
-    The answer is cleaned first (LaTeX operators, "x" for times, a trailing "= 24"); the exact
-    evaluation over a whitelisted AST is the reasoners' own Game-of-24 check, never `eval`.
-    """
-    expr = _clean_expression(expression) if expression else None
-    return expr is not None and solves_game24(numbers, expr)
 
 
 class Game24Config(_DatasetBase):
@@ -337,11 +259,10 @@ class Game24Config(_DatasetBase):
             if not p.is_file():
                 raise DatasetUnavailable(f"game24 path {p} does not exist")
             return p
-        folder = _package_dir("tot", "pip install --no-deps tree-of-thoughts-llm")
-        p = folder / "data" / "24" / "24.csv"
-        if not p.is_file():
-            raise DatasetUnavailable(f"the installed 'tot' package has no {p}; is it tree-of-thoughts-llm?")
-        return p
+        try:
+            return game24_csv()
+        except FileNotFoundError as exc:
+            raise DatasetUnavailable(str(exc)) from exc
 
     def load(self, limit: int | None = None) -> Task:
         return _Game24Task(self, limit)
@@ -352,31 +273,22 @@ class _Game24Task(Task):
     system_prompt = _GAME24_SYSTEM
 
     def __init__(self, cfg: Game24Config, limit: int | None) -> None:
-        import csv
-
         self.cfg = cfg
         self.label = cfg.display_name
-        with cfg.csv_path().open(newline="") as f:
-            rows = list(csv.DictReader(f))
-        self._rows = rows[cfg.start : cfg.start + cfg.count]
+        self._rows = game24_rows(cfg.start, cfg.count, cfg.csv_path())
         self._limit = limit
 
     def problems(self) -> list[Problem]:
         out = []
-        for row in self._rows:
-            numbers = [int(x) for x in row["Puzzles"].split()]
+        for rank, puzzle in self._rows:
+            numbers = [int(x) for x in puzzle.split()]
             out.append(
-                Problem(
-                    id=f"24-{row['Rank']}",
-                    question=f"Numbers: {' '.join(map(str, numbers))}",
-                    gold=None,
-                    raw=numbers,
-                )
+                Problem(id=f"24-{rank}", question=f"Numbers: {' '.join(map(str, numbers))}", raw=numbers)
             )
         return self.cfg._cap(out, self._limit)
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
-        return 1.0 if check_game24(answer, problem.raw) else 0.0
+        return 1.0 if check_game24(problem.raw, answer) else 0.0
 
 
 _HUMANEVAL_SYSTEM = (

@@ -1,5 +1,5 @@
-"""What every benchmark script shares: its command line, its problems, timing helpers and the JSON
-envelope of the one object it prints as the last line of stdout.
+"""What every benchmark script shares: its command line, its problems, GPU synchronisation and the
+JSON envelope of the one object it prints as the last line of stdout.
 
 Why one envelope: every result carries the same provenance (model, device, dtype, the whole
 configuration, wall time, machine), so outputs of different scripts and machines can be read the
@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,16 +24,7 @@ from branchwise.backends.hf import HFBackend
 
 THREADS_HELP = (
     "torch CPU threads (default: torch's choice). On a shared CPU, 1 keeps timings stable: with as "
-    "many OpenMP threads as cores, a busy neighbour makes single solves swing 10-20x"
-)
-
-PASSAGE = (
-    "A farmer keeps careful records of every field, every harvest and every sale. In the first "
-    "season the north field yielded 124 bushels of wheat and the south field 87 bushels of barley; "
-    "a third of the barley was sold at the market in town while the rest was stored for winter. "
-    "The farmer's neighbour borrowed 15 bushels of wheat and promised to return twice as much after "
-    "the next harvest. In the second season the yields rose by a fifth, prices fell by a tenth, and "
-    "the stored barley lost 6 bushels to damp. "
+    "many OpenMP threads as cores, a busy neighbour makes single solves swing by an order of magnitude"
 )
 
 
@@ -93,27 +83,6 @@ def sync(backend: HFBackend) -> None:
     """Wait for queued GPU work so wall-clock timings cover it (RKSC §3.1 synchronises likewise)."""
     if backend.device.type == "cuda":
         torch.cuda.synchronize(backend.device)
-
-
-def exact_tokens(backend: HFBackend, text: str, n: int) -> list[int]:
-    """Exactly `n` token ids of `text` repeated as often as needed."""
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += backend.encode(text)
-    return ids[:n]
-
-
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
-    """Median wall time of `fn` over `repeats` runs after `warmup` runs; returns (median, last output)."""
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
 
 
 def machine() -> dict[str, Any]:

@@ -177,7 +177,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = BenchParser(__doc__, {"widths": [4, 8], "problems": 2, "depth": 3, "max_step_tokens": 24})
+    parser = BenchParser(__doc__, {"widths": [4, 8], "problems": 1, "depth": 3, "max_step_tokens": 24})
     parser.add_argument(
         "--task", default="chain_sum", help="reasoning-gym task (chain_sum, gsm_symbolic, ...)"
     )

@@ -11,10 +11,46 @@ tokens of all three paths agree.
 
 from __future__ import annotations
 
-from _common import PASSAGE, BenchParser, exact_tokens, median_time, start
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from _common import BenchParser, start
 from _rksc import hint_suffixes
 
 from branchwise.backends import DecodeParams
+from branchwise.backends.hf import HFBackend
+
+PASSAGE = (
+    "A farmer keeps careful records of every field, every harvest and every sale. In the first "
+    "season the north field yielded 124 bushels of wheat and the south field 87 bushels of barley; "
+    "a third of the barley was sold at the market in town while the rest was stored for winter. "
+    "The farmer's neighbour borrowed 15 bushels of wheat and promised to return twice as much after "
+    "the next harvest. In the second season the yields rose by a fifth, prices fell by a tenth, and "
+    "the stored barley lost 6 bushels to damp. "
+)
+
+
+def exact_tokens(backend: HFBackend, text: str, n: int) -> list[int]:
+    """Exactly `n` token ids of `text` repeated as often as needed."""
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += backend.encode(text)
+    return ids[:n]
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
+    """Median wall time of `fn` over `repeats` runs after `warmup` runs; returns (median, last output)."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
             "branches": 2,
             "batch_problems": 2,
             "max_tokens": 64,
+            "ratios": "0.2",
             "prefill_repeats": 1,
         },
         threads=1,

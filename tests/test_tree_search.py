@@ -500,7 +500,7 @@ def run_script(*args: str) -> str:
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Pin torch to one thread for the test: on a shared 2-core machine two OpenMP threads beside a
-    busy neighbour make a decode step many times slower (measured 8 s vs 73 s for the test below)."""
+    busy neighbour make a decode step many times slower."""
     import torch
 
     before = torch.get_num_threads()

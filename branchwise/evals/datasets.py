@@ -175,6 +175,23 @@ class _DatasetBase(BaseModel):
         return problems[: min(caps)] if caps else problems
 
 
+class _ConfigTask(Task):
+    """A task built from a dataset config: the config's label, and `load(limit)`'s cap on top of the
+    config's own `limit`."""
+
+    def __init__(self, cfg: Any, limit: int | None) -> None:
+        self.cfg = cfg
+        self.label = cfg.display_name
+        self._limit = limit
+
+    def problems(self) -> list[Problem]:
+        return self.cfg._cap(self._all_problems(), self._limit)
+
+    @abstractmethod
+    def _all_problems(self) -> list[Problem]:
+        """Every problem of the source in a fixed order, before the caps."""
+
+
 _RG_SYSTEM = (
     "Solve the problem. Think step by step, then give only the final answer inside "
     "<answer></answer> tags, for example <answer>42</answer>."
@@ -200,7 +217,9 @@ class ReasoningGymConfig(_DatasetBase):
         return _ReasoningGymTask(self, limit)
 
 
-class _ReasoningGymTask(Task):
+class _ReasoningGymTask(_ConfigTask):
+    cfg: ReasoningGymConfig
+
     def __init__(self, cfg: ReasoningGymConfig, limit: int | None) -> None:
         try:
             import reasoning_gym
@@ -208,14 +227,12 @@ class _ReasoningGymTask(Task):
             raise DatasetUnavailable(
                 "reasoning-gym is not installed; pip install 'branchwise[evals]'"
             ) from exc
-        self.label = cfg.display_name
-        self.cfg = cfg
+        super().__init__(cfg, limit)
         self.ds = reasoning_gym.create_dataset(cfg.name_, size=cfg.size, seed=cfg.seed, **cfg.config)
         self.extractor = "expression" if cfg.name_ in _RG_EXPRESSION_TASKS else "answer_tag"
         self.system_prompt = _RG_SYSTEM
-        self._limit = limit
 
-    def problems(self) -> list[Problem]:
+    def _all_problems(self) -> list[Problem]:
         n = len(self.ds)
         out = []
         for i in range(n):
@@ -228,7 +245,7 @@ class _ReasoningGymTask(Task):
                     raw=entry,
                 )
             )
-        return self.cfg._cap(out, self._limit)
+        return out
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
         return 0.0 if answer is None else float(self.ds.score_answer(answer, problem.raw))
@@ -268,24 +285,23 @@ class Game24Config(_DatasetBase):
         return _Game24Task(self, limit)
 
 
-class _Game24Task(Task):
+class _Game24Task(_ConfigTask):
     extractor = "expression"
     system_prompt = _GAME24_SYSTEM
+    cfg: Game24Config
 
     def __init__(self, cfg: Game24Config, limit: int | None) -> None:
-        self.cfg = cfg
-        self.label = cfg.display_name
+        super().__init__(cfg, limit)
         self._rows = game24_rows(cfg.start, cfg.count, cfg.csv_path())
-        self._limit = limit
 
-    def problems(self) -> list[Problem]:
+    def _all_problems(self) -> list[Problem]:
         out = []
         for rank, puzzle in self._rows:
             numbers = [int(x) for x in puzzle.split()]
             out.append(
                 Problem(id=f"24-{rank}", question=f"Numbers: {' '.join(map(str, numbers))}", raw=numbers)
             )
-        return self.cfg._cap(out, self._limit)
+        return out
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
         return 1.0 if check_game24(problem.raw, answer) else 0.0
@@ -350,13 +366,13 @@ class HumanEvalConfig(_DatasetBase):
         return _HumanEvalTask(self, limit)
 
 
-class _HumanEvalTask(Task):
+class _HumanEvalTask(_ConfigTask):
     extractor = "code"
     system_prompt = _HUMANEVAL_SYSTEM
+    cfg: HumanEvalConfig
 
     def __init__(self, cfg: HumanEvalConfig, limit: int | None) -> None:
-        self.cfg = cfg
-        self.label = cfg.display_name
+        super().__init__(cfg, limit)
         if cfg.path:
             path = Path(cfg.path).expanduser()
         else:
@@ -366,14 +382,12 @@ class _HumanEvalTask(Task):
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt") as f:
             self._tasks = [json.loads(line) for line in f if line.strip()]
-        self._limit = limit
 
-    def problems(self) -> list[Problem]:
-        out = [
+    def _all_problems(self) -> list[Problem]:
+        return [
             Problem(id=t["task_id"], question=t["prompt"], gold=t.get("canonical_solution"), raw=t)
             for t in self._tasks[self.cfg.start :]
         ]
-        return self.cfg._cap(out, self._limit)
 
     def prompt(self, problem: Problem) -> str:
         return f"```python\n{problem.question}```"
@@ -405,19 +419,18 @@ class ChampConfig(_DatasetBase):
         return _ChampTask(self, limit)
 
 
-class _ChampTask(Task):
+class _ChampTask(_ConfigTask):
     extractor = "auto"
     system_prompt = _BOXED_SYSTEM
+    cfg: ChampConfig
 
     def __init__(self, cfg: ChampConfig, limit: int | None) -> None:
-        self.cfg = cfg
-        self.label = cfg.display_name
+        super().__init__(cfg, limit)
         path = _package_dir("champ_dataset", "pip install champ-dataset") / "dataset_files" / "v0.json"
         with path.open() as f:
             self._raw = json.load(f)["problems"]
-        self._limit = limit
 
-    def problems(self) -> list[Problem]:
+    def _all_problems(self) -> list[Problem]:
         out = []
         for pid, p in self._raw.items():
             if self.cfg.categories and p.get("category") not in self.cfg.categories:
@@ -434,14 +447,16 @@ class _ChampTask(Task):
                     raw=forms,
                 )
             )
-        return self.cfg._cap(out, self._limit)
+        return out
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
         return 1.0 if answers_match(answer, problem.raw) else 0.0
 
 
-class _RecordsTask(Task):
+class _RecordsTask(_ConfigTask):
     """Question/answer records (local JSONL or HF datasets) scored by normalised/numeric match."""
+
+    cfg: JsonlConfig | HFDatasetConfig
 
     def __init__(
         self,
@@ -450,11 +465,9 @@ class _RecordsTask(Task):
         limit: int | None,
         gold_fn: Callable[[Any], str | None],
     ) -> None:
-        self.cfg = cfg
-        self.label = cfg.display_name
+        super().__init__(cfg, limit)
         self.extractor = cfg.extractor
         self.system_prompt = cfg.system_prompt
-        self._limit = limit
         out = []
         for i, rec in enumerate(records):
             if cfg.question_field not in rec:
@@ -471,8 +484,8 @@ class _RecordsTask(Task):
             )
         self._problems = out
 
-    def problems(self) -> list[Problem]:
-        return self.cfg._cap(self._problems, self._limit)
+    def _all_problems(self) -> list[Problem]:
+        return self._problems
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
         return 1.0 if problem.gold is not None and answers_match(answer, [problem.gold]) else 0.0

@@ -1,57 +1,88 @@
-"""Shared helpers of the benchmark scripts: timing medians, fixed-length prompts, JSON output.
+"""What every benchmark script shares: its command line, its problems, GPU synchronisation and the
+JSON envelope of the one object it prints as the last line of stdout.
 
-Why: every benchmark prints one JSON object as its last line, with medians over repeats after a
-warm-up and ratios measured in the same run (these machines are noisy: compare ratios).
+Why one envelope: every result carries the same provenance (model, device, dtype, the whole
+configuration, wall time, machine), so outputs of different scripts and machines can be read the
+same way. Medians and ratios are measured within one run, after warm-up: these machines are noisy,
+so compare ratios, not absolute times.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
-import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-PASSAGE = (
-    "A farmer keeps careful records of every field, every harvest and every sale. In the first "
-    "season the north field yielded 124 bushels of wheat and the south field 87 bushels of barley; "
-    "a third of the barley was sold at the market in town while the rest was stored for winter. "
-    "The farmer's neighbour borrowed 15 bushels of wheat and promised to return twice as much after "
-    "the next harvest. In the second season the yields rose by a fifth, prices fell by a tenth, and "
-    "the stored barley lost 6 bushels to damp. "
+from branchwise.backends.hf import HFBackend
+
+THREADS_HELP = (
+    "torch CPU threads (default: torch's choice). On a shared CPU, 1 keeps timings stable: with as "
+    "many OpenMP threads as cores, a busy neighbour makes single solves swing by an order of magnitude"
 )
 
 
-def exact_tokens(backend: Any, text: str, n: int) -> list[int]:
-    """Exactly `n` token ids of `text` repeated as often as needed."""
-    ids: list[int] = []
-    while len(ids) < n:
-        ids += backend.encode(text)
-    return ids[:n]
+class BenchParser(argparse.ArgumentParser):
+    """The command line of a benchmark: `--model`, `--threads` and `--quick` first, then its own.
+
+    `--quick` replaces options with the script's `quick` settings after parsing, and its help lists
+    them, so what a smoke run does is stated once.
+    """
+
+    def __init__(self, doc: str | None, quick: dict[str, Any], *, threads: int | None = None) -> None:
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.quick = quick
+        self.add_argument(
+            "--model", default=None, help="hub id or local path; default: embedded SmolLM2-135M"
+        )
+        self.add_argument(
+            "--threads",
+            type=int,
+            default=threads,
+            help=THREADS_HELP + ("" if threads is None else f" (default here: {threads})"),
+        )
+        settings = ", ".join(f"--{k.replace('_', '-')} {_shown(v)}" for k, v in quick.items())
+        self.add_argument("--quick", action="store_true", help=f"a smoke run: {settings}")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        unknown = sorted(set(self.quick) - {action.dest for action in self._actions})
+        if unknown:
+            raise TypeError(f"--quick sets options this script does not have: {unknown}")
+        parsed = super().parse_args(args, namespace)
+        if parsed.quick:
+            for key, value in self.quick.items():
+                setattr(parsed, key, value)
+        return parsed
 
 
-def branch_suffixes(backend: Any, b: int, length: int) -> list[list[int]]:
-    """`b` distinct branch hints of exactly `length` tokens each (RKSC's branch-specific suffix)."""
-    return [
-        exact_tokens(backend, f" Hint {i}: reason about part {i} of the records, then answer. ", length)
-        for i in range(b)
-    ]
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
-    """Median wall time of `fn` over `repeats` runs after `warmup` runs; returns (median, last output)."""
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+def set_threads(n: int | None) -> None:
+    """Pin torch's intra-op threads; `None` leaves torch's default (recorded by `machine()`)."""
+    if n is not None:
+        torch.set_num_threads(n)
+
+
+def load_problems(task: str, n: int, seed: int, **settings: Any) -> list[tuple[str, Any, Any]]:
+    """(question, entry, dataset) triples from a seeded reasoning-gym generator (`settings`: its options)."""
+    import reasoning_gym
+
+    dataset = reasoning_gym.create_dataset(task, size=n, seed=seed, **settings)
+    return [(entry["question"], entry, dataset) for entry in dataset]
+
+
+def sync(backend: HFBackend) -> None:
+    """Wait for queued GPU work so wall-clock timings cover it (RKSC §3.1 synchronises likewise)."""
+    if backend.device.type == "cuda":
+        torch.cuda.synchronize(backend.device)
 
 
 def machine() -> dict[str, Any]:
@@ -63,6 +94,39 @@ def machine() -> dict[str, Any]:
     }
 
 
-def emit(obj: dict[str, Any]) -> None:
-    """Print the benchmark's JSON object as the last line of output."""
-    print(json.dumps(obj, sort_keys=False))
+@dataclass
+class Bench:
+    """One benchmark run: its name (the JSON's "benchmark" and the log prefix), options and backend."""
+
+    name: str
+    args: argparse.Namespace
+    backend: HFBackend
+    started: float = field(default_factory=time.perf_counter)
+
+    def log(self, msg: str) -> None:
+        """Progress goes to stderr, so stdout holds only the JSON object."""
+        print(f"[{self.name}] {msg}", file=sys.stderr, flush=True)
+
+    def emit(self, results: dict[str, Any], *, config: dict[str, Any] | None = None) -> None:
+        """Print the envelope around `results` as one JSON line: the name, model, device, dtype,
+        `config` (every option but --model, updated with `config`: values derived from the options),
+        the results, seconds since the run started (model load included) and the machine."""
+        backend = self.backend
+        envelope = {
+            "benchmark": self.name,
+            "model": backend.model_name,
+            "device": backend.device.type,
+            "dtype": str(backend.dtype).removeprefix("torch."),
+            "config": {k: v for k, v in vars(self.args).items() if k != "model"} | (config or {}),
+            **results,
+            "seconds": round(time.perf_counter() - self.started, 1),
+            "machine": machine(),
+        }
+        print(json.dumps(envelope))
+
+
+def start(name: str, args: argparse.Namespace, **backend_options: Any) -> Bench:
+    """Pin the threads, then load the backend (`--model`, plus `backend_options`) and start the clock."""
+    set_threads(args.threads)
+    started = time.perf_counter()
+    return Bench(name, args, HFBackend(args.model, **backend_options), started)

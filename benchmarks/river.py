@@ -14,17 +14,11 @@ over the backbone at near-lossless quality; GSM8K match 98.03 %, KL 0.0045 at 3.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, machine
-from _rksc import THREADS_HELP, load_problems, set_threads, sync
+from _common import BenchParser, load_problems, start, sync
 
 from branchwise.backends.accel import Accel, RiverConfig
 from branchwise.backends.base import DecodeParams
@@ -76,10 +70,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default=None)
+    parser = BenchParser(__doc__, {"tasks": "gsm_symbolic", "problems": 2, "max_tokens": 24})
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (bf16 on cuda)")
     parser.add_argument("--tasks", default="gsm_symbolic,basic_arithmetic")
     parser.add_argument("--problems", "-N", type=int, default=6, help="per task")
@@ -89,14 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bits", type=int, choices=(4, 8), default=8)
     parser.add_argument("--kernel", default="auto", choices=("auto", "dynamic_int8", "weight_only"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    parser.add_argument("--quick", action="store_true", help="1 task, 2 problems, 24 tokens")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.tasks, args.problems, args.max_tokens = "gsm_symbolic", 2, 24
-    set_threads(args.threads)
     thresholds = [float(t) for t in args.thresholds.split(",")]
-    backend = HFBackend(args.model, device=args.device)
+    bench = start("river", args, device=args.device)
+    backend = bench.backend
     base = RiverConfig(bits=args.bits, kernel=args.kernel)
     if args.entry_layer is not None:
         base = base.model_copy(update={"entry_layer": args.entry_layer})
@@ -112,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     reference_answers: list[str | None] = []
     build: dict[str, Any] = {}
     for name, cfg in conditions.items():
-        print(f"[river] {name}", file=sys.stderr)
+        bench.log(name)
         backend.accel = Accel(river=cfg)
         if cfg is not None and not build:
             river = backend._river
@@ -155,18 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, row in results.items():
         if name != "backbone" and backbone_speed and row["tokens_per_s"]:
             row["speedup_vs_backbone"] = round(row["tokens_per_s"] / backbone_speed, 3)
-    emit(
-        {
-            "benchmark": "river",
-            "model": backend.model_name,
-            "device": backend.device.type,
-            "dtype": str(backend.dtype).removeprefix("torch."),
-            "config": {**vars(args), "entry_layer": base.entry_layer, "n_layers": backend.parts.n_layers},
-            "river_build": build,
-            "conditions": results,
-            "paper": PAPER,
-            "machine": machine(),
-        }
+    bench.emit(
+        {"river_build": build, "conditions": results, "paper": PAPER},
+        config={"entry_layer": base.entry_layer, "n_layers": backend.parts.n_layers},
     )
 
 

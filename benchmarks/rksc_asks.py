@@ -12,21 +12,16 @@ root), mean σ, and answer agreement with "nokv" (reused branches see the root's
 The τ sweep repeats "asks" at τ ∈ {0.70, 0.82, 0.90, 0.95} (§4.3; paper: ~1.16× at every τ in the
 identical-prefix regime, where the gate is non-binding by construction here: identical prompts are
 exact matches). Paper §4.1: 28.6 % additional reuse, 1.131× over No-KV at n≈512 (GPU).
-Full defaults take roughly 15-25 minutes on a 2-core CPU; `--quick` under a minute.
+The JSON's "seconds" is what a run took.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, machine
-from _rksc import FILLER, load_problems
+from _common import BenchParser, load_problems, start
+from _rksc import FILLER
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, ASKSConfig
@@ -77,22 +72,17 @@ def solve(backend: HFBackend, prompts: list[list[int]], share: str, accel: Accel
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--task", default="gsm_symbolic")
+    parser = BenchParser(__doc__, {"problems": 2, "prefix": 160, "taus": [0.82, 0.95]})
+    parser.add_argument("--task", default="gsm_symbolic", help="reasoning-gym task")
     parser.add_argument("--problems", "-N", type=int, default=15, help="paper: 15")
     parser.add_argument("--prefix", type=int, default=512, help="padded prompt length (paper: ≈512)")
     parser.add_argument("--tokens", "-t", type=int, default=8)
     parser.add_argument("--tau", type=float, default=0.82)
     parser.add_argument("--taus", type=float, nargs="*", default=[0.70, 0.82, 0.90, 0.95])
-    parser.add_argument("--quick", action="store_true", help="2 problems, prefix 160, τ sweep of 2")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.problems, args.prefix, args.taus = 2, 160, [0.82, 0.95]
 
-    backend = HFBackend(args.model)
+    bench = start("rksc_asks", args)
+    backend = bench.backend
     problems = load_problems(args.task, args.problems, seed=0)
     conditions = {
         "nokv": ("none", Accel()),
@@ -134,16 +124,12 @@ def main(argv: list[str] | None = None) -> None:
             "answer_agreement_vs_nokv": round(statistics.fmean(agree), 3),
             "token_agreement_vs_nokv": round(statistics.fmean(same_tokens), 3),
         }
-    emit(
+    bench.emit(
         {
-            "benchmark": "rksc_asks",
-            "model": backend.model_name,
             "task": args.task,
-            "config": {k: v for k, v in vars(args).items() if k != "model"},
             "levels": [kind for kind, _ in LEAD_INS],
             "conditions": report,
             "paper": {"reuse_beyond_exact": 0.286, "asks_speedup_vs_nokv": 1.131, "tau_sweep_speedup": 1.16},
-            "machine": machine(),
         }
     )
 

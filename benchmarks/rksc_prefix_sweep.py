@@ -14,31 +14,23 @@ faster path per 64-token bucket, is off here. Reported per prefix: the actual me
 the median of per-problem ratios with a bootstrap 95 % CI over problems (numpy, fixed seed) and
 the CV of the per-problem ratios.
 
-Cost on the 2-core CPU machines (SmolLM2-135M, fp32): `--quick` (prefixes 128 256, 2 problems,
-B 4, 1 repeat) takes ≈25 s idle, ≈45 s with `--threads 1` beside busy neighbours. The full default
-(prefixes 128–1024, 20 problems, B 8, 3 repeats) costs ≈32 s of solves per problem and repeat over
-the four prefixes (No-KV at 1,024 alone ≈12.5 s; measured at B 8 with `--threads 1` on a busy
-machine: No-KV 9.0 / 17.6 s, KV 2.8 / 4.0 s at 128 / 256), i.e. ≈32 min idle, ≈1.5 h busy.
+Cost: the full default (prefixes 128–1024, 20 problems, B 8, 3 repeats) is dominated by No-KV at
+1,024 (8 prefills of the whole prompt per solve); `--quick` is the smoke run. The JSON's "seconds"
+is what a run took.
 
 Prints progress to stderr and one JSON object as the last line of stdout.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
-from _common import emit, machine
-from _rksc import THREADS_HELP, bootstrap_ci, collect_grid, load_problems, set_threads
+from _common import BenchParser, load_problems, start
+from _rksc import add_solve_options, collect_grid
 
-from branchwise.backends.hf import HFBackend
+from branchwise.evals.stats import bootstrap_ci
 
 PAPER = {
     "speedup": {"128": 0.993, "256": 0.999, "512": 1.127, "1024": 1.452},
@@ -48,50 +40,29 @@ PAPER = {
 }
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = BenchParser(
+        __doc__, {"prefixes": [128, 256], "problems": 2, "branches": 4, "repeats": 1, "warmup": 1}
     )
-    parser.add_argument("--model", default=None, help="hub id or local path; default: embedded SmolLM2-135M")
-    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    parser.add_argument("--task", default="gsm_symbolic")
+    add_solve_options(parser, problems=20, paper_problems=20, tokens=8, prefix=False, repeats=3)
     parser.add_argument("--prefixes", type=int, nargs="+", default=[128, 256, 512, 1024])
-    parser.add_argument("--problems", "-N", type=int, default=20, help="paper: 20")
-    parser.add_argument("--branches", "-B", type=int, default=8)
-    parser.add_argument("--suffix", type=int, default=16)
-    parser.add_argument("--tokens", "-t", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3, help="paper: 2-3 per problem")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up solves per condition (paper: 2), once")
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CI")
-    parser.add_argument(
-        "--quick", action="store_true", help="prefixes 128 256, 2 problems, B 4, 1 repeat, 1 warm-up"
-    )
     args = parser.parse_args(argv)
-    if args.quick:
-        args.prefixes, args.problems, args.branches, args.repeats, args.warmup = [128, 256], 2, 4, 1, 1
 
-    set_threads(args.threads)
-    started = time.perf_counter()
-    backend = HFBackend(args.model)
+    bench = start("rksc_prefix_sweep", args)
     problems = load_problems(args.task, args.problems, seed=0)
     sweep: dict[str, dict[str, Any]] = {}
     for i, prefix in enumerate(args.prefixes):
-        log(f"[rksc_prefix_sweep] prefix {prefix} ({i + 1}/{len(args.prefixes)})")
+        bench.log(f"prefix {prefix} ({i + 1}/{len(args.prefixes)})")
         grid = collect_grid(
-            backend,
+            bench.backend,
             problems,
             ["nokv", "kv"],
+            args,
             prefix=prefix,
-            branches=args.branches,
-            suffix=args.suffix,
-            t=args.tokens,
-            repeats=args.repeats,
             warmup=args.warmup if i == 0 else 0,  # the process is warm after the first prefix
-            progress=lambda m, prefix=prefix: log(f"[rksc_prefix_sweep] prefix {prefix}: {m}"),
+            progress=lambda m, prefix=prefix: bench.log(f"prefix {prefix}: {m}"),
         )
         nokv, kv = grid.per_problem["nokv"], grid.per_problem["kv"]
         ratios = [a / b for a, b in zip(nokv, kv, strict=True)]
@@ -107,25 +78,16 @@ def main(argv: list[str] | None = None) -> None:
             },
             "speedup": {
                 "median_per_problem": round(statistics.median(ratios), 3),
-                "ci95": bootstrap_ci([nokv, kv], median_ratio, n_boot=args.bootstrap),
+                "ci95": [
+                    round(x, 3) for x in bootstrap_ci([nokv, kv], median_ratio, n_resamples=args.bootstrap)
+                ],
                 "ratio_of_means": round(
                     statistics.fmean(grid.times["nokv"]) / statistics.fmean(grid.times["kv"]), 3
                 ),
                 "cv": round(statistics.pstdev(ratios) / statistics.fmean(ratios), 3),
             },
         }
-    emit(
-        {
-            "benchmark": "rksc_prefix_sweep",
-            "model": backend.model_name,
-            "task": args.task,
-            "config": {k: v for k, v in vars(args).items() if k != "model"},
-            "sweep": sweep,
-            "paper": PAPER,
-            "seconds": round(time.perf_counter() - started, 1),
-            "machine": machine(),
-        }
-    )
+    bench.emit({"task": args.task, "sweep": sweep, "paper": PAPER})
 
 
 if __name__ == "__main__":

@@ -5,43 +5,28 @@ prompt is pinned, so exactly B − 4 blocks must be evicted per problem. Same ru
 "kv" (no eviction) vs "kv+rsbcm"; reported: observed vs expected evictions, answer agreement of the
 verify decision with the no-eviction run, the overhead per problem with a bootstrap 95 % CI over
 paired problems, and the KV bytes freed. Paper (Qwen2.5-7B, N=20): 80/80 evictions, +1.5 ms
-[−6, +9], 100 % agreement. Full defaults take roughly 5-10 minutes on a 2-core CPU.
+[−6, +9], 100 % agreement. The JSON's "seconds" is what a run took.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, machine
-from _rksc import CONDITIONS, bootstrap_ci, hint_suffixes, load_problems, padded_prompt, solve
+from _common import BenchParser, load_problems, start
+from _rksc import CONDITIONS, add_solve_options, hint_suffixes, padded_prompt, solve
 
 from branchwise.backends.accel import Accel, RSBCMConfig
-from branchwise.backends.hf import HFBackend
+from branchwise.evals.stats import bootstrap_ci
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--task", default="gsm_symbolic")
-    parser.add_argument("--problems", "-N", type=int, default=20, help="paper: 20")
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--branches", "-B", type=int, default=8)
-    parser.add_argument("--suffix", type=int, default=16)
-    parser.add_argument("--tokens", "-t", type=int, default=8)
+    parser = BenchParser(__doc__, {"problems": 2, "prefix": 256})
+    add_solve_options(parser, problems=20, paper_problems=20, tokens=8)
     parser.add_argument("--capacity", type=int, default=4, help="blocks (paper's stress test: 4)")
-    parser.add_argument("--quick", action="store_true", help="2 problems, prefix 256")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.problems, args.prefix = 2, 256
 
-    backend = HFBackend(args.model)
+    bench = start("rksc_rsbcm", args)
+    backend = bench.backend
     block = args.suffix + args.tokens  # one block per branch
     CONDITIONS["kv+rsbcm"] = (
         "exact",
@@ -67,12 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     diffs = [(b - a) * 1000 for a, b in zip(times["kv"], times["kv+rsbcm"], strict=True)]
     # paired per problem: resample problems, keep each (kv, kv+rsbcm) pair together
     low, high = bootstrap_ci([times["kv"], times["kv+rsbcm"]], lambda a, b: float(((b - a) * 1000).mean()))
-    emit(
+    bench.emit(
         {
-            "benchmark": "rksc_rsbcm",
-            "model": backend.model_name,
             "task": args.task,
-            "config": {k: v for k, v in vars(args).items() if k != "model"} | {"block_tokens": block},
             "expected_evictions": len(prompts) * max(0, args.branches - args.capacity),
             "observed_evictions": sum(evictions),
             "evictions_per_problem": evictions,
@@ -82,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
             "kv_bytes_freed_per_problem": round(statistics.fmean(freed)),
             "latency_s": {k: round(statistics.fmean(v), 4) for k, v in times.items()},
             "paper": {"observed_evictions": 80, "expected": 80, "overhead_ms": 1.5, "agreement": 1.0},
-            "machine": machine(),
-        }
+        },
+        config={"block_tokens": block},
     )
 
 

@@ -7,63 +7,36 @@ Prints one JSON object (last line).
 
 from __future__ import annotations
 
-import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, machine
-from _rksc import calibration_for, load_problems, run_grid
-
-from branchwise.backends.hf import HFBackend
+from _common import BenchParser, load_problems, start
+from _rksc import add_calibration_options, add_solve_options, calibration_for, collect_grid, summarise_grid
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = BenchParser(
+        __doc__,
+        {"prefix": 256, "branches": 4, "tokens": 8, "problems": 2, "repeats": 1, "calibration_problems": 3},
     )
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--task", default="gsm_symbolic")
-    parser.add_argument("--problems", "-N", type=int, default=30, help="paper: 30")
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--branches", "-B", type=int, default=8)
-    parser.add_argument("--suffix", type=int, default=16)
-    parser.add_argument("--tokens", "-t", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2, help="paper: 2-3 per problem")
-    parser.add_argument("--calibrate", action="store_true", help="refit the CGEE calibration first")
-    parser.add_argument("--calibration-problems", type=int, default=12, help="paper: 30")
-    parser.add_argument("--quick", action="store_true", help="prefix 256, B 4, t 8, 2 problems, 1 repeat")
+    add_solve_options(parser, problems=30, paper_problems=30, tokens=32, repeats=2)
+    add_calibration_options(parser)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.prefix, args.branches, args.tokens, args.problems, args.repeats = 256, 4, 8, 2, 1
-        args.calibration_problems = 3
 
-    backend = HFBackend(args.model)
+    bench = start("rksc_table1", args)
     cal = calibration_for(
-        backend, args.task, args.calibration_problems, args.branches, args.tokens, args.calibrate
+        bench.backend, args.task, args.calibration_problems, args.branches, args.tokens, args.calibrate
     )
-    problems = load_problems(args.task, args.problems, seed=0)
-    summary = run_grid(
-        backend,
-        problems,
+    grid = collect_grid(
+        bench.backend,
+        load_problems(args.task, args.problems, seed=0),
         ["nokv", "kv", "kv+cgee"],
-        prefix=args.prefix,
-        branches=args.branches,
-        suffix=args.suffix,
-        t=args.tokens,
-        repeats=args.repeats,
+        args,
+        progress=bench.log,
     )
-    emit(
+    bench.emit(
         {
-            "benchmark": "rksc_table1",
-            "model": backend.model_name,
             "task": args.task,
-            "config": {k: v for k, v in vars(args).items() if k != "model"},
             "calibration": cal,
-            **summary,
+            **summarise_grid(grid),
             "paper": {"kv_only_speedup": 1.343, "rksc_speedup": 1.622},
-            "machine": machine(),
         }
     )
 

@@ -15,44 +15,32 @@ of per-task speedups and the pooled ratios. Table 3: one verify call = one solve
 (skipped by level 1, or run with level-2 exits); an error = the chosen branch's answer differs
 from the KV condition's (full-depth judge, never skipped), a decision flip = a different branch was
 chosen. On a 135M model accuracy is ≈0 on these tasks, so the agreement numbers are the ones that
-say what CGEE costs (DESIGN §8). CGEE uses the model's saved calibration (θ and l_min; τ_conf and
-r_gap are the paper's 0.70 / 0.06 from `CGEEConfig`); the paper fitted θ per dataset (App. C.4).
+say what CGEE costs. CGEE uses the model's saved calibration (θ and l_min; τ_conf and r_gap are the
+paper's 0.70 / 0.06 from `CGEEConfig`); the paper fitted θ per dataset (App. C.4).
 
-Cost on the 2-core CPU machines (SmolLM2-135M, fp32): `--quick` (3 tasks × 2 problems, prefix 256,
-B 4, 1 repeat) takes ≈40 s on an idle machine and ≈90 s with `--threads 1` beside busy neighbours
-(measured: No-KV 6.9 s, KV 2.1 s, KV+CGEE 1.9 s per solve there, ≈2.5× the idle times). The full
-default (3 tasks × 50 problems, prefix 1,024, B 8, 2 repeats) costs per problem and repeat ≈12.5 s
-No-KV (8 prefills of 1,040 tokens) + ≈3 s KV + ≈3 s KV+CGEE, i.e. 150 × 2 × 18 s ≈ 1.5 h idle,
-3–4 h on a busy machine.
+Cost: the full default (3 tasks × 50 problems, prefix 1,024, B 8, 2 repeats) runs 8 No-KV prefills
+of ≈1,040 tokens per problem and repeat; `--quick` is the smoke run. The JSON's "seconds" is what a
+run took.
 
 Prints progress to stderr and one JSON object as the last line of stdout.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, machine
+from _common import BenchParser, load_problems, start
 from _rksc import (
     CONDITIONS,
-    THREADS_HELP,
     GridRun,
+    add_calibration_options,
+    add_solve_options,
     calibration_for,
     cgee_impact,
     collect_grid,
-    load_problems,
-    set_threads,
     summarise_grid,
 )
-
-from branchwise.backends.hf import HFBackend
 
 PAPER = {
     "overall": {
@@ -72,10 +60,6 @@ PAPER = {
     },
     "setting": "5 models (7-10B) x 4 datasets, N=50 each, A100 bf16, prefix 1,024, B=8, t=8",
 }
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def table_row(grid: GridRun) -> dict[str, Any]:
@@ -107,53 +91,39 @@ def mean_of_speedups(rows: list[dict[str, Any]], base: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = BenchParser(
+        __doc__,
+        {"problems": 1, "prefix": 256, "branches": 4, "repeats": 1, "warmup": 1, "calibration_problems": 3},
     )
-    parser.add_argument("--model", default=None, help="hub id or local path; default: embedded SmolLM2-135M")
-    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     parser.add_argument("--tasks", nargs="+", default=["gsm_symbolic", "basic_arithmetic", "chain_sum"])
     parser.add_argument(
         "--conditions", nargs="+", default=["nokv", "kv", "kv+cgee"], choices=list(CONDITIONS)
     )
-    parser.add_argument("--problems", "-N", type=int, default=50, help="per task; paper: 50")
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--branches", "-B", type=int, default=8)
-    parser.add_argument("--suffix", type=int, default=16)
-    parser.add_argument("--tokens", "-t", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2, help="paper: 2-3 per problem")
+    add_solve_options(parser, problems=50, paper_problems=50, tokens=8, one_task=False, repeats=2)
     parser.add_argument("--warmup", type=int, default=2, help="warm-up solves per condition (paper: 2), once")
-    parser.add_argument("--calibrate", action="store_true", help="refit the CGEE calibration first")
     parser.add_argument("--calibration-task", default="gsm_symbolic")
-    parser.add_argument("--calibration-problems", type=int, default=12, help="paper: 30")
-    parser.add_argument(
-        "--quick", action="store_true", help="2 problems per task, prefix 256, B 4, 1 repeat, 1 warm-up"
-    )
+    add_calibration_options(parser)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.problems, args.prefix, args.branches, args.repeats, args.warmup = 2, 256, 4, 1, 1
-        args.calibration_problems = 3
 
-    set_threads(args.threads)
-    started = time.perf_counter()
-    backend = HFBackend(args.model)
+    bench = start("rksc_table2", args)
     cal = calibration_for(
-        backend, args.calibration_task, args.calibration_problems, args.branches, args.tokens, args.calibrate
+        bench.backend,
+        args.calibration_task,
+        args.calibration_problems,
+        args.branches,
+        args.tokens,
+        args.calibrate,
     )
     grids: dict[str, GridRun] = {}
     for i, task in enumerate(args.tasks):
-        log(f"[rksc_table2] task {task} ({i + 1}/{len(args.tasks)}), {args.problems} problems")
+        bench.log(f"task {task} ({i + 1}/{len(args.tasks)}), {args.problems} problems")
         grids[task] = collect_grid(
-            backend,
+            bench.backend,
             load_problems(task, args.problems, seed=0),
             args.conditions,
-            prefix=args.prefix,
-            branches=args.branches,
-            suffix=args.suffix,
-            t=args.tokens,
-            repeats=args.repeats,
+            args,
             warmup=args.warmup if i == 0 else 0,  # the process is warm after the first task
-            progress=lambda m, task=task: log(f"[rksc_table2] {task}: {m}"),
+            progress=lambda m, task=task: bench.log(f"{task}: {m}"),
         )
     per_task = {task: table_row(g) for task, g in grids.items()}
     rows = list(per_task.values())
@@ -161,19 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     for base in ("nokv", "kv"):
         if base in args.conditions:
             overall[f"mean_task_speedup_vs_{base}"] = mean_of_speedups(rows, base)
-    emit(
-        {
-            "benchmark": "rksc_table2",
-            "model": backend.model_name,
-            "tasks": args.tasks,
-            "config": {k: v for k, v in vars(args).items() if k not in ("model", "tasks")},
-            "calibration": cal,
-            "per_task": per_task,
-            "overall": overall,
-            "paper": PAPER,
-            "seconds": round(time.perf_counter() - started, 1),
-            "machine": machine(),
-        }
+    bench.emit(
+        {"tasks": args.tasks, "calibration": cal, "per_task": per_task, "overall": overall, "paper": PAPER}
     )
 
 

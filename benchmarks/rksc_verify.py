@@ -18,43 +18,28 @@ exit fire rate, decision flips (argmax judge score differs from full depth) and 
 distribution, so `replay` shows what the calibrated and the paper's thresholds would each do to
 the same rows (offline, `EntropyTrace.exit_at`), and checks the live exits against that replay.
 
-Cost on the 2-core CPU machines (SmolLM2-135M, fp32): `--quick` (2 problems, prefix 256, B 4, t 32,
-3 repeats) takes ≈20–30 s (measured 28 s with `--threads 1` beside busy neighbours; verify passes
-340 ms full / 220 ms level 2 there). The full default (15 problems, prefix 1,024, B 8, t 128,
-5 repeats) decodes 128 steps at B 8 (≈18 s idle) and runs 13 verify passes (≈0.4 s) per problem:
-≈6 min idle, ≈15 min on a busy machine.
+Cost: the full default (15 problems, prefix 1,024, B 8, t 128, 5 repeats) decodes 128 steps at B 8
+and runs 13 verify passes per problem; `--quick` is the smoke run. The JSON's "seconds" is what a
+run took.
 
 Prints progress to stderr and one JSON object as the last line of stdout.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
-from _common import emit, machine
-from _rksc import (
-    THREADS_HELP,
-    bootstrap_ci,
-    calibration_for,
-    hint_suffixes,
-    load_problems,
-    padded_prompt,
-    set_threads,
-    sync,
-)
+from _common import BenchParser, load_problems, start, sync
+from _rksc import add_calibration_options, add_solve_options, calibration_for, hint_suffixes, padded_prompt
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, CGEEConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.cgee import DEFAULT_THETA, EntropyTrace, count_flips, judge_score
+from branchwise.evals.stats import bootstrap_ci
 from branchwise.reasoners.verifiers import JudgeVerifier
 
 PAPER = {
@@ -67,10 +52,6 @@ PAPER = {
     "exit_fire_rate": 1.0,
     "setting": "Qwen2.5-7B, N=15, B=8, t=128, A100 bf16",
 }
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def timed_verify(
@@ -96,57 +77,42 @@ def timed_verify(
 def replay(
     traces: list[list[EntropyTrace]], theta: float, epsilon: float, l_min: int, n_layers: int, n_yes: int
 ) -> dict[str, Any]:
-    """What these thresholds would do to the recorded full-depth traces (no timing)."""
-    layers, flips, row_flips, rows = [], 0, 0, 0
-    for group in traces:
-        full = [judge_score(t.probs[n_layers], n_yes) for t in group]
-        early = []
-        for t in group:
-            layer = t.exit_at(theta, epsilon, l_min) or n_layers
-            layers.append(layer)
-            early.append(judge_score(t.probs.get(layer, t.probs[n_layers]), n_yes))
-        flips += int(np.argmax(full) != np.argmax(early))
-        row_flips += sum((f > 0.5) != (e > 0.5) for f, e in zip(full, early, strict=True))
-        rows += len(group)
+    """What these thresholds would do to the recorded full-depth traces (no timing): decision flips
+    as CGEE's own `count_flips` counts them, plus the exit layers and per-row yes/no flips."""
+    layers, row_flips = [], 0
+    for t in (t for group in traces for t in group):
+        layer = t.exit_at(theta, epsilon, l_min) or n_layers
+        layers.append(layer)
+        full = judge_score(t.probs[n_layers], n_yes)
+        early = judge_score(t.probs.get(layer, t.probs[n_layers]), n_yes)
+        row_flips += (full > 0.5) != (early > 0.5)
     return {
         "theta": round(theta, 4),
         "l_min": l_min,
         "mean_exit_layer": round(statistics.fmean(layers), 2),
         "exit_fire_rate": round(statistics.fmean(layer < n_layers for layer in layers), 3),
-        "decision_flips": flips,
+        "decision_flips": count_flips(traces, theta, epsilon, l_min, n_layers, n_yes),
         "row_yes_no_flips": row_flips,
-        "rows": rows,
+        "rows": len(layers),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = BenchParser(
+        __doc__,
+        {"problems": 2, "prefix": 256, "branches": 4, "tokens": 32, "repeats": 3, "calibration_problems": 3},
     )
-    parser.add_argument("--model", default=None, help="hub id or local path; default: embedded SmolLM2-135M")
-    parser.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    parser.add_argument("--task", default="gsm_symbolic")
-    parser.add_argument("--problems", "-N", type=int, default=15, help="paper: 15")
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--branches", "-B", type=int, default=8)
-    parser.add_argument("--suffix", type=int, default=16)
-    parser.add_argument("--tokens", "-t", type=int, default=128, help="decoded tokens per branch; paper: 128")
+    add_solve_options(parser, problems=15, paper_problems=15, tokens=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed verify passes per depth and problem")
     parser.add_argument("--theta", type=float, default=None, help="override θ (paper default: 8.0)")
     parser.add_argument("--l-min", type=int, default=None, help="override l_min (paper default: 2)")
     parser.add_argument("--epsilon", type=float, default=3.0, help="ε (paper: 3.0)")
-    parser.add_argument("--calibrate", action="store_true", help="refit the CGEE calibration first")
-    parser.add_argument("--calibration-problems", type=int, default=12, help="paper: 30")
+    add_calibration_options(parser)
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CI")
-    parser.add_argument("--quick", action="store_true", help="2 problems, prefix 256, B 4, t 32, 3 repeats")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.problems, args.prefix, args.branches, args.tokens, args.repeats = 2, 256, 4, 32, 3
-        args.calibration_problems = 3
 
-    set_threads(args.threads)
-    started = time.perf_counter()
-    backend = HFBackend(args.model)
+    bench = start("rksc_verify", args)
+    backend = bench.backend
     cal = calibration_for(backend, args.task, args.calibration_problems, args.branches, 32, args.calibrate)
     n_layers = backend.parts.n_layers
     full_accel = Accel()
@@ -211,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
             ),
         }
         per_problem.append(row)
-        log(
-            f"[rksc_verify] problem {i + 1}/{args.problems}: full {row['full_ms']['median']} ms, "
+        bench.log(
+            f"problem {i + 1}/{args.problems}: full {row['full_ms']['median']} ms, "
             f"l2 {row['l2_ms']['median']} ms, exits {exits}"
         )
 
@@ -229,12 +195,9 @@ def main(argv: list[str] | None = None) -> None:
         count_flips(recorded, theta, args.epsilon, candidate, n_layers, n_yes)
         for candidate in range(1, n_layers + 1)
     ]
-    emit(
+    bench.emit(
         {
-            "benchmark": "rksc_verify",
-            "model": backend.model_name,
             "task": args.task,
-            "config": {k: v for k, v in vars(args).items() if k != "model"},
             "calibration": cal,
             "thresholds": {"theta": round(theta, 4), "l_min": l_min, "epsilon": args.epsilon},
             "n_layers": n_layers,
@@ -243,7 +206,10 @@ def main(argv: list[str] | None = None) -> None:
                 "l2": {"median": round(statistics.median(l2_med), 2), "min": round(min(l2_min), 2)},
             },
             "verify_speedup": round(ratio_of_medians(np.array(full_med), np.array(l2_med)), 3),
-            "verify_speedup_ci95": bootstrap_ci([full_med, l2_med], ratio_of_medians, n_boot=args.bootstrap),
+            "verify_speedup_ci95": [
+                round(x, 3)
+                for x in bootstrap_ci([full_med, l2_med], ratio_of_medians, n_resamples=args.bootstrap)
+            ],
             "verify_speedup_of_mins": round(ratio_of_medians(np.array(full_min), np.array(l2_min)), 3),
             "mean_exit_layer": round(statistics.fmean(live_exit_layers), 2),
             "exit_fire_rate": round(statistics.fmean(x < n_layers for x in live_exit_layers), 3),
@@ -264,8 +230,6 @@ def main(argv: list[str] | None = None) -> None:
             },
             "per_problem": per_problem,
             "paper": PAPER,
-            "seconds": round(time.perf_counter() - started, 1),
-            "machine": machine(),
         }
     )
 

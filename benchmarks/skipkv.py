@@ -1,4 +1,4 @@
-"""SkipKV (004_cd352e8af8015195 §4-5): FullKV vs H2O-style vs R-KV vs SkipKV at budgets set from FullKV.
+"""SkipKV (the SkipKV paper, §4-5): FullKV vs H2O-style vs R-KV vs SkipKV at budgets set from FullKV.
 
 How the paper measured (§5.1, App. A.2, Tables 1-3): R1-distilled 7-14B models, MATH-500 / AIME-24
 / GSM8K / LiveCodeBench, batch size 10, budget ratio = KV budget / mean FullKV generation length,
@@ -32,28 +32,22 @@ allocated KV (shared prompts + decode buffers, which grow in ≥128-slot steps),
 methods once FullKV outgrows the first buffer; `final_kv_bytes` is the KV held right after decoding
 (largest batch), which shows the budget directly.
 
-Cost (2-core CPU, `--threads 1`): ≈0.1 s per decode step of a 16-row batch. `--quick` (1 task, 2
-problems, B 2, 64 tokens) takes 70-100 s; 2 tasks × 4 problems, B 4, 224 tokens with steering
-18 min; `--build-steering` adds ≈5 min (16 questions × 4 traces).
+Cost: after FullKV, every budget ratio decodes all problems again under five methods (four without a
+steering vector), so a run costs about 1 + 5·R FullKV decodes for R ratios, plus the steering build
+with `--build-steering` (`--steering-questions` × 4 traces). The JSON's "seconds" is what a run took.
 
 Prints progress to stderr and one JSON object as the last line of stdout.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, machine
-from _rksc import THREADS_HELP, load_problems, set_threads, sync
+from _common import Bench, BenchParser, load_problems, start, sync
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, SkipKVConfig, SteeringConfig
@@ -98,10 +92,6 @@ KV_BYTES_NOTE = (
     "Both include the batch's prompts, so the grouped order (its last batch holds the longest "
     "prompts) reads higher at the same budget."
 )
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -174,7 +164,7 @@ def time_prefills(backend: HFBackend, prompts: Sequence[list[int]], groups: Sequ
     return time.perf_counter() - t0
 
 
-def steering_status(backend: HFBackend, build: bool, task: str, n: int, max_tokens: int, seed: int) -> dict:
+def steering_status(bench: Bench, build: bool, task: str, n: int, max_tokens: int, seed: int) -> dict:
     """Whether a steering vector is available, building one first if asked and none is saved.
 
     Held-out questions come from seed 20,000 (the CLI's default split), apart from the eval problems.
@@ -183,13 +173,14 @@ def steering_status(backend: HFBackend, build: bool, task: str, n: int, max_toke
     """
     from branchwise.reasoners.steering import build_steering
 
+    backend = bench.backend
     path = steering_path(backend.model_name)
     built = False
     if not path.exists():
         if not build:
             return {"available": False, "reason": f"no vector at {path}; pass --build-steering"}
         questions = [q for q, _, _ in load_problems(task, n, seed=20_000)]
-        log(f"[skipkv] building a steering vector from {len(questions)} {task} questions")
+        bench.log(f"building a steering vector from {len(questions)} {task} questions")
         try:
             build_steering(backend, questions, max_tokens=max_tokens, seed=seed, progress=False)
         except ValueError as err:
@@ -257,11 +248,19 @@ def summarise(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    parser = BenchParser(
+        __doc__,
+        {
+            "tasks": ["gsm_symbolic"],
+            "problems": 2,
+            "branches": 2,
+            "batch_problems": 2,
+            "max_tokens": 64,
+            "ratios": "0.2",
+            "prefill_repeats": 1,
+        },
+        threads=1,
     )
-    parser.add_argument("--model", default=None, help="hub id or local path; default: embedded SmolLM2-135M")
-    parser.add_argument("--threads", type=int, default=1, help=THREADS_HELP + " (default here: 1)")
     parser.add_argument("--tasks", nargs="+", default=["gsm_symbolic", "basic_arithmetic"])
     parser.add_argument("--problems", "-N", type=int, default=4, help="problems per task")
     parser.add_argument("--branches", "-B", type=int, default=4, help="sampled branches per problem")
@@ -282,18 +281,11 @@ def main(argv: list[str] | None = None) -> None:
         help="held-out questions (4 traces each) for --build-steering; 16 = the CLI's default. With 4 "
         "the embedded model wrote no non-execution sentence at all",
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="CI smoke: 1 task, 2 problems, B 2, 64 tokens, 1 prefill repeat"
-    )
     args = parser.parse_args(argv)
-    if args.quick:
-        args.tasks, args.problems, args.branches, args.batch_problems = args.tasks[:1], 2, 2, 2
-        args.max_tokens, args.prefill_repeats = 64, 1
     ratios = [float(r) for r in args.ratios.split(",")]
 
-    set_threads(args.threads)
-    started = time.perf_counter()
-    backend = HFBackend(args.model)
+    bench = start("skipkv", args)
+    backend = bench.backend
     per_task = [load_problems(task, args.problems, seed=args.seed) for task in args.tasks]
     # tasks interleaved (a mixed stream, as a server sees): task-by-task order would already be
     # grouped by length, leaving batch grouping nothing to do
@@ -309,9 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     window = SkipKVConfig.model_fields["window"].default
 
     steering = steering_status(
-        backend, args.build_steering, args.tasks[0], args.steering_questions, args.max_tokens, args.seed
+        bench, args.build_steering, args.tasks[0], args.steering_questions, args.max_tokens, args.seed
     )
-    log(f"[skipkv] steering: {steering}")
+    bench.log(f"steering: {steering}")
 
     # warm-up (lazy init, allocator) outside every timing
     warm = backend.prefill(prompts[0])
@@ -320,11 +312,11 @@ def main(argv: list[str] | None = None) -> None:
     backend.extend(kids, DecodeParams(max_tokens=4))
     backend.release(kids)
 
-    log(f"[skipkv] FullKV: {n} problems × B={args.branches}, batches of {args.batch_problems}")
+    bench.log(f"FullKV: {n} problems × B={args.branches}, batches of {args.batch_problems}")
     full_run = decode_all(backend, prompts, original, args.branches, params, Accel())
     fullkv = summarise(full_run, problems, tracker_args, None)
     mean_len = fullkv["mean_length"]
-    log(f"[skipkv] FullKV: L̄={mean_len} in {fullkv['seconds']} s")
+    bench.log(f"FullKV: L̄={mean_len} in {fullkv['seconds']} s")
 
     budgets: dict[str, Any] = {}
     for ratio in ratios:
@@ -352,8 +344,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"compression step (every {interval} steps); longest branch {row['max_length']}"
                 )
             methods[name] = row
-            log(
-                f"[skipkv] budget {budget} ({ratio}) {name}: L={row['mean_length']} "
+            bench.log(
+                f"budget {budget} ({ratio}) {name}: L={row['mean_length']} "
                 f"evicted={row['evicted_tokens']} {row['seconds']} s"
             )
         rkv = methods["rkv"]
@@ -389,25 +381,8 @@ def main(argv: list[str] | None = None) -> None:
         "effective_budget": {"equals_budget": True, "note": EFFECTIVE_BUDGET_NOTE},
     }
 
-    emit(
+    bench.emit(
         {
-            "benchmark": "skipkv",
-            "model": backend.model_name,
-            "config": {
-                "tasks": args.tasks,
-                "problems": args.problems,
-                "n_problems": n,
-                "branches": args.branches,
-                "batch_problems": args.batch_problems,
-                "max_tokens": args.max_tokens,
-                "ratios": ratios,
-                "interval": args.interval,
-                "temperature": args.temperature,
-                "seed": args.seed,
-                "threads": args.threads,
-                "window": window,
-                "quick": args.quick,
-            },
             "fullkv": fullkv,
             "budgets": budgets,
             "grouping": grouping,
@@ -420,9 +395,8 @@ def main(argv: list[str] | None = None) -> None:
                 + " "
                 + KV_BYTES_NOTE
             ),
-            "seconds_total": round(time.perf_counter() - started, 1),
-            "machine": machine(),
-        }
+        },
+        config={"n_problems": n, "ratios": ratios, "window": window},
     )
 
 

@@ -13,12 +13,10 @@ Run: python examples/ets_vs_rebase.py --task chain_sum --problems 2 --width 8 --
 
 from __future__ import annotations
 
-import argparse
-
 import reasoning_gym
-import torch
+from _cli import example_parser, load_backend
 
-from branchwise import HFBackend, Reasoner
+from branchwise import Reasoner
 from branchwise.reasoners.verifiers import ReasoningGymVerifier
 from branchwise.strategies import beam_search, dvts, ets, rebase
 
@@ -29,9 +27,7 @@ SYSTEM = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = example_parser(__doc__)
     parser.add_argument(
         "--task", default="chain_sum", help="reasoning-gym task: chain_sum, gsm_symbolic, countdown"
     )
@@ -42,13 +38,7 @@ def main() -> None:
         "--embedder", choices=["minilm", "hidden"], default="minilm", help="ETS step embedder"
     )
     parser.add_argument("--all", action="store_true", help="also run beam search and DVTS")
-    parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (1 on a busy shared CPU)"
-    )
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     dataset = reasoning_gym.create_dataset(args.task, size=args.problems, seed=0)
     checker = ReasoningGymVerifier(dataset)
@@ -63,7 +53,7 @@ def main() -> None:
     strategies = {"rebase": rebase(**common), "ets": ets(embedder=args.embedder, **common)}
     if args.all:
         strategies = {"beam_search": beam_search(**common), "dvts": dvts(**common), **strategies}
-    backend = HFBackend(args.model)
+    backend = load_backend(args)
     for name, strategy in strategies.items():
         reasoner = Reasoner(strategy, backend=backend, system_prompt=SYSTEM)
         correct, kv, peak, computed, reused, total, overhead = 0, 0, 0, 0, 0, 0.0, 0.0

@@ -5,21 +5,20 @@ Run: python examples/self_consistency.py "What is 12 + 7?" --n 8
 
 from __future__ import annotations
 
-import argparse
+from _cli import example_parser, load_backend
 
-from branchwise import HFBackend, Reasoner
+from branchwise import Reasoner
 from branchwise.strategies import self_consistency
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = example_parser(__doc__)
     parser.add_argument("question", nargs="?", default="What is 12 + 7?")
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
     args = parser.parse_args()
 
-    backend = HFBackend(args.model)
+    backend = load_backend(args)
     strategy = self_consistency(n=args.n, temperature=0.7, max_tokens=args.max_tokens, seed=0)
     for share in ("none", "exact"):
         result = Reasoner(strategy, backend=backend, share=share).run(args.question)

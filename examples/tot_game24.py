@@ -12,11 +12,9 @@ Run: python examples/tot_game24.py --puzzles 2 --breadth 3 --n-generate 3 --thre
 
 from __future__ import annotations
 
-import argparse
+from _cli import example_parser, load_backend
 
-import torch
-
-from branchwise import HFBackend, Reasoner
+from branchwise import Reasoner
 from branchwise.reasoners.tasks import check_game24, game24_numbers, game24_puzzles
 from branchwise.reasoners.verifiers import ToTValueVerifier
 from branchwise.strategies import tree_of_thoughts
@@ -37,9 +35,7 @@ VALUE_PROMPT = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = example_parser(__doc__)
     parser.add_argument("--puzzles", type=int, default=2, help="how many puzzles")
     parser.add_argument("--start", type=int, default=900, help="first CSV row (ToT evaluated rows 900-999)")
     parser.add_argument("--breadth", type=int, default=3, help="states kept per step (ToT: 5)")
@@ -47,15 +43,9 @@ def main() -> None:
     parser.add_argument("--search", choices=["bfs", "dfs"], default="bfs")
     parser.add_argument("--evaluator", choices=["value", "vote"], default="value")
     parser.add_argument("--threshold", type=float, default=0.05, help="DFS: prune states valued below this")
-    parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
-    parser.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (1 on a busy shared CPU)"
-    )
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    backend = HFBackend(args.model)
+    backend = load_backend(args)
     strategy = tree_of_thoughts(
         breadth=args.breadth,
         depth=4,
@@ -65,7 +55,7 @@ def main() -> None:
         threshold=args.threshold,
         max_step_tokens=32,
         step_delimiter="\n",
-        extractor="game24",
+        extractor="expression",
         seed=0,
     )
     reasoner = Reasoner(

@@ -226,7 +226,7 @@ def test_auto(text: str, expected: str | None) -> None:
 
 
 def test_builtin_names_registered() -> None:
-    assert {"last_number", "boxed", "answer_is", "choice", "auto"} <= set(extractor_names())
+    assert {"last_number", "boxed", "answer_is", "choice", "auto", "answer_tag"} <= set(extractor_names())
     assert extractor_names() == sorted(extractor_names())
 
 
@@ -264,10 +264,40 @@ def test_register_validates_arguments() -> None:
         register_extractor("not_callable", "nope")  # type: ignore[arg-type]
 
 
-def test_module_does_not_import_torch() -> None:
-    code = "import sys, branchwise.reasoners.answers; print('torch' in sys.modules)"
+@pytest.mark.parametrize(
+    "module",
+    [
+        "branchwise.reasoners.answers",
+        "branchwise.reasoners.tasks",
+        "branchwise.reasoners.verifiers",
+        "branchwise.evals.datasets",
+        "branchwise.evals.report",
+    ],
+)
+def test_module_does_not_import_torch(module: str) -> None:
+    # verifiers are imported by strategies and the eval harness on machines without a model
+    code = f"import sys, {module}; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so <answer> 19.0 </answer>", "19.0"),
+        ("<answer>1 2\n3 4</answer>", "1 2\n3 4"),  # a closed tag may span lines (grid answers)
+        ("cut off <answer>42\nmore text", "42"),  # an unclosed one ends at its line
+        ("<answer>3</answer> no wait, <answer>4", "4"),  # the last tag wins, closed or not
+        ("<answer>5</answer> then <answer> </answer>", "5"),  # an empty tag is skipped
+        ("<ANSWER>7</ANSWER>", "7"),
+        ("no tag here", None),
+    ],
+)
+def test_answer_tag(text: str, expected: str | None) -> None:
+    assert ans.answer_tag(text) == expected
+    assert extract_answer(text, "answer_tag") == (
+        normalize_answer(expected) if expected is not None else ans.extract_auto(text)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

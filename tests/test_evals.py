@@ -19,18 +19,13 @@ import pytest
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from branchwise.evals.datasets import (
-    DatasetConfig,
-    DatasetUnavailable,
-    check_game24,
-    extract_answer_tag,
-    extract_code,
-    extract_expression,
-    run_humaneval,
-)
+from branchwise.evals.datasets import DatasetConfig, DatasetUnavailable, extract_code, run_humaneval
 from branchwise.evals.harness import ROWS_FILE, SuiteMismatch, coerce_options, read_rows, run_suite
-from branchwise.evals.report import bootstrap_ci, format_markdown, summarize, write_report
+from branchwise.evals.report import format_markdown, summarize, write_report
+from branchwise.evals.stats import bootstrap_ci
 from branchwise.evals.suite import SuiteConfig, SuiteError, load_suite
+from branchwise.reasoners.answers import extract_answer_tag
+from branchwise.reasoners.tasks import check_game24, extract_expression
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASET = TypeAdapter(DatasetConfig)
@@ -60,13 +55,13 @@ def test_extractors() -> None:
 
 
 def test_game24_checker() -> None:
-    assert check_game24("(4 + 8) * (6 - 4)", [4, 8, 6, 4])
-    assert check_game24("8 / (3 - 8 / 3)", [8, 3, 8, 3])  # needs exact fractions
-    assert not check_game24("4 * 6", [4, 6, 1, 1])  # numbers unused
-    assert not check_game24("(4 + 8) * (6 - 4) + 0", [4, 8, 6, 4])  # an extra number
-    assert not check_game24("__import__('os')", [1, 2, 3, 4])  # never evaluated
-    assert not check_game24("1 / 0 + 24", [1, 0, 24])
-    assert not check_game24(None, [1, 2, 3, 4])
+    assert check_game24([4, 8, 6, 4], "(4 + 8) * (6 - 4)")
+    assert check_game24([8, 3, 8, 3], "8 / (3 - 8 / 3)")  # needs exact fractions
+    assert not check_game24([4, 6, 1, 1], "4 * 6")  # numbers unused
+    assert not check_game24([4, 8, 6, 4], "(4 + 8) * (6 - 4) + 0")  # an extra number
+    assert not check_game24([1, 2, 3, 4], "__import__('os')")  # never evaluated
+    assert not check_game24([1, 0, 24], "1 / 0 + 24")
+    assert not check_game24([1, 2, 3, 4], None)
 
 
 def test_reasoning_gym_problems_are_seeded_and_scored_by_their_checker() -> None:
@@ -281,6 +276,32 @@ def test_run_writes_every_row_and_reruns_write_none(tmp_path: Path, tiny_llama_d
     assert extended.rows_written == 2 and len(set(_keys(read_rows(out)))) == 8
 
 
+def test_a_scorer_that_raises_scores_zero_and_says_so(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from branchwise.evals.datasets import JsonlConfig
+
+    load = JsonlConfig.load
+
+    def load_raising(self: JsonlConfig, limit: int | None = None) -> Any:
+        task = load(self, limit)
+
+        def score(problem: Any, answer: str | None, text: str) -> float:
+            raise ValueError("unparsable answer")
+
+        task.score = score  # type: ignore[method-assign]
+        return task
+
+    monkeypatch.setattr(JsonlConfig, "load", load_raising)
+    suite = SuiteConfig.model_validate(_suite(tiny_llama_dir, _data(tmp_path, 1)))
+    summary = run_suite(suite, tmp_path / "run", progress=False)
+    rows = read_rows(tmp_path / "run")
+    assert summary.errors == 0 and len(rows) == 2  # the problem ran; only its scoring failed
+    for row in rows:
+        assert row["score"] == 0.0 and row["correct"] is False
+        assert "scorer raised ValueError: unparsable answer; scored 0" in row["notes"]
+
+
 def test_ctrl_c_then_resume_and_truncated_last_line(tmp_path: Path, tiny_llama_dir: Path) -> None:
     suite = SuiteConfig.model_validate(_suite(tiny_llama_dir, _data(tmp_path, 4)))
     out = tmp_path / "run"
@@ -422,8 +443,8 @@ def test_bootstrap_ci_is_reproducible() -> None:
     import numpy as np
 
     x = np.array([0.0, 1.0, 1.0, 0.0, 1.0])
-    assert bootstrap_ci(x, np.mean) == bootstrap_ci(x, np.mean)
-    assert bootstrap_ci(np.array([]), np.mean)[0] != bootstrap_ci(np.array([]), np.mean)[0]  # nan
+    assert bootstrap_ci([x], np.mean) == bootstrap_ci([x], np.mean)
+    assert bootstrap_ci([np.array([])], np.mean)[0] != bootstrap_ci([np.array([])], np.mean)[0]  # nan
 
 
 def test_report_and_cli(tmp_path: Path, tiny_llama_dir: Path) -> None:

@@ -41,13 +41,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from branchwise.reasoners.answers import (
-    extract_answer,
-    extract_auto,
-    normalize_answer,
-    register_extractor,
-)
-from branchwise.reasoners.tasks import check_game24 as solves_game24
+from branchwise.reasoners.answers import extract_answer, normalize_answer, register_extractor
+from branchwise.reasoners.tasks import check_game24, game24_csv, game24_rows
 
 __all__ = [
     "ChampConfig",
@@ -60,7 +55,6 @@ __all__ = [
     "Problem",
     "ReasoningGymConfig",
     "Task",
-    "check_game24",
     "run_humaneval",
 ]
 
@@ -102,69 +96,17 @@ class Task(ABC):
 
     @abstractmethod
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
-        """1.0 = correct; values in (0, 1) are partial credit (reported, counted as wrong)."""
+        """1.0 = correct; values in (0, 1) are partial credit (reported, counted as wrong).
+
+        A checker may raise on an answer it cannot parse: the harness then scores 0 and says so in
+        the row's notes, so a checker failure is never mistaken for a plain wrong answer.
+        """
 
 
 # --------------------------------------------------------------------------------------------------
-# Extractors shared by several datasets
+# Extractors and scorers (the answer tag and expression extractors live in `reasoners`, with the
+# verifiers that read the same formats)
 # --------------------------------------------------------------------------------------------------
-
-_TAG_RE = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL | re.IGNORECASE)
-_OPEN_TAG_RE = re.compile(r"<answer>\s*([^<\n]+)", re.IGNORECASE)
-
-
-def _tag(text: str) -> str | None:
-    """Content of the last closed ``<answer>`` tag, or of an unclosed last one (cut at the line end)."""
-    found = _TAG_RE.findall(text)
-    if found:
-        return found[-1].strip() or None
-    found = _OPEN_TAG_RE.findall(text)
-    return found[-1].strip() if found else None
-
-
-def extract_answer_tag(text: str) -> str | None:
-    """``<answer>X</answer>`` (normalised), else the generic `extract_auto` fallback."""
-    inner = _tag(text)
-    if inner is not None:
-        return normalize_answer(inner)
-    return extract_auto(text)
-
-
-_EXPR_CHARS = re.compile(r"^[\d\s+\-*/().×÷xX]+$")
-
-
-def _clean_expression(s: str) -> str | None:
-    s = normalize_answer(s).replace("×", "*").replace("÷", "/").replace("\\times", "*").replace("\\div", "/")
-    s = s.split("=")[0].strip() if "=" in s else s
-    s = re.sub(r"(?<=\d)\s*[xX]\s*(?=[\d(])", "*", s)
-    return s if s and _EXPR_CHARS.match(s) and re.search(r"\d", s) else None
-
-
-def extract_expression(text: str) -> str | None:
-    """An arithmetic expression answer (Game of 24, countdown): the ``<answer>`` tag, a box, the
-    phrase after "answer is", or the last line that is an expression (``... = 24`` is cut at '=')."""
-    for candidate in (_tag(text), extract_answer_is_raw(text)):
-        if candidate:
-            cleaned = _clean_expression(candidate)
-            if cleaned:
-                return cleaned
-    for line in reversed(text.splitlines()):
-        head = line.split("=")[0]
-        runs = [r.strip() for r in _EXPR_RUN.findall(head.replace("×", "*").replace("÷", "/"))]
-        runs = [r for r in runs if any(op in r for op in "+-*/") and r.count("(") == r.count(")")]
-        if runs:
-            return max(runs, key=len)
-    return None
-
-
-_EXPR_RUN = re.compile(r"[\d(][\d\s+\-*/().]*[\d)]")
-
-
-def extract_answer_is_raw(text: str) -> str | None:
-    """The text after the last "answer is"/"answer:" marker up to the line end (not normalised)."""
-    matches = list(re.finditer(r"answer\s*(?:is|:)\s*:?\s*(.+)", text, re.IGNORECASE))
-    return matches[-1].group(1).strip() if matches else None
-
 
 _CODE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
 
@@ -177,12 +119,7 @@ def extract_code(text: str) -> str | None:
     return text if text.strip() else None
 
 
-for _name, _fn in (
-    ("answer_tag", extract_answer_tag),
-    ("expression", extract_expression),
-    ("code", extract_code),
-):
-    register_extractor(_name, _fn, replace=True)
+register_extractor("code", extract_code, replace=True)
 
 
 def _numbers_equal(a: str, b: str) -> bool:
@@ -238,6 +175,23 @@ class _DatasetBase(BaseModel):
         return problems[: min(caps)] if caps else problems
 
 
+class _ConfigTask(Task):
+    """A task built from a dataset config: the config's label, and `load(limit)`'s cap on top of the
+    config's own `limit`."""
+
+    def __init__(self, cfg: Any, limit: int | None) -> None:
+        self.cfg = cfg
+        self.label = cfg.display_name
+        self._limit = limit
+
+    def problems(self) -> list[Problem]:
+        return self.cfg._cap(self._all_problems(), self._limit)
+
+    @abstractmethod
+    def _all_problems(self) -> list[Problem]:
+        """Every problem of the source in a fixed order, before the caps."""
+
+
 _RG_SYSTEM = (
     "Solve the problem. Think step by step, then give only the final answer inside "
     "<answer></answer> tags, for example <answer>42</answer>."
@@ -263,7 +217,9 @@ class ReasoningGymConfig(_DatasetBase):
         return _ReasoningGymTask(self, limit)
 
 
-class _ReasoningGymTask(Task):
+class _ReasoningGymTask(_ConfigTask):
+    cfg: ReasoningGymConfig
+
     def __init__(self, cfg: ReasoningGymConfig, limit: int | None) -> None:
         try:
             import reasoning_gym
@@ -271,14 +227,12 @@ class _ReasoningGymTask(Task):
             raise DatasetUnavailable(
                 "reasoning-gym is not installed; pip install 'branchwise[evals]'"
             ) from exc
-        self.label = cfg.display_name
-        self.cfg = cfg
+        super().__init__(cfg, limit)
         self.ds = reasoning_gym.create_dataset(cfg.name_, size=cfg.size, seed=cfg.seed, **cfg.config)
         self.extractor = "expression" if cfg.name_ in _RG_EXPRESSION_TASKS else "answer_tag"
         self.system_prompt = _RG_SYSTEM
-        self._limit = limit
 
-    def problems(self) -> list[Problem]:
+    def _all_problems(self) -> list[Problem]:
         n = len(self.ds)
         out = []
         for i in range(n):
@@ -291,15 +245,10 @@ class _ReasoningGymTask(Task):
                     raw=entry,
                 )
             )
-        return self.cfg._cap(out, self._limit)
+        return out
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
-        if answer is None:
-            return 0.0
-        try:
-            return float(self.ds.score_answer(answer, problem.raw))
-        except Exception:  # a checker that chokes on a malformed answer scores it wrong
-            return 0.0
+        return 0.0 if answer is None else float(self.ds.score_answer(answer, problem.raw))
 
 
 _GAME24_SYSTEM = (
@@ -307,16 +256,6 @@ _GAME24_SYSTEM = (
     "Think briefly, then give only the expression inside <answer></answer> tags, for example "
     "<answer>(1 + 2 + 3) * 4</answer>."
 )
-
-
-def check_game24(expression: str | None, numbers: list[int]) -> bool:
-    """True when a model's answer is an expression that uses exactly `numbers` and equals 24.
-
-    The answer is cleaned first (LaTeX operators, "x" for times, a trailing "= 24"); the exact
-    evaluation over a whitelisted AST is the reasoners' own Game-of-24 check, never `eval`.
-    """
-    expr = _clean_expression(expression) if expression else None
-    return expr is not None and solves_game24(numbers, expr)
 
 
 class Game24Config(_DatasetBase):
@@ -337,46 +276,35 @@ class Game24Config(_DatasetBase):
             if not p.is_file():
                 raise DatasetUnavailable(f"game24 path {p} does not exist")
             return p
-        folder = _package_dir("tot", "pip install --no-deps tree-of-thoughts-llm")
-        p = folder / "data" / "24" / "24.csv"
-        if not p.is_file():
-            raise DatasetUnavailable(f"the installed 'tot' package has no {p}; is it tree-of-thoughts-llm?")
-        return p
+        try:
+            return game24_csv()
+        except FileNotFoundError as exc:
+            raise DatasetUnavailable(str(exc)) from exc
 
     def load(self, limit: int | None = None) -> Task:
         return _Game24Task(self, limit)
 
 
-class _Game24Task(Task):
+class _Game24Task(_ConfigTask):
     extractor = "expression"
     system_prompt = _GAME24_SYSTEM
+    cfg: Game24Config
 
     def __init__(self, cfg: Game24Config, limit: int | None) -> None:
-        import csv
+        super().__init__(cfg, limit)
+        self._rows = game24_rows(cfg.start, cfg.count, cfg.csv_path())
 
-        self.cfg = cfg
-        self.label = cfg.display_name
-        with cfg.csv_path().open(newline="") as f:
-            rows = list(csv.DictReader(f))
-        self._rows = rows[cfg.start : cfg.start + cfg.count]
-        self._limit = limit
-
-    def problems(self) -> list[Problem]:
+    def _all_problems(self) -> list[Problem]:
         out = []
-        for row in self._rows:
-            numbers = [int(x) for x in row["Puzzles"].split()]
+        for rank, puzzle in self._rows:
+            numbers = [int(x) for x in puzzle.split()]
             out.append(
-                Problem(
-                    id=f"24-{row['Rank']}",
-                    question=f"Numbers: {' '.join(map(str, numbers))}",
-                    gold=None,
-                    raw=numbers,
-                )
+                Problem(id=f"24-{rank}", question=f"Numbers: {' '.join(map(str, numbers))}", raw=numbers)
             )
-        return self.cfg._cap(out, self._limit)
+        return out
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
-        return 1.0 if check_game24(answer, problem.raw) else 0.0
+        return 1.0 if check_game24(problem.raw, answer) else 0.0
 
 
 _HUMANEVAL_SYSTEM = (
@@ -438,13 +366,13 @@ class HumanEvalConfig(_DatasetBase):
         return _HumanEvalTask(self, limit)
 
 
-class _HumanEvalTask(Task):
+class _HumanEvalTask(_ConfigTask):
     extractor = "code"
     system_prompt = _HUMANEVAL_SYSTEM
+    cfg: HumanEvalConfig
 
     def __init__(self, cfg: HumanEvalConfig, limit: int | None) -> None:
-        self.cfg = cfg
-        self.label = cfg.display_name
+        super().__init__(cfg, limit)
         if cfg.path:
             path = Path(cfg.path).expanduser()
         else:
@@ -454,14 +382,12 @@ class _HumanEvalTask(Task):
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt") as f:
             self._tasks = [json.loads(line) for line in f if line.strip()]
-        self._limit = limit
 
-    def problems(self) -> list[Problem]:
-        out = [
+    def _all_problems(self) -> list[Problem]:
+        return [
             Problem(id=t["task_id"], question=t["prompt"], gold=t.get("canonical_solution"), raw=t)
             for t in self._tasks[self.cfg.start :]
         ]
-        return self.cfg._cap(out, self._limit)
 
     def prompt(self, problem: Problem) -> str:
         return f"```python\n{problem.question}```"
@@ -493,19 +419,18 @@ class ChampConfig(_DatasetBase):
         return _ChampTask(self, limit)
 
 
-class _ChampTask(Task):
+class _ChampTask(_ConfigTask):
     extractor = "auto"
     system_prompt = _BOXED_SYSTEM
+    cfg: ChampConfig
 
     def __init__(self, cfg: ChampConfig, limit: int | None) -> None:
-        self.cfg = cfg
-        self.label = cfg.display_name
+        super().__init__(cfg, limit)
         path = _package_dir("champ_dataset", "pip install champ-dataset") / "dataset_files" / "v0.json"
         with path.open() as f:
             self._raw = json.load(f)["problems"]
-        self._limit = limit
 
-    def problems(self) -> list[Problem]:
+    def _all_problems(self) -> list[Problem]:
         out = []
         for pid, p in self._raw.items():
             if self.cfg.categories and p.get("category") not in self.cfg.categories:
@@ -522,14 +447,16 @@ class _ChampTask(Task):
                     raw=forms,
                 )
             )
-        return self.cfg._cap(out, self._limit)
+        return out
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
         return 1.0 if answers_match(answer, problem.raw) else 0.0
 
 
-class _RecordsTask(Task):
+class _RecordsTask(_ConfigTask):
     """Question/answer records (local JSONL or HF datasets) scored by normalised/numeric match."""
+
+    cfg: JsonlConfig | HFDatasetConfig
 
     def __init__(
         self,
@@ -538,11 +465,9 @@ class _RecordsTask(Task):
         limit: int | None,
         gold_fn: Callable[[Any], str | None],
     ) -> None:
-        self.cfg = cfg
-        self.label = cfg.display_name
+        super().__init__(cfg, limit)
         self.extractor = cfg.extractor
         self.system_prompt = cfg.system_prompt
-        self._limit = limit
         out = []
         for i, rec in enumerate(records):
             if cfg.question_field not in rec:
@@ -559,8 +484,8 @@ class _RecordsTask(Task):
             )
         self._problems = out
 
-    def problems(self) -> list[Problem]:
-        return self.cfg._cap(self._problems, self._limit)
+    def _all_problems(self) -> list[Problem]:
+        return self._problems
 
     def score(self, problem: Problem, answer: str | None, text: str) -> float:
         return 1.0 if problem.gold is not None and answers_match(answer, [problem.gold]) else 0.0

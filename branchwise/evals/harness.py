@@ -228,7 +228,12 @@ def _row(
             (b.text for b in result.branches if b.selected),
             result.branches[0].text if result.branches else "",
         )
-        score = float(task.score(problem, result.answer, text))
+        notes = list(result.notes)
+        try:
+            score = float(task.score(problem, result.answer, text))
+        except Exception as exc:  # a checker that chokes on a malformed answer: wrong, and said so
+            score = 0.0
+            notes.append(f"scorer raised {type(exc).__name__}: {exc}; scored 0")
         kv = result.kv_stats
         row.update(
             answer=result.answer,
@@ -247,7 +252,7 @@ def _row(
             votes=result.votes,
             timings=result.timings,
             kv_stats=kv,
-            notes=result.notes,
+            notes=notes,
             text=text[:4000],
         )
         # optional per-acceleration fields of the result (verify_calls, verify_skipped, cgee_flip...)

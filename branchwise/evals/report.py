@@ -27,30 +27,9 @@ from typing import Any
 import numpy as np
 
 from branchwise.evals.harness import CONFIG_FILE, ROWS_FILE, read_rows
+from branchwise.evals.stats import N_RESAMPLES, bootstrap_ci
 
-__all__ = ["CellSummary", "bootstrap_ci", "format_markdown", "summarize", "write_report"]
-
-N_BOOT = 2000
-
-
-def bootstrap_ci(
-    samples: np.ndarray, stat: Any, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95
-) -> tuple[float, float]:
-    """Percentile bootstrap CI of `stat(rows)` resampling the first axis of `samples`.
-
-    A fixed seed keeps reports reproducible (regenerating a report must not move its numbers).
-    """
-    n = len(samples)
-    if n == 0:
-        return (math.nan, math.nan)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, n, size=(n_boot, n))
-    stats = np.array([stat(samples[i]) for i in idx], dtype=float)
-    stats = stats[np.isfinite(stats)]
-    if stats.size == 0:
-        return (math.nan, math.nan)
-    lo, hi = np.percentile(stats, [(1 - level) / 2 * 100, (1 + level) / 2 * 100])
-    return (float(lo), float(hi))
+__all__ = ["CellSummary", "format_markdown", "summarize", "write_report"]
 
 
 @dataclass
@@ -135,7 +114,7 @@ def summarize(rows: list[dict[str, Any]], baseline: str | None = None) -> list[C
             n=len(rs),
             errors=len(rs) - len(ok),
             accuracy=float(correct.mean()) if len(correct) else math.nan,
-            accuracy_ci=bootstrap_ci(correct, np.mean),
+            accuracy_ci=bootstrap_ci([correct], np.mean),
             mean_score=_mean([r.get("score") for r in rs]),
             latency_mean_s=_mean(lat),
             latency_median_s=float(np.median(lat)) if lat else math.nan,
@@ -161,14 +140,15 @@ def summarize(rows: list[dict[str, Any]], baseline: str | None = None) -> list[C
             ]
             s.paired = len(pairs)
             if pairs:
-                arr = np.array([[b["latency_s"], c["latency_s"]] for b, c in pairs], dtype=float)
+                base_s = np.array([b["latency_s"] for b, _ in pairs], dtype=float)
+                cell_s = np.array([c["latency_s"] for _, c in pairs], dtype=float)
 
-                def ratio(a: np.ndarray) -> float:
-                    denom = a[:, 1].sum()
-                    return float(a[:, 0].sum() / denom) if denom > 0 else math.nan
+                def ratio(base: np.ndarray, cell: np.ndarray) -> float:
+                    denom = cell.sum()
+                    return float(base.sum() / denom) if denom > 0 else math.nan
 
-                s.speedup = ratio(arr)
-                s.speedup_ci = bootstrap_ci(arr, ratio)
+                s.speedup = ratio(base_s, cell_s)
+                s.speedup_ci = bootstrap_ci([base_s, cell_s], ratio)
                 s.agreement = float(np.mean([b.get("answer") == c.get("answer") for b, c in pairs]))
         out.append(s)
     return out
@@ -427,7 +407,7 @@ def write_report(run_dir: str | Path, baseline: str | None = None) -> ReportPath
         "",
         f"{done}; baseline acceleration: `{baseline}`. Speedup = Σ baseline latency / Σ latency over "
         "problems both cells finished (paired); CIs are percentile bootstraps over problems "
-        f"({N_BOOT} resamples). Agreement = same final answer as the baseline on those problems.",
+        f"({N_RESAMPLES} resamples). Agreement = same final answer as the baseline on those problems.",
         "",
         table,
         *[f"![{p.stem}]({p.name})" for p in plots],

@@ -18,7 +18,9 @@ from decimal import Decimal, InvalidOperation
 __all__ = [
     "Extractor",
     "VoteResult",
+    "answer_tag",
     "extract_answer",
+    "extract_answer_tag",
     "extractor_names",
     "get_extractor",
     "majority_vote",
@@ -299,11 +301,36 @@ def extract_auto(text: str) -> str | None:
     return extract_boxed(text) or extract_answer_is(text) or extract_last_number(text)
 
 
+# A closed tag's content may span lines (reasoning-gym has grid answers); it never runs into the next
+# tag. An unclosed tag (generation stopped at "</answer>" as a stop string, or at the token limit)
+# counts up to the end of its line, so trailing text is not taken for the answer.
+_ANSWER_TAG_RE = re.compile(
+    r"<answer>(?P<closed>(?:(?!<answer>).)*?)</answer>|<answer>(?P<open>[^<\n]*)",
+    re.DOTALL | re.IGNORECASE,
+)
+
+
+def answer_tag(text: str) -> str | None:
+    """Raw content of the last non-empty ``<answer>`` tag (reasoning-gym's answer format), or None."""
+    for match in reversed(list(_ANSWER_TAG_RE.finditer(text))):
+        inner = (match["closed"] or match["open"] or "").strip()
+        if inner:
+            return inner
+    return None
+
+
+def extract_answer_tag(text: str) -> str | None:
+    """``<answer>X</answer>`` (normalised), else the generic :func:`extract_auto` fallback."""
+    inner = answer_tag(text)
+    return normalize_answer(inner) if inner is not None else extract_auto(text)
+
+
 register_extractor("last_number", extract_last_number)
 register_extractor("boxed", extract_boxed)
 register_extractor("answer_is", extract_answer_is)
 register_extractor("choice", extract_choice)
 register_extractor("auto", extract_auto)
+register_extractor("answer_tag", extract_answer_tag)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Small, exact task helpers the tree-search verifiers and examples need: Game of 24 and chain sums.
+"""Small, exact task helpers the verifiers, the eval harness and the examples share: Game of 24
+(puzzles, the expression extractor, the checker) and chain sums.
 
 Why here and not in `branchwise.evals`: verifiers live in `reasoners`, and dependencies point one
 way (`evals -> reasoners`), so the checkers a score node calls must not import the eval harness.
@@ -14,20 +15,22 @@ import ast
 import csv
 import importlib.util
 import re
+from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
 
-from branchwise.reasoners.answers import register_extractor
+from branchwise.reasoners.answers import answer_tag, normalize_answer, register_extractor
 
 __all__ = [
     "chain_sum_terms",
     "check_game24",
     "equations",
     "evaluate_arithmetic",
-    "extract_game24_expression",
+    "extract_expression",
     "game24_csv",
     "game24_numbers",
     "game24_puzzles",
+    "game24_rows",
     "running_totals",
 ]
 
@@ -48,15 +51,21 @@ def game24_csv() -> Path:
     return path
 
 
-def game24_puzzles(start: int = 0, limit: int | None = None, path: Path | None = None) -> list[str]:
-    """Puzzles ("4 9 10 13") in the CSV's order (sorted from easiest by human solve time).
+def game24_rows(start: int = 0, limit: int | None = None, path: Path | None = None) -> list[tuple[int, str]]:
+    """(rank, puzzle) rows such as (901, "4 9 10 13"), in the CSV's order (easiest first by human
+    solve time); the rank is the CSV's own, so ids built from it survive a re-sorted or trimmed file.
 
     ToT's evaluation used rows 900-999 (hard ones); ``start``/``limit`` pick any slice.
     """
     with (path or game24_csv()).open(newline="") as f:
-        rows = [row["Puzzles"].strip() for row in csv.DictReader(f)]
+        rows = [(int(row["Rank"]), row["Puzzles"].strip()) for row in csv.DictReader(f)]
     end = None if limit is None else start + limit
     return rows[start:end]
+
+
+def game24_puzzles(start: int = 0, limit: int | None = None, path: Path | None = None) -> list[str]:
+    """The puzzles of :func:`game24_rows` without their ranks."""
+    return [puzzle for _, puzzle in game24_rows(start, limit, path)]
 
 
 def game24_numbers(question: str) -> list[int]:
@@ -64,12 +73,16 @@ def game24_numbers(question: str) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", question)]
 
 
+# Models write these for * / - ; every expression is read through this table first.
+_OPERATORS = str.maketrans({"×": "*", "÷": "/", "−": "-"})
+
+
 def evaluate_arithmetic(expression: str) -> tuple[Fraction, list[int]] | None:
     """Exact value of ``+ - * /`` over integers (and parentheses) and the integers it used.
 
     None when the text is not such an expression or divides by zero. ``×``/``÷`` are accepted.
     """
-    text = expression.replace("×", "*").replace("÷", "/").replace("−", "-").strip()
+    text = expression.translate(_OPERATORS).strip()
     if not text or len(text) > 200:
         return None
     try:
@@ -106,34 +119,51 @@ def evaluate_arithmetic(expression: str) -> tuple[Fraction, list[int]] | None:
         return None
 
 
-def check_game24(numbers: list[int], expression: str | None) -> bool:
-    """True when ``expression`` uses exactly ``numbers`` (as a multiset) and equals 24 exactly."""
-    if not expression:
-        return False
-    result = evaluate_arithmetic(expression)
+_EXPR_CHARS = re.compile(r"^[\d\s+\-*/().xX]+$")
+_EXPR_RUN = re.compile(r"[\d(][\d\s+\-*/().]*[\d)]")
+
+
+def _clean_expression(answer: str) -> str | None:
+    """A model's answer as a bare expression (LaTeX operators, "x" for times and a trailing "= 24"
+    removed), or None when what is left is not arithmetic over numbers."""
+    s = normalize_answer(answer).translate(_OPERATORS).replace("\\times", "*").replace("\\div", "/")
+    s = s.split("=")[0].strip()
+    s = re.sub(r"(?<=\d)\s*[xX]\s*(?=[\d(])", "*", s)
+    return s if s and _EXPR_CHARS.match(s) and re.search(r"\d", s) else None
+
+
+def check_game24(numbers: Sequence[int], expression: str | None) -> bool:
+    """True when ``expression`` uses exactly ``numbers`` (as a multiset) and equals 24 exactly.
+
+    The answer is cleaned first (see `_clean_expression`), then evaluated exactly over a whitelisted
+    AST, never `eval`.
+    """
+    cleaned = _clean_expression(expression) if expression else None
+    result = evaluate_arithmetic(cleaned) if cleaned else None
     if result is None:
         return False
     value, used = result
     return value == 24 and sorted(used) == sorted(numbers)
 
 
-_EXPR = r"[\d\s+\-*/().×÷−]+"
+def extract_expression(text: str) -> str | None:
+    """The arithmetic expression a solution commits to (Game of 24, countdown), cleaned.
 
-
-def extract_game24_expression(text: str) -> str | None:
-    """The final expression of a Game-of-24 solution, in ToT's format or close to it.
-
-    Looks for the last "Answer: <expr> = 24" (the part before "=" when present), else the left side
-    of the last line that ends in "= 24".
+    Tried from most to least explicit: the ``<answer>`` tag, the phrase after the last "answer is" /
+    "Answer:" (ToT's format, "Answer: (1 + 2) * 8 = 24"), then the longest expression on the last
+    line that has one (cut at '=', so "... = 24" gives its left side).
     """
-    for match in reversed(list(re.finditer(r"answer\s*(?:is)?\s*:?\s*(" + _EXPR + r")", text, re.I))):
-        expr = match.group(1).strip()
-        if re.search(r"\d", expr) and any(op in expr for op in "+-*/×÷−"):
-            return expr
+    markers = list(re.finditer(r"answer\s*(?:is|:)\s*:?\s*(.+)", text, re.IGNORECASE))
+    for candidate in (answer_tag(text), markers[-1].group(1) if markers else None):
+        cleaned = _clean_expression(candidate) if candidate else None
+        if cleaned:
+            return cleaned
     for line in reversed(text.splitlines()):
-        match = re.search(r"(" + _EXPR + r")=\s*24\b", line)
-        if match and any(op in match.group(1) for op in "+-*/×÷−"):
-            return match.group(1).strip()
+        head = line.split("=")[0].translate(_OPERATORS)
+        runs = [r.strip() for r in _EXPR_RUN.findall(head)]
+        runs = [r for r in runs if any(op in r for op in "+-*/") and r.count("(") == r.count(")")]
+        if runs:
+            return max(runs, key=len)
     return None
 
 
@@ -184,5 +214,5 @@ def equations(text: str) -> list[tuple[str, Fraction, Fraction | None]]:
     return out
 
 
-# Strategies name extractors by string: "game24" votes on the final expression, not the last number.
-register_extractor("game24", extract_game24_expression, replace=True)
+# Strategies name extractors by string: "expression" votes on the final expression, not the last number.
+register_extractor("expression", extract_expression)

@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from branchwise.backends.base import Backend, NodeId
-from branchwise.backends.hf.cgee import judge_score
+from branchwise.reasoners.answers import answer_tag
 from branchwise.reasoners.tasks import (
     chain_sum_terms,
     check_game24,
     equations,
-    extract_game24_expression,
+    extract_expression,
     game24_numbers,
     running_totals,
 )
@@ -102,6 +101,11 @@ class JudgeVerifier:
         return backend.encode(self.question), yes + no, len(yes)
 
     def score(self, backend: Backend, question: str, candidates: Sequence[Candidate]) -> list[float]:
+        # Imported here, not at the top: the judge formula lives with CGEE in the HF backend (which
+        # replays it per layer), and importing that module loads torch, which this module must not
+        # do on import (strategies and evals import verifiers on machines without a model).
+        from branchwise.backends.hf.cgee import judge_score
+
         if not candidates:
             return []
         suffix, tokens, n_yes = self.probe(backend)
@@ -152,9 +156,6 @@ class OutcomeVerifier:
         ]
 
 
-_ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*(?:</answer>|$)", re.DOTALL | re.IGNORECASE)
-
-
 class ReasoningGymVerifier(OutcomeVerifier):
     """reasoning-gym's own exact checker (``dataset.score_answer``) for the dataset's questions.
 
@@ -172,8 +173,7 @@ class ReasoningGymVerifier(OutcomeVerifier):
         entry = self.entries.get(question)
         if entry is None:
             raise KeyError("question is not one of this reasoning-gym dataset's questions")
-        tags = _ANSWER_TAG.findall(text)
-        given = tags[-1].strip() if tags and tags[-1].strip() else answer
+        given = answer_tag(text) or answer
         if given is None:
             return 0.0
         return float(self.dataset.score_answer(given, entry))
@@ -187,7 +187,7 @@ class Game24Verifier(OutcomeVerifier):
 
     @staticmethod
     def _check(question: str, answer: str | None, text: str) -> float:
-        return float(check_game24(game24_numbers(question), extract_game24_expression(text)))
+        return float(check_game24(game24_numbers(question), extract_expression(text)))
 
 
 class ArithmeticStepVerifier:
@@ -236,8 +236,7 @@ class ChainSumStepVerifier(ArithmeticStepVerifier):
             return super()._step_score(question, candidate)
         totals = running_totals(terms)
         if candidate.finished:
-            tags = _ANSWER_TAG.findall(candidate.text)
-            given = tags[-1].strip() if tags and tags[-1].strip() else candidate.answer
+            given = answer_tag(candidate.text) or candidate.answer
             if given is not None:
                 try:
                     return float(Fraction(given.replace(",", "")) == totals[-1])

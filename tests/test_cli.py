@@ -187,7 +187,10 @@ BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
     ),
     (["run", "q", "--bogus"], "No such option: --bogus"),
     (["strategy", "show", "nope"], "'nope' is neither a prebuilt strategy"),
-    (["strategy", "show", "best-of-n", "--format", "xml"], "'--format': Value error, 'xml' is not one of 'yaml', 'json'"),
+    (
+        ["strategy", "show", "best-of-n", "--format", "xml"],
+        "'--format': Value error, 'xml' is not one of 'yaml', 'json'",
+    ),
     (["strategy", "show", "best-of-n", "--n", "0"], "'--n': 0 is not in the range"),
     (["strategy", "validate", "/nonexistent.yaml"], "'path': file '/nonexistent.yaml' does not exist"),
     (["strategy", "validate", "{dir}"], "is a directory"),

@@ -1,4 +1,4 @@
-"""The code base stays ruff-clean: the test command checks it, so CI does too."""
+"""The code base stays ruff-clean and ruff-formatted: the test command checks it, so CI does too."""
 
 from __future__ import annotations
 
@@ -19,4 +19,11 @@ def test_ruff_clean() -> None:
         capture_output=True,
         text=True,
     )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is installed by the [test] extra")
+def test_ruff_formatted() -> None:
+    """Formatting too (README's code blocks included), so a diff never mixes style with substance."""
+    proc = subprocess.run(["ruff", "format", "--check", "."], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr

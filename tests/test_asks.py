@@ -8,7 +8,8 @@ import torch
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, ASKSConfig, ProbeConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.asks import KVProbe, layer_weights, similarity
+from branchwise.backends.hf.asks import layer_weights, similarity
+from branchwise.backends.hf.probe import KVProbe
 
 GREEDY = DecodeParams(max_tokens=6, min_tokens=6)
 CONTEXT = " The farmer has 12 apples and buys 7 more in the morning market."

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.skipkv import (
+from branchwise.backends.hf.skipkv_policy import (
     SentenceTracker,
     SteeringVector,
     delimiter_token_ids,

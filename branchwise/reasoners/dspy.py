@@ -258,7 +258,7 @@ class _Batcher:
                 # one-row shared segment (each shared segment is one more attention product per layer)
                 share = job.share if job.n > 1 else "none"
                 try:
-                    kids = backend.fork(root, job.n, share=share)  # type: ignore[call-arg]
+                    kids = backend.fork(root, job.n, share=share)
                 finally:
                     # the children keep the root's KV alive; releasing it now frees it with them
                     backend.release([root])

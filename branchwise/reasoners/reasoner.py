@@ -2,7 +2,7 @@
 
 Why the executor lives here: `strategies` only describes (no torch), `backends` only executes tree
 ops (no strategy imports); this module is the one place that knows both and translates plan nodes
-into backend calls over a branch tree (DESIGN §3).
+into backend calls over a branch tree.
 
 Tree search on the shared KV tree: every leaf is a backend node whose ancestors' KV is held once and
 read by all its descendants. A generate forks each unfinished leaf (n times, or as many times as the
@@ -12,6 +12,10 @@ selects (beam/DVTS, REBASE, ETS, ToT's DFS) also retire finished leaves: their t
 for the vote, their KV goes. Each run reports ETS's KV metric (per generate, the tokens of all new
 candidates plus their unique ancestors, prompt included, summed), the peak bytes actually held, and
 tokens computed vs reused.
+
+Per-run settings travel with the run: a backend that supports sessions (`SupportsSessions`) gives
+each `run` its own view with this reasoner's `share` and `accel` and its own statistics, so runs on
+one backend from several threads never change each other's settings or mix their numbers.
 """
 
 from __future__ import annotations
@@ -26,7 +30,17 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from branchwise.backends.accel import Accel
-from branchwise.backends.base import Backend, DecodeParams, ShareMode
+from branchwise.backends.base import (
+    Accelerated,
+    Backend,
+    DecodeParams,
+    ShareMode,
+    SupportsBranchScores,
+    SupportsNodeEmbedding,
+    SupportsPromptFork,
+    SupportsSessions,
+    SupportsVerifySkip,
+)
 from branchwise.reasoners.answers import extract_answer, majority_vote
 from branchwise.reasoners.result import Branch, ReasoningResult, SearchStep, TreeNode
 from branchwise.reasoners.search import (
@@ -93,6 +107,8 @@ class _Run:
     """Mutable state of one `Reasoner.run`."""
 
     question: str
+    backend: Backend
+    """This run's view of the backend (its own session where the backend has sessions)."""
     leaves: list[_Leaf]
     variants: list[str]
     tree: dict[int, TreeNode]
@@ -163,8 +179,7 @@ class Reasoner:
         """
         if variants is not None and not variants:
             raise ValueError("variants must hold at least 1 phrasing (or be None)")
-        with self._accelerated():
-            return self._run(question, self._messages(question), list(variants or []))
+        return self._run(question, self._messages(question), list(variants or []))
 
     def _messages(self, question: str) -> list[dict[str, str]]:
         messages = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
@@ -172,23 +187,19 @@ class Reasoner:
         messages.append({"role": "user", "content": content})
         return messages
 
-    @contextmanager
-    def _accelerated(self) -> Iterator[None]:
-        """Apply this reasoner's `accel` to the backend for one run (None keeps the backend's own)."""
-        if self.accel is None or not hasattr(self.backend, "accel"):
-            yield
-            return
-        previous = self.backend.accel
-        self.backend.accel = self.accel
-        try:
-            yield
-        finally:
-            self.backend.accel = previous
+    def _session(self) -> tuple[Backend, list[str]]:
+        """This run's backend view: its own session (this reasoner's share and accel, its own
+        statistics) where the backend has sessions, else the backend itself with its counters reset."""
+        if isinstance(self.backend, SupportsSessions):
+            return self.backend.session(share=self.share, accel=self.accel), []
+        self.backend.reset_stats()
+        if self.accel is None:
+            return self.backend, []
+        return self.backend, [f"accel ignored: backend {self.backend.name!r} runs no accelerations"]
 
     def _run(self, question: str, messages: list[dict[str, str]], variants: list[str]) -> ReasoningResult:
-        backend = self.backend
-        backend.reset_stats()
         start = time.perf_counter()
+        backend, notes = self._session()
         prompt = backend.chat_prompt(messages)
         root = backend.prefill(prompt)
         record = TreeNode(node=root, parent=None, depth=0, text="", token_ids=list(prompt))
@@ -198,7 +209,8 @@ class Reasoner:
             leaves=[_Leaf(node=root, record=record)],
             tree={root: record},
             timings={},
-            notes=[],
+            notes=notes,
+            backend=backend,
         )
         try:
             self._execute(self.plan.steps, run)
@@ -247,7 +259,7 @@ class Reasoner:
             run.timings[key] = run.timings.get(key, 0.0) + time.perf_counter() - t0
 
     def _generate(self, node: GenerateNode, run: _Run) -> None:
-        backend = self.backend
+        backend = run.backend
         params = DecodeParams(
             temperature=node.temperature,
             top_p=node.top_p,
@@ -270,7 +282,7 @@ class Reasoner:
                 expand.append((leaf, n))
         children: list[tuple[_Leaf, int]] = []
         for leaf, n in expand:
-            if run.variants and leaf.record.parent is None and hasattr(backend, "fork_prompts"):
+            if run.variants and leaf.record.parent is None and isinstance(backend, SupportsPromptFork):
                 prompts = [
                     backend.chat_prompt(self._messages(run.variants[i % len(run.variants)])) for i in range(n)
                 ]
@@ -344,7 +356,7 @@ class Reasoner:
         has from this verifier, so a step-level search does not pay the verifier again for it; a
         retired leaf (KV released) cannot be read by a new verifier and keeps its last score.
         """
-        cgee = getattr(getattr(self.backend, "accel", None), "cgee", None)
+        backend = run.backend
         name = node.verifier
         todo: list[_Leaf] = []
         for leaf in run.leaves:
@@ -359,18 +371,18 @@ class Reasoner:
         if not todo:
             return
         run.verify_calls += 1
-        if cgee is not None and cgee.level1:
+        if isinstance(backend, SupportsVerifySkip):
             confidences = [sum(leaf.top1) / len(leaf.top1) if leaf.top1 else 0.0 for leaf in todo]
-            if self.backend.skip_verify(confidences):  # type: ignore[attr-defined]
+            if backend.skip_verify(confidences):
                 # CGEE level 1 (RKSC Eq. 4): rank by generation confidence, no verify pass
                 run.verify_skipped += 1
                 self._set_scores(todo, "confidence", confidences)
                 return
         verifier = self.verifiers[name]
-        scores = verifier.score(self.backend, run.question, self._candidates(todo))
+        scores = verifier.score(backend, run.question, self._candidates(todo))
         self._set_scores(todo, name, scores)
-        if hasattr(self.backend, "set_scores"):  # RSBCM keeps the blocks of better branches longer
-            self.backend.set_scores([leaf.node for leaf in todo], scores)
+        if isinstance(backend, SupportsBranchScores):  # RSBCM keeps the blocks of better branches longer
+            backend.set_scores([leaf.node for leaf in todo], scores)
 
     @staticmethod
     def _set_scores(leaves: Sequence[_Leaf], name: str, scores: Sequence[float]) -> None:
@@ -399,7 +411,7 @@ class Reasoner:
         for leaf in dropped:
             leaf.record.pruned = True
         if dropped:
-            self.backend.release([leaf.node for leaf in dropped])
+            run.backend.release([leaf.node for leaf in dropped])
         run.leaves = [leaf for leaf in run.leaves if leaf.node in kept_ids]
 
     # ------------------------------------------------------------------ tree search
@@ -409,12 +421,12 @@ class Reasoner:
         Pruned leaves are released at once, so the backend frees every ancestor segment no kept
         leaf still reads (the KV of a pruned subtree is gone before the next step decodes).
         """
-        before = self._bytes_held()
+        before = run.backend.kv_stats().bytes_held
         finished = [leaf for leaf in run.leaves if leaf.finished]
         active = [leaf for leaf in run.leaves if not leaf.finished]
         to_retire = [leaf for leaf in finished if not leaf.retired]
         if to_retire:
-            self.backend.release([leaf.node for leaf in to_retire])
+            run.backend.release([leaf.node for leaf in to_retire])
             for leaf in to_retire:
                 leaf.retired = True
         info: dict[str, Any] = {}
@@ -443,7 +455,7 @@ class Reasoner:
         for leaf in pruned:
             leaf.record.pruned = True
         if pruned:
-            self.backend.release([leaf.node for leaf in pruned if not leaf.retired])
+            run.backend.release([leaf.node for leaf in pruned if not leaf.retired])
         run.leaves = [leaf for leaf in run.leaves if leaf.node not in gone]
         allocation = {k: v for k, v in allocation.items() if k not in gone and v != 0}
         run.allocation = allocation
@@ -460,14 +472,10 @@ class Reasoner:
                 pruned=len(pruned),
                 children=children,
                 kv_bytes_before=before,
-                kv_bytes_after=self._bytes_held(),
+                kv_bytes_after=run.backend.kv_stats().bytes_held,
                 **info,
             )
         )
-
-    def _bytes_held(self) -> int | None:
-        stats = getattr(self.backend, "kv_stats", None)
-        return int(stats().bytes_held) if stats is not None else None
 
     @staticmethod
     def _split(width: int, ranked: Sequence[_Leaf]) -> dict[int, int | None]:
@@ -578,13 +586,13 @@ class Reasoner:
                 if note not in run.notes:
                     run.notes.append(note)
         if embeddings is None:
-            embed_nodes = getattr(self.backend, "embed_nodes", None)
-            if embed_nodes is None:
+            backend = run.backend
+            if not isinstance(backend, SupportsNodeEmbedding):
                 note = f"select {node.id!r}: backend has no hidden-state embedder; coverage term off"
                 if note not in run.notes:
                     run.notes.append(note)
                 return None
-            states = embed_nodes([leaf.node for leaf in active], self.backend.encode("\n"))
+            states = backend.embed_nodes([leaf.node for leaf in active], backend.encode("\n"))
             # A causal LM's states share one dominant direction (here also the common question), so
             # raw cosines sit near 1 and a 0.05 cut merges unrelated steps; centring over the
             # candidates keeps only what tells them apart (identical steps still coincide). Measured
@@ -630,7 +638,7 @@ class Reasoner:
             run.support = vote.counts.get(run.answer, 0.0) / total if total else 0.0
 
     def _result(self, run: _Run, stats: dict[str, float]) -> ReasoningResult:
-        run.notes += _accel_notes(getattr(self.backend, "accel", None), stats)
+        run.notes += _accel_notes(run.backend.accel if isinstance(run.backend, Accelerated) else None, stats)
         branches = [
             Branch(
                 node=leaf.node,

@@ -86,7 +86,9 @@ def build_steering(
     other: list[torch.Tensor] = []
     run = backend.session(accel=Accel())  # traces of the plain model: no eviction, no steering
     for i, question in enumerate(tqdm(questions, desc="steering traces", disable=not progress)):
-        prompt = run.chat_prompt([{"role": "system", "content": system}, {"role": "user", "content": question}])
+        prompt = run.chat_prompt(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        )
         root = run.prefill(prompt)
         kids = run.fork(root, samples)
         run.release([root])

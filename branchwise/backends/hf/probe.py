@@ -65,7 +65,8 @@ class KVProbe:
 class Probe(Acceleration):
     """The probe as a fork hook: vetoes sharing where the cached (or fresh) timing says it loses.
 
-    Statistics: `probe_share` / `probe_recompute`, once per verdict timed in this run.
+    Statistics: `probe_share` / `probe_recompute` count the forks of this run the probe let share or
+    made recompute; `probe_timed` the verdicts this run had to time (the rest came from the cache).
     """
 
     name = "probe"
@@ -79,8 +80,15 @@ class Probe(Acceleration):
         if cfg.override != "auto":
             return cfg.override == "share"
         key = self.probe.key(len(path), n)
-        if key in self.probe.verdicts:
-            return self.probe.verdicts[key]
+        if key not in self.probe.verdicts:
+            self._time(host, path, n)
+            host.stats.bump("probe_timed")
+        verdict = self.probe.verdicts[key]
+        host.stats.bump("probe_share" if verdict else "probe_recompute")
+        return verdict
+
+    def _time(self, host: Host, path: list[int], n: int) -> None:
+        """Time the three paths in a plain session and cache the verdict."""
         plain = host.plain()
         suffix = path[-1:]
 
@@ -95,12 +103,10 @@ class Probe(Acceleration):
                 plain.release(kids)
             plain.release([root.id])
 
-        verdict = self.probe.decide(
+        self.probe.decide(
             len(path),
             n,
             lambda: paths("none"),
             lambda: paths("exact", prefix_only=True),
             lambda: paths("exact"),
         )
-        host.stats.bump("probe_share" if verdict else "probe_recompute")
-        return verdict

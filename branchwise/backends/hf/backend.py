@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode
-from branchwise.backends.hf import attention
+from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.arch import decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
@@ -94,7 +94,7 @@ class HFBackend:
         if broadcast not in ("cascade", "copy"):
             raise ValueError(f"broadcast={broadcast!r} is not one of 'cascade', 'copy'")
         log.info("loading %s (%s, %s)", name, torch_dtype, dev)
-        attention.register()
+        register()
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
         self._setup(loaded.to(dev), tokenizer, share=share, model_name=name, accel=accel)
@@ -111,7 +111,7 @@ class HFBackend:
     ) -> HFBackend:
         """Wrap an already loaded model (tests, notebooks) without reloading it."""
         self = cls.__new__(cls)
-        attention.register()
+        register()
         name = getattr(model.config, "_name_or_path", "model")
         self._setup(model, tokenizer, share=share, model_name=name, accel=accel)
         return self
@@ -127,7 +127,7 @@ class HFBackend:
     ) -> None:
         check_share(share)
         model.eval()
-        model.set_attn_implementation(attention.ATTN_NAME)
+        model.set_attn_implementation(ATTN_NAME)
         parts = decoder_parts(model)
         param = next(model.parameters())
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None

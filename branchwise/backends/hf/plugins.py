@@ -35,7 +35,7 @@ from branchwise.backends.hf.skipkv_policy import delimiter_token_ids
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["Builds", "EntropyTrace", "build", "layer_trace"]
+__all__ = ["Builds", "EntropyTrace", "build_plugins", "layer_trace"]
 
 T = TypeVar("T")
 
@@ -71,7 +71,7 @@ def _calibration_stamp(model_name: str) -> tuple[int, int] | None:
     return stat.st_mtime_ns, stat.st_size
 
 
-def build(
+def build_plugins(
     accel: Accel,
     host: Host,
     *,

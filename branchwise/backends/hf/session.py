@@ -24,12 +24,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode
-from branchwise.backends.hf import plugins
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import Batch, Broadcast, Row
 from branchwise.backends.hf.decode import decode
 from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, overrides
-from branchwise.backends.hf.plugins import Builds
+from branchwise.backends.hf.plugins import Builds, EntropyTrace, build_plugins, layer_trace
 from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
 
@@ -111,7 +110,7 @@ class Session:
         self.stats = KVStats() if stats is None else stats
         self.accel = accel
         with engine.lock:  # builds are cached per backend: never two of the same at once
-            self.plugins: list[Acceleration] = plugins.build(
+            self.plugins: list[Acceleration] = build_plugins(
                 accel, self, tokenizer=engine.tokenizer, model_name=engine.model_name, builds=engine.builds
             )
 
@@ -259,7 +258,7 @@ class Session:
         nodes: Sequence[NodeId],
         suffix: Sequence[int],
         candidates: Sequence[int],
-        trace: list[plugins.EntropyTrace] | None = None,
+        trace: list[EntropyTrace] | None = None,
     ) -> list[list[float]]:
         """See `Backend.score_next`. An acceleration may let rows stop at an earlier layer (CGEE).
 
@@ -285,7 +284,7 @@ class Session:
                     None,
                 )
                 if observer is None and trace is not None:
-                    observer = plugins.layer_trace(self.parts, len(segs), cand, self.stats, trace)
+                    observer = layer_trace(self.parts, len(segs), cand, self.stats, trace)
                 self._materialize_ancestors(segs)
                 batch = self._assemble(segs, 0)
                 logits = self._forward(batch, batch.feeds, [] if observer is None else [observer])

@@ -25,7 +25,6 @@ __all__ = ["BatchStats", "Batcher", "Job"]
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class BatchStats:
     """How well concurrent calls were batched (shared by an LM and all its copies).

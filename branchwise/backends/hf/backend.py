@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode
-from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.arch import decoder_parts, kv_bytes_per_token
+from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.hooks import Acceleration

@@ -21,6 +21,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -36,6 +37,7 @@ from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.session import SHARE_MODES, Engine, Session, check_share
 
 log = logging.getLogger(__name__)
+A = TypeVar("A", bound=Acceleration)
 
 __all__ = ["SHARE_MODES", "HFBackend", "resolve_device", "resolve_dtype"]
 
@@ -193,7 +195,7 @@ class HFBackend:
             raise ValueError(f"broadcast={value!r} is not one of 'cascade', 'copy'")
         self.engine.broadcast = value
 
-    def acceleration(self, kind: type[Acceleration]) -> Acceleration | None:
+    def acceleration(self, kind: type[A]) -> A | None:
         """The default session's instance of an acceleration (its state, its build), or None."""
         return self._default.plugin(kind)
 

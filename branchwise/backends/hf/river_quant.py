@@ -4,13 +4,13 @@ Why its own module: the kernels, layouts and byte accounting are a subject of th
 the code); `river.py` only needs `build_river` and `resolve_kernel`. A quantized copy keeps its
 backbone layer's `self_attn.layer_idx`, so its K/V lands in the backbone's cache slot.
 
-Kernels (SmolLM2-135M MLP shapes, 1 CPU thread, single-token decode at B=1/8; see `WeightOnlyLinear`):
+Kernels (see `WeightOnlyLinear`; their speed is measured by `benchmarks/river.py`, not stated here):
 - `weight_only` (what `auto` picks): weight-only quantization with bf16 activations, the paper's
   W8A16/W4A16. 8 bits = int8 with one scale per output row, 4 bits = group-wise asymmetric codes. On
-  CPU both run on torch's fused kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`): ~2×
-  faster than fp32 at decode (MLP, B=1: 205 vs 430 µs for 8 bits), slower past ~16 rows per call; where
-  those cannot run (CUDA, odd shapes) the weight is dequantized per call and F.linear'd, which saves
-  memory but costs time (an extra pass over the weight; ~4× slower than fp32 at B=1 on CPU).
+  CPU both run on torch's fused kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which
+  beat the fp32 Linear at decode batch sizes (a few rows per call) and fall behind it on many rows
+  (long prefills); where those cannot run (CUDA, odd shapes) the weight is dequantized per call and
+  F.linear'd, which saves memory but costs time (an extra pass over the weight).
 - `dynamic_int8`: torch's int8 dynamic-activation Linear (CPU, fp32 models only). The fastest at large
   batch and long prefills, but it quantizes activations too, and their outliers cost accuracy
   (next-token match ~0.95 vs ~0.995 for 8-bit weight-only), so it is used only when asked for.
@@ -61,7 +61,7 @@ def int8_cpu_kernel_ok(bits: int, in_features: int, device: torch.device) -> boo
 
     It takes int8 weights [out, in] with one scale per output row, and activations and scales of one
     dtype (fp32, fp16 or bf16 all accepted). Only bf16 is vectorized on x86 (fp32/fp16 take a scalar
-    loop, ~6× slower than the fp32 Linear on SmolLM2 shapes), so the river always feeds it bf16; that
+    loop, far slower than the fp32 Linear), so the river always feeds it bf16; that
     vector kernel needs in_features % 16 == 0 (see `_INT8_CPU_K_MULTIPLE`). A private aten op: its
     absence only disables the fast path.
     """
@@ -114,14 +114,14 @@ class WeightOnlyLinear(nn.Module):
 
     Two execution paths, chosen once by `from_linear` and reported by `fused`:
     - plain: forward dequantizes the whole weight and calls F.linear. Portable (any device, any
-      dtype), but on CPU 4-15× slower than the fp32 Linear it replaces.
+      dtype), but on CPU slower than the fp32 Linear it replaces.
     - fused (`fused=True`; CPU where `int8_cpu_kernel_ok` / `int4_cpu_kernel_ok`): torch's weight-only
       kernels with bf16 activations (the paper's W8A16 / W4A16). 8 bits: `_weight_int8pack_mm` on the
       plain int8 layout with bf16 row scales. 4 bits: `_weight_int4pack_mm_for_cpu` on torch's int4
       pack layout, which depends on the CPU's vector width, so it is built on the machine that runs it
-      and never meant to be saved or moved to another device. Both are ~2× faster than fp32 at decode
-      (SmolLM2 MLP, 1 thread, 1-8 rows) but GEMV-shaped: past ~16 rows (long prefills) they fall
-      behind fp32, ~2× slower at 256 rows. The bf16 activations and outputs add ~0.3 % relative
+      and never meant to be saved or moved to another device. Both beat fp32 at decode (a few rows)
+      but are GEMV-shaped: on many rows (long prefills) they fall behind fp32. The bf16 activations
+      and outputs add ~0.3 % relative
       error, next to the 8-bit weights' ~0.9 % (4 bits: ~13 % on a trained bf16/fp32 weight).
     """
 

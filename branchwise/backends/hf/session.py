@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -33,6 +34,7 @@ from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
 
 SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
+A = TypeVar("A", bound=Acceleration)
 
 
 def check_share(share: str) -> ShareMode:
@@ -115,7 +117,7 @@ class Session:
             )
 
     # ------------------------------------------------------------------ settings
-    def plugin(self, kind: type[Acceleration]) -> Acceleration | None:
+    def plugin(self, kind: type[A]) -> A | None:
         """This run's instance of an acceleration (None when it is off), e.g. to read its state."""
         return next((p for p in self.plugins if isinstance(p, kind)), None)
 

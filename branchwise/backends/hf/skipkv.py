@@ -1,4 +1,4 @@
-"""SkipKV (004_cd352e8af8015195 §4.1-4.2) as a plug-in: sentence-aware eviction of each branch's own
+"""SkipKV (the SkipKV paper, §4.1-4.2) as a plug-in: sentence-aware eviction of each branch's own
 generated KV during decode, and steering away from non-execution thoughts.
 
 The policy (sentences, Eq. 3-6 scores, which slots to keep, the steering vector) is pure logic in

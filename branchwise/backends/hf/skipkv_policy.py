@@ -1,4 +1,4 @@
-"""SkipKV's policy (004_cd352e8af8015195 §4.1-4.3, App. A.1): sentences, eviction scores, steering
+"""SkipKV's policy (the SkipKV paper, §4.1-4.3, App. A.1): sentences, eviction scores, steering
 vectors, batch grouping.
 
 Pure logic on tensors and token ids, no backend: `skipkv.py` applies it inside the decode loop. One

@@ -199,7 +199,7 @@ class HFBackend:
         """The default session's instance of an acceleration (its state, its build), or None."""
         return self._default.plugin(kind)
 
-    # ------------------------------------------------------------------ Backend protocol
+    # ------------------------------------------------------------------ Backend protocol (see `Session`)
     def encode(self, text: str) -> list[int]:
         return self.engine.encode(text)
 
@@ -218,7 +218,6 @@ class HFBackend:
     def fork_prompts(
         self, node: NodeId, prompts: Sequence[Sequence[int]], share: ShareMode | None = None
     ) -> list[NodeId]:
-        """See `Session.fork_prompts`."""
         return self._default.fork_prompts(node, prompts, share)
 
     def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
@@ -234,19 +233,15 @@ class HFBackend:
         candidates: Sequence[int],
         trace: list[EntropyTrace] | None = None,
     ) -> list[list[float]]:
-        """See `Session.score_next`."""
         return self._default.score_next(nodes, suffix, candidates, trace)
 
     def embed_nodes(self, nodes: Sequence[NodeId], probe: Sequence[int]) -> torch.Tensor:
-        """See `Session.embed_nodes`."""
         return self._default.embed_nodes(nodes, probe)
 
     def set_scores(self, nodes: Sequence[NodeId], scores: Sequence[float]) -> None:
-        """See `Session.set_scores`."""
         self._default.set_scores(nodes, scores)
 
     def skip_verify(self, confidences: Sequence[float]) -> bool:
-        """See `Session.skip_verify`."""
         return self._default.skip_verify(confidences)
 
     def release(self, nodes: Sequence[NodeId]) -> None:

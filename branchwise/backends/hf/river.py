@@ -142,9 +142,10 @@ class River(Acceleration):
             return None
         if self.path.passes(h_in, h, fwd.n_fed[fwd.rows], self.cfg.threshold):
             self._exited_at = index
-            rest = self.path.layers[index + 1 :]  # built for every layer after the entry layer
-            assert all(layer is not None for layer in rest)
-            fwd.layers[index + 1 :] = rest  # type: ignore[assignment]
+            for j in range(index + 1, len(fwd.layers)):
+                layer = self.path.layers[j]
+                assert layer is not None  # built for every layer after the entry layer
+                fwd.layers[j] = layer
             if self.cfg.audit and not fwd.observed:
                 self._audit = self._audit_backbone(fwd, h, index)
         return None

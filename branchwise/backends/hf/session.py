@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -40,7 +40,7 @@ A = TypeVar("A", bound=Acceleration)
 def check_share(share: str) -> ShareMode:
     if share not in SHARE_MODES:
         raise ValueError(f"share={share!r} is not one of {SHARE_MODES}")
-    return share  # type: ignore[return-value]
+    return cast(ShareMode, share)
 
 
 @dataclass
@@ -206,8 +206,11 @@ class Session:
                 divergent = [d for d in divergent if d[0] not in placed]
             for i, k, _ in divergent:
                 out[i] = self._exact_child(root, k, ids[i])
-            assert all(c is not None for c in out)
-            return [int(c) for c in out]  # type: ignore[arg-type]
+            children = []
+            for child in out:
+                assert child is not None  # every prompt was placed above
+                children.append(child)
+            return children
 
     def share_child(self, root: Segment, own: list[int], reused: int) -> int:
         """A child that reads all of `root`'s KV and holds `own` tokens of its own."""

@@ -113,8 +113,8 @@ def test_allowed_combinations_run_under_both_strategies(backend: HFBackend, vect
             acted[key] = acted.get(key, 0.0) + value
     # each acceleration of the combination really acted in at least one of the two runs
     for name in names:
-        if name == "asks" and "probe" in names and not acted.get("probe_share"):
-            continue  # the probe found recompute faster on this tiny model: no shared fork to gate
+        if name == "asks" and acted.get("probe_recompute"):
+            continue  # the probe found recompute faster for a fork on this tiny model: nothing to gate
         assert any(acted.get(key, 0) > 0 for key in EVIDENCE[name]), (name, sorted(acted.items()))
     assert backend.kv_stats().live_nodes == 0 and backend.kv_stats().bytes_held == 0
 

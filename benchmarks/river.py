@@ -23,6 +23,7 @@ from _common import BenchParser, load_problems, start, sync
 from branchwise.backends.accel import Accel, RiverConfig
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.river import River
 from branchwise.reasoners.answers import extract_answer
 
 PAPER = {
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
         bench.log(name)
         backend.accel = Accel(river=cfg)
         if cfg is not None and not build:
-            river = backend._river
+            plugin = backend.acceleration(River)
+            assert plugin is not None
+            river = plugin.path
             build = {"kernel": river.kernel, "seconds": round(river.build_s, 2), "river_bytes": river.nbytes}
         decode_all(backend, prompts[:1], 4)  # warm-up (first-call allocations, kernel selection)
         tokens, texts, seconds, extra = decode_all(backend, prompts, args.max_tokens)

@@ -38,7 +38,7 @@ from _rksc import add_calibration_options, add_solve_options, calibration_for, h
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, CGEEConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.cgee import DEFAULT_THETA, EntropyTrace, count_flips, judge_score
+from branchwise.backends.hf.cgee import CGEE, DEFAULT_THETA, EntropyTrace, count_flips, judge_score
 from branchwise.evals.stats import bootstrap_ci
 from branchwise.reasoners.verifiers import JudgeVerifier
 
@@ -118,10 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     full_accel = Accel()
     l2_accel = Accel(cgee=CGEEConfig.lossless(theta=args.theta, l_min=args.l_min, epsilon=args.epsilon))
     backend.accel = l2_accel
-    theta, l_min = (
-        backend.cgee_theta,
-        backend.cgee_l_min,
-    )  # what the backend resolved (override > calibration)
+    cgee = backend.acceleration(CGEE)
+    assert cgee is not None
+    theta, l_min = cgee.thresholds.theta, cgee.thresholds.l_min  # resolved: override > calibration
     judge = JudgeVerifier()
     probe = judge.probe(backend)
     n_yes = probe[2]

@@ -53,7 +53,7 @@ from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, SkipKVConfig, SteeringConfig
 from branchwise.backends.base import Generation
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.skipkv import (
+from branchwise.backends.hf.skipkv_policy import (
     SentenceTracker,
     SteeringVector,
     delimiter_token_ids,

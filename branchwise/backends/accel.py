@@ -1,8 +1,9 @@
 """One config object for the inference accelerations, each switchable on its own.
 
 Why here (not in `hf/`): the config is plain pydantic, so strategies files, eval suites and the CLI
-can build and validate it without torch. The local backend reads it on every op, so an acceleration
-applies under every strategy without the strategy knowing. A field left `None` means "off".
+can build and validate it without torch. The local backend turns it into plug-ins for each run
+(`hf/plugins.py`), so an acceleration applies under every strategy without the strategy knowing. A
+field left `None` means "off".
 """
 
 from __future__ import annotations
@@ -177,8 +178,18 @@ class SkipKVConfig(_Config):
         return cls(budget=budget, sentence_scoring=False, **kwargs)  # type: ignore[arg-type]
 
 
+EXCLUSIVE: tuple[tuple[str, str, str], ...] = (
+    ("skipkv", "rsbcm", "both evict a branch's KV and would each keep its own, diverging, slot map"),
+)
+"""Pairs of accelerations that cannot run together, and why; every other combination composes."""
+
+
 class Accel(_Config):
-    """Which accelerations are on. `Accel()` = all off (plain exact/none sharing)."""
+    """Which accelerations are on. `Accel()` = all off (plain exact/none sharing).
+
+    Any combination composes except the pairs in `EXCLUSIVE`, which are rejected here, at
+    construction, naming both.
+    """
 
     asks: ASKSConfig | None = None
     probe: ProbeConfig | None = None
@@ -186,6 +197,15 @@ class Accel(_Config):
     rsbcm: RSBCMConfig | None = None
     river: RiverConfig | None = None
     skipkv: SkipKVConfig | None = None
+
+    @model_validator(mode="after")
+    def _compatible(self) -> Accel:
+        for a, b, why in EXCLUSIVE:
+            if getattr(self, a) is not None and getattr(self, b) is not None:
+                raise ValueError(
+                    f"accel.{a} and accel.{b} cannot be combined: they {why}; enable one of them"
+                )
+        return self
 
     @classmethod
     def rksc(cls) -> Accel:

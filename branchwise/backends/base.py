@@ -5,6 +5,10 @@ Why a protocol and not a base class: `reasoners` drives any backend through thes
 (an OpenAI-compatible server) implements the same ops without inheriting torch code. Backends never
 import `branchwise.strategies`: the executor translates plan nodes into these calls.
 
+What only some backends can do is a small protocol of its own, checked with `isinstance`:
+`SupportsSessions` (per-run settings and statistics), `SupportsPromptFork`, `SupportsNodeEmbedding`,
+`SupportsBranchScores`, `SupportsVerifySkip`, `Accelerated`.
+
 Nodes are opaque integer handles to states of a *branch tree*: `prefill` makes a root, `fork` makes
 children that share everything their parent holds, `append`/`extend` grow a node's own tokens. A node
 that has live children is frozen (its KV is shared), so growing it raises.
@@ -14,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from branchwise.backends.accel import Accel
 
 NodeId = int
 FinishReason = Literal["eos", "stop", "delimiter", "length", "confident"]
@@ -75,6 +82,16 @@ class KVStats:
     live_nodes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
+    def bump(self, key: str, value: float = 1.0) -> None:
+        """Add `value` to the counter `key` of `extra` (an acceleration's statistic)."""
+        self.extra[key] = self.extra.get(key, 0.0) + value
+
+    def reset(self) -> None:
+        """Zero every counter in place (holders of this object keep counting into it)."""
+        self.bytes_held = self.peak_bytes = self.tokens_computed = self.tokens_reused = 0
+        self.forward_calls = self.live_nodes = 0
+        self.extra.clear()
+
     def as_dict(self) -> dict[str, float]:
         return {
             "bytes_held": self.bytes_held,
@@ -109,8 +126,11 @@ class Backend(Protocol):
         """Make a root node holding `token_ids` (computed lazily, on first use)."""
         ...
 
-    def fork(self, node: NodeId, n: int) -> list[NodeId]:
-        """Make `n` children of `node` that start where it ends; `node` becomes frozen."""
+    def fork(self, node: NodeId, n: int, share: ShareMode | None = None) -> list[NodeId]:
+        """Make `n` children of `node` that start where it ends; `node` becomes frozen.
+
+        `share` overrides the backend's sharing mode for this fork (None keeps it).
+        """
         ...
 
     def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
@@ -145,3 +165,54 @@ class Backend(Protocol):
     def reset_stats(self) -> None:
         """Zero the counters and set the peak to what is held now."""
         ...
+
+
+@runtime_checkable
+class SupportsSessions(Protocol):
+    """A backend that runs several callers with their own settings and statistics.
+
+    `session(share=..., accel=...)` returns a view with every `Backend` operation bound to those
+    settings and counting into its own `kv_stats()`; the backend itself stays unchanged, so
+    concurrent runs neither see nor reset each other's settings or numbers.
+    """
+
+    def session(self, *, share: ShareMode | None = None, accel: Accel | None = None) -> Backend: ...
+
+
+@runtime_checkable
+class SupportsPromptFork(Protocol):
+    """Children that each stand for a whole different prompt, sharing what they have in common."""
+
+    def fork_prompts(
+        self, node: NodeId, prompts: Sequence[Sequence[int]], share: ShareMode | None = None
+    ) -> list[NodeId]: ...
+
+
+@runtime_checkable
+class SupportsNodeEmbedding(Protocol):
+    """The model's own embedding of each node (e.g. for ETS's clustering without a text embedder)."""
+
+    def embed_nodes(self, nodes: Sequence[NodeId], probe: Sequence[int]) -> Any:
+        """Rows [len(nodes), hidden] (a float CPU tensor on the local backend)."""
+        ...
+
+
+@runtime_checkable
+class SupportsBranchScores(Protocol):
+    """A backend that uses verifier scores (e.g. to keep the KV of better branches longer)."""
+
+    def set_scores(self, nodes: Sequence[NodeId], scores: Sequence[float]) -> None: ...
+
+
+@runtime_checkable
+class SupportsVerifySkip(Protocol):
+    """A backend that can say a verify pass is not needed (CGEE level 1)."""
+
+    def skip_verify(self, confidences: Sequence[float]) -> bool: ...
+
+
+@runtime_checkable
+class Accelerated(Protocol):
+    """A backend (or session) that applies an acceleration config."""
+
+    accel: Accel

@@ -39,24 +39,20 @@ def calibrate_cgee(
     suffix, tokens, n_yes = judge.probe(backend)
     confidences: list[list[float]] = []
     traces: list[list[EntropyTrace]] = []
-    previous = backend.accel
-    backend.accel = Accel()  # record every layer; no exits while calibrating
-    try:
-        for i, question in enumerate(tqdm(questions, desc="calibrating", disable=not progress)):
-            root = backend.prefill(backend.chat_prompt([{"role": "user", "content": question}]))
-            kids = backend.fork(root, n)
-            backend.release([root])
-            try:
-                params = DecodeParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
-                gens = backend.extend(kids, params)
-                confidences.append([g.confidence for g in gens])
-                trace: list[EntropyTrace] = []
-                backend.score_next(kids, suffix, tokens, trace=trace)
-                traces.append(trace)
-            finally:
-                backend.release(kids)
-    finally:
-        backend.accel = previous
+    run = backend.session(accel=Accel())  # record every layer; no exits while calibrating
+    for i, question in enumerate(tqdm(questions, desc="calibrating", disable=not progress)):
+        root = run.prefill(run.chat_prompt([{"role": "user", "content": question}]))
+        kids = run.fork(root, n)
+        run.release([root])
+        try:
+            params = DecodeParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+            gens = run.extend(kids, params)
+            confidences.append([g.confidence for g in gens])
+            trace: list[EntropyTrace] = []
+            run.score_next(kids, suffix, tokens, trace=trace)
+            traces.append(trace)
+        finally:
+            run.release(kids)
     calibration = calibrate_from(
         backend.model_name, confidences, traces, epsilon, l_min, backend.parts.n_layers, n_yes
     )

@@ -2,7 +2,7 @@
 
 Why the executor lives here: `strategies` only describes (no torch), `backends` only executes tree
 ops (no strategy imports); this module is the one place that knows both and translates plan nodes
-into backend calls over a branch tree (DESIGN §3).
+into backend calls over a branch tree.
 
 Tree search on the shared KV tree: every leaf is a backend node whose ancestors' KV is held once and
 read by all its descendants. A generate forks each unfinished leaf (n times, or as many times as the
@@ -12,31 +12,38 @@ selects (beam/DVTS, REBASE, ETS, ToT's DFS) also retire finished leaves: their t
 for the vote, their KV goes. Each run reports ETS's KV metric (per generate, the tokens of all new
 candidates plus their unique ancestors, prompt included, summed), the peak bytes actually held, and
 tokens computed vs reused.
+
+Per-run settings travel with the run: a backend that supports sessions (`SupportsSessions`) gives
+each `run` its own view with this reasoner's `share` and `accel` and its own statistics, so runs on
+one backend from several threads never change each other's settings or mix their numbers.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
 from branchwise.backends.accel import Accel
-from branchwise.backends.base import Backend, DecodeParams, ShareMode
+from branchwise.backends.base import (
+    Accelerated,
+    Backend,
+    DecodeParams,
+    ShareMode,
+    SupportsBranchScores,
+    SupportsPromptFork,
+    SupportsSessions,
+    SupportsVerifySkip,
+)
 from branchwise.reasoners.answers import extract_answer, majority_vote
 from branchwise.reasoners.registry import check_names
-from branchwise.reasoners.result import Branch, ReasoningResult, SearchStep, TreeNode
-from branchwise.reasoners.search import (
-    MiniLMEmbedder,
-    cluster_embeddings,
-    ets_step,
-    kv_size_per_step,
-    rebase_allocation,
-)
+from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
+from branchwise.reasoners.search import kv_size_per_step
+from branchwise.reasoners.state import Leaf, RunState
+from branchwise.reasoners.tree_search import search_select
 from branchwise.reasoners.verifiers import Candidate, Verifier, default_verifiers
 from branchwise.strategies import (
     ALLOCATING_METHODS,
@@ -53,64 +60,7 @@ from branchwise.strategies import (
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    import numpy as np
-
     from branchwise.reasoners.search import Embedder
-
-_MINILM: MiniLMEmbedder | None = None
-"""One all-MiniLM-L6-v2 per process: every reasoner running ETS shares it (loading costs seconds)."""
-
-
-def _minilm() -> MiniLMEmbedder:
-    global _MINILM
-    if _MINILM is None:
-        _MINILM = MiniLMEmbedder()
-    return _MINILM
-
-
-@dataclass
-class _Leaf:
-    """A live branch during execution: its backend node and everything generated on its path."""
-
-    node: int
-    record: TreeNode
-    text: str = ""
-    top1: list[float] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    n_tokens: int = 0
-    finished: bool = False
-    score: float | None = None
-    scores: dict[str, float] = field(default_factory=dict)
-    steps: tuple[str, ...] = ()
-    """The text each generate added on this path, root first (a step-level verifier's input)."""
-    retired: bool = False
-    """Finished and set aside by a search select: kept for the vote, backend node released."""
-    group: int | None = None
-    """DVTS subtree, assigned at the first grouped select and inherited by children."""
-
-
-@dataclass
-class _Run:
-    """Mutable state of one `Reasoner.run`."""
-
-    question: str
-    leaves: list[_Leaf]
-    variants: list[str]
-    tree: dict[int, TreeNode]
-    timings: dict[str, float]
-    notes: list[str]
-    answer: str | None = None
-    verify_calls: int = 0
-    verify_skipped: int = 0
-    votes: dict[str, float] = field(default_factory=dict)
-    support: float = 0.0
-    winners: set[int] = field(default_factory=set)
-    allocation: dict[int, int | None] | None = None
-    """Children per leaf chosen by the last allocating select (None: the generate's own n)."""
-    exhausted: bool = False
-    """The last allocating select left nothing to expand: the enclosing loop stops."""
-    kv_per_step: list[int] = field(default_factory=list)
-    search: list[SearchStep] = field(default_factory=list)
 
 
 class Reasoner:
@@ -162,8 +112,7 @@ class Reasoner:
         """
         if variants is not None and not variants:
             raise ValueError("variants must hold at least 1 phrasing (or be None)")
-        with self._accelerated():
-            return self._run(question, self._messages(question), list(variants or []))
+        return self._run(question, self._messages(question), list(variants or []))
 
     def _messages(self, question: str) -> list[dict[str, str]]:
         messages = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
@@ -171,33 +120,30 @@ class Reasoner:
         messages.append({"role": "user", "content": content})
         return messages
 
-    @contextmanager
-    def _accelerated(self) -> Iterator[None]:
-        """Apply this reasoner's `accel` to the backend for one run (None keeps the backend's own)."""
-        if self.accel is None or not hasattr(self.backend, "accel"):
-            yield
-            return
-        previous = self.backend.accel
-        self.backend.accel = self.accel
-        try:
-            yield
-        finally:
-            self.backend.accel = previous
+    def _session(self) -> tuple[Backend, list[str]]:
+        """This run's backend view: its own session (this reasoner's share and accel, its own
+        statistics) where the backend has sessions, else the backend itself with its counters reset."""
+        if isinstance(self.backend, SupportsSessions):
+            return self.backend.session(share=self.share, accel=self.accel), []
+        self.backend.reset_stats()
+        if self.accel is None:
+            return self.backend, []
+        return self.backend, [f"accel ignored: backend {self.backend.name!r} runs no accelerations"]
 
     def _run(self, question: str, messages: list[dict[str, str]], variants: list[str]) -> ReasoningResult:
-        backend = self.backend
-        backend.reset_stats()
         start = time.perf_counter()
+        backend, notes = self._session()
         prompt = backend.chat_prompt(messages)
         root = backend.prefill(prompt)
         record = TreeNode(node=root, parent=None, depth=0, text="", token_ids=list(prompt))
-        run = _Run(
+        run = RunState(
             variants=variants,
             question=question,
-            leaves=[_Leaf(node=root, record=record)],
+            leaves=[Leaf(node=root, record=record)],
             tree={root: record},
             timings={},
-            notes=[],
+            notes=notes,
+            backend=backend,
         )
         try:
             self._execute(self.plan.steps, run)
@@ -215,7 +161,7 @@ class Reasoner:
         return [self.run(q) for q in tqdm(items, desc="reasoning", disable=not progress)]
 
     # ------------------------------------------------------------------ executor
-    def _execute(self, steps: Sequence[OpStep | LoopStep], run: _Run) -> None:
+    def _execute(self, steps: Sequence[OpStep | LoopStep], run: RunState) -> None:
         for step in steps:
             if isinstance(step, LoopStep):
                 for _ in range(step.node.max_iterations):
@@ -238,15 +184,15 @@ class Reasoner:
                     self._aggregate(node, run)
 
     @contextmanager
-    def _timed(self, run: _Run, key: str) -> Iterator[None]:
+    def _timed(self, run: RunState, key: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
             yield
         finally:
             run.timings[key] = run.timings.get(key, 0.0) + time.perf_counter() - t0
 
-    def _generate(self, node: GenerateNode, run: _Run) -> None:
-        backend = self.backend
+    def _generate(self, node: GenerateNode, run: RunState) -> None:
+        backend = run.backend
         params = DecodeParams(
             temperature=node.temperature,
             top_p=node.top_p,
@@ -256,8 +202,8 @@ class Reasoner:
             seed=node.seed,
         )
         allocation, run.allocation = run.allocation, None
-        expand: list[tuple[_Leaf, int]] = []
-        keep: list[_Leaf] = []
+        expand: list[tuple[Leaf, int]] = []
+        keep: list[Leaf] = []
         for leaf in run.leaves:
             n = node.n
             if allocation is not None:  # the previous select chose per-leaf counts (see GenerateNode)
@@ -267,9 +213,9 @@ class Reasoner:
                 keep.append(leaf)  # finished, or parked (a DFS frontier)
             else:
                 expand.append((leaf, n))
-        children: list[tuple[_Leaf, int]] = []
+        children: list[tuple[Leaf, int]] = []
         for leaf, n in expand:
-            if run.variants and leaf.record.parent is None and hasattr(backend, "fork_prompts"):
+            if run.variants and leaf.record.parent is None and isinstance(backend, SupportsPromptFork):
                 prompts = [
                     backend.chat_prompt(self._messages(run.variants[i % len(run.variants)])) for i in range(n)
                 ]
@@ -299,7 +245,7 @@ class Reasoner:
             )
             run.tree[gen.node] = record
             run.leaves.append(
-                _Leaf(
+                Leaf(
                     node=gen.node,
                     record=record,
                     text=parent.text + gen.text,
@@ -317,12 +263,12 @@ class Reasoner:
             run.kv_per_step.append(self._kv_metric_step(run, [gen.node for gen in gens]))
 
     @staticmethod
-    def _kv_metric_step(run: _Run, candidates: Sequence[int]) -> int:
+    def _kv_metric_step(run: RunState, candidates: Sequence[int]) -> int:
         """ETS's KV term for one step: the candidates' tokens plus their unique ancestors' (prompt too)."""
         tree = [(t.node, t.parent, len(t.token_ids)) for t in run.tree.values()]
         return kv_size_per_step([tree], [list(candidates)])[0]
 
-    def _candidates(self, leaves: Sequence[_Leaf], extractor: str = "auto") -> list[Candidate]:
+    def _candidates(self, leaves: Sequence[Leaf], extractor: str = "auto") -> list[Candidate]:
         return [
             Candidate(
                 node=leaf.node,
@@ -336,16 +282,16 @@ class Reasoner:
             for leaf in leaves
         ]
 
-    def _score(self, node: ScoreNode, run: _Run) -> None:
+    def _score(self, node: ScoreNode, run: RunState) -> None:
         """Score the leaves this verifier has not scored yet.
 
         A leaf carried over unchanged (finished, or a parked DFS state) keeps the score it already
         has from this verifier, so a step-level search does not pay the verifier again for it; a
         retired leaf (KV released) cannot be read by a new verifier and keeps its last score.
         """
-        cgee = getattr(getattr(self.backend, "accel", None), "cgee", None)
+        backend = run.backend
         name = node.verifier
-        todo: list[_Leaf] = []
+        todo: list[Leaf] = []
         for leaf in run.leaves:
             if name in leaf.scores:
                 leaf.score = leaf.scores[name]
@@ -358,37 +304,37 @@ class Reasoner:
         if not todo:
             return
         run.verify_calls += 1
-        if cgee is not None and cgee.level1:
+        if isinstance(backend, SupportsVerifySkip):
             confidences = [sum(leaf.top1) / len(leaf.top1) if leaf.top1 else 0.0 for leaf in todo]
-            if self.backend.skip_verify(confidences):  # type: ignore[attr-defined]
+            if backend.skip_verify(confidences):
                 # CGEE level 1 (RKSC Eq. 4): rank by generation confidence, no verify pass
                 run.verify_skipped += 1
                 self._set_scores(todo, "confidence", confidences)
                 return
         verifier = self.verifiers[name]
-        scores = list(verifier.score(self.backend, run.question, self._candidates(todo)))
+        scores = list(verifier.score(backend, run.question, self._candidates(todo)))
         if len(scores) != len(todo):
             raise ValueError(
                 f"verifier {name!r} ({type(verifier).__name__}) returned {len(scores)} scores for "
                 f"{len(todo)} candidates; a verifier must return exactly one score per candidate"
             )
         self._set_scores(todo, name, scores)
-        if hasattr(self.backend, "set_scores"):  # RSBCM keeps the blocks of better branches longer
-            self.backend.set_scores([leaf.node for leaf in todo], scores)
+        if isinstance(backend, SupportsBranchScores):  # RSBCM keeps the blocks of better branches longer
+            backend.set_scores([leaf.node for leaf in todo], scores)
 
     @staticmethod
-    def _set_scores(leaves: Sequence[_Leaf], name: str, scores: Sequence[float]) -> None:
+    def _set_scores(leaves: Sequence[Leaf], name: str, scores: Sequence[float]) -> None:
         for leaf, s in zip(leaves, scores, strict=True):
             leaf.score = float(s)
             leaf.scores[name] = float(s)
             leaf.record.scores[name] = float(s)
 
-    def _select(self, node: SelectNode, run: _Run) -> None:
+    def _select(self, node: SelectNode, run: RunState) -> None:
         unscored = [leaf for leaf in run.leaves if leaf.score is None]
         if unscored:
             raise RuntimeError(f"select {node.id!r} reached {len(unscored)} unscored branches")
         if node.method in ALLOCATING_METHODS:
-            self._search_select(node, run)
+            search_select(node, run, self.embedder)
             return
         ranked = sorted(run.leaves, key=lambda leaf: -(leaf.score or 0.0))
         if node.method == "top_k":
@@ -403,201 +349,11 @@ class Reasoner:
         for leaf in dropped:
             leaf.record.pruned = True
         if dropped:
-            self.backend.release([leaf.node for leaf in dropped])
+            run.backend.release([leaf.node for leaf in dropped])
         run.leaves = [leaf for leaf in run.leaves if leaf.node in kept_ids]
 
-    # ------------------------------------------------------------------ tree search
-    def _search_select(self, node: SelectNode, run: _Run) -> None:
-        """Beam/DVTS, REBASE, ETS or DFS: prune, retire finished leaves, allocate the next children.
-
-        Pruned leaves are released at once, so the backend frees every ancestor segment no kept
-        leaf still reads (the KV of a pruned subtree is gone before the next step decodes).
-        """
-        before = self._bytes_held()
-        finished = [leaf for leaf in run.leaves if leaf.finished]
-        active = [leaf for leaf in run.leaves if not leaf.finished]
-        to_retire = [leaf for leaf in finished if not leaf.retired]
-        if to_retire:
-            self.backend.release([leaf.node for leaf in to_retire])
-            for leaf in to_retire:
-                leaf.retired = True
-        info: dict[str, Any] = {}
-        width: int | None = None
-        if node.method == "dfs":
-            allocation, pruned = self._dfs(node, run, finished, active)
-        else:
-            assert node.width is not None  # SelectNode validates it for these methods
-            if node.method == "beam" and node.group_by == "subtree":
-                allocation, width = self._dvts(node, run)
-            else:
-                width = max(0, node.width - len(finished))
-                if width == 0 or not active:
-                    allocation = {}
-                elif node.method == "beam":
-                    allocation = self._beam(node, active, width)
-                elif node.method == "rebase":
-                    counts = rebase_allocation(
-                        [leaf.score or 0.0 for leaf in active], width, node.temperature
-                    )
-                    allocation = {leaf.node: c for leaf, c in zip(active, counts, strict=True)}
-                else:
-                    allocation, info = self._ets(node, run, active, width)
-            pruned = [leaf for leaf in active if not allocation.get(leaf.node)]
-        gone = {leaf.node for leaf in pruned}
-        for leaf in pruned:
-            leaf.record.pruned = True
-        if pruned:
-            self.backend.release([leaf.node for leaf in pruned if not leaf.retired])
-        run.leaves = [leaf for leaf in run.leaves if leaf.node not in gone]
-        allocation = {k: v for k, v in allocation.items() if k not in gone and v != 0}
-        run.allocation = allocation
-        run.exhausted = not allocation
-        children = sum(1 if v is None else v for v in allocation.values())  # dfs: None = one leaf to expand
-        run.search.append(
-            SearchStep(
-                select=node.id,
-                method=node.method + ("/subtree" if node.group_by == "subtree" else ""),
-                width=width,
-                active=len(active),
-                finished=len(finished),
-                kept=len([leaf for leaf in active if leaf.node not in gone]),
-                pruned=len(pruned),
-                children=children,
-                kv_bytes_before=before,
-                kv_bytes_after=self._bytes_held(),
-                **info,
-            )
-        )
-
-    def _bytes_held(self) -> int | None:
-        stats = getattr(self.backend, "kv_stats", None)
-        return int(stats().bytes_held) if stats is not None else None
-
-    @staticmethod
-    def _split(width: int, ranked: Sequence[_Leaf]) -> dict[int, int | None]:
-        """`width` children over `ranked` leaves as evenly as possible, the better ones rounding up."""
-        base, extra = divmod(width, len(ranked))
-        return {leaf.node: base + (1 if i < extra else 0) for i, leaf in enumerate(ranked)}
-
-    @staticmethod
-    def _ranked(leaves: Sequence[_Leaf]) -> list[_Leaf]:
-        return sorted(leaves, key=lambda leaf: -(leaf.score or 0.0))  # stable: ties keep their order
-
-    def _beam(self, node: SelectNode, active: Sequence[_Leaf], width: int) -> dict[int, int | None]:
-        """Keep M = k (or round(sqrt(N))) best unfinished leaves; split the remaining width over them."""
-        assert node.width is not None
-        m = max(1, round(math.sqrt(node.width))) if node.keep == "sqrt" else node.k
-        kept = self._ranked(active)[: min(m, width, len(active))]
-        return self._split(width, kept)
-
-    def _dvts(self, node: SelectNode, run: _Run) -> tuple[dict[int, int | None], int]:
-        """DVTS: each subtree owns width/S of the width and keeps its single best unfinished leaf.
-
-        Returns the allocation and the remaining width summed over the subtrees.
-        """
-        assert node.width is not None
-        s = max(1, round(math.sqrt(node.width))) if node.keep == "sqrt" else node.k
-        fresh = sorted((leaf for leaf in run.leaves if leaf.group is None), key=lambda leaf: leaf.node)
-        for i, leaf in enumerate(fresh):  # the first select splits the first steps into S subtrees
-            leaf.group = i * s // len(fresh)
-        allocation: dict[int, int | None] = {}
-        total = 0
-        for g in range(s):
-            members = [leaf for leaf in run.leaves if leaf.group == g]
-            share = node.width // s + (1 if g < node.width % s else 0)
-            width = max(0, share - sum(leaf.finished for leaf in members))
-            active = [leaf for leaf in members if not leaf.finished]
-            if width and active:
-                allocation[self._ranked(active)[0].node] = width
-                total += width
-        return allocation, total
-
-    def _dfs(
-        self, node: SelectNode, run: _Run, finished: Sequence[_Leaf], active: Sequence[_Leaf]
-    ) -> tuple[dict[int, int | None], list[_Leaf]]:
-        """ToT DFS: prune below the threshold; stop at a finished survivor; else expand the deepest best."""
-        threshold = node.threshold or 0.0
-        pruned = [leaf for leaf in run.leaves if (leaf.score or 0.0) < threshold]
-        if any((leaf.score or 0.0) >= threshold for leaf in finished):
-            return {}, pruned  # a solution passed the threshold
-        frontier = [leaf for leaf in active if (leaf.score or 0.0) >= threshold]
-        if not frontier:
-            return {}, pruned
-        best = max(frontier, key=lambda leaf: (leaf.record.depth, leaf.score or 0.0, -leaf.node))
-        return {best.node: None}, pruned  # None: the next generate's own n
-
-    def _ets(
-        self, node: SelectNode, run: _Run, active: Sequence[_Leaf], width: int
-    ) -> tuple[dict[int, int | None], dict[str, Any]]:
-        """ETS: cluster the last steps, solve the KV/coverage ILP, REBASE over the kept leaves."""
-        t0 = time.perf_counter()
-        clusters = self._clusters(node, run, active) if len(active) > 1 else None
-        t1 = time.perf_counter()
-        parents: dict[int, int | None] = {}
-        for leaf in active:
-            at: int | None = leaf.node
-            while at is not None and at not in parents:
-                parents[at] = run.tree[at].parent
-                at = parents[at]
-        step = ets_step(
-            parents,
-            [leaf.node for leaf in active],
-            [leaf.score or 0.0 for leaf in active],
-            width,
-            None if clusters is None else [int(c) for c in clusters],
-            temperature=node.temperature,
-            lambda_b=node.lambda_b,
-            lambda_d=node.lambda_d,
-            time_limit=node.time_limit,
-        )
-        t2 = time.perf_counter()
-        run.timings["ets_cluster"] = run.timings.get("ets_cluster", 0.0) + (t1 - t0)
-        run.timings["ets_ilp"] = run.timings.get("ets_ilp", 0.0) + (t2 - t1)
-        sel = step.selection
-        if sel.used_fallback:
-            run.notes.append(
-                f"select {node.id!r}: ILP {sel.solver_status}"
-                + (f" ({sel.solver_message})" if sel.solver_message else "")
-                + "; kept the greedy selection"
-            )
-        info = {
-            "clusters": sel.n_clusters or None,
-            "solver_status": sel.solver_status,
-            "used_fallback": sel.used_fallback,
-            "objective": sel.objective,
-            "ilp_s": t2 - t1,
-            "cluster_s": t1 - t0,
-        }
-        return dict(zip((leaf.node for leaf in active), step.allocation, strict=True)), info
-
-    def _clusters(self, node: SelectNode, run: _Run, active: Sequence[_Leaf]) -> np.ndarray | None:
-        """Cluster labels of the leaves' last steps, or None (coverage term off) when no embedder works."""
-        embeddings = None
-        if node.embedder == "minilm":
-            try:
-                embedder = self.embedder or _minilm()
-                embeddings = embedder.embed([leaf.record.text for leaf in active])
-            except ImportError as exc:
-                note = f"select {node.id!r}: MiniLM unavailable ({exc}); clustered hidden states instead"
-                if note not in run.notes:
-                    run.notes.append(note)
-        if embeddings is None:
-            embed_nodes = getattr(self.backend, "embed_nodes", None)
-            if embed_nodes is None:
-                note = f"select {node.id!r}: backend has no hidden-state embedder; coverage term off"
-                if note not in run.notes:
-                    run.notes.append(note)
-                return None
-            states = embed_nodes([leaf.node for leaf in active], self.backend.encode("\n"))
-            # A causal LM's states share one dominant direction (here also the common question), so
-            # raw cosines sit near 1 and a 0.05 cut merges unrelated steps; centring over the
-            # candidates keeps only what tells them apart (identical steps still coincide). Measured
-            # on SmolLM2-135M chain_sum steps, centred states cut at 0.05 group like MiniLM does.
-            embeddings = (states - states.mean(dim=0, keepdim=True)).numpy()
-        return cluster_embeddings(embeddings, node.cluster_distance)
-
     # ------------------------------------------------------------------ aggregation
-    def _aggregate(self, node: AggregateNode, run: _Run) -> None:
+    def _aggregate(self, node: AggregateNode, run: RunState) -> None:
         voters = run.leaves
         if node.finished_only:
             done = [leaf for leaf in run.leaves if leaf.finished]
@@ -633,8 +389,8 @@ class Reasoner:
             total = sum(vote.counts.values())
             run.support = vote.counts.get(run.answer, 0.0) / total if total else 0.0
 
-    def _result(self, run: _Run, stats: dict[str, float]) -> ReasoningResult:
-        run.notes += _accel_notes(getattr(self.backend, "accel", None), stats)
+    def _result(self, run: RunState, stats: dict[str, float]) -> ReasoningResult:
+        run.notes += _accel_notes(run.backend.accel if isinstance(run.backend, Accelerated) else None, stats)
         branches = [
             Branch(
                 node=leaf.node,

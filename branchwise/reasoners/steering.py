@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.skipkv import (
+from branchwise.backends.hf.skipkv_policy import (
     SentenceTracker,
     SteeringVector,
     delimiter_token_ids,
@@ -84,27 +84,23 @@ def build_steering(
         raise ValueError(f"layer={layer} is outside 0..{n_layers - 1}")
     execution: list[torch.Tensor] = []
     other: list[torch.Tensor] = []
-    previous = backend.accel
-    backend.accel = Accel()  # traces of the plain model: no eviction, no steering while building it
-    try:
-        for i, question in enumerate(tqdm(questions, desc="steering traces", disable=not progress)):
-            prompt = backend.chat_prompt(
-                [{"role": "system", "content": system}, {"role": "user", "content": question}]
-            )
-            root = backend.prefill(prompt)
-            kids = backend.fork(root, samples)
-            backend.release([root])
-            try:
-                params = DecodeParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
-                gens = backend.extend(kids, params)
-            finally:
-                backend.release(kids)
-            for g in gens:
-                e, o = delimiter_states(backend, prompt, g.token_ids, layer, keywords)
-                execution += e
-                other += o
-    finally:
-        backend.accel = previous
+    run = backend.session(accel=Accel())  # traces of the plain model: no eviction, no steering
+    for i, question in enumerate(tqdm(questions, desc="steering traces", disable=not progress)):
+        prompt = run.chat_prompt(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        )
+        root = run.prefill(prompt)
+        kids = run.fork(root, samples)
+        run.release([root])
+        try:
+            params = DecodeParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+            gens = run.extend(kids, params)
+        finally:
+            run.release(kids)
+        for g in gens:
+            e, o = delimiter_states(backend, prompt, g.token_ids, layer, keywords)
+            execution += e
+            other += o
     if not execution or not other:
         raise ValueError(
             f"the traces held {len(execution)} execution and {len(other)} non-execution sentences "

@@ -1,4 +1,4 @@
-"""ASKS and the KV probe (RKSC §2.2, Eq. 2, Alg. 2).
+"""ASKS (RKSC §2.2, Eq. 2, Alg. 2): let a branch with a differently phrased prompt reuse the root's KV.
 
 ASKS generalises token-exact prefix reuse: a branch whose prompt differs from the root's may still
 reuse the root's whole KV when its hidden states stay close to the root's. The gate compares, layer
@@ -8,18 +8,17 @@ w_l ∝ exp(α·l/L) so later, more task-specific layers count more (Eq. 2). A b
 the root's KV (and effectively sees the root's phrasing: lossy, so runs report agreement with
 `share="none"`); one that fails keeps the exact KV its gate pass already computed — no work is lost.
 
-The probe (§2.2) decides per 64-token prefix-length bucket whether sharing pays off at all by timing
-(i) a batched full recompute against (ii) one prefix forward plus (iii) a batched suffix forward over
-the shared cache, each the minimum of 3 runs, and caches the verdict.
+It acts at one moment only: when `fork_prompts` meets prompts that diverge from the root's path
+(`on_fork_prompts`). The KV probe, which decides whether sharing pays at all, is `probe.py`.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Callable
-
 import torch
+
+from branchwise.backends.accel import ASKSConfig
+from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, Host
+from branchwise.backends.hf.tree import Segment, common_prefix
 
 
 def layer_weights(n_layers: int, alpha: float) -> torch.Tensor:
@@ -35,54 +34,64 @@ def similarity(branch: torch.Tensor, root: torch.Tensor, weights: torch.Tensor) 
     return (weights[:, None] * cos).sum(0)
 
 
-class HiddenCapture:
-    """Layer observer that keeps every layer's output at each row's last token (never exits)."""
+class ASKS(Acceleration):
+    """The similarity gate of Alg. 2, run in one batched pass when a fork meets divergent prompts.
 
-    def __init__(self) -> None:
-        self.states: list[torch.Tensor] = []
+    Statistics: `asks_exact` (prompts that extend the root's path), `asks_reused`, `asks_rejected`,
+    `asks_sigma_sum`.
+    """
 
-    def after_layer(self, layer: int, h_last: torch.Tensor, rows: torch.Tensor) -> None:
-        self.states.append(h_last.detach().clone())
+    name = "asks"
 
-    def stacked(self) -> torch.Tensor:
-        """[L, B, H]."""
-        return torch.stack(self.states)
+    def __init__(self, cfg: ASKSConfig) -> None:
+        self.cfg = cfg
 
-
-class KVProbe:
-    """Cached per-bucket verdicts of whether prefix sharing beats recompute on this machine."""
-
-    def __init__(self, bucket_tokens: int = 64, repeats: int = 3) -> None:
-        self.bucket_tokens, self.repeats = bucket_tokens, repeats
-        self.verdicts: dict[tuple[int, int], bool] = {}
-        self.timings: dict[tuple[int, int], dict[str, float]] = {}
-
-    def key(self, prefix_len: int, branches: int) -> tuple[int, int]:
-        return prefix_len // self.bucket_tokens, branches
-
-    def decide(
+    def on_fork_prompts(
         self,
-        prefix_len: int,
-        branches: int,
-        recompute: Callable[[], object],
-        prefix: Callable[[], object],
-        suffix: Callable[[], object],
-    ) -> bool:
-        """Share iff min-time(prefix) + min-time(suffix) < min-time(recompute); cached per bucket."""
-        key = self.key(prefix_len, branches)
-        if key not in self.verdicts:
-            t = {
-                name: self._min_time(fn)
-                for name, fn in (("recompute", recompute), ("prefix", prefix), ("suffix", suffix))
-            }
-            self.timings[key] = t
-            self.verdicts[key] = t["prefix"] + t["suffix"] < t["recompute"]
-        return self.verdicts[key]
-
-    def _min_time(self, fn: Callable[[], object]) -> float:
-        best = math.inf
-        for _ in range(self.repeats):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        return best
+        host: Host,
+        root: Segment,
+        path: list[int],
+        prompts: list[list[int]],
+        divergent: list[tuple[int, int, int]],
+    ) -> dict[int, int]:
+        """Gate each divergent prompt: branch divergent parts and the root's, over the exact common
+        prefix, in one forward; a prompt whose Eq. 2 similarity passes τ reads the root's whole KV,
+        one that fails keeps the exact KV its gate pass computed (no work is lost)."""
+        exact = sum(common_prefix(path, p) == len(path) for p in prompts)
+        if exact:
+            host.stats.bump("asks_exact", exact)
+        if not divergent:
+            return {}
+        probes: list[Segment] = []
+        refs: dict[tuple[int, int], Segment] = {}
+        for i, k, m in divergent:
+            base = host.prefix_node(root, k) if k else None
+            probes.append(
+                host.tree.add(base, base is not None, list(prompts[i][k : len(prompts[i]) - m]), host.ledger)
+            )
+            if (k, m) not in refs:
+                refs[(k, m)] = host.tree.add(
+                    base, base is not None, list(path[k : len(path) - m]), host.ledger
+                )
+        capture = HiddenCapture()
+        host.compute(probes + list(refs.values()), [capture])
+        states = capture.stacked()  # [L, rows, H]
+        weights = layer_weights(host.parts.n_layers, self.cfg.alpha).to(states.device)
+        ref_index = {key: len(probes) + j for j, key in enumerate(refs)}
+        out: dict[int, int] = {}
+        for row, ((i, k, m), seg) in enumerate(zip(divergent, probes, strict=True)):
+            root_state = torch.nn.functional.normalize(states[:, ref_index[(k, m)]].double(), dim=-1)
+            sigma = float(similarity(states[:, row][:, None], root_state, weights)[0])
+            host.stats.bump("asks_sigma_sum", sigma)
+            if sigma >= self.cfg.tau:
+                out[i] = host.share_child(root, [], len(path))
+                host.free(seg)
+                host.stats.bump("asks_reused")
+            else:
+                seg.tokens.extend(prompts[i][len(prompts[i]) - m :] if m else [])
+                host.tree.adopt(root, seg)
+                out[i] = seg.id
+                host.stats.bump("asks_rejected")
+        for ref in refs.values():
+            host.free(ref)
+        return out

@@ -20,23 +20,19 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
+from branchwise.backends.accel import CGEEConfig
+from branchwise.backends.base import FinishReason, KVStats
 from branchwise.backends.hf.arch import DecoderParts
+from branchwise.backends.hf.batch import Row
 from branchwise.backends.hf.embedded import branchwise_cache_dir
+from branchwise.backends.hf.hooks import Acceleration, Exit, Forward
 
 DEFAULT_THETA = 8.0  # RKSC Table 4, used until a model is calibrated
-
-
-class LayerObserver(Protocol):
-    """Sees each layer's output at every active row's last token; may let rows exit with logits."""
-
-    def after_layer(
-        self, layer: int, h_last: torch.Tensor, rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
 
 def gap_ratio(confidences: Sequence[float]) -> float:
@@ -92,8 +88,13 @@ class EntropyTrace:
         return None
 
 
-class EntropyExit:
-    """Level-2 observer (Alg. 3). With `exit=False` it only records entropies (calibration)."""
+class EntropyExit(Acceleration):
+    """Level-2 observer of one verify forward (Alg. 3). With `exit=False` it only records entropies
+    (calibration). After the forward it counts `verify_rows`, `verify_layers`, `verify_exits` and,
+    given a `trace` list, fills each row's final-layer candidate probabilities and appends its trace.
+    """
+
+    name = "cgee-exit"
 
     def __init__(
         self,
@@ -105,6 +106,8 @@ class EntropyExit:
         exit: bool = True,
         candidates: Sequence[int] = (),
         min_candidate_mass: float = 0.0,
+        stats: KVStats | None = None,
+        trace: list[EntropyTrace] | None = None,
     ) -> None:
         self.parts = parts
         self.candidates = list(candidates)
@@ -112,17 +115,18 @@ class EntropyExit:
         self.theta, self.epsilon, self.l_min, self.exit = theta, epsilon, l_min, exit
         self.traces = [EntropyTrace() for _ in range(n_rows)]
         self._prev = torch.full((n_rows,), math.inf)
+        self._stats = stats
+        self._trace = trace
 
-    def after_layer(
-        self, layer: int, h_last: torch.Tensor, rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        depth = layer + 1
+    def after_layer(self, fwd: Forward, index: int, h_in: torch.Tensor, h: torch.Tensor) -> Exit | None:
+        depth = index + 1
         last_layer = depth == self.parts.n_layers
         if last_layer or (self.exit and depth < self.l_min - 1):
             return None  # the final layer's distribution comes from the normal path
+        h_last = fwd.last_states(h)
         logits = self.parts.head(self.parts.norm(h_last))
         ent = entropy(logits).cpu()
-        rows_cpu = rows.cpu()
+        rows_cpu = fwd.rows.cpu()
         cand = (
             torch.softmax(logits.float(), -1)[:, self.candidates].cpu().tolist() if self.candidates else None
         )
@@ -142,7 +146,103 @@ class EntropyExit:
             return None
         for r in rows_cpu[exited].tolist():
             self.traces[r].exit_layer = depth
-        return exited.to(h_last.device), logits
+        return Exit(exited.to(h_last.device), logits)
+
+    def after_forward(self, fwd: Forward, logits: torch.Tensor | None) -> None:
+        n_layers = self.parts.n_layers
+        layers = [t.exit_layer or n_layers for t in self.traces]
+        if self._stats is not None:
+            self._stats.bump("verify_rows", len(layers))
+            self._stats.bump("verify_layers", sum(layers))
+            self._stats.bump("verify_exits", sum(t.exit_layer is not None for t in self.traces))
+        if self._trace is None:
+            return
+        assert logits is not None
+        probs = torch.softmax(logits.float(), dim=-1)[:, self.candidates]
+        for row, t in enumerate(self.traces):
+            if t.exit_layer is None:
+                t.probs[n_layers] = probs[row].tolist()
+        self._trace.extend(self.traces)
+
+
+def layer_trace(
+    parts: DecoderParts, n_rows: int, candidates: Sequence[int], stats: KVStats, trace: list[EntropyTrace]
+) -> EntropyExit:
+    """An observer that records every layer's entropy and exits nowhere (what calibration reads)."""
+    return EntropyExit(
+        parts, n_rows, DEFAULT_THETA, 3.0, 1, exit=False, candidates=candidates, stats=stats, trace=trace
+    )
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The CGEE thresholds one config resolves to on one model."""
+
+    theta: float
+    l_min: int
+    tau_conf: float
+    r_gap: float
+
+    @classmethod
+    def resolve(cls, cfg: CGEEConfig, model: str) -> Thresholds:
+        """Explicit values win; otherwise the model's saved calibration; otherwise the paper's defaults."""
+        cal = Calibration.load(model)
+
+        def pick(explicit: float | None, calibrated: float | None, paper: float) -> float:
+            return explicit if explicit is not None else calibrated if calibrated is not None else paper
+
+        return cls(
+            theta=pick(cfg.theta, cal.theta if cal else None, DEFAULT_THETA),
+            l_min=int(pick(cfg.l_min, cal.l_min if cal else None, 2)),
+            tau_conf=pick(cfg.tau_conf, cal.tau_conf if cal else None, 0.70),
+            r_gap=pick(cfg.r_gap, cal.r_gap if cal else None, 0.06),
+        )
+
+
+class CGEE(Acceleration):
+    """Level 1 (`skip_verify`), the decode gate (`stop_reason`) and level 2 (`verify_observer`)."""
+
+    name = "cgee"
+
+    def __init__(self, cfg: CGEEConfig, thresholds: Thresholds, parts: DecoderParts, stats: KVStats) -> None:
+        self.cfg = cfg
+        self.thresholds = thresholds
+        self.parts = parts
+        self.stats = stats
+
+    def skip_verify(self, confidences: Sequence[float]) -> bool:
+        """RKSC Eq. 4 with this model's thresholds; False when level 1 is off."""
+        t = self.thresholds
+        return self.cfg.level1 and verify_skip(confidences, t.tau_conf, t.r_gap)
+
+    def stop_reason(self, rows: Sequence[Row], step: int) -> FinishReason | None:
+        """App. I.1 decode-level gate: one branch's running confidence is decisive (θ_dec, r_dec)."""
+        cfg = self.cfg
+        if not cfg.decode_gate or len(rows) < 2 or step + 1 < cfg.decode_gate_min_tokens:
+            return None
+        running = [sum(r.top1) / len(r.top1) for r in rows if r.top1]
+        if not verify_skip(running, cfg.theta_dec, cfg.r_dec):
+            return None
+        self.stats.bump("decode_gate_stops")
+        return "confident"
+
+    def verify_observer(
+        self, n_rows: int, candidates: Sequence[int], trace: list[Any] | None
+    ) -> EntropyExit | None:
+        if not self.cfg.level2:
+            return None
+        t = self.thresholds
+        return EntropyExit(
+            self.parts,
+            n_rows,
+            t.theta,
+            self.cfg.epsilon,
+            t.l_min,
+            candidates=candidates,
+            min_candidate_mass=self.cfg.min_candidate_mass,
+            stats=self.stats,
+            trace=trace,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- calibration

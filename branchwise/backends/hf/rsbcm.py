@@ -5,7 +5,7 @@ attention mass its keys received (accumulated by the shared-prefix attention whi
 not the constant 1.0 of the public notebook) times its branch's score, divided by its depth in the
 branch tree + 1, so deep, low-scoring, rarely attended blocks go first. Above `capacity_blocks`,
 the lowest-ω blocks are evicted and their tensors really dropped; positions stay correct because
-keys are stored post-RoPE and the backend tracks logical positions separately from the KV length.
+keys are stored post-RoPE and the tree tracks logical positions separately from the KV length.
 The prompt (depth 0) is pinned by default: it is shared by every branch.
 """
 
@@ -15,6 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from branchwise.backends.accel import RSBCMConfig
+from branchwise.backends.hf.attention import Weights
+from branchwise.backends.hf.batch import AttentionTap, Batch, Row
+from branchwise.backends.hf.hooks import Acceleration, Host
+from branchwise.backends.hf.tree import Segment
 
 
 @dataclass(frozen=True)
@@ -63,3 +69,142 @@ def keep_mask(length: int, evicted: Sequence[Block], device: torch.device) -> to
     for block in evicted:
         keep[block.start : block.end] = False
     return keep
+
+
+class MassTap(AttentionTap):
+    """Accumulates, per batch, the attention mass every key received: each row's own tail
+    (`own`, [B, cap]) and each tracked shared segment (`segments`, key → [T])."""
+
+    wants_weights = True
+
+    def __init__(self, own: torch.Tensor, tracked: set[int]) -> None:
+        self.own = own
+        self.tracked = tracked
+        self.segments: dict[int, torch.Tensor] = {}
+
+    def on_weights(self, layer: int, weights: Weights) -> None:
+        """Add the normalised attention weight each key got (summed over heads and queries)."""
+        m, s = weights.m, weights.s
+        m_own, p_own = weights.own
+        weight = (p_own * torch.exp(m_own - m) / s).sum(dim=(1, 2))  # [B, T]
+        self.own[:, : weight.shape[-1]] += weight.float()
+        for seg, ms, ps in weights.segments:
+            if seg.key not in self.tracked:
+                continue
+            m_r = m if seg.rows is None else m[seg.rows]
+            s_r = s if seg.rows is None else s[seg.rows]
+            factor = torch.exp(ms - m_r) / s_r  # [R, H_kv, G*q, 1]
+            h_kv = factor.shape[1]
+            factor = factor.permute(1, 0, 2, 3).reshape(h_kv, -1, 1)
+            total = (ps * factor).sum(dim=(0, 1)).float()  # [T_seg]
+            if seg.key in self.segments:
+                self.segments[seg.key] += total
+            else:
+                self.segments[seg.key] = total
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.own = self.own.index_select(0, keep)
+
+    def grow(self, capacity: int) -> None:
+        grown = self.own.new_zeros(self.own.shape[0], capacity)
+        grown[:, : self.own.shape[1]] = self.own
+        self.own = grown
+
+    def move_slots(self, pos: int, start: int, index: torch.Tensor) -> None:
+        self.own[pos, start : start + int(index.numel())] = self.own[pos, index]
+
+
+class RSBCM(Acceleration):
+    """Block eviction as a plug-in: tracks attention mass while a batch runs, folds it into each
+    segment's running total, and after each decode batch evicts the lowest-ω blocks above capacity.
+
+    State (per run): the attention mass and score of each of the run's segments. A branch's score is
+    its generation confidence after decoding, or a verifier's score (`on_scores`). Statistics:
+    `rsbcm_evictions`, `rsbcm_evicted_tokens`.
+    """
+
+    name = "rsbcm"
+
+    def __init__(self, cfg: RSBCMConfig, host: Host) -> None:
+        self.cfg = cfg
+        self.host = host
+        self.mass: dict[int, torch.Tensor] = {}
+        self.score: dict[int, float] = {}
+        self._taps: dict[int, MassTap] = {}
+
+    def _evictable(self, seg: Segment) -> bool:
+        return not (self.cfg.pin_prompt and seg.is_prompt)
+
+    def on_batch(self, batch: Batch) -> None:
+        if batch.broadcast == "copy":
+            raise ValueError("RSBCM needs broadcast='cascade' (block masses are kept per shared segment)")
+        ancestors = {a.id: a for r in batch.rows for a in r.seg.kv_ancestors()}
+        tracked = {s.key for s in batch.ctx.shared if self._evictable(ancestors[s.key])}
+        # only when something here can be evicted: tracking forces the explicit-softmax path
+        if not (tracked or any(self._evictable(r.seg) for r in batch.rows)):
+            return
+        ctx = batch.ctx
+        own = torch.zeros(ctx.batch, ctx.capacity, device=ctx.lens.device)
+        for i, r in enumerate(batch.rows):
+            mass = self.mass.get(r.seg.id)
+            if r.kv_len and mass is not None:
+                own[i, r.tail_start : r.tail_start + r.kv_len] = mass
+        tap = MassTap(own, tracked)
+        ctx.taps.append(tap)
+        self._taps[id(batch)] = tap
+
+    def on_capture(self, batch: Batch, pos: int, row: Row) -> None:
+        tap = self._taps.get(id(batch))
+        if tap is not None:
+            self.mass[row.seg.id] = tap.own[pos, row.tail_start : row.tail_start + row.kv_len].clone()
+
+    def after_batch(self, batch: Batch, decoded: bool) -> None:
+        if decoded:
+            for r in batch.rows:
+                if r.top1:
+                    self.score[r.seg.id] = sum(r.top1) / len(r.top1)
+        tap = self._taps.pop(id(batch), None)
+        if tap is None:
+            return
+        for key, mass in tap.segments.items():  # fold this batch's mass into the running totals
+            seg = self.host.tree.find(key)
+            if seg is not None and seg.kv_tokens == mass.shape[0]:
+                self.mass[key] = mass if key not in self.mass else self.mass[key] + mass
+        if decoded:  # capacity is checked once per decode batch, as in RKSC's solve
+            self._enforce_capacity()
+
+    def _enforce_capacity(self) -> None:
+        """Evict the lowest-ω blocks above capacity, freeing their tensors (Alg. 4)."""
+        cfg, tree = self.cfg, self.host.tree
+        table = []
+        for seg in tree.segments(self.host.ledger):
+            depth = len(seg.kv_ancestors())
+            if seg.kv_tokens and self._evictable(seg):
+                mass, score = self.mass.get(seg.id), self.score.get(seg.id, 1.0)
+                table += blocks_of(seg.id, mass, seg.kv_tokens, cfg.block_tokens, score, depth)
+        evictions = plan_evictions(table, cfg.capacity_blocks)
+        by_segment: dict[int, list[Block]] = {}
+        for block in evictions:
+            by_segment.setdefault(block.segment, []).append(block)
+        for key, blocks in by_segment.items():
+            seg = tree.find(key)
+            assert seg is not None
+            keep = keep_mask(seg.kv_tokens, blocks, self.host.device)
+            tree.keep_kv(seg, keep)
+            if key in self.mass:
+                self.mass[key] = self.mass[key][keep]
+            self.host.stats.bump("rsbcm_evicted_tokens", int((~keep).sum()))
+        self.host.stats.bump("rsbcm_evictions", len(evictions))
+
+    def on_split(self, head: Segment, rest: Segment, k: int) -> None:
+        mass = self.mass.get(rest.id)
+        if mass is not None:
+            self.mass[head.id], self.mass[rest.id] = mass[:k].clone(), mass[k:].clone()
+
+    def on_release(self, seg: Segment) -> None:
+        self.mass.pop(seg.id, None)
+        self.score.pop(seg.id, None)
+
+    def on_scores(self, segs: Sequence[Segment], scores: Sequence[float]) -> None:
+        for seg, score in zip(segs, scores, strict=True):
+            self.score[seg.id] = score

@@ -1,570 +1,53 @@
-"""SkipKV (004_cd352e8af8015195 §4.1-4.3, App. A.1): sentence-aware KV eviction, steering, grouping.
+"""SkipKV (the SkipKV paper, §4.1-4.2) as a plug-in: sentence-aware eviction of each branch's own
+generated KV during decode, and steering away from non-execution thoughts.
 
-Pure logic; the backend's decode loop calls it. One row (decoding branch) at a time:
+The policy (sentences, Eq. 3-6 scores, which slots to keep, the steering vector) is pure logic in
+`skipkv_policy.py`; this module applies it through the hooks:
 
-- `SentenceTracker` cuts the row's generated tokens into sentences at the newline delimiters of
-  App. A.1 (consecutive delimiters merged, `:\\n` excluded), labels non-execution sentences by
-  keyword, and maps generation-space (gs) sentence spans to cache-space (cs) slot ranges across
-  evictions (Eq. 9-11). It keeps the composed surviving set P (the gs index of every held slot)
-  instead of re-mapping ranges step by step: Eq. 11 applied to P gives the same ranges, and one
-  list is far harder to get wrong than n incrementally patched pairs.
-- Scores: attention importance (Eq. 4, SnapKV-style window of recent queries, GQA groups maxed),
-  R-KV key redundancy (Eq. 5, per row), sentence redundancy λ (Eq. 3) and their combination (Eq. 6).
-  One surviving slot set is shared by all layers and heads of a row (scores averaged), so the row
-  has a single gs↔cs map, as the paper's single index list P implies.
-- `select_keep` turns scores into the kept slots under a budget on the row's own generated tokens.
-- Steering (§4.2): the vector v = mean(exec) − mean(non-exec) hidden states, its save/load, and the
-  adaptive strength α0 + γ·N_nonexec.
-- Batch grouping (§4.3): sort prompts by prefill length before batching, to cut padding (Eq. 12).
+- `after_pending` / `after_step`: every token a branch feeds goes to its `SentenceTracker` (with its
+  final-norm hidden state during decode, for the sentence means of Eq. 2);
+- `begin_decode`: a `QueryWindow` tap records each layer's last α post-RoPE decode queries (the
+  observation window of Eq. 4);
+- `after_step`: every `interval` steps a branch above budget keeps its best slots (`Batch.keep_own`);
+  positions stay logical, so later tokens simply stop seeing what was evicted;
+- `before_step` / `before_layer`: steering adds α_t·v at one layer's input at delimiter tokens.
+
+Prompt and ancestor KV (shared with other branches) is never evicted. State per branch lives here
+(`states`), keyed by node and dropped when the node is freed.
 """
 
 from __future__ import annotations
 
 import functools
-import re
-from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
-
-from branchwise.backends.hf.cgee import safe_model_name
-from branchwise.backends.hf.embedded import branchwise_cache_dir
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from branchwise.backends.accel import SkipKVConfig
-    from branchwise.backends.hf.arch import DecoderParts
-    from branchwise.backends.hf.attention import BatchContext
-    from branchwise.backends.hf.backend import _Row
-
-_EPS = 1e-8
-
-# ---------------------------------------------------------------------------------------------- delimiters
-# App. A.1: D = {"\n", ".\n", ")\n", "\n\n", ".\n\n", ")\n\n"}, generalised to any run of newlines
-# (tokenizers merge "\n\n\n" too) and to leading spaces/tabs (byte-level BPE glues indentation on).
-# Anything else before the newline — notably ":" of `if x:\n` — is not a sentence end: splitting
-# there would cut code blocks apart and invite their premature eviction (App. A.1).
-_DELIMITER = re.compile(r"[ \t]*[.)]?\n+")
-
-
-def is_delimiter_text(text: str) -> bool:
-    """Whether a token's decoded text is a newline delimiter of App. A.1 (`:\\n` is not)."""
-    return _DELIMITER.fullmatch(text) is not None
-
-
-def delimiter_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Ids of the vocabulary tokens that decode, on their own, to a newline delimiter.
-
-    The rule is on decoded text rather than on a fixed token list so it holds for any tokenizer
-    (byte-level "Ċ", SentencePiece "<0x0A>", merged ".ĊĊ"). Special tokens are skipped: a chat
-    marker is never a sentence end. Singletons go through `batch_decode`, equivalent to
-    `decode([i])` per id but one call, which matters for 150k-token vocabularies.
-    """
-    special = set(tokenizer.all_special_ids)
-    ids = [i for i in range(len(tokenizer)) if i not in special]
-    texts = tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
-    return frozenset(i for i, text in zip(ids, texts, strict=True) if is_delimiter_text(text))
-
-
-# ---------------------------------------------------------------------------------------------- sentences
-@dataclass(frozen=True)
-class Sentence:
-    """One sentence of a row's generation, in generation space (gs: index into generated tokens)."""
-
-    start: int
-    """gs index of its first token."""
-    end: int
-    """gs index of its last token (inclusive); for the open (last, unfinished) sentence, the newest token."""
-    closed: bool
-    """Ended by a delimiter (trailing delimiters merged in)."""
-    nonexec: bool
-    """Contains a non-execution keyword as a whole word (App. A.1, "Wait", "Alternatively", "again")."""
-
-
-class SentenceTracker:
-    """A row's sentences and the gs index of each KV slot it still holds (the composed set P).
-
-    `append` is called once the tokens' KV is written (the cache grows by as many slots), `evict`
-    with the surviving slots after a compression. Labels come from decoding each sentence on its
-    own — only the open sentence is re-decoded, once per `append`, so the cost per step is the
-    length of the current sentence, not of the whole trace. The open sentence is re-labelled each
-    time because growth can both add a keyword and remove one ("again" → "against").
-
-    Optionally `append` also takes the tokens' last-layer hidden states; the tracker then keeps a
-    running sum per sentence so `sentence_vectors` gives Eq. 2's means without storing any token's
-    state (the evicted tokens' states would otherwise have to be kept around for Eq. 3).
-    """
-
-    def __init__(
-        self,
-        delimiters: frozenset[int],
-        keywords: Sequence[str],
-        decode: Callable[[Sequence[int]], str],
-    ) -> None:
-        self._delimiters = delimiters
-        self._decode = decode
-        self._keyword = (
-            re.compile("|".join(rf"(?<!\w){re.escape(k)}(?!\w)" for k in keywords)) if keywords else None
-        )
-        self._starts: list[int] = []
-        self._ends: list[int] = []
-        self._closed: list[bool] = []
-        self._nonexec: list[bool] = []
-        self._open_ids: list[int] = []  # tokens of the last sentence while it is open
-        self._slot_gs: list[int] = []  # P: gs index of every held slot, increasing
-        self._gen_len = 0
-        self._n_nonexec = 0
-        self._hsum: torch.Tensor | None = None  # [n_sentences(+), d] float32
-        self._hcount: torch.Tensor | None = None  # [n_sentences(+)]
-
-    # -- updates
-    def append(self, token_ids: Sequence[int], hidden: torch.Tensor | None = None) -> None:
-        """Record generated tokens whose KV was just written; `hidden` [len, d] feeds `sentence_vectors`."""
-        ids = [int(t) for t in token_ids]
-        if hidden is not None and (hidden.dim() != 2 or hidden.shape[0] != len(ids)):
-            raise ValueError(
-                f"hidden must be [len(token_ids), d] = [{len(ids)}, d], got {list(hidden.shape)}"
-            )
-        sentence_of_token: list[int] = []
-        open_grew = False
-        for token in ids:
-            g = self._gen_len
-            if token in self._delimiters:
-                if not self._starts:
-                    # the generation opens with delimiters: they form a (closed) sentence of their own,
-                    # so every generated token belongs to exactly one sentence
-                    self._new_sentence(g, closed=True)
-                elif not self._closed[-1]:
-                    self._open_ids.append(token)
-                    self._closed[-1] = True
-                    self._label_last()
-                    self._open_ids = []
-                    open_grew = False
-                self._ends[-1] = g  # consecutive delimiters merge into the sentence's end
-            else:
-                if not self._starts or self._closed[-1]:
-                    self._new_sentence(g, closed=False)
-                self._ends[-1] = g
-                self._open_ids.append(token)
-                open_grew = True
-            self._slot_gs.append(g)
-            self._gen_len += 1
-            sentence_of_token.append(len(self._starts) - 1)
-        if open_grew:
-            self._label_last()
-        if hidden is not None and ids:
-            self._accumulate(hidden, sentence_of_token)
-
-    def evict(self, keep: Sequence[int] | torch.Tensor) -> None:
-        """Keep only the cs slots `keep` (sorted, unique, in range); the rest were dropped from the KV."""
-        idx = keep.tolist() if isinstance(keep, torch.Tensor) else [int(k) for k in keep]
-        n = len(self._slot_gs)
-        if any(b <= a for a, b in pairwise(idx)):
-            raise ValueError("keep must be strictly increasing cache slot indices")
-        if idx and (idx[0] < 0 or idx[-1] >= n):
-            raise ValueError(f"keep holds slot indices outside [0, cache_len={n})")
-        self._slot_gs = [self._slot_gs[k] for k in idx]
-
-    def _new_sentence(self, g: int, closed: bool) -> None:
-        self._starts.append(g)
-        self._ends.append(g)
-        self._closed.append(closed)
-        self._nonexec.append(False)
-
-    def _label_last(self) -> None:
-        """(Re)label the last sentence from its decoded text; count it once it closes as non-exec."""
-        text = self._decode(self._open_ids)
-        nonexec = self._keyword is not None and self._keyword.search(text) is not None
-        self._nonexec[-1] = nonexec
-        if nonexec and self._closed[-1]:
-            self._n_nonexec += 1
-
-    def _accumulate(self, hidden: torch.Tensor, sentence_of_token: list[int]) -> None:
-        n = len(self._starts)
-        h = hidden.detach().float()
-        if self._hsum is None or self._hcount is None:
-            self._hsum = h.new_zeros(0, h.shape[1])
-            self._hcount = h.new_zeros(0)
-        if self._hsum.shape[1] != h.shape[1]:
-            raise ValueError(f"hidden width {h.shape[1]} != earlier appends' {self._hsum.shape[1]}")
-        if self._hsum.shape[0] < n:
-            grow = max(n - self._hsum.shape[0], self._hsum.shape[0])  # amortised doubling
-            self._hsum = torch.cat([self._hsum, self._hsum.new_zeros(grow, h.shape[1])])
-            self._hcount = torch.cat([self._hcount, self._hcount.new_zeros(grow)])
-        index = torch.tensor(sentence_of_token, device=h.device)
-        self._hsum.index_add_(0, index, h.to(self._hsum.device))
-        self._hcount.index_add_(0, index, torch.ones_like(index, dtype=self._hcount.dtype))
-
-    # -- views
-    @property
-    def sentences(self) -> list[Sentence]:
-        return [
-            Sentence(s, e, c, x)
-            for s, e, c, x in zip(self._starts, self._ends, self._closed, self._nonexec, strict=True)
-        ]
-
-    @property
-    def n_nonexec(self) -> int:
-        """Closed non-execution sentences so far: N in the steering strength α0 + γ·N (Alg. 2 l. 27)."""
-        return self._n_nonexec
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """gs index of every held cs slot, increasing (LongTensor [cache_len]); the paper's P composed
-        over all evictions. The KV slot's logical (RoPE) position is the generation's first position
-        plus this."""
-        return torch.tensor(self._slot_gs, dtype=torch.long)
-
-    @property
-    def cache_len(self) -> int:
-        return len(self._slot_gs)
-
-    @property
-    def gen_len(self) -> int:
-        return self._gen_len
-
-    def cache_range(self, i: int) -> tuple[int, int] | None:
-        """Eq. 11: sentence i's cs slots are (min{k: p_k ≥ start_i}, max{k: p_k ≤ end_i}), inclusive;
-        None once none of its tokens is held. Contiguous because P is increasing and sentences tile gs."""
-        lo = bisect_left(self._slot_gs, self._starts[i])
-        hi = bisect_right(self._slot_gs, self._ends[i]) - 1
-        return (lo, hi) if lo <= hi else None
-
-    def sentence_of_slot(self) -> torch.Tensor:
-        """Sentence index of every held cs slot (LongTensor [cache_len]), for Eq. 6's per-token λ."""
-        starts = torch.tensor(self._starts, dtype=torch.long)
-        return torch.searchsorted(starts, self.positions, right=True) - 1
-
-    def sentence_penalty(self, lam: torch.Tensor) -> torch.Tensor:
-        """Per-slot λ of Eq. 6 ([cache_len], on lam's device) from per-sentence λ ([n_sentences])."""
-        if lam.shape != (len(self._starts),):
-            raise ValueError(f"lam must be [n_sentences] = [{len(self._starts)}], got {list(lam.shape)}")
-        return lam[self.sentence_of_slot().to(lam.device)]
-
-    def sentence_vectors(self) -> torch.Tensor:
-        """Eq. 2: mean hidden state per sentence [n_sentences, d] (float32), over every token appended
-        with `hidden` (evicted ones included, as Alg. 2 scores sentences in gs); zero for sentences
-        without any, so their cosine with anything is 0 and they are never flagged redundant."""
-        if self._hsum is None or self._hcount is None:
-            raise ValueError("no hidden states recorded: pass hidden= to SentenceTracker.append")
-        n = len(self._starts)
-        sums, counts = self._hsum[:n], self._hcount[:n]
-        if sums.shape[0] < n:  # sentences begun by appends without hidden states
-            sums = torch.cat([sums, sums.new_zeros(n - sums.shape[0], sums.shape[1])])
-            counts = torch.cat([counts, counts.new_zeros(n - counts.shape[0])])
-        return sums / counts.clamp_min(1.0).unsqueeze(1)
-
-
-# ---------------------------------------------------------------------------------------------- scores
-@torch.no_grad()
-def token_importance(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
-    pool_kernel: int,
-    valid: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Eq. 4: attention the last α queries pay each key, per KV head → [H_kv, N] (float32, sums to 1).
-
-    `queries` [H_q, α, D] and `keys` [H_kv, N, D] are one row's post-RoPE states at one layer. Query
-    head i belongs to KV head i // (H_q / H_kv), the `repeat_kv` layout of transformers; the query
-    heads are viewed in groups rather than the keys repeated, so memory stays O(H_q·α·N).
-    Attention is averaged over the α queries, maxed over a group's query heads, max-pooled along the
-    tokens (kernel `pool_kernel`, stride 1, same length: a token next to an attended one is kept
-    too, so kept spans stay readable), and normalised per KV head. The paper writes that
-    normalisation as a softmax, but softmax over probabilities in [0, 1] is nearly uniform and
-    erases the ranking against Eq. 6's other terms, so we divide by the sum instead.
-
-    `valid` masks keys (False = padding / not a key of this row): [N], or [α, N] per query — pass
-    the latter for causality when the keys include the observation window itself. Masked keys get 0.
-    """
-    h_q, alpha, d = queries.shape
-    h_kv, n, d_k = keys.shape
-    if d != d_k or h_q % h_kv:
-        raise ValueError(
-            f"queries [H_q={h_q}, α, D={d}] and keys [H_kv={h_kv}, N, D={d_k}]: need equal D and H_q % H_kv == 0"
-        )
-    if pool_kernel < 1 or pool_kernel % 2 == 0:
-        raise ValueError(f"pool_kernel={pool_kernel} must be odd and >= 1")
-    group = h_q // h_kv
-    q = queries.float().reshape(h_kv, group * alpha, d)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scaling).view(h_kv, group, alpha, n)
-    key_ok: torch.Tensor | None = None
-    if valid is not None:
-        mask = valid.to(device=logits.device, dtype=torch.bool)
-        if mask.shape not in ((n,), (alpha, n)):
-            raise ValueError(f"valid must be [N={n}] or [α={alpha}, N={n}], got {list(mask.shape)}")
-        logits = logits.masked_fill(~mask, float("-inf"))
-        key_ok = mask if mask.dim() == 1 else mask.any(0)
-    attn = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a query with no valid key → 0
-    scores = attn.mean(dim=2).amax(dim=1)  # [H_kv, N]
-    if pool_kernel > 1:
-        scores = F.max_pool1d(scores.unsqueeze(1), pool_kernel, stride=1, padding=pool_kernel // 2).squeeze(1)
-    if key_ok is not None:
-        scores = scores.masked_fill(~key_ok, 0.0)  # pooling must not spill onto padding
-    return scores / scores.sum(dim=-1, keepdim=True).clamp_min(_EPS)
-
-
-@torch.no_grad()
-def key_redundancy(keys: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Eq. 5 (R-KV): how much each key is duplicated by the row's other keys → [H_kv, N] float32.
-
-    Per KV head: unit keys K̄, similarities K̄K̄ᵀ with the diagonal excluded, a softmax over each
-    row, then the mean over rows — key j scores high when many other keys are most similar to it.
-    Invalid (padding) keys are neither candidates in the softmax nor rows in the mean, and score 0.
-    `keys` is one row's: R-KV's public code took batch row 0's similarities for every row, which
-    scores one branch's tokens by another's keys. Heads run one at a time, so the N×N temporary is
-    one head's.
-    """
-    h_kv, n, _ = keys.shape
-    k = keys.float()
-    k = k / (k.norm(dim=-1, keepdim=True) + _EPS)
-    mask = torch.ones(n, dtype=torch.bool, device=k.device)
-    if valid is not None:
-        if valid.shape != (n,):
-            raise ValueError(f"valid must be [N={n}], got {list(valid.shape)}")
-        mask = valid.to(device=k.device, dtype=torch.bool)
-    exclude = ~mask.unsqueeze(0) | torch.eye(n, dtype=torch.bool, device=k.device)
-    rows = mask.sum().clamp_min(1).float()
-    out = torch.empty(h_kv, n, device=k.device)
-    for h in range(h_kv):
-        sim = (k[h] @ k[h].T).masked_fill_(exclude, float("-inf"))
-        probs = torch.nan_to_num(torch.softmax(sim, dim=-1), nan=0.0)  # a lone valid key has no others
-        out[h] = probs[mask].sum(dim=0) / rows
-    return out.masked_fill_(~mask, 0.0)
-
-
-@torch.no_grad()
-def sentence_redundancy(vectors: torch.Tensor, tau: float) -> torch.Tensor:
-    """Eq. 3: λ_i = max_{j>i} cos(v_i, v_j) if it exceeds τ, else 0 → [n] float32.
-
-    Only the *earlier* sentence of a similar pair is penalised (the later one restates it with more
-    context, and is what the model attends to next); the last sentence is never redundant.
-    """
-    n = vectors.shape[0]
-    if n < 2:
-        return vectors.new_zeros(n, dtype=torch.float32)
-    v = vectors.float()
-    v = v / (v.norm(dim=-1, keepdim=True) + _EPS)
-    sim = v @ v.T
-    later = torch.ones(n, n, dtype=torch.bool, device=v.device).triu(diagonal=1)
-    lam = sim.masked_fill(~later, float("-inf")).amax(dim=-1)
-    return torch.where(lam > tau, lam, torch.zeros_like(lam))
-
-
-@torch.no_grad()
-def eviction_scores(
-    importance: torch.Tensor,
-    redundancy: torch.Tensor | None,
-    sentence_penalty: torch.Tensor | None,
-    sigma: float,
-) -> torch.Tensor:
-    """Eq. 6 per slot: σ·I − (1−σ)·R − λ(sentence) → [N] float32; lowest is evicted first.
-
-    `importance`/`redundancy` are [..., N] (e.g. [H_kv, N] or [L, H_kv, N]) and are averaged over
-    every leading dim first: a row keeps one slot set for all layers and heads (one gs↔cs map).
-    Averaging first is exact since Eq. 6 is linear. `sentence_penalty` [N] is the λ of each slot's
-    sentence (0 when not redundant); at ≈τ ≥ 0.95 against token terms ≈1/N it puts a redundant
-    sentence's tokens below every other, as §4.1 intends. None omits a term (`redundancy=None,
-    sigma=1` is the attention-only baseline).
-    """
-    n = importance.shape[-1]
-    score = sigma * importance.float().reshape(-1, n).mean(dim=0)
-    if redundancy is not None:
-        if redundancy.shape[-1] != n:
-            raise ValueError(f"redundancy has {redundancy.shape[-1]} tokens, importance {n}")
-        score = score - (1.0 - sigma) * redundancy.float().reshape(-1, n).mean(dim=0).to(score.device)
-    if sentence_penalty is not None:
-        if sentence_penalty.shape != (n,):
-            raise ValueError(f"sentence_penalty must be [N={n}], got {list(sentence_penalty.shape)}")
-        score = score - sentence_penalty.float().to(score.device)
-    return score
-
-
-def newest_mask(evictable: torch.Tensor, window: int) -> torch.Tensor:
-    """The newest `window` evictable slots ([N] bool): SkipKV's always-kept recent window."""
-    out = torch.zeros_like(evictable, dtype=torch.bool)
-    if window > 0:
-        idx = torch.nonzero(evictable, as_tuple=True)[0]
-        out[idx[-window:]] = True
-    return out
-
-
-@torch.no_grad()
-def select_keep(
-    scores: torch.Tensor,
-    budget: int,
-    *,
-    evictable: torch.Tensor,
-    protected: torch.Tensor,
-) -> torch.Tensor:
-    """Slots of one row's tail that survive a compression: sorted LongTensor of indices into [N].
-
-    `evictable` [N] marks the row's own generated slots: everything else (prompt, ancestors' KV
-    shared with other branches) is always kept and is outside the budget. `budget` counts kept
-    evictable slots, the `protected` ones (the recent window, see `newest_mask`) included: those are
-    kept first, then the highest-`scores` ones until exactly `budget` evictable slots remain (all of
-    them when there are no more than `budget`). The masks are keyword-only so they cannot be swapped.
-    """
-    n = scores.shape[-1]
-    if scores.dim() != 1 or evictable.shape != (n,) or protected.shape != (n,):
-        raise ValueError(
-            f"scores, evictable and protected must all be [N]; got {list(scores.shape)}, "
-            f"{list(evictable.shape)}, {list(protected.shape)}"
-        )
-    evictable = evictable.to(device=scores.device, dtype=torch.bool)
-    fixed = evictable & protected.to(device=scores.device, dtype=torch.bool)
-    n_fixed = int(fixed.sum())
-    if budget < n_fixed:
-        raise ValueError(
-            f"budget={budget} is below the {n_fixed} protected (window) evictable slots; "
-            "budget must be >= window"
-        )
-    keep = ~evictable | fixed
-    candidates = torch.nonzero(evictable & ~fixed, as_tuple=True)[0]
-    k = min(budget - n_fixed, candidates.numel())
-    if k > 0:
-        cand_scores = torch.nan_to_num(scores[candidates].float(), nan=float("-inf"))
-        keep[candidates[cand_scores.topk(k).indices]] = True
-    return torch.nonzero(keep, as_tuple=True)[0]
-
-
-# ---------------------------------------------------------------------------------------------- steering
-@dataclass
-class SteeringVector:
-    """SkipKV §4.2: v = mean(execution) − mean(non-execution) hidden states at one layer's input.
-
-    Adding +α·v at delimiter tokens pushes the next thought toward execution (away from reflection
-    and transitions). Built once per model, so it is saved next to the other per-model caches.
-    """
-
-    layer: int
-    vector: torch.Tensor
-    n_exec: int
-    n_nonexec: int
-    model: str
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(
-            {
-                "layer": self.layer,
-                "vector": self.vector.detach().to("cpu", torch.float32).contiguous(),
-                "n_exec": self.n_exec,
-                "n_nonexec": self.n_nonexec,
-                "model": self.model,
-            },
-            path,
-        )
-
-    @classmethod
-    def load(cls, path: Path) -> SteeringVector:
-        """Load a saved vector; `weights_only=True` so a cache file cannot run code on load."""
-        data = torch.load(path, map_location="cpu", weights_only=True)
-        fields = ("layer", "vector", "n_exec", "n_nonexec", "model")
-        if not isinstance(data, dict) or any(f not in data for f in fields):
-            raise ValueError(f"{path} is not a saved steering vector (needs fields {', '.join(fields)})")
-        if not isinstance(data["vector"], torch.Tensor) or data["vector"].dim() != 1:
-            raise ValueError(f"{path}: vector must be a 1-D tensor")
-        return cls(
-            layer=int(data["layer"]),
-            vector=data["vector"],
-            n_exec=int(data["n_exec"]),
-            n_nonexec=int(data["n_nonexec"]),
-            model=str(data["model"]),
-        )
-
-
-def steering_vector(exec_states: torch.Tensor, nonexec_states: torch.Tensor) -> torch.Tensor:
-    """mean(exec_states) − mean(nonexec_states) over rows ([n, d] each) → [d] float32."""
-    for name, states in (("exec_states", exec_states), ("nonexec_states", nonexec_states)):
-        if states.dim() != 2:
-            raise ValueError(f"{name} must be [n, d], got {list(states.shape)}")
-        if states.shape[0] == 0:
-            raise ValueError(f"{name} is empty: need at least one hidden state of that kind of thought")
-    if exec_states.shape[1] != nonexec_states.shape[1]:
-        raise ValueError(
-            f"hidden sizes differ: exec {exec_states.shape[1]}, non-exec {nonexec_states.shape[1]}"
-        )
-    return exec_states.float().mean(dim=0) - nonexec_states.float().mean(dim=0).to(exec_states.device)
-
-
-def steering_path(model_name: str) -> Path:
-    """Where a model's steering vector lives: `<cache>/steering/<model>.pt`."""
-    return branchwise_cache_dir() / "steering" / f"{safe_model_name(model_name)}.pt"
-
-
-def steering_strength(alpha0: float, gamma: float, n_nonexec: int) -> float:
-    """α_t = α0 + γ·N_nonexec (§4.2): steer harder the more the row has already hesitated."""
-    return alpha0 + gamma * n_nonexec
-
-
-# ---------------------------------------------------------------------------------------------- grouping
-def group_by_length(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """§4.3: batches of indices with similar prefill lengths, so left padding eats less KV budget.
-
-    Indices are sorted by length (ascending, stable) and cut into batches of `batch_size`. When
-    len % batch_size leaves one short batch, the paper puts it last; we put it wherever Eq. 12's
-    total padding is smallest (last on ties). Why: with the short batch fixed at the end, sorting can
-    pad *more* than the caller's order ([10, 10, 1, 1, 1] in twos: 0 tokens unsorted, 9 sorted);
-    with the best position no ordering of the same batch sizes pads less, because for given sizes
-    sorted contiguous batches are optimal.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be >= 1")
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    sizes = [batch_size] * (len(order) // batch_size)
-    short = len(order) % batch_size
-    if short:
-        sizes.insert(_short_batch_slot([lengths[i] for i in order], batch_size, short), short)
-    groups, start = [], 0
-    for size in sizes:
-        groups.append(order[start : start + size])
-        start += size
-    return groups
-
-
-def _short_batch_slot(sorted_lengths: list[int], batch_size: int, short: int) -> int:
-    """Where among the full batches the short one pads least: Σ size·max over batches, in O(n/bs)."""
-    q = len(sorted_lengths) // batch_size
-    # full batch g before the short one ends at (g+1)·bs − 1; after it, shifted by `short`
-    before = [batch_size * sorted_lengths[(g + 1) * batch_size - 1] for g in range(q)]
-    after = [batch_size * sorted_lengths[short + (g + 1) * batch_size - 1] for g in range(q)]
-    suffix = [0] * (q + 1)
-    for g in range(q - 1, -1, -1):
-        suffix[g] = suffix[g + 1] + after[g]
-    best, best_cost, prefix = q, None, 0
-    for p in range(q + 1):
-        cost = prefix + short * sorted_lengths[p * batch_size + short - 1] + suffix[p]
-        if best_cost is None or cost <= best_cost:
-            best, best_cost = p, cost
-        if p < q:
-            prefix += before[p]
-    return best
-
-
-def padding_tokens(groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> int:
-    """Eq. 12 summed: Σ over batches of Σ (longest prefill in the batch − each prefill)."""
-    total = 0
-    for group in groups:
-        if group:
-            longest = max(lengths[i] for i in group)
-            total += sum(longest - lengths[i] for i in group)
-    return total
-
-
-# ---------------------------------------------------------------------------------------------
-# Backend runtime: the pieces above applied to the backend's decode loop.
+from transformers import PreTrainedTokenizerBase
+
+from branchwise.backends.accel import SkipKVConfig, SteeringConfig
+from branchwise.backends.base import KVStats
+from branchwise.backends.hf.arch import DecoderParts
+from branchwise.backends.hf.batch import AttentionTap, Batch, Row
+from branchwise.backends.hf.hooks import Acceleration, Forward
+from branchwise.backends.hf.skipkv_policy import (
+    SentenceTracker,
+    SteeringVector,
+    eviction_scores,
+    key_redundancy,
+    newest_mask,
+    select_keep,
+    sentence_redundancy,
+    steering_path,
+    steering_strength,
+    token_importance,
+)
+from branchwise.backends.hf.tree import Segment
 
 
 @dataclass
-class Steering:
+class Steering(Acceleration):
     """One decode step's steering (§4.2): add `strengths[row]·vector` at layer `layer`'s residual
     input, at the positions whose fed token is a newline delimiter, and nowhere else."""
 
@@ -577,6 +60,48 @@ class Steering:
         """`h` [b, q, d] of the active rows, `ids` [b, q] their fed tokens, `rows` their batch rows."""
         gate = self.delimiters[ids].to(h.dtype) * self.strengths[rows, None].to(h.dtype)
         return h + gate[..., None] * self.vector
+
+    def before_layer(self, fwd: Forward, index: int, h: torch.Tensor) -> torch.Tensor:
+        return self.apply(h, fwd.ids[fwd.rows], fwd.rows) if index == self.layer else h
+
+
+@dataclass
+class SteeringBuild:
+    """A steering vector loaded, checked against the model and placed on its device (built once)."""
+
+    vector: SteeringVector
+    layer: int
+    on_device: torch.Tensor
+    delimiters: torch.Tensor  # [vocab] bool on the model's device
+
+    @classmethod
+    def load(
+        cls, cfg: SteeringConfig, parts: DecoderParts, model_name: str, delimiters: frozenset[int]
+    ) -> SteeringBuild:
+        path = Path(cfg.vector_path) if cfg.vector_path else steering_path(model_name)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"skipkv.steering needs a steering vector and there is none at {path}; "
+                "build one with `branchwise steering build` or set steering.vector_path"
+            )
+        vector = SteeringVector.load(path)
+        layer = cfg.layer if cfg.layer is not None else vector.layer
+        if not 0 <= layer < parts.n_layers:
+            raise ValueError(f"skipkv.steering.layer={layer} is outside 0..{parts.n_layers - 1}")
+        hidden = parts.embed.embedding_dim
+        if vector.vector.numel() != hidden:
+            raise ValueError(
+                f"steering vector at {path} has {vector.vector.numel()} dims; this model has {hidden}"
+            )
+        weight = parts.embed.weight
+        mask = torch.zeros(parts.embed.num_embeddings, dtype=torch.bool)
+        mask[[i for i in delimiters if i < mask.numel()]] = True
+        return cls(
+            vector=vector,
+            layer=layer,
+            on_device=vector.vector.to(device=weight.device, dtype=weight.dtype),
+            delimiters=mask.to(weight.device),
+        )
 
 
 @dataclass
@@ -592,100 +117,124 @@ class SkipState:
     gen_start: int
 
 
-class SkipKV:
-    """The backend-side runtime of one `SkipKVConfig`: delimiters, steering vector, eviction."""
+class QueryWindow(AttentionTap):
+    """Per layer, the last `size` post-RoPE decode queries `[B, H, α', D]` (Eq. 4's observation window)."""
+
+    def __init__(
+        self, like: torch.Tensor, shape: tuple[int, int, int, int], n_layers: int, size: int
+    ) -> None:
+        self.windows = [like.new_zeros(shape) for _ in range(n_layers)]
+        self.size = size
+
+    def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
+        if q_len == 1:  # decode steps only
+            self.windows[layer] = torch.cat([self.windows[layer], query], dim=2)[:, :, -self.size :]
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.windows = [w.index_select(0, keep) for w in self.windows]
+
+
+class SkipKV(Acceleration):
+    """The SkipKV plug-in of one run (see the module docstring). Statistics: `skipkv_compressions`,
+    `skipkv_evicted_tokens` (counted at every compression step)."""
+
+    name = "skipkv"
 
     def __init__(
         self,
         cfg: SkipKVConfig,
-        tokenizer: PreTrainedTokenizerBase,
         parts: DecoderParts,
-        model_name: str,
-        delimiters: frozenset[int] | None = None,
+        tokenizer: PreTrainedTokenizerBase,
+        delimiters: frozenset[int],
+        steering: SteeringBuild | None,
+        stats: KVStats,
     ) -> None:
-        """`delimiters` may be passed in by a caller that already scanned this tokenizer's vocabulary
-        (a scan decodes every token: about half a second for a 49k vocabulary)."""
         self.cfg = cfg
         self.parts = parts
-        self.delimiters = delimiter_token_ids(tokenizer) if delimiters is None else delimiters
+        self.delimiters = delimiters
+        self.steer_build = steering
+        self.stats = stats
+        self.states: dict[int, SkipState] = {}
         self._decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
-        self._delim_mask: torch.Tensor | None = None
-        self._vector: torch.Tensor | None = None  # the vector on the model's device and dtype
-        self.vector: SteeringVector | None = None
-        self.layer = 0
-        if cfg.steering is not None:
-            path = Path(cfg.steering.vector_path) if cfg.steering.vector_path else steering_path(model_name)
-            if not path.exists():
-                raise FileNotFoundError(
-                    f"skipkv.steering needs a steering vector and there is none at {path}; "
-                    "build one with `branchwise steering build` or set steering.vector_path"
-                )
-            self.vector = SteeringVector.load(path)
-            self.layer = cfg.steering.layer if cfg.steering.layer is not None else self.vector.layer
-            if not 0 <= self.layer < parts.n_layers:
-                raise ValueError(f"skipkv.steering.layer={self.layer} is outside 0..{parts.n_layers - 1}")
-            hidden = parts.embed.embedding_dim
-            if self.vector.vector.numel() != hidden:
-                raise ValueError(
-                    f"steering vector at {path} has {self.vector.vector.numel()} dims; this model has {hidden}"
-                )
+        self._window: QueryWindow | None = None
+        self._steer: Steering | None = None
 
-    def begin(self, ctx: BatchContext, rows: Sequence[_Row]) -> None:
+    def state(self, node: int) -> SkipState | None:
+        """The SkipKV state of a node (None before it decoded under SkipKV)."""
+        return self.states.get(node)
+
+    def after_pending(self, batch: Batch, feeds: Sequence[Sequence[int]]) -> None:
+        for r, fed in zip(batch.rows, feeds, strict=True):
+            state = self.states.get(r.seg.id)
+            if state is not None and fed:  # e.g. the last sampled token of an earlier extend
+                state.tracker.append(fed)
+
+    def begin_decode(self, batch: Batch) -> None:
         """Start tracking each row's generated tokens and record the decode queries."""
-        for r in rows:
-            if r.seg.skip is None:
+        for r in batch.rows:
+            if r.seg.id not in self.states:
                 tracker = SentenceTracker(self.delimiters, self.cfg.keywords, self._decode)
-                r.seg.skip = SkipState(tracker=tracker, gen_start=r.kv_len)
-        t = ctx.tail_k[0]
+                self.states[r.seg.id] = SkipState(tracker=tracker, gen_start=r.kv_len)
+        ctx = batch.ctx
         shape = (ctx.batch, self.parts.n_heads, 0, self.parts.head_dim)
-        ctx.query_window = [t.new_zeros(shape) for _ in range(self.parts.n_layers)]
-        ctx.window_size = self.cfg.query_window
+        self._window = QueryWindow(ctx.tail_k[0], shape, self.parts.n_layers, self.cfg.query_window)
+        ctx.taps.append(self._window)
+        self._steer = None
 
-    def steering(self, rows: Sequence[_Row]) -> Steering | None:
+    def steering(self, rows: Sequence[Row]) -> Steering | None:
         """This step's steering, with α_t = α0 + γ·N_nonexec per row (None when steering is off)."""
-        if self.vector is None or self.cfg.steering is None:
+        build, steer = self.steer_build, self.cfg.steering
+        if build is None or steer is None:
             return None
-        device = self.parts.embed.weight.device
-        if self._delim_mask is None or self._vector is None:
-            mask = torch.zeros(self.parts.embed.num_embeddings, dtype=torch.bool)
-            mask[[i for i in self.delimiters if i < mask.numel()]] = True
-            self._delim_mask = mask.to(device)
-            self._vector = self.vector.vector.to(device=device, dtype=self.parts.embed.weight.dtype)
-        steer = self.cfg.steering
-        strengths = [steering_strength(steer.alpha0, steer.gamma, r.seg.skip.tracker.n_nonexec) for r in rows]
+        strengths = [
+            steering_strength(steer.alpha0, steer.gamma, self.states[r.seg.id].tracker.n_nonexec)
+            for r in rows
+        ]
         return Steering(
-            layer=self.layer,
-            vector=self._vector,
-            delimiters=self._delim_mask,
-            strengths=torch.tensor(strengths, device=device),
+            layer=build.layer,
+            vector=build.on_device,
+            delimiters=build.delimiters,
+            strengths=torch.tensor(strengths, device=build.on_device.device),
         )
 
+    def before_step(self, batch: Batch, rows: Sequence[Row]) -> None:
+        self._steer = self.steering(rows)
+
+    def before_layer(self, fwd: Forward, index: int, h: torch.Tensor) -> torch.Tensor:
+        return h if self._steer is None else self._steer.before_layer(fwd, index, h)
+
     def after_step(
-        self, ctx: BatchContext, rows: Sequence[_Row], feeds: Sequence[Sequence[int]], step: int
-    ) -> dict[str, float]:
+        self, batch: Batch, rows: Sequence[Row], feeds: Sequence[Sequence[int]], step: int
+    ) -> None:
         """Track the tokens just fed; every `interval` steps compress the rows above budget."""
+        self._steer = None
+        hidden = batch.ctx.last_hidden
+        assert hidden is not None
         for pos, (r, fed) in enumerate(zip(rows, feeds, strict=True)):
             if fed:
-                r.seg.skip.tracker.append(fed, hidden=ctx.last_hidden[pos : pos + 1])
+                self.states[r.seg.id].tracker.append(fed, hidden=hidden[pos : pos + 1])
         if (step + 1) % self.cfg.interval:
-            return {}
-        stats = {"skipkv_compressions": 0.0, "skipkv_evicted_tokens": 0.0}
+            return
+        compressions, evicted = 0, 0
         for pos, r in enumerate(rows):
-            if r.finish is None and r.seg.skip.tracker.cache_len > self.cfg.budget:
-                stats["skipkv_compressions"] += 1
-                stats["skipkv_evicted_tokens"] += self._compress(ctx, pos, r)
-        return stats
+            if r.finish is None and self.states[r.seg.id].tracker.cache_len > self.cfg.budget:
+                compressions += 1
+                evicted += self._compress(batch, pos, r)
+        self.stats.bump("skipkv_compressions", compressions)
+        self.stats.bump("skipkv_evicted_tokens", evicted)
 
-    def _compress(self, ctx: BatchContext, pos: int, row: _Row) -> int:
+    def _compress(self, batch: Batch, pos: int, row: Row) -> int:
         """Evict one row's lowest Eq. 6 tokens down to the budget, in place; returns how many."""
-        cfg, state = self.cfg, row.seg.skip
+        cfg, state, window = self.cfg, self.states[row.seg.id], self._window
+        assert window is not None
+        ctx = batch.ctx
         at, n, g0 = row.tail_start, row.kv_len, state.gen_start
         keys = [t[pos, :, at : at + n] for t in ctx.tail_k]
         scale = self.parts.head_dim**-0.5
         importance = torch.stack(
             [
                 token_importance(w[pos], k, scale, cfg.pool_kernel)
-                for w, k in zip(ctx.query_window, keys, strict=True)
+                for w, k in zip(window.windows, keys, strict=True)
             ]
         )
         redundancy = torch.stack([key_redundancy(k) for k in keys]) if cfg.redundancy else None
@@ -699,16 +248,9 @@ class SkipKV:
         keep = select_keep(
             scores, cfg.budget, evictable=evictable, protected=newest_mask(evictable, cfg.window)
         )
-        kept = int(keep.numel())
-        index = keep.to(ctx.tail_k[0].device) + at
-        for buffers in (ctx.tail_k, ctx.tail_v):
-            for t in buffers:
-                t[pos, :, at : at + kept] = t[pos, :, index]
-        if ctx.own_mass is not None:
-            ctx.own_mass[pos, at : at + kept] = ctx.own_mass[pos, index]
-        row.kv_len = kept
-        lens = ctx.lens.clone()
-        lens[pos] = at + kept
-        ctx.lens = lens
+        batch.keep_own(pos, row, keep.to(ctx.tail_k[0].device))
         state.tracker.evict((keep[keep >= g0] - g0).tolist())
-        return n - kept
+        return n - int(keep.numel())
+
+    def on_release(self, seg: Segment) -> None:
+        self.states.pop(seg.id, None)

@@ -1,4 +1,4 @@
-"""Semantic clustering of candidate steps for ETS's coverage term (ETS §4.2, DESIGN §5).
+"""Semantic clustering of candidate steps for ETS's coverage term (ETS §4.2, as in its public code).
 
 ETS embeds the *last step* of each candidate trajectory, clusters the embeddings with SciPy's
 average-linkage agglomerative clustering on cosine distance, and cuts the dendrogram at a fixed

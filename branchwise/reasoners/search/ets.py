@@ -69,7 +69,7 @@ Coverage = Literal["any", "all"]
 DEFAULT_LAMBDA_B = 1.0
 """Budget weight; the public configs use 1.0."""
 DEFAULT_LAMBDA_D = 1.4
-"""Coverage weight; the public configs use 1.45-1.5 (the paper's text says 1.0, see DESIGN §5)."""
+"""Coverage weight; the public configs use 1.45-1.5 (the paper's text says 1.0)."""
 DEFAULT_TIME_LIMIT_S = 5.0
 """CBC's wall-clock limit per step; App. C reports the whole ETS overhead under 2 % of a step."""
 

@@ -11,8 +11,8 @@ their rewards and a sequential ceiling::
 Because the denominator only covers leaves not yet allocated, the last leaf reached is offered the
 whole remainder, so the counts always add up to the width; because each count is a ceiling, the best
 leaves round *up* and low-reward leaves can end with zero children when the width is small. ETS uses
-the same counts, normalised to sum to one, as the value of keeping each leaf (DESIGN §5: "O_i is the
-REBASE allocation, normalised", not the raw reward).
+the same counts, normalised to sum to one, as the value of keeping each leaf (ETS's public code: O_i
+is the REBASE allocation, normalised, not the raw reward).
 
 Everything here is pure Python/NumPy: no torch, no model.
 """

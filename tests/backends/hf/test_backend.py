@@ -9,7 +9,8 @@ import torch
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.attention import BatchContext, SharedSegment
+from branchwise.backends.hf.attention import SharedSegment
+from branchwise.backends.hf.batch import BatchContext
 
 PROMPTS = ["What is 12 + 7?", "Name three colours.", "Count to five:", "The quick brown fox"]
 GREEDY = DecodeParams(max_tokens=10, min_tokens=10)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from branchwise.backends.hf.skipkv import (
+from branchwise.backends.hf.skipkv_policy import (
     SentenceTracker,
     SteeringVector,
     delimiter_token_ids,

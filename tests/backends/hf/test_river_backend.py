@@ -49,7 +49,7 @@ def test_exited_tokens_leave_a_complete_cache(tiny_llama_dir, kernel: str) -> No
     assert stats["river_backbone_layers"] == stats["river_tokens"]  # one backbone layer per token
     backend.append([kid], [backend.encode(" ok")])
     backend.extend([kid], DecodeParams(max_tokens=1))  # computes the pending tokens too
-    segs = [backend._segments[root], backend._segments[kid]]
+    segs = [backend.tree.get(root), backend.tree.get(kid)]
     path = backend.tokens(kid)[:-1]  # the last sampled token has no KV yet
     assert sum(s.kv_tokens for s in segs) == len(path)
     keys = [torch.cat([s.keys[layer] for s in segs], dim=1) for layer in range(backend.parts.n_layers)]

@@ -15,16 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from branchwise.backends.hf.river import (
+from branchwise.backends.hf.river import exit_fidelity, transition_similarity
+from branchwise.backends.hf.river_quant import (
     WeightOnlyLinear,
     build_river,
-    exit_fidelity,
     int4_cpu_kernel_ok,
     int8_cpu_kernel_ok,
     quantize_layer,
     resolve_kernel,
     river_bytes,
-    transition_similarity,
 )
 
 if TYPE_CHECKING:

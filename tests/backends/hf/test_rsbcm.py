@@ -36,7 +36,7 @@ def test_stress_capacity_four_of_eight(tiny_llama_dir) -> None:
     assert stats.bytes_held == (prompt_tokens + 4 * 7) * backend.kv_token_bytes
     # the evicted branches are the least confident ones (same depth, similar mass → score decides)
     confidences = sorted((g.confidence, g.node) for g in gens)
-    emptied = {k for k in kids if backend._segments[k].kv_tokens == 0}
+    emptied = {k for k in kids if backend.tree.get(k).kv_tokens == 0}
     assert len(emptied) == 4
     assert emptied & {n for _, n in confidences[:4]}
     # the branches still score (attention skips what is gone) and everything is released cleanly
@@ -55,7 +55,7 @@ def test_positions_after_eviction_match_masked_reference(tiny_llama_dir, masked_
     (kid,) = backend.fork(root, 1)
     # 11 computed own tokens → blocks of 4, 4, 3 → one evicted; the pending 12th then fits in 2 blocks
     backend.extend([kid], DecodeParams(max_tokens=12, min_tokens=12))
-    seg = backend._segments[kid]
+    seg = backend.tree.get(kid)
     assert backend.kv_stats().extra["rsbcm_evictions"] == 1
     backend.accel = Accel()  # no further evictions: the 12th token and the suffix see what is left
     path = backend.tokens(kid)

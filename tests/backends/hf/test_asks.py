@@ -1,4 +1,4 @@
-"""ASKS (RKSC §2.2): token-exact partial sharing, the similarity gate, and the KV probe."""
+"""ASKS (RKSC §2.2): token-exact partial sharing and the similarity gate."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from branchwise.backends import DecodeParams
-from branchwise.backends.accel import Accel, ASKSConfig, ProbeConfig
+from branchwise.backends.accel import Accel, ASKSConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.asks import KVProbe, layer_weights, similarity
+from branchwise.backends.hf.asks import layer_weights, similarity
 
 GREEDY = DecodeParams(max_tokens=6, min_tokens=6)
 CONTEXT = " The farmer has 12 apples and buys 7 more in the morning market."
@@ -87,35 +87,6 @@ def test_asks_gate_tau_zero_reuses_similar(tiny_llama_dir) -> None:
     assert sum(backend.tokens(k) == root_ids for k in kids) == 1 + reused
     backend.release([root, *kids])
     assert backend.kv_stats().live_nodes == 0 and backend.kv_stats().bytes_held == 0
-
-
-def test_probe_decides_once_per_bucket(tiny_llama_dir) -> None:
-    probe = KVProbe(bucket_tokens=64, repeats=3)
-    calls: list[str] = []
-
-    def timed(name: str, cost: float):
-        def fn() -> None:
-            calls.append(name)
-            torch.randn(int(cost * 1e5)).sum()
-
-        return fn
-
-    assert probe.decide(100, 8, timed("r", 50), timed("p", 1), timed("s", 1)) is True
-    assert probe.decide(120, 8, timed("r", 50), timed("p", 1), timed("s", 1)) is True  # same bucket: cached
-    assert len(calls) == 9
-    backend = HFBackend(tiny_llama_dir)
-    backend.accel = Accel(probe=ProbeConfig(override="recompute"))
-    root = backend.prefill(backend.encode(CONTEXT))
-    kids = backend.fork(root, 3)
-    assert backend.kv_stats().tokens_reused == 0  # the override made the fork recompute
-    backend.release([root, *kids])
-    backend.accel = Accel(probe=ProbeConfig(repeats=1))
-    root = backend.prefill(backend.encode(CONTEXT))
-    kids = backend.fork(root, 3)
-    stats = backend.kv_stats().extra
-    assert stats.get("probe_share", 0) + stats.get("probe_recompute", 0) == 1
-    backend.release([root, *kids])
-    assert backend.kv_stats().live_nodes == 0
 
 
 def test_reasoner_variants_use_fork_prompts(tiny_llama_dir) -> None:

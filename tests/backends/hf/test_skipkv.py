@@ -9,7 +9,9 @@ import torch
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RSBCMConfig, SkipKVConfig, SteeringConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.skipkv import Steering, SteeringVector
+from branchwise.backends.hf.batch import Batch, Row
+from branchwise.backends.hf.skipkv import SkipKV, Steering
+from branchwise.backends.hf.skipkv_policy import SteeringVector
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import beam_search, self_consistency
 
@@ -47,17 +49,20 @@ def test_budget_holds_per_row_and_frees_memory(tiny_llama_dir) -> None:
     stats = backend.kv_stats()
     assert stats.extra["skipkv_compressions"] >= 3 * 4  # steps 4, 8, 12, 16, 20 for each row
     kept_sets = []
+    skip = backend.acceleration(SkipKV)
+    assert isinstance(skip, SkipKV)
     for k in kids:
-        seg = backend._segments[k]
-        state = seg.skip
+        seg = backend.tree.get(k)
+        state = skip.state(k)
+        assert state is not None
         # generated KV: at most budget after the last compression (step 20) + the token fed since
         assert state.tracker.cache_len <= SMALL.budget + 1
         assert seg.kv_tokens == state.gen_start + state.tracker.cache_len
         kept_sets.append(tuple(state.tracker.positions))
     assert len(set(kept_sets)) > 1  # each row chose its own tokens (not row 0's choice for all)
     prompt_tokens = len(backend.encode(PROMPT))
-    assert backend._segments[root].kv_tokens == prompt_tokens  # the shared prompt is never evicted
-    own = sum(backend._segments[k].kv_tokens for k in kids)
+    assert backend.tree.get(root).kv_tokens == prompt_tokens  # the shared prompt is never evicted
+    own = sum(backend.tree.get(k).kv_tokens for k in kids)
     assert stats.bytes_held == (prompt_tokens + own) * backend.kv_token_bytes
     backend.release([root, *kids])
     assert backend.kv_stats().bytes_held == 0
@@ -69,8 +74,11 @@ def test_positions_after_eviction_match_masked_reference(tiny_llama_dir, masked_
     # one compression, after the 12th fed token: every earlier query saw the full cache
     backend.accel = Accel(skipkv=SkipKVConfig(budget=6, interval=12, window=2, query_window=4))
     root, (kid,) = _extend(backend, 1, 13)
-    seg = backend._segments[kid]
-    kept_generated = list(seg.skip.tracker.positions)
+    skip = backend.acceleration(SkipKV)
+    assert isinstance(skip, SkipKV)
+    state = skip.state(kid)
+    assert state is not None
+    kept_generated = list(state.tracker.positions)
     assert len(kept_generated) == 6  # 12 generated tokens were fed, 6 evicted
     backend.accel = Accel()
     path = backend.tokens(kid)
@@ -93,7 +101,7 @@ def test_steering_changes_the_residual_only_at_delimiters(tiny_llama_dir) -> Non
     ids = backend.encode("One.\nTwo)\n\nThree: four\nfive")
     delims = torch.zeros(parts.embed.num_embeddings, dtype=torch.bool)
     text_of = [backend.tokenizer.decode([i]) for i in ids]
-    from branchwise.backends.hf.skipkv import is_delimiter_text
+    from branchwise.backends.hf.skipkv_policy import is_delimiter_text
 
     flags = [is_delimiter_text(t) for t in text_of]
     assert any(flags) and not all(flags)
@@ -102,8 +110,10 @@ def test_steering_changes_the_residual_only_at_delimiters(tiny_llama_dir) -> Non
     hook = parts.layers[layer].register_forward_pre_hook(lambda _m, args: captured.append(args[0].clone()))
     try:
         for steer in (None, Steering(layer, vector, delims, torch.tensor([1.5]))):
-            _, ctx, _ = backend._prepare([backend._new_segment(None, False, ids)], 0)
-            backend._forward(ctx, [ids], steer=steer)
+            seg = backend.tree.add(None, False, list(ids), backend.tree.total)
+            batch = Batch.assemble([seg], 0, parts, backend.dtype, backend.device)
+            backend.engine.runner.forward(batch.ctx, [ids], [] if steer is None else [steer])
+            backend.tree.release(seg.id)
     finally:
         hook.remove()
     diff = (captured[1] - captured[0])[0]  # [q, d]
@@ -122,13 +132,16 @@ def test_adaptive_strength_counts_nonexec_sentences(tiny_llama_dir, tmp_path) ->
     steer = SteeringConfig(alpha0=1.0, gamma=0.5, vector_path=str(path))
     backend.accel = Accel(skipkv=SkipKVConfig(budget=64, interval=4, steering=steer))
     root, kids = _extend(backend, 2, 8)
-    skip = backend._skip
-    rows = [type("R", (), {"seg": backend._segments[k]})() for k in kids]
-    for r in rows:
-        r.seg.skip.tracker.append(backend.encode("\nWait, that is wrong.\n"))  # closes any open one first
+    skip = backend.acceleration(SkipKV)
+    assert isinstance(skip, SkipKV)
+    rows = [Row(seg=backend.tree.get(k), kv_len=0, computed=0) for k in kids]
+    trackers = [skip.states[k].tracker for k in kids]
+    for tracker in trackers:
+        tracker.append(backend.encode("\nWait, that is wrong.\n"))  # closes any open one first
     got = skip.steering(rows)
-    expected = [1.0 + 0.5 * r.seg.skip.tracker.n_nonexec for r in rows]
-    assert all(r.seg.skip.tracker.n_nonexec >= 1 for r in rows)
+    assert got is not None
+    expected = [1.0 + 0.5 * t.n_nonexec for t in trackers]
+    assert all(t.n_nonexec >= 1 for t in trackers)
     torch.testing.assert_close(got.strengths, torch.tensor(expected))
     backend.release([root, *kids])
 

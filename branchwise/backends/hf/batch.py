@@ -1,0 +1,317 @@
+"""Batch state: the rows being computed together and the per-batch KV buffers attention reads.
+
+Why a separate module: the tree (`tree.py`) holds KV per node for as long as the node lives; a
+forward needs the same KV arranged per *row* — each row's own tokens in a padded tail buffer that
+grows as it decodes, its ancestors as shared segments read once for every row under them. `Batch`
+builds that arrangement from segments and copies each row's tail back into its segment when the
+row is done (`capture`). Nothing here is specific to an acceleration: one that needs to see
+attention (weights, queries) or move a row's slots registers an `AttentionTap`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from branchwise.backends.base import FinishReason
+from branchwise.backends.hf.arch import DecoderParts
+from branchwise.backends.hf.attention import SharedSegment, Weights, cascade
+from branchwise.backends.hf.tree import KVTree, Segment
+
+Broadcast = Literal["cascade", "copy"]
+"""How rows read shared ancestors: one batched product per segment, or per-row copies (baseline)."""
+
+
+@dataclass
+class Row:
+    """One branch in a batch: its segment, where its KV sits in the tail, and what it decoded."""
+
+    seg: Segment
+    kv_len: int
+    """Valid KV tokens of the row's own segment in the tail (physical; below `computed` after eviction)."""
+    computed: int
+    """Tokens of the segment whose KV was computed (logical)."""
+    tail_start: int = 0
+    """Where the row's own KV starts in the tail (after copied ancestors under broadcast='copy')."""
+    out: list[int] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish: FinishReason | None = None
+    captured: bool = False
+
+
+class AttentionTap:
+    """An observer of a batch's attention, installed by an acceleration (every method optional).
+
+    `wants_weights` makes attention take the explicit-softmax path (SDPA hides its weights) and call
+    `on_weights`; `on_query` sees each layer's post-RoPE queries. The other methods keep per-slot
+    state the tap holds aligned when rows leave the batch, the tail grows or a row's slots move.
+    """
+
+    wants_weights: bool = False
+
+    def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
+        """Post-RoPE queries `[B, H, q, D]` of layer `layer`, before attention."""
+
+    def on_weights(self, layer: int, weights: Weights) -> None:
+        """Softmax statistics of layer `layer` (only when `wants_weights`)."""
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        """Rows not in `keep` (old indices, in order) left the batch."""
+
+    def grow(self, capacity: int) -> None:
+        """The tail buffers grew to `capacity` slots per row."""
+
+    def move_slots(self, pos: int, start: int, index: torch.Tensor) -> None:
+        """Row `pos` keeps tail slots `index` (absolute), now packed from `start` on."""
+
+
+@dataclass
+class BatchContext:
+    """Per-batch KV state the attention function reads and writes, layer by layer.
+
+    `tail_k[l]` / `tail_v[l]` are `[B, H_kv, cap, D]` buffers holding each row's own tokens, right
+    padded; `lens[b]` is how many of them are valid before the current forward. `begin(q)` prepares
+    the masks and write positions for a forward of `q` new tokens per row (padded rows feed dummies
+    whose outputs are discarded and whose slots are later overwritten).
+    """
+
+    tail_k: list[torch.Tensor]
+    tail_v: list[torch.Tensor]
+    lens: torch.Tensor  # [B] long
+    shared: list[SharedSegment] = field(default_factory=list)
+    pos_next: torch.Tensor | None = None  # [B] logical position of each row's next token
+    n_groups: int = 1
+    taps: list[AttentionTap] = field(default_factory=list)
+    last_hidden: torch.Tensor | None = None  # final-norm hidden state at each row's last fed token
+    # set by begin():
+    q_len: int = 0
+    _own_mask: torch.Tensor | None = None  # [B,1,q,T] bool
+    _own_mask_g: torch.Tensor | None = None  # [B,1,G*q,T] bool
+    _write_idx: torch.Tensor | None = None
+    _uniform: int | None = None
+
+    @property
+    def batch(self) -> int:
+        return int(self.lens.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        return int(self.tail_k[0].shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tail buffers (transient: they live as long as the batch)."""
+        return sum(t.nbytes for t in self.tail_k) * 2
+
+    def begin(self, q_len: int) -> None:
+        """Prepare masks and write positions for a forward of `q_len` tokens per row."""
+        self.q_len = q_len
+        device = self.lens.device
+        max_len = int(self.lens.max())
+        total = max_len + q_len
+        if total > self.capacity:
+            self._grow(total)
+        j = torch.arange(total, device=device)
+        i = torch.arange(q_len, device=device)
+        # key j is visible to query i of row b iff j <= lens[b] + i (causal within the tail).
+        limit = self.lens[:, None] + i[None, :]  # [B, q]
+        mask = j[None, None, :] <= limit[:, :, None]  # [B, q, T]
+        self._own_mask = mask[:, None]
+        g = self.n_groups
+        self._own_mask_g = (
+            mask[:, None, None].expand(-1, 1, g, -1, -1).reshape(self.batch, 1, g * q_len, total)
+        )
+        lens_list = self.lens.tolist()
+        self._uniform = lens_list[0] if all(x == lens_list[0] for x in lens_list) else None
+        self._write_idx = None if self._uniform is not None else limit  # [B, q]
+
+    def _grow(self, needed: int) -> None:
+        new_cap = max(needed, self.capacity + max(128, self.capacity // 2))
+        for layer in range(len(self.tail_k)):
+            for buf in (self.tail_k, self.tail_v):
+                old = buf[layer]
+                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+                new[:, :, : old.shape[2]] = old
+                buf[layer] = new
+        for tap in self.taps:
+            tap.grow(new_cap)
+
+    def select_rows(self, keep: torch.Tensor, row_map: dict[int, int]) -> None:
+        """Drop batch rows not in `keep` (a long tensor of old row indices, in order)."""
+        self.tail_k = [t.index_select(0, keep) for t in self.tail_k]
+        self.tail_v = [t.index_select(0, keep) for t in self.tail_v]
+        self.lens = self.lens.index_select(0, keep)
+        # per-forward state too: rows can leave between layers (early exits)
+        if self._own_mask is not None:
+            self._own_mask = self._own_mask.index_select(0, keep)
+            self._own_mask_g = self._own_mask_g.index_select(0, keep)
+        if self._write_idx is not None:
+            self._write_idx = self._write_idx.index_select(0, keep)
+        if self.pos_next is not None:
+            self.pos_next = self.pos_next.index_select(0, keep)
+        for tap in self.taps:
+            tap.select_rows(keep)
+        new_shared = []
+        for seg in self.shared:
+            if seg.rows is None:
+                new_shared.append(seg)
+                continue
+            rows = [row_map[r] for r in seg.rows.tolist() if r in row_map]
+            if rows:
+                new_shared.append(
+                    SharedSegment(seg.keys, seg.values, torch.tensor(rows, device=self.lens.device), seg.key)
+                )
+        self.shared = new_shared
+
+    def move_slots(self, pos: int, start: int, index: torch.Tensor) -> None:
+        """Keep only tail slots `index` (absolute, increasing) of row `pos`, packed from `start` on.
+
+        The public way to evict part of a row's own KV mid-decode: buffers, the row's length and
+        every tap move together, so nothing is left pointing at a slot that moved.
+        """
+        kept = int(index.numel())
+        for buffers in (self.tail_k, self.tail_v):
+            for t in buffers:
+                t[pos, :, start : start + kept] = t[pos, :, index]
+        for tap in self.taps:
+            tap.move_slots(pos, start, index)
+        lens = self.lens.clone()
+        lens[pos] = start + kept
+        self.lens = lens
+
+    def attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """Write this forward's K/V into the tail and attend over ancestors + tail.
+
+        query `[B, H, q, D]`, key/value `[B, H_kv, q, D]` (post-RoPE). Returns `[B, q, H, D]`.
+        """
+        tk, tv = self.tail_k[layer], self.tail_v[layer]
+        q_len = self.q_len
+        for tap in self.taps:
+            tap.on_query(layer, query, q_len)
+        if self._uniform is not None:
+            start = self._uniform
+            tk[:, :, start : start + q_len] = key
+            tv[:, :, start : start + q_len] = value
+        else:
+            rows = torch.arange(self.batch, device=key.device)[:, None]
+            tk[rows, :, self._write_idx] = key.transpose(1, 2)
+            tv[rows, :, self._write_idx] = value.transpose(1, 2)
+        total = self._own_mask.shape[-1]
+        k_own, v_own = tk[:, :, :total], tv[:, :, :total]
+        want_weights = any(tap.wants_weights for tap in self.taps)
+        if not self.shared and not want_weights:
+            out = F.scaled_dot_product_attention(
+                query, k_own, v_own, attn_mask=self._own_mask, scale=scaling, enable_gqa=self.n_groups > 1
+            )
+            return out.transpose(1, 2)
+        out, weights = cascade(
+            query, k_own, v_own, self._own_mask_g, self.shared, layer, scaling, want_weights
+        )
+        if weights is not None:
+            for tap in self.taps:
+                if tap.wants_weights:
+                    tap.on_weights(layer, weights)
+        return out
+
+
+@dataclass
+class Batch:
+    """Rows decoded together and their attention context."""
+
+    rows: list[Row]
+    ctx: BatchContext
+    feeds: list[list[int]]
+    """Each row's pending tokens when the batch was assembled (what its first forward feeds)."""
+    broadcast: Broadcast = "cascade"
+
+    @classmethod
+    def assemble(
+        cls,
+        segs: Sequence[Segment],
+        extra: int,
+        parts: DecoderParts,
+        dtype: torch.dtype,
+        device: torch.device,
+        broadcast: Broadcast = "cascade",
+    ) -> Batch:
+        """Rows for `segs`: each row's own KV in its tail (with `extra` free slots), ancestors shared.
+
+        With `broadcast="copy"` (the RKSC notebook's `repeat_interleave(...).clone()`, kept as a
+        baseline) every row gets its own copy of its ancestors' KV in front of its tail instead.
+        """
+        rows = [Row(seg=s, kv_len=s.kv_tokens, computed=s.n_computed) for s in segs]
+        b = len(rows)
+        copy_mode = broadcast == "copy"
+        for r in rows:
+            chain = list(reversed(r.seg.kv_ancestors())) if copy_mode else []
+            r.tail_start = sum(a.kv_tokens for a in chain)
+        lens = [r.tail_start + r.kv_len for r in rows]
+        cap = max(n + len(r.seg.pending) for n, r in zip(lens, rows, strict=True)) + extra
+        shape = (b, parts.n_kv_heads, max(cap, 1), parts.head_dim)
+        # zeros, not empty: masked slots still enter the products (0 * NaN garbage would be NaN)
+        tail_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(parts.n_layers)]
+        tail_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(parts.n_layers)]
+        for i, r in enumerate(rows):
+            pieces = (list(reversed(r.seg.kv_ancestors())) if copy_mode else []) + [r.seg]
+            at = 0
+            for piece in pieces:
+                n = r.kv_len if piece is r.seg else piece.kv_tokens
+                if n:
+                    assert piece.keys is not None and piece.values is not None
+                    for layer in range(parts.n_layers):
+                        tail_k[layer][i, :, at : at + n] = piece.keys[layer]
+                        tail_v[layer][i, :, at : at + n] = piece.values[layer]
+                at += n
+        groups: dict[int, tuple[Segment, list[int]]] = {}
+        for i, r in enumerate(rows):
+            for anc in [] if copy_mode else r.seg.kv_ancestors():
+                groups.setdefault(anc.id, (anc, []))[1].append(i)
+        shared = [
+            SharedSegment(
+                anc.keys or [],
+                anc.values or [],
+                None if len(idx) == b else torch.tensor(idx, device=device),
+                anc.id,
+            )
+            for anc, idx in groups.values()
+            if anc.kv_tokens  # a segment emptied by eviction has nothing left to attend to
+        ]
+        ctx = BatchContext(
+            tail_k=tail_k,
+            tail_v=tail_v,
+            lens=torch.tensor(lens, device=device),
+            shared=shared,
+            n_groups=parts.n_heads // parts.n_kv_heads,
+            pos_next=torch.tensor([s.position for s in segs], device=device),
+        )
+        return cls(rows=rows, ctx=ctx, feeds=[s.pending for s in segs], broadcast=broadcast)
+
+    def advance(self, present: Sequence[int], feeds: Sequence[Sequence[int]]) -> None:
+        """Rows `present` (row indices, in batch order) just computed `feeds`."""
+        for ri, f in zip(present, feeds, strict=True):
+            self.rows[ri].kv_len += len(f)
+            self.rows[ri].computed += len(f)
+
+    def keep_own(self, pos: int, row: Row, keep: torch.Tensor) -> None:
+        """Keep only the slots `keep` (relative to the row's own KV, increasing) of the row at batch
+        position `pos`: an eviction mid-decode. Positions stay logical (`row.computed` is unchanged)."""
+        self.ctx.move_slots(pos, row.tail_start, keep + row.tail_start)
+        row.kv_len = int(keep.numel())
+
+    def capture(self, tree: KVTree, pos: int, row: Row) -> None:
+        """Copy a row's KV out of the batch buffers into its segment (independent tensors, so
+        releasing the node frees exactly its memory)."""
+        n, at = row.kv_len, row.tail_start
+        keys = [t[pos, :, at : at + n].clone() for t in self.ctx.tail_k]
+        values = [t[pos, :, at : at + n].clone() for t in self.ctx.tail_v]
+        tree.set_kv(row.seg, keys, values)
+        row.seg.n_computed = row.computed
+        row.captured = True

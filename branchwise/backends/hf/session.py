@@ -1,0 +1,476 @@
+"""One run on the local backend: the `Backend` operations with that run's share mode, accelerations
+and KV statistics.
+
+Why a session per run: several runs (threads, a DSPy program, later a request scheduler) share one
+loaded model and one KV tree, but each has its own settings and must report its own numbers. A
+`Session` binds the settings (`share`, `accel` and the acceleration plug-ins built for it) and a
+ledger of the bytes its nodes hold; the backend's lock serialises the operations, so sessions
+never see each other half-way. Expensive builds (River's quantized layers, steering vectors,
+calibrations) live in the backend's build cache, not here, so a session is cheap to make.
+
+Data flow of `extend`: the nodes' pending tokens (and any uncomputed ancestors) are computed first
+(`compute`), a `Batch` arranges each row's KV for attention, the runner pushes the batch through the
+layers, and `decode.decode` samples until every row stops; rows' KV goes back into their nodes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar, cast
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from branchwise.backends.accel import Accel
+from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode
+from branchwise.backends.hf.arch import DecoderParts
+from branchwise.backends.hf.batch import Batch, Broadcast, Row
+from branchwise.backends.hf.decode import decode
+from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, overrides
+from branchwise.backends.hf.plugins import Builds, EntropyTrace, build_plugins, layer_trace
+from branchwise.backends.hf.runner import Runner
+from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
+
+SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
+A = TypeVar("A", bound=Acceleration)
+
+
+def check_share(share: str) -> ShareMode:
+    if share not in SHARE_MODES:
+        raise ValueError(f"share={share!r} is not one of {SHARE_MODES}")
+    return cast(ShareMode, share)
+
+
+@dataclass
+class Engine:
+    """What every session of one backend shares: the model, the KV tree, the runner, the lock and
+    the build cache."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    parts: DecoderParts
+    device: torch.device
+    dtype: torch.dtype
+    eos_ids: set[int]
+    pad_id: int
+    broadcast: Broadcast = "cascade"
+    tree: KVTree = field(default_factory=KVTree)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    builds: Builds = field(default_factory=Builds)
+    runner: Runner = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.runner = Runner(self.parts, self.pad_id, self.device)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return self.encode("\n".join(m["content"] for m in messages) + "\n")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
+
+    def check_ids(self, ids: Sequence[int], name: str) -> list[int]:
+        vocab = self.parts.embed.num_embeddings
+        out = [int(t) for t in ids]
+        bad = [t for t in out if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} holds ids outside [0, {vocab}): {bad[:5]}")
+        return out
+
+
+class Session:
+    """The `Backend` operations for one run (see the module docstring).
+
+    Made by `HFBackend.session(share=..., accel=...)`; the backend's own operations go through a
+    default session whose ledger is the whole tree's (so `backend.kv_stats()` reports everything).
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        engine: Engine,
+        share: ShareMode,
+        accel: Accel,
+        ledger: Ledger | None = None,
+        stats: KVStats | None = None,
+    ) -> None:
+        self.engine = engine
+        self.share: ShareMode = check_share(share)
+        self.tree = engine.tree
+        self.parts = engine.parts
+        self.device = engine.device
+        self.ledger = Ledger() if ledger is None else ledger
+        self.stats = KVStats() if stats is None else stats
+        self.accel = accel
+        with engine.lock:  # builds are cached per backend: never two of the same at once
+            self.plugins: list[Acceleration] = build_plugins(
+                accel, self, tokenizer=engine.tokenizer, model_name=engine.model_name, builds=engine.builds
+            )
+
+    # ------------------------------------------------------------------ settings
+    def plugin(self, kind: type[A]) -> A | None:
+        """This run's instance of an acceleration (None when it is off), e.g. to read its state."""
+        return next((p for p in self.plugins if isinstance(p, kind)), None)
+
+    def plain(self) -> Session:
+        """A session over the same tree without accelerations and with its own throwaway stats."""
+        return Session(self.engine, self.share, Accel())
+
+    # ------------------------------------------------------------------ text
+    def encode(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.engine.decode(token_ids)
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.engine.chat_prompt(messages)
+
+    # ------------------------------------------------------------------ tree ops
+    def prefill(self, token_ids: Sequence[int]) -> NodeId:
+        ids = self.engine.check_ids(token_ids, "token_ids")
+        if not ids:
+            raise ValueError("token_ids must hold at least 1 token")
+        with self.engine.lock:
+            return self.tree.add(None, False, ids, self.ledger).id
+
+    def fork(self, node: NodeId, n: int, share: ShareMode | None = None) -> list[NodeId]:
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1")
+        mode = check_share(self.share if share is None else share)
+        with self.engine.lock:
+            parent = self.tree.get(node)
+            path = self.tree.path_tokens(parent)
+            if mode == "exact" and not self._sharing_pays(path, n):
+                mode = "none"
+            children = []
+            for _ in range(n):
+                if mode == "exact":
+                    child = self.tree.add(parent, True, [], self.ledger)
+                    self.stats.tokens_reused += len(path)
+                else:
+                    child = self.tree.add(parent, False, list(path), self.ledger)
+                children.append(child.id)
+            return children
+
+    def fork_prompts(
+        self, node: NodeId, prompts: Sequence[Sequence[int]], share: ShareMode | None = None
+    ) -> list[NodeId]:
+        """One child per prompt, each standing for that whole token sequence (not appended to `node`).
+
+        `share="exact"` reuses the longest common token prefix with `node`'s path (splitting the
+        segment that holds it); an acceleration may place prompts that diverge from the path
+        (ASKS reuses the root's whole KV when hidden states stay similar). `share="none"`
+        recomputes every prompt.
+        """
+        mode = check_share(self.share if share is None else share)
+        ids = [self.engine.check_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
+        if any(not p for p in ids):
+            raise ValueError("every prompt must hold at least 1 token")
+        with self.engine.lock:
+            root = self.tree.get(node)
+            path = self.tree.path_tokens(root)
+            if mode == "exact" and not self._sharing_pays(path, len(ids)):
+                mode = "none"
+            if mode == "none":
+                return [self.tree.add(root, False, list(p), self.ledger).id for p in ids]
+            if root.pending or root.last_logits is None:
+                self.compute([root])
+            placers = overrides(self.plugins, "on_fork_prompts")
+            out: list[int | None] = [None] * len(ids)
+            divergent: list[tuple[int, int, int]] = []  # (prompt index, common prefix k, common suffix m)
+            for i, p in enumerate(ids):
+                k = common_prefix(path, p)
+                if k == len(path):
+                    out[i] = self.share_child(root, p[k:], len(path))
+                    continue
+                k = min(k, len(p) - 1)
+                m = min(common_suffix(path, p), len(p) - k - 1, len(path) - k - 1)
+                if not placers or m < 0:
+                    out[i] = self._exact_child(root, k, p)
+                else:
+                    divergent.append((i, k, m))
+            for plugin in placers:
+                placed = plugin.on_fork_prompts(self, root, path, ids, divergent)
+                for i, child in placed.items():
+                    out[i] = child
+                divergent = [d for d in divergent if d[0] not in placed]
+            for i, k, _ in divergent:
+                out[i] = self._exact_child(root, k, ids[i])
+            children = []
+            for child in out:
+                assert child is not None  # every prompt was placed above
+                children.append(child)
+            return children
+
+    def share_child(self, root: Segment, own: list[int], reused: int) -> int:
+        """A child that reads all of `root`'s KV and holds `own` tokens of its own."""
+        child = self.tree.add(root, True, list(own), self.ledger)
+        self.stats.tokens_reused += reused
+        return child.id
+
+    def prefix_node(self, root: Segment, k: int) -> Segment:
+        """The segment whose KV chain ends at path position k of `root` (split if needed)."""
+        splits = overrides(self.plugins, "on_split")
+
+        def on_split(head: Segment, rest: Segment, at: int) -> None:
+            for plugin in splits:
+                plugin.on_split(head, rest, at)
+
+        return self.tree.prefix_node(root, k, on_split)
+
+    def _exact_child(self, root: Segment, k: int, prompt: list[int]) -> int:
+        """A child sharing the first k tokens of root's path (k = 0: nothing shared)."""
+        if k == 0:
+            return self.tree.add(root, False, list(prompt), self.ledger).id
+        base = self.prefix_node(root, k)
+        child = self.tree.add(base, True, list(prompt[k:]), self.ledger)
+        self.stats.tokens_reused += k
+        self.tree.adopt(root, child)
+        return child.id
+
+    def _sharing_pays(self, path: list[int], n: int) -> bool:
+        return all(plugin.on_fork(self, path, n) for plugin in overrides(self.plugins, "on_fork"))
+
+    def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
+        if len(nodes) != len(token_ids):
+            raise ValueError(f"token_ids has {len(token_ids)} entries for {len(nodes)} nodes")
+        with self.engine.lock:
+            for node, ids in zip(nodes, token_ids, strict=True):
+                seg = self.tree.growable(node)
+                seg.tokens.extend(self.engine.check_ids(ids, "token_ids"))
+
+    def extend(self, nodes: Sequence[NodeId], params: DecodeParams) -> list[Generation]:
+        with self.engine.lock:
+            segs = [self.tree.growable(n) for n in nodes]
+            if len({s.id for s in segs}) != len(segs):
+                raise ValueError("nodes must be distinct; fork a node to decode it several times")
+            if not segs:
+                return []
+            return self._run(segs, params)
+
+    def score_next(
+        self,
+        nodes: Sequence[NodeId],
+        suffix: Sequence[int],
+        candidates: Sequence[int],
+        trace: list[EntropyTrace] | None = None,
+    ) -> list[list[float]]:
+        """See `Backend.score_next`. An acceleration may let rows stop at an earlier layer (CGEE).
+
+        Pass a list as `trace` to receive each row's per-layer entropies and exit layer (with early
+        exits off, every layer is recorded: that is what calibration needs).
+        """
+        cand = self.engine.check_ids(candidates, "candidates")
+        suffix_ids = self.engine.check_ids(suffix, "suffix")
+        if not suffix_ids:
+            raise ValueError("suffix must hold at least 1 token")
+        with self.engine.lock:
+            probes = [self.fork(n, 1)[0] for n in nodes]
+            try:
+                segs = [self.tree.get(p) for p in probes]
+                for seg in segs:
+                    seg.tokens.extend(suffix_ids)
+                observer = next(
+                    (
+                        o
+                        for o in (p.verify_observer(len(segs), cand, trace) for p in self.plugins)
+                        if o is not None
+                    ),
+                    None,
+                )
+                if observer is None and trace is not None:
+                    observer = layer_trace(self.parts, len(segs), cand, self.stats, trace)
+                self._materialize_ancestors(segs)
+                batch = self._assemble(segs, 0)
+                logits = self._forward(batch, batch.feeds, [] if observer is None else [observer])
+                probs = torch.softmax(logits.float(), dim=-1)[:, cand]
+                return probs.tolist()
+            finally:
+                self.release(probes)
+
+    def embed_nodes(self, nodes: Sequence[NodeId], probe: Sequence[int]) -> torch.Tensor:
+        """The model's own embedding of each node: its final-norm hidden state after `node + probe`.
+
+        Why a probe token: a node's last token is often computed already (a judge read it), and its
+        hidden state is not kept, so a short fixed `probe` (say one newline token) is pushed through
+        in a temporary child, reading the node's whole path from the shared KV — one batched forward
+        of len(probe) tokens per node, released at once. ETS clusters these to find redundant steps
+        without loading a sentence-embedding model. Returns a float32 CPU tensor [len(nodes), hidden].
+        """
+        probe_ids = self.engine.check_ids(probe, "probe")
+        if not probe_ids:
+            raise ValueError("probe must hold at least 1 token")
+        if not nodes:
+            return torch.zeros(0, self.parts.embed.embedding_dim)
+        with self.engine.lock:
+            kids = [self.fork(n, 1)[0] for n in nodes]
+            try:
+                segs = [self.tree.get(k) for k in kids]
+                for seg in segs:
+                    seg.tokens.extend(probe_ids)
+                self._materialize_ancestors(segs)
+                batch = self._assemble(segs, 0)
+                capture = HiddenCapture()
+                self._forward(batch, batch.feeds, [capture])
+                with torch.inference_mode():
+                    return self.parts.norm(capture.states[-1]).float().cpu()
+            finally:
+                self.release(kids)
+
+    def release(self, nodes: Sequence[NodeId]) -> None:
+        with self.engine.lock:
+            releasers = overrides(self.plugins, "on_release")
+            for node in nodes:
+                for seg in self.tree.release(node):
+                    for plugin in releasers:
+                        plugin.on_release(seg)
+
+    def free(self, seg: Segment) -> None:
+        """Release a segment an acceleration made for its own use."""
+        self.release([seg.id])
+
+    def tokens(self, node: NodeId) -> list[int]:
+        with self.engine.lock:
+            return self.tree.path_tokens(self.tree.get(node))
+
+    def set_scores(self, nodes: Sequence[NodeId], scores: Sequence[float]) -> None:
+        """Tell the accelerations how good each branch is (a verifier's score; RSBCM keeps the
+        blocks of better branches longer)."""
+        with self.engine.lock:
+            segs = [self.tree.get(n) for n in nodes]
+            for plugin in overrides(self.plugins, "on_scores"):
+                plugin.on_scores(segs, [float(s) for s in scores])
+
+    def skip_verify(self, confidences: Sequence[float]) -> bool:
+        """Whether an acceleration (CGEE level 1) says the verify pass is not needed."""
+        return any(p.skip_verify(confidences) for p in self.plugins)
+
+    # ------------------------------------------------------------------ statistics
+    def kv_stats(self) -> KVStats:
+        with self.engine.lock:
+            s = self.stats
+            return KVStats(
+                bytes_held=self.ledger.held,
+                peak_bytes=self.ledger.peak,
+                tokens_computed=s.tokens_computed,
+                tokens_reused=s.tokens_reused,
+                forward_calls=s.forward_calls,
+                live_nodes=self.ledger.nodes,
+                extra=dict(s.extra),
+            )
+
+    def reset_stats(self) -> None:
+        with self.engine.lock:
+            self.stats.reset()
+            self.ledger.peak = self.ledger.held
+
+    # ------------------------------------------------------------------ computation
+    def compute(self, segs: Sequence[Segment], observers: Sequence[Acceleration] = ()) -> None:
+        """Compute the pending tokens of `segs` (ancestors first), watched by `observers`."""
+        self._run(segs, None, observers)
+
+    def _materialize_ancestors(self, segs: Sequence[Segment]) -> None:
+        """Compute pending tokens of shared ancestors, top-down, batching those at the same depth."""
+        while True:
+            todo: dict[int, Segment] = {}
+            for seg in segs:
+                for anc in seg.kv_ancestors():
+                    if anc.pending:
+                        todo[anc.id] = anc
+            if not todo:
+                return
+            ready = [a for a in todo.values() if not any(x.id in todo for x in a.kv_ancestors())]
+            self._run(ready, None)
+
+    def _assemble(self, segs: Sequence[Segment], extra: int) -> Batch:
+        engine = self.engine
+        batch = Batch.assemble(segs, extra, self.parts, engine.dtype, self.device, engine.broadcast)
+        for plugin in overrides(self.plugins, "on_batch"):
+            plugin.on_batch(batch)
+        return batch
+
+    def _forward(
+        self, batch: Batch, feeds: Sequence[Sequence[int]], observers: Sequence[Acceleration] = ()
+    ) -> torch.Tensor:
+        logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
+        self.stats.tokens_computed += sum(len(f) for f in feeds)
+        self.stats.forward_calls += 1
+        self.tree.note_transient(self.ledger, batch.ctx.nbytes)
+        return logits
+
+    def _capture(self, batch: Batch) -> Callable[[int, Row], None]:
+        capturers = overrides(self.plugins, "on_capture")
+
+        def capture(pos: int, row: Row) -> None:
+            batch.capture(self.tree, pos, row)
+            for plugin in capturers:
+                plugin.on_capture(batch, pos, row)
+
+        return capture
+
+    def _run(
+        self, segs: Sequence[Segment], params: DecodeParams | None, observers: Sequence[Acceleration] = ()
+    ) -> list[Generation]:
+        """Compute pending tokens of `segs` and, with `params`, decode them as one batch.
+
+        `observers` watch the pending-token forward (they must not exit rows: their KV is kept).
+        """
+        self._materialize_ancestors(segs)
+        pending = [s for s in segs if s.pending]
+        if (
+            params is not None
+            and pending
+            and len(pending) < len(segs)
+            and max(len(s.pending) for s in pending) > 1
+        ):
+            # a mixed batch would push dummy tokens through every row for the longest pending run
+            # (e.g. ASKS: reused branches have nothing to prefill, rejected ones a whole prompt)
+            self._run(pending, None, observers)
+        batch = self._assemble(segs, 0 if params is None else min(params.max_tokens, 128))
+        feeds = batch.feeds
+        logits = None
+        if any(feeds):
+            logits = self._forward(batch, feeds, observers)
+        batch.advance(range(len(segs)), feeds)
+        for plugin in overrides(self.plugins, "after_pending"):
+            plugin.after_pending(batch, feeds)
+        start = []
+        for i, (r, f) in enumerate(zip(batch.rows, feeds, strict=True)):
+            if f:
+                assert logits is not None
+                start.append(logits[i])
+            else:
+                source = r.seg if r.seg.n_computed else r.seg.parent
+                assert source is not None and source.last_logits is not None
+                start.append(source.last_logits)
+        capture = self._capture(batch)
+        if params is None:
+            for i, r in enumerate(batch.rows):
+                capture(i, r)
+                r.seg.last_logits = start[i].detach().clone()
+            generations: list[Generation] = []
+        else:
+            generations = decode(
+                batch,
+                torch.stack(start),
+                params,
+                forward=lambda step_feeds: self._forward(batch, step_feeds),
+                capture=capture,
+                hooks=self.plugins,
+                eos_ids=self.engine.eos_ids,
+                detokenize=self.engine.decode,
+                device=self.device,
+            )
+        for plugin in overrides(self.plugins, "after_batch"):
+            plugin.after_batch(batch, params is not None)
+        return generations

@@ -1,0 +1,71 @@
+"""The KV segment tree on its own: ref counts, splits, freeing and byte ledgers (no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchwise.backends.hf.tree import KVTree, Ledger, common_prefix, common_suffix
+
+
+def _kv(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    keys = [torch.arange(2 * n * 4, dtype=torch.float32).view(2, n, 4) for _ in range(3)]
+    return keys, [k + 0.5 for k in keys]
+
+
+def test_children_freeze_and_free_their_parent() -> None:
+    tree = KVTree()
+    run = Ledger()
+    root = tree.add(None, False, [1, 2, 3], run)
+    tree.set_kv(root, *_kv(3))
+    root.n_computed = 3
+    a = tree.add(root, True, [4], run)
+    b = tree.add(root, True, [5, 6], run)
+    assert root.live_children == 2 and tree.path_tokens(b) == [1, 2, 3, 5, 6]
+    with pytest.raises(ValueError, match="frozen"):
+        tree.growable(root.id)
+    assert tree.release(root.id) == []  # still read by its children
+    assert [s.id for s in tree.release(a.id)] == [a.id]
+    assert {s.id for s in tree.release(b.id)} == {b.id, root.id}
+    assert len(tree) == 0 and run.held == 0 and run.nodes == 0 and tree.total.held == 0
+    with pytest.raises(KeyError):
+        tree.release(root.id)
+
+
+def test_split_moves_kv_into_a_new_parent() -> None:
+    tree = KVTree()
+    run = Ledger()
+    root = tree.add(None, False, [1, 2, 3, 4], run)
+    keys, values = _kv(4)
+    tree.set_kv(root, keys, values)
+    root.n_computed = 4
+    held = run.held
+    seen = []
+    head = tree.prefix_node(root, 2, lambda h, rest, k: seen.append((h.id, rest.id, k)))
+    assert seen == [(head.id, root.id, 2)]
+    assert head.tokens == [1, 2] and root.tokens == [3, 4] and root.parent is head and root.shares_parent
+    assert tree.path_tokens(root) == [1, 2, 3, 4]
+    torch.testing.assert_close(torch.cat([head.keys[0], root.keys[0]], dim=1), keys[0])
+    assert run.held == held  # the same bytes, in two segments
+    assert tree.prefix_node(root, 2) is head and tree.prefix_node(root, 4) is root
+
+
+def test_ledgers_count_per_owner_and_in_total() -> None:
+    tree = KVTree()
+    a, b = Ledger(), Ledger()
+    x = tree.add(None, False, [1], a)
+    y = tree.add(None, False, [1, 2], b)
+    tree.set_kv(x, *_kv(1))
+    tree.set_kv(y, *_kv(2))
+    assert a.held * 2 == b.held and tree.total.held == a.held + b.held
+    assert (a.nodes, b.nodes, tree.total.nodes) == (1, 1, 2)
+    tree.note_transient(a, 100)
+    assert a.peak == a.held + 100 and b.peak == b.held
+    tree.keep_kv(y, torch.tensor([True, False]))
+    assert b.held == a.held and b.peak == 2 * a.held
+
+
+def test_common_prefix_and_suffix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_suffix([1, 2, 3], [0, 2, 3]) == 2
+    assert common_prefix([], [1]) == 0

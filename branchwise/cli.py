@@ -389,9 +389,11 @@ def steering_build(
 
 
 from branchwise.evals.cli import eval_command, report_command  # noqa: E402 - registered last, kept apart
+from branchwise.serve.cli import serve_command  # noqa: E402
 
 app.command("eval")(eval_command)
 app.command("report")(report_command)
+app.command("serve")(serve_command)
 
 
 if __name__ == "__main__":

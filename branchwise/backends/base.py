@@ -109,8 +109,12 @@ class Backend(Protocol):
         """Make a root node holding `token_ids` (computed lazily, on first use)."""
         ...
 
-    def fork(self, node: NodeId, n: int) -> list[NodeId]:
-        """Make `n` children of `node` that start where it ends; `node` becomes frozen."""
+    def fork(self, node: NodeId, n: int, share: ShareMode | None = None) -> list[NodeId]:
+        """Make `n` children of `node` that start where it ends; `node` becomes frozen.
+
+        `share` picks how the children hold `node`'s KV ("exact": once, shared; "none": each its own
+        copy); None keeps the backend's default. A backend without that choice ignores it.
+        """
         ...
 
     def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:

@@ -309,3 +309,30 @@ def test_score_next_names_what_a_server_without_logprobs_lacks(served: str) -> N
         root = remote.prefill([1, 2, 3])
         with pytest.raises(RemoteCapabilityError, match=r"no top log-probabilities.*--max-logprobs"):
             remote.score_next([root], [4], [5])
+
+
+# --------------------------------------------------------------------------------------------------
+# `branchwise run --endpoint`
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cli_run_on_an_endpoint(served: str, tiny_backend: Any) -> None:
+    from typer.testing import CliRunner
+
+    from branchwise.cli import app
+
+    runner = CliRunner()
+    args = ["run", QUESTION, "--endpoint", served, "--n", "2", "--max-tokens", "6", "--temperature", "0"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    remote_run = json.loads(result.output.strip().splitlines()[-1])
+    strategy = PREBUILT["self-consistency"](branches=2, tokens=6, temperature=0.0, seed=0)
+    local = Reasoner(strategy, backend=tiny_backend).run(QUESTION)
+    assert [b["text"] for b in remote_run["branches"]] == [b.text for b in local.branches]
+
+    refused = runner.invoke(app, [*args, "--river-threshold", "0.5"])
+    assert refused.exit_code == 2 and "--endpoint" in refused.output and "River" in refused.output
+    with FaultProxy(served, []) as proxy:
+        dead = proxy.url
+    unreachable = runner.invoke(app, ["run", QUESTION, "--endpoint", dead])
+    assert unreachable.exit_code == 2 and "ConnectError" in unreachable.output

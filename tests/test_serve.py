@@ -422,3 +422,13 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_llama_dir: Path) ->
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_serve_command_rejects_bad_options_in_one_line() -> None:
+    from typer.testing import CliRunner
+
+    from branchwise.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--port", "70000"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--port': 70000 is not in the range 0<=x<=65535" in result.output

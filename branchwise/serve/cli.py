@@ -30,6 +30,9 @@ def serve_command(
     batch_window_ms: Annotated[
         float, ranged("How long the scheduler waits for more requests before a batch.", 0.0, 1000.0)
     ] = 10.0,
+    max_strategy_queue: Annotated[
+        int, ranged("Strategy runs (branchwise.strategy) that may wait; beyond, HTTP 429.", 1, 100_000)
+    ] = 16,
     drain_timeout: Annotated[
         float, ranged("Seconds in-flight requests may take to finish on SIGTERM.", 0.0, 3600.0)
     ] = 30.0,
@@ -55,6 +58,7 @@ def serve_command(
         max_batch_rows=max_batch_rows,
         max_queued_rows=max_queued_rows,
         window_s=batch_window_ms / 1000,
+        max_strategy_queue=max_strategy_queue,
         drain_timeout_s=drain_timeout,
     )
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown: no new connections, in-flight requests

@@ -138,9 +138,11 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
-    parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
-    parser.add_argument("--requests", type=int, default=20, help="requests per client, back to back")
-    parser.add_argument("--serial", type=int, default=32, help="requests of the one-at-a-time baseline")
+    parser.add_argument("--clients", type=int, default=None, help="concurrent clients (default 64)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per client, back to back (20)")
+    parser.add_argument(
+        "--serial", type=int, default=None, help="requests of the one-at-a-time baseline (32)"
+    )
     parser.add_argument("--n", type=int, default=4, help="samples per request")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (short answers)")
     parser.add_argument("--max-batch-rows", type=int, default=256, help="branches per decode pass")
@@ -149,8 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="OMP threads of the server")
     parser.add_argument("--quick", action="store_true", help="a short run: 8 clients x 2 requests, 4 serial")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.clients, args.requests, args.serial = 8, 2, 4
+    defaults = (8, 2, 4) if args.quick else (64, 20, 32)
+    args.clients = args.clients or defaults[0]
+    args.requests = args.requests or defaults[1]
+    args.serial = args.serial or defaults[2]
     args.max_queued_rows = args.max_queued_rows or args.clients * args.n
     args.burst = args.burst or 4 * args.max_queued_rows // args.n
 

@@ -432,3 +432,21 @@ def test_serve_command_rejects_bad_options_in_one_line() -> None:
     result = CliRunner().invoke(app, ["serve", "--port", "70000"])
     assert result.exit_code == 2
     assert "Invalid value for '--port': 70000 is not in the range 0<=x<=65535" in result.output
+
+
+@pytest.mark.slow
+def test_serve_load_benchmark_runs(embedded_dir: Path) -> None:
+    """`benchmarks/serve_load.py` end to end, shrunk: no errors, and the overload burst is answered
+    with 200 or 429 only (no speed is asserted: a benchmark measures, a test asserts behaviour)."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "benchmarks" / "serve_load.py"), "--quick"]
+    cmd += ["--clients", "4", "--requests", "1", "--serial", "2", "--max-tokens", "4", "--threads", "1"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["benchmark"] == "serve_load" and out["errors"] == 0
+    assert out["requests"] == 4 and out["throughput_rps"]["serial"] > 0
+    burst = out["overload"]
+    assert burst["other"] == 0 and burst["ok"] + burst["rejected_429"] == burst["sent"]

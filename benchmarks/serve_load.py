@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import statistics
@@ -28,7 +29,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
-from _common import emit, machine
+import torch
+from _common import BenchParser, machine, set_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -134,30 +136,21 @@ async def _phases(args: argparse.Namespace, base: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", default=None, help="hub id or local path (default: the embedded model)")
-    parser.add_argument("--clients", type=int, default=None, help="concurrent clients (default 64)")
-    parser.add_argument("--requests", type=int, default=None, help="requests per client, back to back (20)")
-    parser.add_argument(
-        "--serial", type=int, default=None, help="requests of the one-at-a-time baseline (32)"
-    )
+    parser = BenchParser(__doc__, {"clients": 8, "requests": 2, "serial": 4})
+    parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
+    parser.add_argument("--requests", type=int, default=20, help="requests per client, back to back")
+    parser.add_argument("--serial", type=int, default=32, help="requests of the one-at-a-time baseline")
     parser.add_argument("--n", type=int, default=4, help="samples per request")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (short answers)")
     parser.add_argument("--max-batch-rows", type=int, default=256, help="branches per decode pass")
     parser.add_argument("--max-queued-rows", type=int, default=None, help="queue bound (default clients*n)")
     parser.add_argument("--burst", type=int, default=None, help="overload burst (default 4x the queue)")
-    parser.add_argument("--threads", type=int, default=None, help="OMP threads of the server")
-    parser.add_argument("--quick", action="store_true", help="a short run: 8 clients x 2 requests, 4 serial")
     args = parser.parse_args(argv)
-    defaults = (8, 2, 4) if args.quick else (64, 20, 32)
-    args.clients = args.clients or defaults[0]
-    args.requests = args.requests or defaults[1]
-    args.serial = args.serial or defaults[2]
     args.max_queued_rows = args.max_queued_rows or args.clients * args.n
     args.burst = args.burst or 4 * args.max_queued_rows // args.n
+    set_threads(args.threads)  # the server gets the same through OMP_NUM_THREADS
 
+    started = time.perf_counter()
     port = _free_port()
     proc = _start(args, port)
     try:
@@ -168,25 +161,19 @@ def main(argv: list[str] | None = None) -> None:
         proc.terminate()
         proc.wait(120)
     out["overload"].update(rss_mb_before=rss_before, rss_mb_after=rss_after)
-    emit(
-        {
-            "benchmark": "serve_load",
-            "model": args.model or "embedded",
-            "config": {
-                "clients": args.clients,
-                "requests_per_client": args.requests,
-                "serial": args.serial,
-                "n": args.n,
-                "max_tokens": args.max_tokens,
-                "max_batch_rows": args.max_batch_rows,
-                "max_queued_rows": args.max_queued_rows,
-                "burst": args.burst,
-                "quick": args.quick,
-            },
-            **out,
-            "machine": machine(),
-        }
-    )
+    # `_common.Bench.emit`'s envelope; the model runs in the server process, so its device is the
+    # one this machine offers and its dtype the server's "auto"
+    envelope = {
+        "benchmark": "serve_load",
+        "model": args.model or "embedded",
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "dtype": "auto",
+        "config": {k: v for k, v in vars(args).items() if k != "model"},
+        **out,
+        "seconds": round(time.perf_counter() - started, 1),
+        "machine": machine(),
+    }
+    print(json.dumps(envelope))
 
 
 if __name__ == "__main__":

@@ -336,3 +336,94 @@ def test_cli_run_on_an_endpoint(served: str, tiny_backend: Any) -> None:
         dead = proxy.url
     unreachable = runner.invoke(app, ["run", QUESTION, "--endpoint", dead])
     assert unreachable.exit_code == 2 and "ConnectError" in unreachable.output
+
+
+# --------------------------------------------------------------------------------------------------
+# `branchwise eval --endpoint ...`: problems spread over servers, resume exact when one dies
+# --------------------------------------------------------------------------------------------------
+
+
+def _eval_suite(tmp_path: Path, model: Path, problems: int) -> Any:
+    from branchwise.evals.suite import SuiteConfig
+
+    data = tmp_path / "arith.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+            for i in range(problems)
+        )
+    )
+    return SuiteConfig.model_validate(
+        {
+            "name": "remote",
+            "models": [str(model)],
+            "datasets": [{"kind": "jsonl", "path": str(data), "label": "arith"}],
+            "strategies": [
+                {
+                    "label": "sc2",
+                    "prebuilt": "self_consistency",
+                    "params": {"n": 2, "max_tokens": 4, "seed": 0},
+                }
+            ],
+            "accelerations": [{"label": "exact", "reasoner": {"share": "exact"}}],
+        }
+    )
+
+
+def _keys(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(r["cell"], r["problem_id"]) for r in rows]
+
+
+def test_eval_survives_a_dying_endpoint_with_every_row_once(
+    tmp_path: Path, served: str, tiny_llama_dir: Path
+) -> None:
+    from branchwise.evals.harness import read_rows, run_suite
+
+    suite = _eval_suite(tmp_path, tiny_llama_dir, 8)
+    local = run_suite(suite, tmp_path / "local", progress=False)
+    # the second server answers a few requests, then fails for good (500 through every retry)
+    with FaultProxy(served, ["ok"] * 4 + ["500"] * 1000) as dying:
+        summary = run_suite(
+            suite, tmp_path / "remote", progress=False, endpoints=[served, dying.url], workers_per_endpoint=2
+        )
+    rows = read_rows(tmp_path / "remote")
+    assert summary.rows_written == local.rows_written == 8 and summary.errors == 0
+    assert sorted(_keys(rows)) == sorted(_keys(read_rows(tmp_path / "local")))  # each row exactly once
+    by_key = {(r["cell"], r["problem_id"]): r for r in read_rows(tmp_path / "local")}
+    for row in rows:  # the remote runs decoded the local tokens
+        assert row["text"] == by_key[(row["cell"], row["problem_id"])]["text"]
+
+
+def test_eval_with_every_endpoint_down_keeps_its_rows_and_resumes_exactly(
+    tmp_path: Path, served: str, tiny_llama_dir: Path
+) -> None:
+    from branchwise.evals.harness import EndpointsUnavailable, read_rows, run_suite
+
+    suite = _eval_suite(tmp_path, tiny_llama_dir, 6)
+    out = tmp_path / "run"
+    with (
+        FaultProxy(served, ["ok"] * 6 + ["500"] * 1000) as failing,
+        pytest.raises(EndpointsUnavailable, match="rerun the same command"),
+    ):
+        run_suite(suite, out, progress=False, endpoints=[failing.url], workers_per_endpoint=1)
+    partial = read_rows(out)
+    assert 0 < len(partial) < 6 and len(set(_keys(partial))) == len(partial)
+    resumed = run_suite(suite, out, progress=False, endpoints=[served])
+    rows = read_rows(out)
+    assert resumed.rows_skipped == len(partial) and len(rows) == 6 == len(set(_keys(rows)))
+
+
+def test_eval_cli_takes_endpoints(tmp_path: Path, served: str, tiny_llama_dir: Path) -> None:
+    from typer.testing import CliRunner
+
+    from branchwise.cli import app
+
+    suite = _eval_suite(tmp_path, tiny_llama_dir, 2)
+    path = tmp_path / "suite.json"
+    path.write_text(suite.model_dump_json())
+    args = ["eval", str(path), "--out", str(tmp_path / "run"), "--no-progress", "--no-report"]
+    result = CliRunner().invoke(app, [*args, "--endpoint", served, "--endpoint-workers", "2"])
+    assert result.exit_code == 0, result.output
+    assert "2 rows written" in result.output
+    bad = CliRunner().invoke(app, [*args, "--endpoint", served, "--endpoint-workers", "0"])
+    assert bad.exit_code == 2 and "0 is not in the range 1<=x<=1024" in bad.output

@@ -441,12 +441,13 @@ def test_serve_load_benchmark_runs(embedded_dir: Path) -> None:
     import json
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, str(root / "benchmarks" / "serve_load.py"), "--quick"]
+    cmd = [sys.executable, str(root / "benchmarks" / "serve_load.py")]
     cmd += ["--clients", "4", "--requests", "1", "--serial", "2", "--max-tokens", "4", "--threads", "1"]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["benchmark"] == "serve_load" and out["errors"] == 0
+    assert out["config"]["quick"] is False and out["config"]["clients"] == 4 and out["seconds"] > 0
     assert out["requests"] == 4 and out["throughput_rps"]["serial"] > 0
     burst = out["overload"]
     assert burst["other"] == 0 and burst["ok"] + burst["rejected_429"] == burst["sent"]

@@ -37,22 +37,33 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import httpx
 import tenacity
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams, FinishReason, Generation, KVStats, NodeId, ShareMode
 
 if TYPE_CHECKING:
+    import httpx
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["RemoteBackend", "RemoteCapabilityError", "RemoteError", "UnsupportedOnRemote"]
+__all__ = [
+    "RemoteBackend",
+    "RemoteCapabilityError",
+    "RemoteError",
+    "RemoteUnavailable",
+    "UnsupportedOnRemote",
+]
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
 class RemoteError(RuntimeError):
     """The server could not be reached, kept failing, or refused the request."""
+
+
+class RemoteUnavailable(RemoteError):
+    """The server stayed unreachable, overloaded or failing through every retry: another server
+    could still answer the same request (the eval harness moves the problem elsewhere)."""
 
 
 class RemoteCapabilityError(RemoteError):
@@ -120,6 +131,8 @@ class RemoteBackend:
         max_logprobs: int = 20,
         max_parallel: int = 16,
     ) -> None:
+        import httpx  # the serve extra; imported here so that the error classes import without it
+
         if max_attempts < 1 or max_parallel < 1 or max_logprobs < 1:
             raise ValueError("max_attempts, max_parallel and max_logprobs must be >= 1")
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
@@ -157,6 +170,7 @@ class RemoteBackend:
     # ------------------------------------------------------------------ HTTP
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         """One call with retries (see the module docstring); the decoded JSON reply."""
+        import httpx
 
         def wait(state: tenacity.RetryCallState) -> float:
             # exponential backoff plus jitter (so clients that failed together do not retry together)
@@ -192,7 +206,7 @@ class RemoteBackend:
         except tenacity.RetryError as err:
             attempt = err.last_attempt
             cause = attempt.exception()
-            raise RemoteError(
+            raise RemoteUnavailable(
                 f"{self.base_url}{path} failed {attempt.attempt_number} time(s) "
                 f"(giving up after {self.max_attempts} attempts or {self.max_wait_s:g} s): "
                 f"{type(cause).__name__}: {cause}"

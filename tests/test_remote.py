@@ -74,6 +74,8 @@ def test_remote_is_a_backend_and_tokenizes_like_the_local_one(served: str, tiny_
         ("self-consistency", {"branches": 4, "temperature": 0.0, "tokens": 12}),
         ("self-consistency", {"branches": 4, "temperature": 0.8, "tokens": 12, "seed": 5}),
         ("beam-search", {"branches": 4, "temperature": 0.0, "tokens": 6}),
+        ("rebase", {"branches": 4, "temperature": 0.0, "tokens": 6}),
+        ("ets", {"branches": 4, "temperature": 0.0, "tokens": 6}),
     ],
 )
 def test_strategies_give_the_local_tokens(

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     set_threads(args.threads)  # the server gets the same through OMP_NUM_THREADS
 
     started = time.perf_counter()
+    # a SIGTERM (`timeout`, a CI cancel) unwinds through `finally`, so the server is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     port = _free_port()
     proc = _start(args, port)
     try:

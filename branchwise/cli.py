@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
+    from branchwise.backends.accel import Accel
+    from branchwise.backends.base import Backend
     from branchwise.backends.hf import HFBackend
 
 from branchwise.cli_params import one_line, ranged
@@ -140,6 +142,17 @@ def _load_backend(model: str | None) -> HFBackend:
             ) from None
 
 
+def _remote_backend(endpoint: str, model: str | None, accel: Accel) -> Backend:
+    """Connect to a server; an unreachable one or an acceleration it cannot run names ``--endpoint``."""
+    from branchwise.backends.remote import RemoteBackend, RemoteError, UnsupportedOnRemote
+
+    try:
+        RemoteBackend.check_accel(accel)
+        return RemoteBackend(endpoint, model=model)
+    except (RemoteError, UnsupportedOnRemote) as err:
+        raise typer.BadParameter(str(err), param_hint="--endpoint") from None
+
+
 @app.command()
 def run(
     questions: Annotated[
@@ -170,6 +183,12 @@ def run(
     ] = None,
     model: Annotated[
         str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
+    ] = None,
+    endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="URL of an OpenAI-compatible server (vLLM, SGLang, branchwise serve) to run on; --model names its model."
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full results as JSON lines.")] = False,
     cgee: Annotated[bool, typer.Option(help="CGEE verify skip + entropy exit (RKSC §2.3).")] = False,
@@ -229,7 +248,7 @@ def run(
         )
     except ValidationError as err:
         raise typer.BadParameter(f"these accelerations cannot run together: {one_line(err)}") from None
-    backend = _load_backend(model)
+    backend = _remote_backend(endpoint, model, accel) if endpoint else _load_backend(model)
     reasoner = Reasoner(strat, backend=backend, share=share.value, accel=accel)
     if variant:
         results = [reasoner.run(q, variants=variant) for q in questions]
@@ -389,9 +408,11 @@ def steering_build(
 
 
 from branchwise.evals.cli import eval_command, report_command  # noqa: E402 - registered last, kept apart
+from branchwise.serve.cli import serve_command  # noqa: E402
 
 app.command("eval")(eval_command)
 app.command("report")(report_command)
+app.command("serve")(serve_command)
 
 
 if __name__ == "__main__":

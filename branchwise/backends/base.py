@@ -129,7 +129,8 @@ class Backend(Protocol):
     def fork(self, node: NodeId, n: int, share: ShareMode | None = None) -> list[NodeId]:
         """Make `n` children of `node` that start where it ends; `node` becomes frozen.
 
-        `share` overrides the backend's sharing mode for this fork (None keeps it).
+        `share` picks how the children hold `node`'s KV ("exact": once, shared; "none": each its own
+        copy); None keeps the backend's default. A backend without that choice ignores it.
         """
         ...
 

@@ -12,6 +12,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from branchwise.cli_params import ranged
+
 __all__ = ["eval_command", "report_command"]
 
 console = Console()
@@ -28,6 +30,14 @@ def eval_command(
     ] = False,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     report: Annotated[bool, typer.Option(help="Write the report and plots when the run ends.")] = True,
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="OpenAI-compatible server (vLLM, SGLang, branchwise serve) to spread problems over "
+            "instead of loading models locally (repeatable; overrides the suite's endpoints)."
+        ),
+    ] = None,
+    endpoint_workers: Annotated[int, ranged("Concurrent problems per endpoint.", 1, 1024)] = 4,
 ) -> None:
     """Run an eval suite (datasets × strategies × accelerations × models), one JSONL row per problem.
 
@@ -35,7 +45,7 @@ def eval_command(
     interruption to resume where it stopped (no duplicated or missing rows).
     """
     from branchwise.evals.datasets import DatasetUnavailable
-    from branchwise.evals.harness import SuiteMismatch, run_suite
+    from branchwise.evals.harness import EndpointsUnavailable, SuiteMismatch, run_suite
     from branchwise.evals.suite import SuiteError, load_suite
 
     try:
@@ -44,7 +54,19 @@ def eval_command(
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from err
     try:
-        summary = run_suite(config, out, base_dir=suite.parent, limit=limit, progress=progress, force=force)
+        summary = run_suite(
+            config,
+            out,
+            base_dir=suite.parent,
+            limit=limit,
+            progress=progress,
+            force=force,
+            endpoints=endpoint or (),
+            workers_per_endpoint=endpoint_workers,
+        )
+    except EndpointsUnavailable as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from err
     except (SuiteMismatch, DatasetUnavailable) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from err

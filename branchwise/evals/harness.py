@@ -9,18 +9,26 @@ anything is appended, so the final file holds every key exactly once.
 Order: problems run model → dataset → strategy → problem → acceleration, so a problem's baseline
 and accelerated runs are adjacent in time. These machines are noisy; adjacent runs share the noise,
 which is what the paired speedup in the report assumes.
+
+Scale-out: with endpoints (``--endpoint URL`` or a model's ``endpoints:``), a model's problems are
+spread over OpenAI-compatible servers by a bounded pool of workers (`_spread`); a problem whose
+server dies is run by another, and rows are written only for finished problems, so resume stays
+exact. Rows then land in completion order, not in the order above.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import inspect
+import itertools
 import json
 import logging
 import os
+import threading
 import time
 import typing
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,10 +36,19 @@ from typing import Any
 from filelock import FileLock, Timeout
 from pydantic import BaseModel
 
+from branchwise.backends.remote import RemoteUnavailable
 from branchwise.evals.datasets import Problem, Task
 from branchwise.evals.suite import AccelSpec, Cell, ModelSpec, StrategySpec, SuiteConfig
 
-__all__ = ["CONFIG_FILE", "ROWS_FILE", "RunSummary", "SuiteMismatch", "read_rows", "run_suite"]
+__all__ = [
+    "CONFIG_FILE",
+    "ROWS_FILE",
+    "EndpointsUnavailable",
+    "RunSummary",
+    "SuiteMismatch",
+    "read_rows",
+    "run_suite",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +70,10 @@ _RESULT_SKIP = {
 
 class SuiteMismatch(RuntimeError):
     """The run directory holds results of a different suite configuration."""
+
+
+class EndpointsUnavailable(RuntimeError):
+    """Every endpoint failed before the suite finished; the rows written are kept (rerun to resume)."""
 
 
 @dataclass
@@ -296,6 +317,8 @@ def run_suite(
     progress: bool = True,
     force: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    endpoints: Sequence[str] = (),
+    workers_per_endpoint: int = 4,
 ) -> RunSummary:
     """Run (or resume) `suite`, appending rows to ``OUT_DIR/results.jsonl``.
 
@@ -304,7 +327,12 @@ def run_suite(
         limit: cap on problems per dataset (on top of the suite's own caps).
         force: resume into a run directory made by a different suite configuration.
         on_row: called after each row is durable (tests, live dashboards).
+        endpoints: OpenAI-compatible servers to spread problems over (every model of the suite is
+            served by them), overriding the models' own ``endpoints``; see `_spread`.
+        workers_per_endpoint: concurrent problems per endpoint.
     """
+    if workers_per_endpoint < 1:
+        raise ValueError(f"workers_per_endpoint={workers_per_endpoint} must be >= 1")
     out = Path(out_dir)
     caps = [c for c in (suite.limit, limit) if c is not None]
     cap = min(caps) if caps else None
@@ -331,7 +359,9 @@ def run_suite(
     except Timeout as exc:
         raise SuiteMismatch(f"another `branchwise eval` is writing to {out}") from exc
     try:
-        return _run_locked(suite, out, plans, strategies, force, progress, on_row)
+        return _run_locked(
+            suite, out, plans, strategies, force, progress, on_row, endpoints, workers_per_endpoint
+        )
     finally:
         lock.release()
 
@@ -344,6 +374,8 @@ def _run_locked(
     force: bool,
     progress: bool,
     on_row: Callable[[dict[str, Any]], None] | None,
+    endpoints: Sequence[str],
+    workers_per_endpoint: int,
 ) -> RunSummary:
     from tqdm.auto import tqdm
 
@@ -359,57 +391,162 @@ def _run_locked(
 
     start = time.perf_counter()
     writer = _RowWriter(rows_path)
-    written = errors = 0
-    backends: dict[str, Any] = {}
+    counts = {"written": 0, "errors": 0}
     voting: dict[tuple[str, str], Any] = {}
     accel_options: dict[str, dict[str, Any]] = {}
-    current_model: str | None = None
+    lock = threading.Lock()  # remote workers share the writer, the counters and the caches
     bar = tqdm(total=len(todo), desc=suite.name, unit="run", disable=not progress, dynamic_ncols=True)
-    try:
-        for plan in todo:
-            if plan.model.display_name != current_model:
-                backends.clear()  # one model in memory at a time
-                current_model = plan.model.display_name
-            backend = _backend(backends, backend_cls, plan.model, plan.accel)
-            bar.set_postfix_str(plan.cell.id, refresh=False)
+
+    def run_plan(plan: _Plan, backend: Any) -> dict[str, Any]:
+        """Run one problem; any failure but an unreachable server becomes an error row."""
+        with lock:
             if plan.accel.label not in accel_options:
                 accel_options[plan.accel.label] = coerce_options(
                     Reasoner.__init__, plan.accel.reasoner, plan.accel.label
                 )
-            options = accel_options[plan.accel.label]
-            t0 = time.perf_counter()
-            result, error = None, None
-            try:
-                key = (plan.strategy.label, plan.task.extractor)
-                if key not in voting:
-                    voting[key] = _with_extractor(strategies[plan.strategy.label], plan.task.extractor)
-                reasoner = Reasoner(
-                    voting[key], backend=backend, system_prompt=plan.task.system_prompt, **options
-                )
-                result = reasoner.run(plan.task.prompt(plan.problem))
-            except Exception as exc:  # one failing problem must not end the suite
-                error = f"{type(exc).__name__}: {exc}"
-                log.warning("%s %s failed: %s", plan.cell.id, plan.problem.id, error)
-            row = _row(plan.cell, plan.problem, plan.task, result, error, time.perf_counter() - t0)
+            key = (plan.strategy.label, plan.task.extractor)
+            if key not in voting:
+                voting[key] = _with_extractor(strategies[plan.strategy.label], plan.task.extractor)
+        t0 = time.perf_counter()
+        result, error = None, None
+        try:
+            reasoner = Reasoner(
+                voting[key],
+                backend=backend,
+                system_prompt=plan.task.system_prompt,
+                **accel_options[plan.accel.label],
+            )
+            result = reasoner.run(plan.task.prompt(plan.problem))
+        except RemoteUnavailable:
+            raise  # not this problem's fault: another server runs it (see `_spread`)
+        except Exception as exc:  # one failing problem must not end the suite
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("%s %s failed: %s", plan.cell.id, plan.problem.id, error)
+        return _row(plan.cell, plan.problem, plan.task, result, error, time.perf_counter() - t0)
+
+    def emit(row: dict[str, Any]) -> None:
+        with lock:
             writer.write(row)
-            written += 1
-            errors += error is not None
+            counts["written"] += 1
+            counts["errors"] += row["error"] is not None
             if on_row is not None:
                 on_row(row)
+            bar.set_postfix_str(row["cell"], refresh=False)
             bar.update(1)
+
+    left = 0
+    try:
+        for model, group in itertools.groupby(todo, key=lambda plan: plan.model):
+            plans_of_model = list(group)
+            urls = list(endpoints) or model.endpoints
+            if urls:
+                left += _spread(plans_of_model, urls, workers_per_endpoint, run_plan, emit)
+                continue
+            backends: dict[str, Any] = {}  # one model in memory at a time
+            for plan in plans_of_model:
+                emit(run_plan(plan, _backend(backends, backend_cls, plan.model, plan.accel)))
     finally:
         bar.close()
         writer.close()
+    if left:
+        raise EndpointsUnavailable(
+            f"every endpoint failed; {left} problems were not run. The {counts['written']} rows written "
+            f"are kept: rerun the same command (with a reachable --endpoint) to finish them"
+        )
     return RunSummary(
         out_dir=out,
-        rows_total=len(existing) + written,
-        rows_written=written,
+        rows_total=len(existing) + counts["written"],
+        rows_written=counts["written"],
         rows_skipped=len(existing),
         dropped_partial_line=dropped,
-        errors=errors,
+        errors=counts["errors"],
         seconds=time.perf_counter() - start,
         cells=[c.id for c in suite.cells()],
     )
+
+
+def _spread(
+    plans: list[_Plan],
+    endpoints: Sequence[str],
+    workers_per_endpoint: int,
+    run_plan: Callable[[_Plan, Any], dict[str, Any]],
+    emit: Callable[[dict[str, Any]], None],
+) -> int:
+    """Run `plans` on several servers; return how many were left unrun because every server failed.
+
+    Each endpoint gets `workers_per_endpoint` threads, each with its own `RemoteBackend` (the server
+    batches their concurrent requests). Workers take problems from one shared queue; a problem whose
+    server becomes unavailable (`RemoteUnavailable`: retries exhausted) goes back to the queue for
+    the other servers and that worker stops. A row is emitted only for a finished problem, once,
+    so the rows file never loses or duplicates one, whichever servers die and when.
+    """
+    from branchwise.backends.remote import RemoteBackend
+
+    pending = deque(plans)
+    in_flight = [0]
+    cv = threading.Condition()
+    _check_remote_options(plans)
+
+    def take() -> _Plan | None:
+        """The next problem; None once none is left or running (a running one may come back)."""
+        with cv:
+            while not pending and in_flight[0]:
+                cv.wait()
+            if not pending:
+                return None
+            in_flight[0] += 1
+            return pending.popleft()
+
+    def settle(plan: _Plan | None) -> None:
+        """A problem left this worker: finished (None) or handed back for another endpoint."""
+        with cv:
+            if plan is not None:
+                pending.appendleft(plan)
+            in_flight[0] -= 1
+            cv.notify_all()
+
+    def worker(url: str) -> None:
+        try:
+            backend = RemoteBackend(url)
+        except RemoteUnavailable as err:
+            log.warning("endpoint %s is unavailable: %s", url, err)
+            return
+        try:
+            while (plan := take()) is not None:
+                try:
+                    emit(run_plan(plan, backend))
+                except RemoteUnavailable as err:
+                    settle(plan)
+                    log.warning("endpoint %s failed (%s); its problems go to the other endpoints", url, err)
+                    return
+                except BaseException:
+                    settle(None)
+                    raise
+                settle(None)
+        finally:
+            backend.close()
+
+    threads = [
+        threading.Thread(target=worker, args=(url,), name=f"eval-{url}", daemon=True)
+        for url in endpoints
+        for _ in range(workers_per_endpoint)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(pending)
+
+
+def _check_remote_options(plans: list[_Plan]) -> None:
+    """Backend options configure a local model; on a server only the model's own settings apply."""
+    for plan in plans:
+        options = {**plan.model.backend, **plan.accel.backend}
+        if options:
+            raise ValueError(
+                f"model {plan.model.display_name!r} / acceleration {plan.accel.label!r}: backend options "
+                f"{sorted(options)} configure a local model and cannot apply on an endpoint"
+            )
 
 
 def _plans(suite: SuiteConfig, tasks: dict[str, Task], cap: int | None) -> Iterator[_Plan]:

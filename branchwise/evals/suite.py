@@ -45,6 +45,12 @@ class ModelSpec(_Spec):
     name: str | None = None
     label: str | None = Field(None, pattern=_LABEL)
     backend: dict[str, Any] = Field(default_factory=dict, description="backend options (dtype, device...)")
+    endpoints: list[str] = Field(
+        default_factory=list,
+        exclude=True,  # where a model runs is not what a run measures: resuming elsewhere is fine
+        description="OpenAI-compatible servers of this model (vLLM, SGLang, branchwise serve); "
+        "problems are spread over them instead of loading the model locally",
+    )
 
     @property
     def display_name(self) -> str:

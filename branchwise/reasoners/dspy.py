@@ -47,8 +47,8 @@ import dspy
 from dspy.utils.exceptions import AdapterParseError
 
 from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode
+from branchwise.backends.scheduler import BatchStats, Job, Scheduler
 from branchwise.reasoners.answers import extract_answer, normalize_answer, register_extractor
-from branchwise.reasoners.batching import Batcher, BatchStats, Job
 
 if TYPE_CHECKING:
     from branchwise.reasoners.result import ReasoningResult
@@ -158,10 +158,14 @@ class BranchwiseLM(dspy.BaseLM):
         self.backend = backend
         self.share: ShareMode = share
         self._dtype, self._device = dtype, device
-        self._batcher = Batcher(
-            backend, max_rows=max_batch_rows, max_requests=max_batch_requests, window_s=batch_window_s
+        self._batcher = Scheduler(
+            backend,
+            max_rows=max_batch_rows,
+            max_requests=max_batch_requests,
+            window_s=batch_window_s,
+            batch_seeded=batch_seeded,
+            name="branchwise-dspy-batcher",
         )
-        self._batcher.batch_seeded = batch_seeded
 
     # ------------------------------------------------------------------ DSPy contract
     def forward(

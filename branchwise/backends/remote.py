@@ -1,0 +1,536 @@
+"""`RemoteBackend`: the `Backend` protocol over an OpenAI-compatible server (vLLM, SGLang,
+`branchwise serve`).
+
+Why: a model too big for one machine, or several machines, should run every branchwise strategy
+unchanged. The branch tree lives here, as token lists; the KV lives on the server:
+
+* `prefill`/`fork`/`append` only record tokens; `extend` sends one ``/v1/completions`` request per
+  distinct token sequence, on token-id prompts with ``n`` = the number of nodes holding it, so the
+  ``n`` forks of one prompt are one request and the server's prefix caching shares the prompt (and
+  the tree's common ancestors across requests). Distinct sequences go out concurrently, so the
+  server batches them.
+* `score_next` reads log-probabilities: exactly, from a branchwise server's
+  ``branchwise.score_candidates`` extension; otherwise from the top ``max_logprobs`` log-probabilities
+  of the first generated token (vLLM's and SGLang's ``logprobs``), where a candidate outside the
+  top ``max_logprobs`` gets probability 0.
+* Generated token ids come from a branchwise server's ``branchwise.details``, or from vLLM's
+  ``return_tokens_as_token_ids``; a server that offers neither has the text re-tokenized.
+* Tokenization uses a local tokenizer when one is given (``tokenizer=`` the served model's hub id
+  or path), else the server's vLLM-style ``/tokenize`` and ``/detokenize``.
+
+Failures: connection errors, timeouts, 429 and 5xx are retried with exponential backoff and jitter
+(tenacity), honouring ``Retry-After``, for at most ``max_attempts`` tries and ``max_wait_s`` in
+all; then `RemoteError` says what failed, how often and for how long. A call never hangs: every
+request has a timeout. Other 4xx are not retried (the request itself is wrong).
+
+Accelerations that need the model's internals (hidden states, per-layer exits, KV eviction) cannot
+run remotely: setting them raises `UnsupportedOnRemote`. CGEE level 1 (skip the verify pass when
+the generation confidence is decisive) needs only generation probabilities, so it is supported.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import tenacity
+
+from branchwise.backends.accel import Accel
+from branchwise.backends.base import DecodeParams, FinishReason, Generation, KVStats, NodeId, ShareMode
+
+if TYPE_CHECKING:
+    import httpx
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "RemoteBackend",
+    "RemoteCapabilityError",
+    "RemoteError",
+    "RemoteUnavailable",
+    "UnsupportedOnRemote",
+]
+
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class RemoteError(RuntimeError):
+    """The server could not be reached, kept failing, or refused the request."""
+
+
+class RemoteUnavailable(RemoteError):
+    """The server stayed unreachable, overloaded or failing through every retry: another server
+    could still answer the same request (the eval harness moves the problem elsewhere)."""
+
+
+class RemoteCapabilityError(RemoteError):
+    """The server lacks something this operation needs (named in the message)."""
+
+
+class UnsupportedOnRemote(ValueError):
+    """An acceleration that needs the model's internals was asked of a remote backend."""
+
+
+class _Retryable(Exception):
+    """A response worth retrying (429/5xx), with the server's ``Retry-After`` if it gave one."""
+
+    def __init__(self, status: int, text: str, retry_after: float | None) -> None:
+        super().__init__(f"HTTP {status}: {text[:300]}")
+        self.retry_after = retry_after
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:  # an HTTP date: not worth parsing, the backoff applies
+        return None
+
+
+@dataclass
+class _Node:
+    tokens: list[int]
+    parent: int | None
+    children: int = 0
+    released: bool = False
+
+
+class RemoteBackend:
+    """A `Backend` over an OpenAI-compatible server. See the module docstring.
+
+    Args:
+        base_url: the server root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted).
+        model: the served model's id; default: the first one ``/v1/models`` lists.
+        api_key: sent as a bearer token.
+        tokenizer: a tokenizer (or its hub id / path) matching the served model; default: the
+            server's ``/tokenize`` endpoints.
+        timeout_s: per-request timeout (connect, read, write).
+        max_attempts: tries per request before `RemoteError`.
+        max_wait_s: total time a request may spend retrying before `RemoteError`.
+        backoff_s: first backoff; it doubles per retry, with jitter, up to ``max_wait_s``.
+        max_logprobs: top log-probabilities asked for by `score_next` on non-branchwise servers.
+        max_parallel: concurrent requests one `extend`/`score_next` may have in flight.
+    """
+
+    name = "remote"
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        *,
+        tokenizer: str | PreTrainedTokenizerBase | None = None,
+        timeout_s: float = 120.0,
+        max_attempts: int = 5,
+        max_wait_s: float = 60.0,
+        backoff_s: float = 0.5,
+        max_logprobs: int = 20,
+        max_parallel: int = 16,
+    ) -> None:
+        import httpx  # the serve extra; imported here so that the error classes import without it
+
+        if max_attempts < 1 or max_parallel < 1 or max_logprobs < 1:
+            raise ValueError("max_attempts, max_parallel and max_logprobs must be >= 1")
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout_s))
+        self.max_attempts, self.max_wait_s, self.backoff_s = max_attempts, max_wait_s, backoff_s
+        self.max_logprobs = max_logprobs
+        self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="branchwise-remote")
+        self._lock = threading.RLock()
+        self._nodes: dict[int, _Node] = {}
+        self._next_id = 0
+        self._stats = KVStats()
+        self._accel = Accel()
+        served = self._get("/v1/models")["data"]
+        if not served:
+            raise RemoteCapabilityError(f"{self.base_url}/v1/models lists no model")
+        entry = next((m for m in served if m["id"] == model), None) if model else served[0]
+        if entry is None:
+            raise RemoteError(
+                f"{self.base_url} does not serve {model!r}; it serves {[m['id'] for m in served]}"
+            )
+        self.model_name: str = entry["id"]
+        self.branchwise_server = entry.get("owned_by") == "branchwise"
+        """A `branchwise serve` server: exact token ids and candidate log-probabilities via extensions."""
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = tokenizer
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._http.close()
+
+    # ------------------------------------------------------------------ HTTP
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        """One call with retries (see the module docstring); the decoded JSON reply."""
+        import httpx
+
+        def wait(state: tenacity.RetryCallState) -> float:
+            # exponential backoff plus jitter (so clients that failed together do not retry together)
+            backoff = tenacity.wait_exponential(multiplier=self.backoff_s, max=self.max_wait_s)(state)
+            backoff += tenacity.wait_random(0, self.backoff_s)(state)
+            exc = state.outcome.exception() if state.outcome is not None else None
+            after = exc.retry_after if isinstance(exc, _Retryable) else None
+            return max(backoff, after) if after is not None else backoff
+
+        def once() -> Any:
+            response = self._http.request(method, path, json=body)
+            if response.status_code in _RETRY_STATUS:
+                raise _Retryable(response.status_code, response.text, _retry_after(response))
+            if response.status_code == 404:
+                raise RemoteCapabilityError(f"{self.base_url} has no {path} endpoint (HTTP 404)")
+            if response.status_code >= 400:
+                raise RemoteError(
+                    f"{self.base_url}{path} refused the request: HTTP {response.status_code}: {response.text[:500]}"
+                )
+            with self._lock:
+                self._stats.extra["requests"] = self._stats.extra.get("requests", 0.0) + 1
+            return response.json()
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type((httpx.TransportError, _Retryable)),
+            wait=wait,
+            stop=tenacity.stop_after_attempt(self.max_attempts) | tenacity.stop_after_delay(self.max_wait_s),
+            before_sleep=self._count_retry,
+            reraise=False,
+        )
+        try:
+            return retrying(once)
+        except tenacity.RetryError as err:
+            attempt = err.last_attempt
+            cause = attempt.exception()
+            raise RemoteUnavailable(
+                f"{self.base_url}{path} failed {attempt.attempt_number} time(s) "
+                f"(giving up after {self.max_attempts} attempts or {self.max_wait_s:g} s): "
+                f"{type(cause).__name__}: {cause}"
+            ) from cause
+
+    def _count_retry(self, state: tenacity.RetryCallState) -> None:
+        self._bump("retries")
+        self._bump("retry_wait_s", state.next_action.sleep if state.next_action is not None else 0.0)
+
+    def _get(self, path: str) -> Any:
+        return self._request("GET", path)
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        return self._request("POST", path, body)
+
+    def _bump(self, key: str, value: float = 1.0) -> None:
+        with self._lock:
+            self._stats.extra[key] = self._stats.extra.get(key, 0.0) + value
+
+    # ------------------------------------------------------------------ accelerations
+    @property
+    def accel(self) -> Accel:
+        """The accelerations in force; only CGEE level 1 can run remotely (see the module docstring)."""
+        return self._accel
+
+    @accel.setter
+    def accel(self, value: Accel) -> None:
+        self.check_accel(value)
+        self._accel = value
+
+    def session(self, *, share: ShareMode | None = None, accel: Accel | None = None) -> RemoteBackend:
+        """A per-run view over the same connection, with its own accelerations, nodes and statistics.
+
+        Why: a `Reasoner` runs each question in its own session, so concurrent runs never share
+        settings or counters. Accelerations the server cannot run are refused here, before any
+        request. The server decides how it shares prompt KV, so ``share`` has no effect remotely.
+        """
+        if accel is not None:
+            self.check_accel(accel)
+        view = copy.copy(self)
+        view._lock = threading.RLock()
+        view._nodes = {}
+        view._next_id = 0
+        view._stats = KVStats()
+        view._accel = accel or Accel()
+        return view
+
+    @staticmethod
+    def check_accel(accel: Accel) -> None:
+        """Raise `UnsupportedOnRemote` naming every acceleration that needs the model's internals."""
+        needs_model = {
+            "asks": "ASKS (hidden states)",
+            "probe": "the KV probe (timing KV reuse)",
+            "rsbcm": "RSBCM (KV block eviction)",
+            "river": "River (layer-level early exit)",
+            "skipkv": "SkipKV (KV eviction and steering)",
+        }
+        named = [label for key, label in needs_model.items() if getattr(accel, key, None) is not None]
+        cgee = accel.cgee
+        if cgee is not None and cgee.level2:
+            named.append("CGEE level 2 (per-layer entropy exit)")
+        if cgee is not None and cgee.decode_gate:
+            named.append("the CGEE decode gate (stopping inside the decode loop)")
+        if named:
+            raise UnsupportedOnRemote(
+                f"{', '.join(named)} need the model's internals and cannot run on a remote backend; "
+                "drop them, or run on a local HFBackend (CGEE level 1 alone works remotely)"
+            )
+
+    def skip_verify(self, confidences: Sequence[float]) -> bool:
+        """CGEE level 1 (RKSC Eq. 4) with the configured or the paper's thresholds."""
+        from branchwise.backends.hf.cgee import verify_skip
+
+        cgee = self._accel.cgee
+        if cgee is None or not cgee.level1:
+            return False
+        tau = cgee.tau_conf if cgee.tau_conf is not None else 0.70
+        gap = cgee.r_gap if cgee.r_gap is not None else 0.06
+        return verify_skip(confidences, tau, gap)
+
+    # ------------------------------------------------------------------ text
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        body = {"model": self.model_name, "prompt": text, "add_special_tokens": False}
+        return list(self._tokenize(body))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is not None:
+            return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+        reply = self._post_capability("/detokenize", {"model": self.model_name, "tokens": list(token_ids)})
+        return str(reply["prompt"])
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if self.tokenizer is not None:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+            return self.encode(str(text))
+        body = {
+            "model": self.model_name,
+            "messages": list(messages),
+            "add_generation_prompt": True,
+            "add_special_tokens": False,
+        }
+        return list(self._tokenize(body))
+
+    def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        return list(self._post_capability("/tokenize", body)["tokens"])
+
+    def _post_capability(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return self._post(path, body)
+        except RemoteCapabilityError:
+            raise RemoteCapabilityError(
+                f"{self.base_url} has no {path} endpoint (vLLM and branchwise serve have one); pass "
+                "tokenizer=<the served model's hub id or path> to tokenize locally"
+            ) from None
+
+    # ------------------------------------------------------------------ tree ops
+    def prefill(self, token_ids: Sequence[int]) -> NodeId:
+        ids = list(token_ids)
+        if not ids:
+            raise ValueError("token_ids must hold at least 1 token")
+        with self._lock:
+            return self._new(ids, None)
+
+    def fork(self, node: NodeId, n: int, share: ShareMode | None = None) -> list[NodeId]:
+        """`n` children; ``share`` is the server's business (its prefix cache), so it is ignored."""
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1")
+        with self._lock:
+            parent = self._get_node(node)
+            parent.children += n
+            return [self._new(list(parent.tokens), node) for _ in range(n)]
+
+    def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
+        if len(nodes) != len(token_ids):
+            raise ValueError(f"token_ids has {len(token_ids)} entries for {len(nodes)} nodes")
+        with self._lock:
+            for node, ids in zip(nodes, token_ids, strict=True):
+                self._growable(node).tokens.extend(ids)
+
+    def extend(self, nodes: Sequence[NodeId], params: DecodeParams) -> list[Generation]:
+        """One completion request per distinct token sequence (``n`` = nodes holding it), in parallel."""
+        with self._lock:
+            held = [self._growable(n) for n in nodes]
+            if len(set(nodes)) != len(nodes):
+                raise ValueError("nodes must be distinct; fork a node to decode it several times")
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for node, rec in zip(nodes, held, strict=True):
+                groups.setdefault(tuple(rec.tokens), []).append(node)
+        replies = list(
+            self._pool.map(lambda item: self._complete(list(item[0]), len(item[1]), params), groups.items())
+        )
+        out: dict[int, Generation] = {}
+        with self._lock:
+            for (prompt, members), gens in zip(groups.items(), replies, strict=True):
+                self._stats.tokens_computed += len(prompt)
+                for node, gen in zip(members, gens, strict=True):
+                    gen.node = node
+                    self._nodes[node].tokens.extend(gen.token_ids)
+                    self._stats.tokens_computed += len(gen.token_ids)
+                    out[node] = gen
+                self._stats.forward_calls += 1
+        return [out[n] for n in nodes]
+
+    def score_next(
+        self, nodes: Sequence[NodeId], suffix: Sequence[int], candidates: Sequence[int]
+    ) -> list[list[float]]:
+        if not suffix:
+            raise ValueError("suffix must hold at least 1 token")
+        with self._lock:
+            prompts = [[*self._get_node(n).tokens, *suffix] for n in nodes]
+        return list(self._pool.map(lambda p: self._candidate_probs(p, list(candidates)), prompts))
+
+    def release(self, nodes: Sequence[NodeId]) -> None:
+        with self._lock:
+            for node in nodes:
+                rec = self._nodes.get(node)
+                if rec is None or rec.released:
+                    raise KeyError(f"node {node} is not live")
+                rec.released = True
+                self._drop(node)
+
+    def tokens(self, node: NodeId) -> list[int]:
+        with self._lock:
+            return list(self._get_node(node).tokens)
+
+    def kv_stats(self) -> KVStats:
+        """Request accounting: the KV lives on the server, so bytes are 0 here; ``tokens_computed``
+        counts prompt and generated tokens sent/received, ``forward_calls`` completion requests, and
+        ``extra`` holds ``requests`` (all HTTP calls), ``retries`` and ``retry_wait_s``."""
+        with self._lock:
+            s = self._stats
+            return KVStats(
+                tokens_computed=s.tokens_computed,
+                forward_calls=s.forward_calls,
+                live_nodes=len(self._nodes),
+                extra=dict(s.extra),
+            )
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._stats = KVStats()
+
+    # ------------------------------------------------------------------ helpers
+    def _new(self, tokens: list[int], parent: int | None) -> int:
+        self._next_id += 1
+        self._nodes[self._next_id] = _Node(tokens, parent)
+        return self._next_id
+
+    def _get_node(self, node: NodeId) -> _Node:
+        rec = self._nodes.get(node)
+        if rec is None or rec.released:
+            raise KeyError(f"node {node} is not live")
+        return rec
+
+    def _growable(self, node: NodeId) -> _Node:
+        rec = self._get_node(node)
+        if rec.children:
+            raise ValueError(
+                f"node {node} has live children (its KV is shared); fork it instead of growing it"
+            )
+        return rec
+
+    def _drop(self, node: int) -> None:
+        """Forget a released node without live children, and any ancestor that this frees."""
+        while True:
+            rec = self._nodes[node]
+            if not rec.released or rec.children:
+                return
+            del self._nodes[node]
+            if rec.parent is None:
+                return
+            node = rec.parent
+            self._nodes[node].children -= 1
+
+    def _complete(self, prompt: list[int], n: int, params: DecodeParams) -> list[Generation]:
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if params.min_tokens:
+            body["min_tokens"] = params.min_tokens
+        if self.branchwise_server:
+            body["stop"] = list(params.stop) or None
+            body["branchwise"] = {"details": True, "step_delimiter": params.step_delimiter}
+        else:
+            stops = [*params.stop, *([params.step_delimiter] if params.step_delimiter else [])]
+            body.update(stop=stops or None, logprobs=1, return_tokens_as_token_ids=True)
+            if params.step_delimiter:
+                body["include_stop_str_in_output"] = True  # vLLM: the delimiter stays in the step
+        reply = self._post("/v1/completions", body)
+        choices = sorted(reply["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise RemoteError(f"{self.base_url} returned {len(choices)} choices for n={n}")
+        return [self._generation(c, params) for c in choices]
+
+    def _generation(self, choice: dict[str, Any], params: DecodeParams) -> Generation:
+        details = choice.get("branchwise")
+        if details is not None:
+            return Generation(
+                node=-1,
+                token_ids=list(details["token_ids"]),
+                text=choice["text"],
+                top1_probs=list(details["top1_probs"]),
+                logprobs=list(details["logprobs"]),
+                finish_reason=details["finish_reason"],
+            )
+        text: str = choice["text"]
+        lp = choice.get("logprobs") or {}
+        tokens = lp.get("tokens") or []
+        if tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            ids = [int(t.removeprefix("token_id:")) for t in tokens]
+        else:  # the server gave token strings only: re-tokenize the text (may differ at the edges)
+            ids = self.encode(text)
+        top = lp.get("top_logprobs") or []
+        top1 = [math.exp(max(row.values())) if row else 0.0 for row in top]
+        chosen = [x if x is not None else 0.0 for x in (lp.get("token_logprobs") or [])]
+        stop_reason = choice.get("stop_reason")
+        finish: FinishReason = "length" if choice.get("finish_reason") == "length" else "eos"
+        if isinstance(stop_reason, str):
+            if stop_reason == params.step_delimiter:
+                finish = "delimiter"
+            else:
+                finish = "stop"
+                text = text.removesuffix(stop_reason)  # vLLM kept it (include_stop_str_in_output)
+        return Generation(
+            node=-1, token_ids=ids, text=text, top1_probs=top1, logprobs=chosen, finish_reason=finish
+        )
+
+    def _candidate_probs(self, prompt: list[int], candidates: list[int]) -> list[float]:
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0.0,
+        }
+        if self.branchwise_server:
+            body["branchwise"] = {"score_candidates": candidates}
+            reply = self._post("/v1/completions", body)
+            return [math.exp(x) for x in reply["branchwise"]["candidate_logprobs"]]
+        body.update(logprobs=self.max_logprobs, return_tokens_as_token_ids=True)
+        reply = self._post("/v1/completions", body)
+        lp = reply["choices"][0].get("logprobs") or {}
+        rows = lp.get("top_logprobs") or []
+        if not rows or not rows[0]:
+            raise RemoteCapabilityError(
+                f"{self.base_url} returned no top log-probabilities for logprobs={self.max_logprobs}; "
+                "score_next needs them (vLLM: start it with --max-logprobs >= max_logprobs)"
+            )
+        first = rows[0]
+        if not all(k.startswith("token_id:") for k in first):
+            raise RemoteCapabilityError(
+                f"{self.base_url} names top log-probabilities by token text, not id "
+                "(it ignores return_tokens_as_token_ids); score_next cannot map them to candidates"
+            )
+        by_id = {int(k.removeprefix("token_id:")): v for k, v in first.items()}
+        return [math.exp(by_id[c]) if c in by_id else 0.0 for c in candidates]

@@ -1,0 +1,378 @@
+"""A request scheduler over any `Backend`: concurrent callers' requests become shared decode passes.
+
+Why here (not in a front end): DSPy's `BranchwiseLM`, the OpenAI-compatible server and any other
+front end (LangChain through the server, a notebook with threads) face the same problem: B callers
+each want ``n`` samples of their own prompt, and B sequential `extend` calls cost B times one batched
+call. The scheduler owns that problem once, generic over the `Backend` protocol:
+
+* **n samples fork one prefill**: a request's prompt is submitted whole via `prefill` and `fork(n)`,
+  so whatever prompt sharing the backend does (shared KV for the ``n`` children, and a prefix cache
+  across requests where the backend keeps one) applies without the scheduler knowing about it;
+* **concurrent requests share one `extend`**: one worker thread drains the queue and decodes every
+  queued request with equal decoding parameters in ONE `extend` over all their branches. With
+  greedy decoding the batched tokens equal the serial ones (the backend's batched decode is exact);
+* **bounded memory**: with ``max_queued_rows`` set, `enqueue` raises `QueueFull` instead of letting
+  the queue (and, later, the KV of its branches) grow without limit; a server turns that into 429;
+* **cancellation**: a request cancelled while it waits is dropped before it is prefilled (a client
+  that went away costs nothing); one cancelled mid-batch has its branches released with the batch.
+
+Seeded sampling and batching: the backend seeds one generator per `extend` call, so two seeded
+requests decoded in one batch would share a random stream and differ from their serial results. A
+request that samples (temperature > 0) with a seed is therefore decoded in its own batch unless
+``batch_seeded=True`` (faster, but the streams then depend on the batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode
+
+__all__ = ["BatchStats", "Cancelled", "InvalidPrompt", "Job", "QueueFull", "Scheduler"]
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's queue holds ``max_queued_rows`` branches already; retry later."""
+
+
+class InvalidPrompt(ValueError):
+    """The backend refused one request's prompt (e.g. a token id outside the vocabulary).
+
+    Only that request fails: the other requests of its batch are decoded as usual.
+    """
+
+
+class Cancelled(RuntimeError):
+    """The request was cancelled (its caller went away) before it was decoded."""
+
+
+@dataclass
+class BatchStats:
+    """How well concurrent requests were batched.
+
+    ``extend_calls`` counts backend `extend` calls made for requests; ``requests`` the requests
+    they served; ``rows`` the branches decoded (a request with ``n`` samples is ``n`` rows);
+    ``rejected`` the requests refused because the queue was full; ``cancelled`` those dropped.
+    """
+
+    extend_calls: int = 0
+    requests: int = 0
+    rows: int = 0
+    max_requests_per_call: int = 0
+    max_rows_per_call: int = 0
+    rejected: int = 0
+    cancelled: int = 0
+    histogram: dict[int, int] = field(default_factory=dict)
+    """requests per `extend` call -> how many calls had that many"""
+
+    @property
+    def mean_requests_per_call(self) -> float:
+        return self.requests / self.extend_calls if self.extend_calls else 0.0
+
+    @property
+    def mean_rows_per_call(self) -> float:
+        return self.rows / self.extend_calls if self.extend_calls else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "extend_calls": self.extend_calls,
+            "requests": self.requests,
+            "rows": self.rows,
+            "mean_requests_per_call": round(self.mean_requests_per_call, 3),
+            "mean_rows_per_call": round(self.mean_rows_per_call, 3),
+            "max_requests_per_call": self.max_requests_per_call,
+            "max_rows_per_call": self.max_rows_per_call,
+            "rejected": self.rejected,
+            "cancelled": self.cancelled,
+            "histogram": dict(sorted(self.histogram.items())),
+        }
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: ``n`` samples of ``prompt`` decoded with ``params``.
+
+    ``share=None`` leaves the KV sharing of the ``n`` samples to the backend's default.
+    ``on_done`` (optional) is called from the worker thread once the job has a result or an error;
+    the asyncio bridge of `Scheduler.submit_async` uses it to wake the event loop.
+    """
+
+    prompt: list[int]
+    n: int
+    params: DecodeParams
+    share: ShareMode | None = None
+    on_done: Callable[[Job], None] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    generations: list[Generation] | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    batch_requests: int = 0
+    batch_rows: int = 0
+
+    def group_key(self, batch_seeded: bool) -> tuple[Any, ...]:
+        """Jobs with equal keys are decoded in one `extend`; a seeded sampling job stays alone unless
+        `batch_seeded` (see the module docstring)."""
+        alone = self.params.seed is not None and self.params.temperature > 0 and not batch_seeded
+        return (self.params, self.share, id(self) if alone else None)
+
+    def result(self) -> list[Generation]:
+        """Wait for the worker; the generations, or the error the batch raised."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.generations is not None
+        return self.generations
+
+    def _finish(self) -> None:
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done(self)
+
+
+class Scheduler:
+    """A request queue drained by one worker thread that owns all backend calls for its requests.
+
+    Why one worker rather than a lock: a lock would serialise the callers one request at a time;
+    the worker instead takes everything that queued up while the previous batch ran (plus whatever
+    arrives within `window_s`), so B callers cost one batched decode instead of B sequential ones.
+
+    Args:
+        backend: any `Backend`.
+        max_rows: at most this many branches (sum of ``n``) are decoded in one `extend`.
+        max_requests: at most this many requests per batch; 1 turns cross-request batching off.
+        window_s: how long the worker waits for more requests before starting a batch.
+        max_queued_rows: `enqueue` raises `QueueFull` when the waiting branches would exceed this
+            (None: unbounded, for in-process callers that block anyway).
+        batch_seeded: co-batch seeded sampling requests (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        max_rows: int = 64,
+        max_requests: int = 64,
+        window_s: float = 0.01,
+        max_queued_rows: int | None = None,
+        batch_seeded: bool = False,
+        name: str = "branchwise-scheduler",
+    ) -> None:
+        if max_rows < 1 or max_requests < 1:
+            raise ValueError("max_rows and max_requests must be >= 1")
+        if max_queued_rows is not None and max_queued_rows < 1:
+            raise ValueError(f"max_queued_rows={max_queued_rows} must be >= 1 (or None)")
+        self.backend = backend
+        self.max_rows = max_rows
+        self.max_requests = max_requests
+        self.window_s = window_s
+        self.max_queued_rows = max_queued_rows
+        self.batch_seeded = batch_seeded
+        self.name = name
+        self.stats = BatchStats()
+        self._cv = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._running = 0
+        self._worker: threading.Thread | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ callers
+    def enqueue(self, job: Job) -> Job:
+        """Queue `job` without waiting; raises `QueueFull` or, once closed, `RuntimeError`."""
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the scheduler was closed")
+            if self.max_queued_rows is not None and self._rows_queued() + job.n > self.max_queued_rows:
+                self.stats.rejected += 1
+                raise QueueFull(
+                    f"{self._rows_queued()} branches are queued (limit {self.max_queued_rows}); retry later"
+                )
+            self._queue.append(job)
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._worker.start()
+            self._cv.notify_all()
+        return job
+
+    def submit(self, job: Job) -> list[Generation]:
+        """Queue `job` and wait for its generations (a blocking caller: a DSPy thread)."""
+        return self.enqueue(job).result()
+
+    async def submit_async(self, job: Job) -> list[Generation]:
+        """Queue `job` and await its generations without blocking the event loop.
+
+        If the awaiting task is cancelled (an HTTP client disconnected), the job is cancelled too:
+        dropped if it still waits, its branches released with its batch otherwise.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: Job) -> None:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+
+        job.on_done = wake
+        self.enqueue(job)
+        try:
+            await future
+        except asyncio.CancelledError:
+            self.cancel(job)
+            raise
+        return job.result()
+
+    def cancel(self, job: Job) -> None:
+        """Cancel `job`: a waiting job is removed from the queue and fails with `Cancelled`."""
+        with self._cv:
+            job.cancelled = True
+            try:
+                self._queue.remove(job)
+            except ValueError:
+                return  # already taken by the worker (or finished): its batch releases its branches
+            self.stats.cancelled += 1
+        job.error = Cancelled("the request was cancelled before it was decoded")
+        job._finish()
+
+    def queued_rows(self) -> int:
+        """Branches waiting in the queue now (not counting the batch being decoded)."""
+        with self._cv:
+            return self._rows_queued()
+
+    def idle(self) -> bool:
+        """Nothing queued and no batch being decoded."""
+        with self._cv:
+            return not self._queue and not self._running
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new requests; the queued ones still finish. With `timeout`, wait for the worker."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            worker = self._worker
+        if timeout is not None and worker is not None:
+            worker.join(timeout)
+
+    # ------------------------------------------------------------------ worker
+    def _rows_queued(self) -> int:
+        return sum(job.n for job in self._queue)
+
+    def _take(self) -> list[Job] | None:
+        """Wait for work; return a batch bounded by `max_rows`/`max_requests` (None once closed)."""
+        with self._cv:
+            while not self._queue and not self._closed:
+                self._cv.wait()
+            if not self._queue:
+                return None
+            # Callers woken by the previous batch resubmit within milliseconds of each other: keep
+            # collecting while requests keep arriving (each arrival restarts a `window_s` gap, capped
+            # at 10 windows), so they join this batch instead of trickling into the next ones. A lone
+            # serial caller pays one window per call.
+            start = time.monotonic()
+            seen = len(self._queue)
+            gap_end = start + self.window_s
+            while (
+                self._queue and self._rows_queued() < self.max_rows and len(self._queue) < self.max_requests
+            ):
+                left = min(gap_end, start + 10 * self.window_s) - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._cv.wait(left)
+                if len(self._queue) != seen:
+                    seen = len(self._queue)
+                    gap_end = time.monotonic() + self.window_s
+            batch: list[Job] = []
+            rows = 0
+            while self._queue and len(batch) < self.max_requests:
+                job = self._queue[0]
+                if batch and rows + job.n > self.max_rows:
+                    break
+                batch.append(self._queue.popleft())
+                rows += job.n
+            self._running += 1
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            try:
+                groups: dict[tuple[Any, ...], list[Job]] = {}
+                for job in batch:
+                    groups.setdefault(job.group_key(self.batch_seeded), []).append(job)
+                for jobs in groups.values():
+                    self._run_group(jobs)
+            finally:
+                with self._cv:
+                    self._running -= 1
+                    self._cv.notify_all()
+
+    def _run_group(self, jobs: list[Job]) -> None:
+        """Prefill each prompt once, fork it n times and decode all branches in ONE `extend`."""
+        backend = self.backend
+        live = [job for job in jobs if not job.cancelled]
+        for job in jobs:
+            if job.cancelled:
+                job.error = Cancelled("the request was cancelled before it was decoded")
+                self.stats.cancelled += 1
+                job._finish()
+        if not live:
+            return
+        children: list[int] = []
+        spans: list[tuple[int, int]] = []
+        try:
+            for job in list(live):
+                try:
+                    kids = self._fork_prompt(job)
+                except ValueError as exc:  # this prompt alone is bad: fail it, decode the others
+                    job.error = InvalidPrompt(str(exc))
+                    job._finish()
+                    live.remove(job)
+                    continue
+                spans.append((len(children), len(children) + len(kids)))
+                children.extend(kids)
+            if not live:
+                return
+            gens = backend.extend(children, live[0].params)
+            rows = len(children)
+            for job, (a, b) in zip(live, spans, strict=True):
+                job.generations = gens[a:b]
+                job.batch_requests, job.batch_rows = len(live), rows
+            st = self.stats
+            st.extend_calls += 1
+            st.requests += len(live)
+            st.rows += rows
+            st.max_requests_per_call = max(st.max_requests_per_call, len(live))
+            st.max_rows_per_call = max(st.max_rows_per_call, rows)
+            st.histogram[len(live)] = st.histogram.get(len(live), 0) + 1
+        except BaseException as exc:  # delivered to every waiting caller, never lost in the worker
+            for job in live:
+                job.error = exc
+        finally:
+            if children:
+                try:
+                    backend.release(children)
+                except Exception:  # pragma: no cover - release of nodes the failure already freed
+                    log.debug("release after a failed batch", exc_info=True)
+            for job in live:
+                job._finish()
+
+    def _fork_prompt(self, job: Job) -> list[int]:
+        """Prefill the job's whole prompt (a backend with a prefix cache reuses what it holds) and
+        fork it into ``n`` branches."""
+        backend = self.backend
+        root = backend.prefill(job.prompt)
+        # one sample shares its prompt with nobody: a plain row batches better than a one-row shared
+        # segment (each shared segment is one more attention product per layer)
+        share = job.share if job.n > 1 else "none"
+        try:
+            return backend.fork(root, job.n, share=share)
+        finally:
+            # the children keep the root's KV alive; releasing it now frees it with them
+            backend.release([root])

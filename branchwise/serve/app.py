@@ -1,0 +1,587 @@
+"""The OpenAI-compatible HTTP server: `create_app(backend)` builds the FastAPI application.
+
+Why a server at all: LangChain, LiteLLM, every DSPy version, lm-eval and inspect speak the OpenAI
+HTTP API; serving it makes branchwise reachable from all of them without adapters, and lets a model
+stay loaded between calls. Every plain completion goes through the backend-level `Scheduler`, so
+concurrent HTTP requests become shared decode passes (the same batching DSPy gets in-process), the
+``n`` samples of a request fork one prefill, and whole prompts are submitted via `prefill`/`fork` so
+a backend with a prefix cache reuses prompts across requests without this module knowing.
+
+Behaviour at the edges: a bad body is a 400 naming the field and the range (OpenAI's error shape);
+a full queue is a 429 with ``Retry-After`` (memory stays bounded: the queue never grows past
+``max_queued_rows`` branches); a client that disconnects while its request waits frees it before it
+is prefilled (see `Scheduler.cancel`); on shutdown (SIGTERM, via uvicorn) in-flight requests finish
+before the process exits.
+
+Streaming is server-sent events in OpenAI's chunk format, cut at token boundaries; the chunks are
+sent once the request's batch has decoded (the backend's `extend` returns whole generations), so
+the streamed text always equals the non-streamed one but the first token arrives with the last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from branchwise.backends.base import Backend, Generation, ShareMode
+from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFull, Scheduler
+from branchwise.serve.protocol import BranchwiseOptions, ChatRequest, CompletionRequest
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "confident": "stop", "length": "length"}
+"""Backend finish reasons mapped onto OpenAI's."""
+
+
+class RequestError(Exception):
+    """A request the server refuses: becomes an OpenAI-shaped error response."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def response(self) -> JSONResponse:
+        kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "server_unavailable"}
+        body = {
+            "error": {
+                "message": self.message,
+                "type": kind.get(self.status, "server_error"),
+                "param": self.param,
+                "code": None,
+            }
+        }
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _validation_error(err: ValidationError) -> RequestError:
+    """One 400 naming each bad field, what is allowed and the value sent."""
+    parts, params = [], []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "json_invalid":
+            loc, msg = "body", f"malformed JSON ({e['ctx'].get('error', 'invalid')})"
+        elif not loc and ": " in msg:  # a model-level check names its field itself: "n: ..."
+            loc, msg = msg.split(": ", 1)
+        shown = loc and not isinstance(e.get("input"), dict | list) and e["type"] != "missing"
+        parts.append(f"{loc or 'body'}: {msg}" + (f" (got {e['input']!r})" if shown else ""))
+        params.append(loc.split(".")[0] if loc else "body")
+    return RequestError(400, "; ".join(parts), param=params[0] if params else None)
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body or b"{}")
+    except ValidationError as err:
+        raise _validation_error(err) from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone away (the body is read already, so `receive` waits for it)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _vocab_size(backend: Backend) -> int:
+    """Candidates for top-logprobs: every token the tokenizer knows."""
+    tokenizer = getattr(backend, "tokenizer", None)
+    if tokenizer is None:
+        raise RequestError(400, "top_logprobs: this backend exposes no tokenizer to rank tokens")
+    return len(tokenizer)
+
+
+class _Server:
+    """Request handling over one backend and its scheduler (kept apart from the routes for tests)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        scheduler: Scheduler,
+        model_name: str,
+        share: ShareMode,
+        max_strategy_queue: int,
+    ) -> None:
+        self.backend = backend
+        self.share = share
+        self.scheduler = scheduler
+        self.model_name = model_name
+        self.max_strategy_queue = max_strategy_queue
+        self.strategy_waiting = 0
+        self.strategy_slot = asyncio.Lock()
+        """One strategy at a time: `Reasoner.run` resets and reads backend-wide KV counters."""
+        self.draining = False
+
+    # ------------------------------------------------------------------ plain completions
+    async def decode(
+        self, req: ChatRequest | CompletionRequest, prompt: list[int], request: Request
+    ) -> list[Generation]:
+        """Queue the request's ``n`` samples and wait for them, or for the client to go away."""
+        if self.draining:
+            raise RequestError(503, "the server is shutting down")
+        opts = req.branchwise or BranchwiseOptions()
+        share = opts.share or self.share
+        job = Job(prompt=prompt, n=req.n, params=req.decode_params(req.token_budget()), share=share)
+        work = asyncio.ensure_future(self.scheduler.submit_async(job))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():  # the client left: drop its job (or let its batch release its branches)
+            work.cancel()
+            raise asyncio.CancelledError
+        try:
+            return work.result()
+        except QueueFull as err:
+            raise RequestError(429, str(err), headers={"Retry-After": "1"}) from None
+        except InvalidPrompt as err:
+            raise RequestError(400, f"prompt: {err}", param="prompt") from None
+        except Cancelled as err:  # pragma: no cover - only a disconnected client's job is cancelled
+            raise RequestError(503, str(err)) from None
+
+    def top_logprobs(self, prompt: list[int], gen: Generation, k: int) -> list[list[tuple[int, float]]]:
+        """The k most likely tokens at each generated position (temperature 1, like the chosen ones).
+
+        The backend's decode keeps only the chosen token's log-probability, so each position is
+        re-scored: one `score_next` over the whole vocabulary per generated token, reading the
+        prompt's KV from one shared prefill. Costly; only asked-for top logprobs pay it.
+        """
+        vocab = list(range(_vocab_size(self.backend)))
+        root = self._stem(prompt, "top_logprobs")
+        try:
+            out = []
+            for i in range(len(gen.token_ids)):
+                probs = self.backend.score_next([root], [prompt[-1], *gen.token_ids[:i]], vocab)[0]
+                best = sorted(range(len(probs)), key=probs.__getitem__, reverse=True)[:k]
+                out.append([(t, math.log(max(probs[t], 1e-45))) for t in best])
+            return out
+        finally:
+            self.backend.release([root])
+
+    def candidate_logprobs(self, prompt: list[int], candidates: Sequence[int]) -> list[float]:
+        """Log-probability of each candidate token right after the prompt (one forward)."""
+        root = self._stem(prompt, "branchwise.score_candidates")
+        try:
+            probs = self.backend.score_next([root], [prompt[-1]], candidates)[0]
+        except ValueError as err:
+            raise RequestError(400, f"branchwise.score_candidates: {err}", "branchwise") from None
+        finally:
+            self.backend.release([root])
+        return [math.log(p) if p > 0 else -math.inf for p in probs]
+
+    def _stem(self, prompt: list[int], field: str) -> int:
+        """The prompt minus its last token, prefilled: `score_next` needs a suffix of >= 1 token."""
+        if len(prompt) < 2:
+            raise RequestError(400, f"{field}: needs a prompt of at least 2 tokens", field.split(".")[0])
+        return self.backend.prefill(prompt[:-1])
+
+    # ------------------------------------------------------------------ strategies
+    async def run_strategy(self, req: ChatRequest | CompletionRequest, messages: list[dict[str, str]]) -> Any:
+        """Run a whole strategy on the last user turn (system turns become its system prompt)."""
+        from branchwise.reasoners import Reasoner
+
+        opts = req.branchwise
+        assert opts is not None and opts.strategy is not None
+        strategy = _strategy(opts, req)
+        system = "\n\n".join(m["content"] for m in messages if m["role"] in ("system", "developer")) or None
+        turns = [m for m in messages if m["role"] not in ("system", "developer")]
+        if not turns:
+            raise RequestError(400, "messages: a strategy needs a user message to answer", "messages")
+        reasoner = Reasoner(
+            strategy, backend=self.backend, share=opts.share or self.share, system_prompt=system
+        )
+        if self.strategy_waiting >= self.max_strategy_queue:
+            raise RequestError(
+                429,
+                f"{self.strategy_waiting} strategy runs are queued; retry later",
+                headers={"Retry-After": "1"},
+            )
+        self.strategy_waiting += 1
+        try:
+            async with self.strategy_slot:
+                return await asyncio.to_thread(reasoner.run, turns[-1]["content"])
+        finally:
+            self.strategy_waiting -= 1
+
+
+def _strategy(opts: BranchwiseOptions, req: ChatRequest | CompletionRequest) -> Any:
+    """The strategy the extension names: a prebuilt (knobs from the extension and the request) or a spec."""
+    from branchwise.reasoners.registry import check_names
+    from branchwise.strategies import PREBUILT, Strategy
+
+    spec = opts.strategy
+    try:
+        if isinstance(spec, str):
+            if spec not in PREBUILT:
+                raise ValueError(f"{spec!r} is not a prebuilt strategy; allowed: {', '.join(PREBUILT)}")
+            tokens = opts.tokens or (req.max_tokens if isinstance(req, ChatRequest) else None)
+            strategy = PREBUILT[spec](
+                branches=opts.branches,
+                temperature=req.temperature,
+                tokens=tokens,
+                seed=req.seed,
+                verifier=opts.verifier,
+            )
+        else:
+            strategy = Strategy.model_validate(spec)
+            strategy.compile()
+        check_names(strategy)
+    except ValidationError as err:
+        from branchwise.cli_params import one_line
+
+        raise RequestError(400, f"branchwise.strategy: {one_line(err)}", "branchwise") from None
+    except ValueError as err:
+        raise RequestError(400, f"branchwise.strategy: {err}", "branchwise") from None
+    return strategy
+
+
+def _strategy_reply(result: Any, backend: Backend) -> tuple[str, str, dict[str, Any], int]:
+    """(text, finish_reason, branchwise field, completion tokens) of a strategy run."""
+    chosen = next((b for b in result.branches if b.selected), result.branches[0] if result.branches else None)
+    text = chosen.text if chosen is not None else ""
+    finish = _FINISH.get(chosen.finish_reason, "stop") if chosen is not None else "stop"
+    extra = {
+        "answer": result.answer,
+        "votes": result.votes,
+        "support": result.support,
+        "strategy": result.strategy,
+        "kv_stats": result.kv_stats,
+        "timings": result.timings,
+        "branches": [
+            {"text": b.text, "answer": b.answer, "scores": b.scores, "selected": b.selected}
+            for b in result.branches
+        ],
+    }
+    return text, finish, extra, sum(b.n_tokens for b in result.branches)
+
+
+# ---------------------------------------------------------------------- response shapes
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    # like OpenAI with n > 1: the prompt is counted once
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _details(g: Generation) -> dict[str, Any]:
+    return {
+        "token_ids": g.token_ids,
+        "top1_probs": g.top1_probs,
+        "logprobs": g.logprobs,
+        "finish_reason": g.finish_reason,
+    }
+
+
+def _deltas(backend: Backend, g: Generation) -> Iterator[str]:
+    """The choice's text in token-sized pieces whose concatenation is exactly ``g.text``."""
+    sent = ""
+    for i in range(1, len(g.token_ids) + 1):
+        prefix = backend.decode(g.token_ids[:i])
+        if len(prefix) > len(sent) and g.text.startswith(prefix):
+            yield prefix[len(sent) :]
+            sent = prefix
+    if len(g.text) > len(sent):
+        yield g.text[len(sent) :]
+
+
+def _sse(chunks: Iterator[dict[str, Any]]) -> Iterator[str]:
+    for chunk in chunks:
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def create_app(
+    backend: Backend,
+    *,
+    model_name: str | None = None,
+    share: ShareMode = "exact",
+    max_batch_rows: int = 64,
+    max_batch_requests: int = 64,
+    max_queued_rows: int = 1024,
+    window_s: float = 0.01,
+    max_strategy_queue: int = 16,
+    drain_timeout_s: float = 30.0,
+) -> FastAPI:
+    """The OpenAI-compatible app over `backend` (see the module docstring).
+
+    Args:
+        model_name: the id `/v1/models` lists; default: the backend's model name.
+        share: KV sharing of a request's ``n`` samples unless its ``branchwise.share`` says otherwise.
+        max_batch_rows, max_batch_requests, window_s: the scheduler's batch bounds (`Scheduler`).
+        max_queued_rows: branches (sum of ``n``) that may wait; beyond, requests get 429.
+        max_strategy_queue: strategy runs that may wait for the strategy slot; beyond, 429.
+        drain_timeout_s: on shutdown, how long queued requests may take to finish.
+    """
+    scheduler = Scheduler(
+        backend,
+        max_rows=max_batch_rows,
+        max_requests=max_batch_requests,
+        window_s=window_s,
+        max_queued_rows=max_queued_rows,
+        name="branchwise-serve-scheduler",
+    )
+    name = model_name or str(getattr(backend, "model_name", backend.name))
+    server = _Server(backend, scheduler, name, share, max_strategy_queue)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.draining = True  # uvicorn has let in-flight requests finish; refuse stragglers
+        await asyncio.to_thread(scheduler.close, drain_timeout_s)
+
+    app = FastAPI(title="branchwise", lifespan=lifespan)
+    app.state.server = server
+    app.state.scheduler = scheduler
+
+    def meta(kind: str) -> dict[str, Any]:
+        return {"id": f"{kind}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
+
+    async def handle(request: Request, fn: Any) -> Response:
+        try:
+            return await fn(await request.body(), request)
+        except RequestError as err:
+            return err.response()
+
+    # ------------------------------------------------------------------ chat
+    async def chat(body: bytes, request: Request) -> Response:
+        req: ChatRequest = _parse(ChatRequest, body)
+        if req.stream and req.logprobs:
+            raise RequestError(400, "logprobs: not supported together with stream", "logprobs")
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as err:
+            raise RequestError(400, str(err), "messages") from None
+        prompt = backend.chat_prompt(messages)
+        head = meta("chatcmpl")
+        if req.branchwise is not None and req.branchwise.strategy is not None:
+            result = await server.run_strategy(req, messages)
+            text, finish, extra, used = _strategy_reply(result, backend)
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return JSONResponse(
+                {
+                    **head,
+                    "object": "chat.completion",
+                    "choices": [{**choice, "logprobs": None}],
+                    "usage": _usage(len(prompt), used),
+                    "branchwise": extra,
+                }
+            )
+        gens = await server.decode(req, prompt, request)
+        usage = _usage(len(prompt), sum(len(g.token_ids) for g in gens))
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+            def chunks() -> Iterator[dict[str, Any]]:
+                base = {**head, "object": "chat.completion.chunk"}
+                for i, g in enumerate(gens):
+                    yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}
+                    for piece in _deltas(backend, g):
+                        yield {**base, "choices": [{"index": i, "delta": {"content": piece}}]}
+                    finish = _FINISH[g.finish_reason]
+                    yield {**base, "choices": [{"index": i, "delta": {}, "finish_reason": finish}]}
+                if include_usage:
+                    yield {**base, "choices": [], "usage": usage}
+
+            return StreamingResponse(_sse(chunks()), media_type="text/event-stream")
+        k = req.top_logprobs or 0
+        tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
+        choices = []
+        for i, (g, top) in enumerate(zip(gens, tops, strict=True)):
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": {"role": "assistant", "content": g.text},
+                "finish_reason": _FINISH[g.finish_reason],
+                "logprobs": None,
+            }
+            if req.logprobs:
+                choice["logprobs"] = {"content": _chat_logprobs(backend, g, top)}
+            if req.branchwise is not None and req.branchwise.details:
+                choice["branchwise"] = _details(g)
+            choices.append(choice)
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage})
+
+    # ------------------------------------------------------------------ text completions
+    async def complete(body: bytes, request: Request) -> Response:
+        req: CompletionRequest = _parse(CompletionRequest, body)
+        if req.stream and req.logprobs is not None:
+            raise RequestError(400, "logprobs: not supported together with stream", "logprobs")
+        if isinstance(req.prompt, str):
+            prompt_text, prompt = req.prompt, backend.encode(req.prompt)
+        else:
+            prompt, prompt_text = list(req.prompt), None  # decoded only if echo asks for it
+        head = meta("cmpl")
+        opts = req.branchwise
+        if opts is not None and opts.strategy is not None:
+            question = prompt_text if prompt_text is not None else backend.decode(prompt)
+            result = await server.run_strategy(req, [{"role": "user", "content": question}])
+            text, finish, extra, used = _strategy_reply(result, backend)
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return JSONResponse(
+                {
+                    **head,
+                    "object": "text_completion",
+                    "choices": [choice],
+                    "usage": _usage(len(prompt), used),
+                    "branchwise": extra,
+                }
+            )
+        candidates = None
+        if opts is not None and opts.score_candidates is not None:
+            candidates = await asyncio.to_thread(server.candidate_logprobs, prompt, opts.score_candidates)
+        gens = await server.decode(req, prompt, request)
+        usage = _usage(len(prompt), sum(len(g.token_ids) for g in gens))
+        echo = (prompt_text if prompt_text is not None else backend.decode(prompt)) if req.echo else ""
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+            def chunks() -> Iterator[dict[str, Any]]:
+                base = {**head, "object": "text_completion"}
+                for i, g in enumerate(gens):
+                    for j, piece in enumerate(_deltas(backend, g)):
+                        text = echo + piece if j == 0 else piece
+                        yield {**base, "choices": [{"index": i, "text": text, "finish_reason": None}]}
+                    yield {
+                        **base,
+                        "choices": [{"index": i, "text": "", "finish_reason": _FINISH[g.finish_reason]}],
+                    }
+                if include_usage:
+                    yield {**base, "choices": [], "usage": usage}
+
+            return StreamingResponse(_sse(chunks()), media_type="text/event-stream")
+        k = req.logprobs or 0
+        tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
+        choices = []
+        for i, (g, top) in enumerate(zip(gens, tops, strict=True)):
+            choice = {
+                "index": i,
+                "text": echo + g.text,
+                "finish_reason": _FINISH[g.finish_reason],
+                "logprobs": None,
+            }
+            if req.logprobs is not None:
+                choice["logprobs"] = _text_logprobs(
+                    backend, g, top, req.return_tokens_as_token_ids, len(echo)
+                )
+            if opts is not None and opts.details:
+                choice["branchwise"] = _details(g)
+            choices.append(choice)
+        reply: dict[str, Any] = {**head, "object": "text_completion", "choices": choices, "usage": usage}
+        if candidates is not None:
+            reply["branchwise"] = {"candidate_logprobs": candidates}
+        return JSONResponse(reply)
+
+    # ------------------------------------------------------------------ routes
+    @app.post("/v1/chat/completions")
+    async def chat_route(request: Request) -> Response:
+        return await handle(request, chat)
+
+    @app.post("/v1/completions")
+    async def completions_route(request: Request) -> Response:
+        return await handle(request, complete)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "branchwise"}],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "draining" if server.draining else "ok",
+            "model": name,
+            "queued_rows": scheduler.queued_rows(),
+            "busy": not scheduler.idle(),
+            "batching": scheduler.stats.as_dict(),
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's tokenizer endpoint (text, or chat messages with the generation prompt appended)."""
+
+        async def run(body: bytes, _: Request) -> Response:
+            data = _json_object(body)
+            if "messages" in data:
+                req = _parse(ChatRequest, json.dumps({"messages": data["messages"]}).encode())
+                tokens = backend.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
+            elif isinstance(data.get("prompt"), str):
+                tokens = backend.encode(data["prompt"])
+            else:
+                raise RequestError(400, "prompt: give a string prompt or messages", "prompt")
+            return JSONResponse({"tokens": tokens, "count": len(tokens)})
+
+        return await handle(request, run)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        async def run(body: bytes, _: Request) -> Response:
+            tokens = _json_object(body).get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+                raise RequestError(400, "tokens: give a list of token ids (integers >= 0)", "tokens")
+            return JSONResponse({"prompt": backend.decode(tokens)})
+
+        return await handle(request, run)
+
+    return app
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body or b"{}")
+    except ValueError as err:
+        raise RequestError(400, f"body: malformed JSON ({err})", "body") from None
+    if not isinstance(data, dict):
+        raise RequestError(400, "body: must be a JSON object", "body")
+    return data
+
+
+def _chat_logprobs(
+    backend: Backend, g: Generation, top: list[list[tuple[int, float]]] | None
+) -> list[dict[str, Any]]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = backend.decode([token_id])
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return [
+        {**entry(t, lp), "top_logprobs": [entry(c, clp) for c, clp in top[i]] if top else []}
+        for i, (t, lp) in enumerate(zip(g.token_ids, g.logprobs, strict=True))
+    ]
+
+
+def _text_logprobs(
+    backend: Backend, g: Generation, top: list[list[tuple[int, float]]] | None, as_ids: bool, offset: int
+) -> dict[str, Any]:
+    def name(token_id: int) -> str:
+        return f"token_id:{token_id}" if as_ids else backend.decode([token_id])
+
+    tokens = [name(t) for t in g.token_ids]
+    offsets = []
+    for t in g.token_ids:
+        offsets.append(offset)
+        offset += len(backend.decode([t]))
+    return {
+        "tokens": tokens,
+        "token_logprobs": g.logprobs,
+        "top_logprobs": [{name(c): lp for c, lp in row} for row in top] if top else None,
+        "text_offset": offsets,
+    }

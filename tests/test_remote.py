@@ -1,0 +1,431 @@
+"""`RemoteBackend`: the Backend protocol over an OpenAI-compatible server.
+
+Everything runs on 127.0.0.1: `branchwise serve` over the tiny model in a thread, and, for fault
+injection, a stdlib proxy in front of it that follows a script per request (drop the connection
+without answering, answer 500 or 429, stall past the client's timeout, or forward). It can also
+pose as a vLLM-like server (``owned_by`` not branchwise, no branchwise extensions) to exercise the
+standard OpenAI paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from branchwise.backends.accel import Accel, CGEEConfig, RiverConfig  # noqa: E402
+from branchwise.backends.base import Backend, DecodeParams  # noqa: E402
+from branchwise.backends.remote import (  # noqa: E402
+    RemoteBackend,
+    RemoteCapabilityError,
+    RemoteError,
+    UnsupportedOnRemote,
+)
+from branchwise.reasoners import Reasoner  # noqa: E402
+from branchwise.serve import create_app  # noqa: E402
+from branchwise.serve.runner import serve_in_thread  # noqa: E402
+from branchwise.strategies import PREBUILT  # noqa: E402
+
+QUESTION = "What is 12 + 7?"
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_llama_dir: Path) -> Any:
+    from branchwise.backends.hf import HFBackend
+
+    return HFBackend(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_backend: Any) -> Iterator[str]:
+    with serve_in_thread(create_app(tiny_backend, model_name="tiny")) as url:
+        yield url
+
+
+# --------------------------------------------------------------------------------------------------
+# Same tokens as the local backend
+# --------------------------------------------------------------------------------------------------
+
+
+def test_remote_is_a_backend_and_tokenizes_like_the_local_one(served: str, tiny_backend: Any) -> None:
+    remote = RemoteBackend(served)
+    assert isinstance(remote, Backend)
+    assert remote.model_name == "tiny" and remote.branchwise_server
+    msgs = [{"role": "user", "content": QUESTION}]
+    assert remote.chat_prompt(msgs) == tiny_backend.chat_prompt(msgs)
+    assert remote.encode(QUESTION) == tiny_backend.encode(QUESTION)
+    assert remote.decode(remote.encode(QUESTION)) == QUESTION
+
+
+@pytest.mark.parametrize(
+    ("name", "knobs"),
+    [
+        ("self-consistency", {"branches": 4, "temperature": 0.0, "tokens": 12}),
+        ("self-consistency", {"branches": 4, "temperature": 0.8, "tokens": 12, "seed": 5}),
+        ("beam-search", {"branches": 4, "temperature": 0.0, "tokens": 6}),
+        ("rebase", {"branches": 4, "temperature": 0.0, "tokens": 6}),
+        ("ets", {"branches": 4, "temperature": 0.0, "tokens": 6}),
+    ],
+)
+def test_strategies_give_the_local_tokens(
+    served: str, tiny_backend: Any, name: str, knobs: dict[str, Any]
+) -> None:
+    strategy = PREBUILT[name](**knobs)
+    local = Reasoner(strategy, backend=tiny_backend).run(QUESTION)
+    remote = Reasoner(strategy, backend=RemoteBackend(served)).run(QUESTION)
+    assert [b.text for b in remote.branches] == [b.text for b in local.branches]
+    assert [b.n_tokens for b in remote.branches] == [b.n_tokens for b in local.branches]
+    assert remote.answer == local.answer
+    assert remote.votes == pytest.approx(local.votes, rel=1e-4)  # confidence-weighted: float noise
+    for r, lo in zip(remote.branches, local.branches, strict=True):
+        assert r.scores == pytest.approx(lo.scores, rel=1e-3, abs=1e-6)
+        assert r.selected == lo.selected
+
+
+def test_tree_ops_keep_the_protocol(served: str) -> None:
+    remote = RemoteBackend(served)
+    root = remote.prefill(remote.encode("The answer is"))
+    kids = remote.fork(root, 2)
+    with pytest.raises(ValueError, match="live children"):
+        remote.append([root], [[5]])
+    gens = remote.extend(kids, DecodeParams(max_tokens=3))
+    assert [g.node for g in gens] == kids
+    assert remote.tokens(kids[0]) == remote.encode("The answer is") + gens[0].token_ids
+    probs = remote.score_next(kids, [7], [5, 6])
+    assert len(probs) == 2 and all(0.0 < p < 1.0 for row in probs for p in row)
+    remote.release([root, *kids])
+    assert remote.kv_stats().live_nodes == 0
+    with pytest.raises(KeyError, match="not live"):
+        remote.tokens(root)
+
+
+def test_accelerations_that_need_the_model_raise_clearly(served: str) -> None:
+    remote = RemoteBackend(served)
+    with pytest.raises(UnsupportedOnRemote, match="River"):
+        remote.accel = Accel(river=RiverConfig())
+    reasoner = Reasoner(
+        PREBUILT["best-of-n"](branches=2, tokens=4), backend=remote, accel=Accel(cgee=CGEEConfig())
+    )
+    with pytest.raises(UnsupportedOnRemote, match="CGEE level 2"):
+        reasoner.run(QUESTION)
+    level1 = Accel(cgee=CGEEConfig(level2=False))
+    result = Reasoner(PREBUILT["best-of-n"](branches=2, tokens=4), backend=remote, accel=level1).run(QUESTION)
+    assert result.verify_calls == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Fault injection
+# --------------------------------------------------------------------------------------------------
+
+
+class FaultProxy:
+    """A proxy to `upstream` that answers request k with ``script[k]`` (then "ok" forever).
+
+    "drop": close the connection without a response; "500"/"429": that status (429 with
+    ``Retry-After: retry_after``); "stall": wait `stall_s` before forwarding; "ok": forward. With
+    `vllm=True` it lists the model as not owned by branchwise, so `RemoteBackend` uses the standard
+    paths; `strip_logprobs` removes the log-probabilities from completion replies.
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        script: list[str],
+        *,
+        vllm: bool = False,
+        stall_s: float = 2.0,
+        retry_after: str = "0",
+        strip_logprobs: bool = False,
+    ) -> None:
+        self.upstream, self.script, self.vllm, self.stall_s = upstream, list(script), vllm, stall_s
+        self.retry_after, self.strip_logprobs = retry_after, strip_logprobs
+        self.seen: list[str] = []
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._handle(None)
+
+            def do_POST(self) -> None:
+                self._handle(self.rfile.read(int(self.headers.get("content-length", 0))))
+
+            def _handle(self, body: bytes | None) -> None:
+                with proxy.lock:
+                    action = proxy.script.pop(0) if proxy.script and self.path != "/v1/models" else "ok"
+                    proxy.seen.append(f"{self.path}:{action}")
+                if action == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                if action in ("500", "429"):
+                    self._reply(
+                        int(action), b'{"error": {"message": "injected"}}', {"Retry-After": proxy.retry_after}
+                    )
+                    return
+                if action == "stall":
+                    time.sleep(proxy.stall_s)
+                url = proxy.upstream + self.path
+                r = httpx.get(url) if body is None else httpx.post(url, content=body, timeout=60)
+                data = r.content
+                if proxy.vllm and self.path == "/v1/models":
+                    models = r.json()
+                    for m in models["data"]:
+                        m["owned_by"] = "vllm"
+                    data = json.dumps(models).encode()
+                if proxy.strip_logprobs and self.path == "/v1/completions":
+                    reply = r.json()
+                    for choice in reply["choices"]:
+                        choice["logprobs"] = None
+                    data = json.dumps(reply).encode()
+                self._reply(r.status_code, data, {})
+
+            def _reply(self, status: int, data: bytes, headers: dict[str, str]) -> None:
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                with contextlib.suppress(OSError):  # the client timed out and left
+                    self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FaultProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+
+def _client(url: str, **kwargs: Any) -> RemoteBackend:
+    kwargs.setdefault("backoff_s", 0.01)
+    return RemoteBackend(url, **kwargs)
+
+
+def _ask(remote: RemoteBackend) -> str:
+    root = remote.prefill(remote.encode("The answer is"))
+    try:
+        return remote.extend([root], DecodeParams(max_tokens=3))[0].text
+    finally:
+        remote.release([root])
+
+
+def test_dropped_connections_500_and_429_are_retried(served: str) -> None:
+    expected = _ask(RemoteBackend(served))
+    with FaultProxy(served, ["ok", "drop", "500", "429", "ok"]) as proxy:
+        remote = _client(proxy.url)
+        assert _ask(remote) == expected  # encode ("ok"), then three failures before the answer
+        assert remote.kv_stats().extra["retries"] == 3
+        assert [s.split(":")[1] for s in proxy.seen[1:]] == ["ok", "drop", "500", "429", "ok"]
+
+
+def test_retry_after_is_honoured(served: str) -> None:
+    with FaultProxy(served, ["ok", "429"], retry_after="0.2") as proxy:
+        remote = _client(proxy.url)  # backoff 0.01 s: only the server's Retry-After makes it 0.2
+        _ask(remote)
+        assert remote.kv_stats().extra["retries"] == 1
+        assert remote.kv_stats().extra["retry_wait_s"] >= 0.2
+
+
+def test_a_server_that_keeps_failing_raises_a_clear_error(served: str) -> None:
+    with FaultProxy(served, ["ok", *["500"] * 10]) as proxy:
+        remote = _client(proxy.url, max_attempts=3)
+        with pytest.raises(RemoteError, match=r"failed 3 time\(s\).*HTTP 500"):
+            _ask(remote)
+
+
+def test_a_stalled_server_times_out_then_raises(served: str) -> None:
+    with FaultProxy(served, ["ok", "stall", "stall", "stall"], stall_s=1.5) as proxy:
+        remote = _client(proxy.url, timeout_s=0.3, max_attempts=2)
+        with pytest.raises(RemoteError, match="ReadTimeout"):
+            _ask(remote)
+
+
+def test_a_dead_server_raises_after_bounded_attempts(served: str) -> None:
+    with FaultProxy(served, []) as proxy:
+        remote = _client(proxy.url, max_attempts=3)
+    # the proxy is gone: nothing listens on its port any more
+    with pytest.raises(RemoteError, match=r"failed 3 time\(s\).*ConnectError"):
+        _ask(remote)
+
+
+def test_bad_requests_are_not_retried(served: str) -> None:
+    remote = _client(served)
+    root = remote.prefill([10**9])
+    with pytest.raises(RemoteError, match=r"HTTP 400.*prompt"):
+        remote.extend([root], DecodeParams(max_tokens=2))
+    assert "retries" not in remote.kv_stats().extra
+
+
+# --------------------------------------------------------------------------------------------------
+# A vLLM-like server: the standard OpenAI paths
+# --------------------------------------------------------------------------------------------------
+
+
+def test_standard_paths_on_a_server_without_branchwise_extensions(served: str, tiny_backend: Any) -> None:
+    with FaultProxy(served, [], vllm=True) as proxy:
+        remote = RemoteBackend(proxy.url)
+        assert not remote.branchwise_server
+        prompt = tiny_backend.encode("The answer is")
+        root = remote.prefill(prompt)
+        (gen,) = remote.extend([root], DecodeParams(max_tokens=4))
+        local_root = tiny_backend.prefill(prompt)
+        (local,) = tiny_backend.extend([local_root], DecodeParams(max_tokens=4))
+        tiny_backend.release([local_root])
+        assert gen.token_ids == local.token_ids and gen.text == local.text
+        assert gen.logprobs == pytest.approx(local.logprobs, abs=1e-4)
+        assert gen.top1_probs == pytest.approx(local.top1_probs, abs=1e-4)
+        # the greedy token is the top-1 after the prompt: it is in the server's top-20 with its probability
+        stem = remote.prefill(prompt[:-1])
+        probs = remote.score_next([stem], prompt[-1:], [local.token_ids[0]])
+        assert probs[0][0] == pytest.approx(local.top1_probs[0], abs=1e-4)
+        remote.release([stem])
+        remote.release([root])
+
+
+def test_score_next_names_what_a_server_without_logprobs_lacks(served: str) -> None:
+    with FaultProxy(served, [], vllm=True, strip_logprobs=True) as proxy:
+        remote = RemoteBackend(proxy.url)
+        root = remote.prefill([1, 2, 3])
+        with pytest.raises(RemoteCapabilityError, match=r"no top log-probabilities.*--max-logprobs"):
+            remote.score_next([root], [4], [5])
+
+
+# --------------------------------------------------------------------------------------------------
+# `branchwise run --endpoint`
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cli_run_on_an_endpoint(served: str, tiny_backend: Any) -> None:
+    from typer.testing import CliRunner
+
+    from branchwise.cli import app
+
+    runner = CliRunner()
+    args = ["run", QUESTION, "--endpoint", served, "--n", "2", "--max-tokens", "6", "--temperature", "0"]
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    remote_run = json.loads(result.output.strip().splitlines()[-1])
+    strategy = PREBUILT["self-consistency"](branches=2, tokens=6, temperature=0.0, seed=0)
+    local = Reasoner(strategy, backend=tiny_backend).run(QUESTION)
+    assert [b["text"] for b in remote_run["branches"]] == [b.text for b in local.branches]
+
+    refused = runner.invoke(app, [*args, "--river-threshold", "0.5"])
+    assert refused.exit_code == 2 and "--endpoint" in refused.output and "River" in refused.output
+    with FaultProxy(served, []) as proxy:
+        dead = proxy.url
+    unreachable = runner.invoke(app, ["run", QUESTION, "--endpoint", dead])
+    assert unreachable.exit_code == 2 and "ConnectError" in unreachable.output
+
+
+# --------------------------------------------------------------------------------------------------
+# `branchwise eval --endpoint ...`: problems spread over servers, resume exact when one dies
+# --------------------------------------------------------------------------------------------------
+
+
+def _eval_suite(tmp_path: Path, model: Path, problems: int) -> Any:
+    from branchwise.evals.suite import SuiteConfig
+
+    data = tmp_path / "arith.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+            for i in range(problems)
+        )
+    )
+    return SuiteConfig.model_validate(
+        {
+            "name": "remote",
+            "models": [str(model)],
+            "datasets": [{"kind": "jsonl", "path": str(data), "label": "arith"}],
+            "strategies": [
+                {
+                    "label": "sc2",
+                    "prebuilt": "self_consistency",
+                    "params": {"n": 2, "max_tokens": 4, "seed": 0},
+                }
+            ],
+            "accelerations": [{"label": "exact", "reasoner": {"share": "exact"}}],
+        }
+    )
+
+
+def _keys(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(r["cell"], r["problem_id"]) for r in rows]
+
+
+def test_eval_survives_a_dying_endpoint_with_every_row_once(
+    tmp_path: Path, served: str, tiny_llama_dir: Path
+) -> None:
+    from branchwise.evals.harness import read_rows, run_suite
+
+    suite = _eval_suite(tmp_path, tiny_llama_dir, 8)
+    local = run_suite(suite, tmp_path / "local", progress=False)
+    # the second server answers a few requests, then fails for good (500 through every retry)
+    with FaultProxy(served, ["ok"] * 4 + ["500"] * 1000) as dying:
+        summary = run_suite(
+            suite, tmp_path / "remote", progress=False, endpoints=[served, dying.url], workers_per_endpoint=2
+        )
+    rows = read_rows(tmp_path / "remote")
+    assert summary.rows_written == local.rows_written == 8 and summary.errors == 0
+    assert sorted(_keys(rows)) == sorted(_keys(read_rows(tmp_path / "local")))  # each row exactly once
+    by_key = {(r["cell"], r["problem_id"]): r for r in read_rows(tmp_path / "local")}
+    for row in rows:  # the remote runs decoded the local tokens
+        assert row["text"] == by_key[(row["cell"], row["problem_id"])]["text"]
+
+
+def test_eval_with_every_endpoint_down_keeps_its_rows_and_resumes_exactly(
+    tmp_path: Path, served: str, tiny_llama_dir: Path
+) -> None:
+    from branchwise.evals.harness import EndpointsUnavailable, read_rows, run_suite
+
+    suite = _eval_suite(tmp_path, tiny_llama_dir, 6)
+    out = tmp_path / "run"
+    with (
+        FaultProxy(served, ["ok"] * 6 + ["500"] * 1000) as failing,
+        pytest.raises(EndpointsUnavailable, match="rerun the same command"),
+    ):
+        run_suite(suite, out, progress=False, endpoints=[failing.url], workers_per_endpoint=1)
+    partial = read_rows(out)
+    assert 0 < len(partial) < 6 and len(set(_keys(partial))) == len(partial)
+    resumed = run_suite(suite, out, progress=False, endpoints=[served])
+    rows = read_rows(out)
+    assert resumed.rows_skipped == len(partial) and len(rows) == 6 == len(set(_keys(rows)))
+
+
+def test_eval_cli_takes_endpoints(tmp_path: Path, served: str, tiny_llama_dir: Path) -> None:
+    from typer.testing import CliRunner
+
+    from branchwise.cli import app
+
+    suite = _eval_suite(tmp_path, tiny_llama_dir, 2)
+    path = tmp_path / "suite.json"
+    path.write_text(suite.model_dump_json())
+    args = ["eval", str(path), "--out", str(tmp_path / "run"), "--no-progress", "--no-report"]
+    result = CliRunner().invoke(app, [*args, "--endpoint", served, "--endpoint-workers", "2"])
+    assert result.exit_code == 0, result.output
+    assert "2 rows written" in result.output
+    bad = CliRunner().invoke(app, [*args, "--endpoint", served, "--endpoint-workers", "0"])
+    assert bad.exit_code == 2 and "0 is not in the range 1<=x<=1024" in bad.output

@@ -1,0 +1,453 @@
+"""`branchwise serve`: the OpenAI-compatible server over the shared scheduler.
+
+Every server runs on 127.0.0.1 on a free port (`serve_in_thread`), started by a fixture and shut
+down at its end. The tiny random model replies gibberish, which is fine: the tests compare the
+server's tokens with the local backend's, not with any expected wording. Queue-full and disconnect
+tests use a fake backend whose `extend` waits on a gate, so "the worker is busy" is a state the
+test sets, not a timing it hopes for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from branchwise.backends.base import DecodeParams, Generation  # noqa: E402
+from branchwise.serve import create_app  # noqa: E402
+from branchwise.serve.runner import serve_in_thread  # noqa: E402
+
+MSGS = [{"role": "user", "content": "What is 12 + 7?"}]
+
+
+def wait_until(cond: Any, what: str, limit: int = 500) -> None:
+    """Poll `cond` (bounded: `limit` tries 20 ms apart) and fail naming `what` if it never holds."""
+    for _ in range(limit):
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_llama_dir: Path) -> Any:
+    from branchwise.backends.hf import HFBackend
+
+    return HFBackend(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_backend: Any) -> Iterator[str]:
+    with serve_in_thread(create_app(tiny_backend, model_name="tiny")) as url:
+        yield url
+
+
+@pytest.fixture
+def client(served: str) -> Any:
+    return openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def local_greedy(backend: Any, prompt: list[int], n: int, max_tokens: int) -> list[Generation]:
+    """What the backend decodes in-process for the same request."""
+    root = backend.prefill(prompt)
+    kids = backend.fork(root, n)
+    backend.release([root])
+    try:
+        return backend.extend(kids, DecodeParams(max_tokens=max_tokens))
+    finally:
+        backend.release(kids)
+
+
+# --------------------------------------------------------------------------------------------------
+# The OpenAI client
+# --------------------------------------------------------------------------------------------------
+
+
+def test_chat_n_choices_usage_and_logprobs(client: Any, tiny_backend: Any) -> None:
+    r = client.chat.completions.create(
+        model="tiny", messages=MSGS, n=3, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
+    prompt = tiny_backend.chat_prompt(MSGS)
+    local = local_greedy(tiny_backend, prompt, 3, 6)
+    assert [c.message.content for c in r.choices] == [g.text for g in local]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.prompt_tokens == len(prompt)  # counted once for all n choices
+    assert r.usage.completion_tokens == sum(len(g.token_ids) for g in local)
+    for choice, g in zip(r.choices, local, strict=True):
+        content = choice.logprobs.content
+        assert [e.logprob for e in content] == pytest.approx(g.logprobs, abs=1e-4)
+        for entry in content:
+            assert len(entry.top_logprobs) == 3
+            tops = [t.logprob for t in entry.top_logprobs]
+            assert tops == sorted(tops, reverse=True)
+            # greedy: the chosen token is the most likely one
+            assert entry.top_logprobs[0].token == entry.token
+            assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+
+def test_completions_on_token_ids_with_logprobs_and_details(client: Any, tiny_backend: Any) -> None:
+    prompt = tiny_backend.encode("The answer is")
+    r = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True, "branchwise": {"details": True}},
+    )
+    (g,) = local_greedy(tiny_backend, prompt, 1, 5)
+    choice = r.choices[0]
+    assert choice.text == g.text
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in g.token_ids]
+    assert all(len(row) == 2 for row in choice.logprobs.top_logprobs)
+    details = choice.model_extra["branchwise"]
+    assert details["token_ids"] == g.token_ids and details["finish_reason"] == g.finish_reason
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_streaming_yields_the_non_streamed_text(client: Any, n: int) -> None:
+    kwargs: dict[str, Any] = {"model": "tiny", "n": n, "max_tokens": 12, "temperature": 0}
+    whole = client.chat.completions.create(messages=MSGS, **kwargs)
+    streamed: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    for chunk in client.chat.completions.create(
+        messages=MSGS, stream=True, stream_options={"include_usage": True}, **kwargs
+    ):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert streamed == {c.index: c.message.content for c in whole.choices}
+    assert finish == {c.index: c.finish_reason for c in whole.choices}
+    assert usage is not None and usage.total_tokens == whole.usage.total_tokens
+
+    text_whole = client.completions.create(prompt="What is", **kwargs)
+    text_streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt="What is", stream=True, **kwargs):
+        for c in chunk.choices:
+            text_streamed[c.index] = text_streamed.get(c.index, "") + c.text
+    assert text_streamed == {c.index: c.text for c in text_whole.choices}
+
+
+def test_models_health_and_tokenize(served: str, tiny_backend: Any) -> None:
+    models = httpx.get(f"{served}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    health = httpx.get(f"{served}/health").json()
+    assert health["status"] == "ok" and health["queued_rows"] == 0
+    tokens = httpx.post(f"{served}/tokenize", json={"messages": MSGS}).json()["tokens"]
+    assert tokens == tiny_backend.chat_prompt(MSGS)
+    text = httpx.post(f"{served}/detokenize", json={"tokens": tokens[:5]}).json()["prompt"]
+    assert text == tiny_backend.decode(tokens[:5])
+
+
+def test_concurrent_requests_share_decode_passes(served: str, tiny_backend: Any) -> None:
+    """8 concurrent greedy requests: each gets its own serial answer, in fewer than 8 decodes."""
+    prompts = [[{"role": "user", "content": f"What is {i} + {i}?"}] for i in range(8)]
+    before = httpx.get(f"{served}/health").json()["batching"]["extend_calls"]
+    barrier = threading.Barrier(8)
+    replies: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        barrier.wait()
+        body = {"messages": prompts[i], "max_tokens": 8, "temperature": 0, "n": 2}
+        replies[i] = httpx.post(f"{served}/v1/chat/completions", json=body, timeout=60).json()["choices"][1][
+            "message"
+        ]["content"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i in range(8):
+        assert replies[i] == local_greedy(tiny_backend, tiny_backend.chat_prompt(prompts[i]), 1, 8)[0].text
+    after = httpx.get(f"{served}/health").json()["batching"]["extend_calls"]
+    assert after - before < 8
+
+
+# --------------------------------------------------------------------------------------------------
+# The strategy extension
+# --------------------------------------------------------------------------------------------------
+
+
+def test_strategy_extension_matches_a_local_run(client: Any, tiny_backend: Any) -> None:
+    from branchwise.reasoners import Reasoner
+    from branchwise.strategies import PREBUILT
+
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=MSGS,
+        temperature=0.8,
+        seed=3,
+        extra_body={"branchwise": {"strategy": "self-consistency", "branches": 4, "tokens": 10}},
+    )
+    ext = r.model_extra["branchwise"]
+    strategy = PREBUILT["self-consistency"](branches=4, temperature=0.8, tokens=10, seed=3)
+    local = Reasoner(strategy, backend=tiny_backend).run(MSGS[0]["content"])
+    assert ext["answer"] == local.answer and ext["votes"] == local.votes
+    assert [b["text"] for b in ext["branches"]] == [b.text for b in local.branches]
+    assert {"tokens_computed", "peak_bytes"} <= set(ext["kv_stats"])
+    assert r.choices[0].message.content in {b.text for b in local.branches}
+
+
+def test_strategy_spec_is_accepted_and_bad_ones_are_400(served: str) -> None:
+    from branchwise.strategies import self_consistency
+
+    spec = self_consistency(n=2, max_tokens=4).model_dump(mode="json")
+    body = {"messages": MSGS, "branchwise": {"strategy": spec}}
+    ok = httpx.post(f"{served}/v1/chat/completions", json=body, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["branchwise"]["branches"]) == 2
+    bad = httpx.post(f"{served}/v1/chat/completions", json={**body, "branchwise": {"strategy": "nope"}})
+    assert bad.status_code == 400 and "self-consistency" in bad.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad requests
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        ("chat/completions", b"{not json", "body", "malformed JSON"),
+        ("chat/completions", b"[1, 2]", "body", "an object"),
+        ("chat/completions", {"messages": MSGS, "n": 0}, "n", "greater than or equal to 1"),
+        ("chat/completions", {"messages": MSGS, "n": 1000}, "n", "less than or equal to 128"),
+        ("chat/completions", {"messages": MSGS, "temperature": 3}, "temperature", "less than or equal to 2"),
+        ("chat/completions", {"messages": MSGS, "top_p": 0}, "top_p", "greater than 0"),
+        ("chat/completions", {"messages": MSGS, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ("chat/completions", {"messages": MSGS, "seed": -1}, "seed", "greater than or equal to 0"),
+        ("chat/completions", {"messages": MSGS, "top_logprobs": 2}, "top_logprobs", "logprobs=true"),
+        ("chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
+        ("chat/completions", {"n": 1}, "messages", "Field required"),
+        ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "'user'"),
+        ("chat/completions", {"messages": MSGS, "branchwise": {"branches": 3}}, "branchwise", "strategy"),
+        ("chat/completions", {"messages": MSGS, "n": 2, "branchwise": {"strategy": "dvts"}}, "n", "branches"),
+        ("completions", {"prompt": [-1]}, "prompt", "greater than or equal to 0"),
+        ("completions", {"prompt": [10**9]}, "prompt", "prompt"),
+        ("completions", {"prompt": ["a", "b"]}, "prompt", "one prompt"),
+        ("completions", {"prompt": "x", "logprobs": 50}, "logprobs", "less than or equal to 20"),
+    ],
+)
+def test_bad_requests_get_400_naming_the_field(
+    served: str, path: str, body: Any, param: str, says: str
+) -> None:
+    url = f"{served}/v1/{path}"
+    r = httpx.post(url, content=body) if isinstance(body, bytes) else httpx.post(url, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert err["message"].startswith(param) or param == "body"
+
+
+# --------------------------------------------------------------------------------------------------
+# Queue bounds and disconnects (a gated fake backend)
+# --------------------------------------------------------------------------------------------------
+
+
+class GatedBackend:
+    """Decodes ``len(prompt)`` as text, but `extend` waits until the test opens `gate`."""
+
+    name = "gated"
+    model_name = "gated"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.in_extend = threading.Event()
+        self.prompts: dict[int, list[int]] = {}
+        self.prefilled: list[list[int]] = []
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.encode(messages[-1]["content"])
+
+    def prefill(self, ids: Sequence[int]) -> int:
+        with self.lock:
+            self.next += 1
+            self.prompts[self.next] = list(ids)
+            self.prefilled.append(list(ids))
+            return self.next
+
+    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
+        with self.lock:
+            kids = []
+            for _ in range(n):
+                self.next += 1
+                self.prompts[self.next] = self.prompts[node]
+                kids.append(self.next)
+            return kids
+
+    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+        self.in_extend.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return [Generation(n, [65], "A", [0.5], [-0.7], "eos") for n in nodes]
+
+    def release(self, nodes: Sequence[int]) -> None:
+        with self.lock:
+            for n in nodes:
+                self.prompts.pop(n, None)
+
+
+@pytest.fixture
+def gated() -> Iterator[tuple[str, GatedBackend, Any]]:
+    backend = GatedBackend()
+    app = create_app(backend, max_queued_rows=3, window_s=0.0)
+    try:
+        with serve_in_thread(app) as url:
+            yield url, backend, app.state.scheduler
+    finally:
+        backend.gate.set()
+
+
+def _post_in_thread(
+    url: str, content: str, n: int, out: dict[str, Any], timeout: float = 60
+) -> threading.Thread:
+    def post() -> None:
+        try:
+            body = {"messages": [{"role": "user", "content": content}], "n": n}
+            out[content] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+        except httpx.HTTPError as err:
+            out[content] = err
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread
+
+
+def test_full_queue_answers_429_then_recovers(gated: tuple[str, GatedBackend, Any]) -> None:
+    url, backend, scheduler = gated
+    out: dict[str, Any] = {}
+    first = _post_in_thread(url, "first", 1, out)
+    assert backend.in_extend.wait(30)  # the worker is busy decoding "first"
+    second = _post_in_thread(url, "second", 3, out)
+    wait_until(lambda: scheduler.queued_rows() == 3, "3 branches wait")
+    refused = httpx.post(f"{url}/v1/chat/completions", json={"messages": MSGS}, timeout=30)
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "1"
+    assert "limit 3" in refused.json()["error"]["message"]
+    backend.gate.set()
+    for t in (first, second):
+        t.join(30)
+    assert out["first"].status_code == out["second"].status_code == 200
+    assert len(out["second"].json()["choices"]) == 3
+    assert scheduler.stats.rejected == 1
+
+
+def test_a_disconnected_client_is_never_prefilled(gated: tuple[str, GatedBackend, Any]) -> None:
+    url, backend, scheduler = gated
+    out: dict[str, Any] = {}
+    first = _post_in_thread(url, "first", 1, out)
+    assert backend.in_extend.wait(30)
+    quitter = _post_in_thread(url, "quitter", 2, out, timeout=0.5)  # gives up while queued
+    quitter.join(30)
+    assert isinstance(out["quitter"], httpx.TimeoutException)
+    wait_until(lambda: scheduler.stats.cancelled == 1, "the server cancels the quitter's job")
+    assert scheduler.queued_rows() == 0
+    backend.gate.set()
+    first.join(30)
+    assert out["first"].status_code == 200
+    assert backend.encode("quitter") not in backend.prefilled
+
+
+# --------------------------------------------------------------------------------------------------
+# SIGTERM drains (the real `branchwise serve` process)
+# --------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
+def test_sigterm_finishes_in_flight_requests_then_exits(tiny_llama_dir: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "branchwise", "serve", "--model", str(tiny_llama_dir), "--port", str(port)]
+    cmd += ["--drain-timeout", "600"]  # a loaded shared CPU must not turn the drain into a cancel
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return proc.poll() is not None  # died: stop waiting, the assert below says so
+
+        wait_until(up, "the server answers /health", limit=3000)
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        out: dict[str, Any] = {}
+
+        def ask() -> None:
+            body = {"messages": MSGS, "n": 2, "max_tokens": 150, "min_tokens": 150, "temperature": 0}
+            out["r"] = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+
+        thread = threading.Thread(target=ask)
+        thread.start()
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=5).json()["busy"], "the request is decoding")
+        proc.send_signal(signal.SIGTERM)
+        thread.join(600)
+        assert out["r"].status_code == 200
+        assert out["r"].json()["usage"]["completion_tokens"] == 2 * 150
+        # uvicorn re-raises the captured SIGTERM once drained, so the exit status is the signal's
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_serve_command_rejects_bad_options_in_one_line() -> None:
+    from typer.testing import CliRunner
+
+    from branchwise.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--port", "70000"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--port': 70000 is not in the range 0<=x<=65535" in result.output
+
+
+@pytest.mark.slow
+def test_serve_load_benchmark_runs(embedded_dir: Path) -> None:
+    """`benchmarks/serve_load.py` end to end, shrunk: no errors, and the overload burst is answered
+    with 200 or 429 only (no speed is asserted: a benchmark measures, a test asserts behaviour)."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "benchmarks" / "serve_load.py")]
+    cmd += ["--clients", "4", "--requests", "1", "--serial", "2", "--max-tokens", "4", "--threads", "1"]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["benchmark"] == "serve_load" and out["errors"] == 0
+    assert out["config"]["quick"] is False and out["config"]["clients"] == 4 and out["seconds"] > 0
+    assert out["requests"] == 4 and out["throughput_rps"]["serial"] > 0
+    burst = out["overload"]
+    assert burst["other"] == 0 and burst["ok"] + burst["rejected_429"] == burst["sent"]

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import typer
-from pydantic import ValidationError
 
-__all__ = ["one_line", "ranged"]
+from branchwise.strategies.errors import describe_validation_error as one_line
+
+__all__ = ["one_line", "ranged"]  # one_line: a pydantic error on one line, for usage errors
 
 N = TypeVar("N", int, float)
 
@@ -28,13 +29,3 @@ def ranged(help: str, lo: N, hi: N | None = None, **option: Any) -> Any:
         return value
 
     return typer.Option(help=f"{help} [{allowed}]", callback=check, **option)
-
-
-def one_line(err: ValidationError) -> str:
-    """A pydantic error as one line: ``where: what (got value)`` for each problem, joined by ``;``."""
-    parts = []
-    for e in err.errors():
-        where = ".".join(str(x) for x in e["loc"]) or "file"
-        shown = where != "file" and not isinstance(e["input"], (dict, list))
-        parts.append(f"{where}: {e['msg']}" + (f" (got {e['input']!r})" if shown else ""))
-    return "; ".join(parts)

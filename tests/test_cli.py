@@ -199,6 +199,16 @@ BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
     (["calibrate", "--n", "1"], "'--n': 1 is not in the range"),
     (["steering", "build", "--task", "nope"], "--task: 'nope' is not a reasoning-gym task"),
     (["steering", "build", "--samples", "0"], "'--samples': 0 is not in the range"),
+    (["eval", "/nonexistent.yaml", "--out", "{dir}"], "'suite': file '/nonexistent.yaml' does not exist"),
+    (["eval", "{malformed}", "--out", "{dir}"], "SUITE: suite {malformed}: invalid YAML at line 3, column 1"),
+    (
+        ["eval", "{empty}", "--out", "{dir}"],
+        "must be a mapping with name, datasets, strategies...; found an empty document",
+    ),
+    (["eval", "{good}", "--out", "{dir}", "--limit", "0"], "'--limit': 0 is not in the range x>=1"),
+    (["eval", "{good}"], "Missing option '--out'"),
+    (["report", "/nonexistent"], "'run_dir': dir '/nonexistent' does not exist"),
+    (["serve", "--port", "99999"], "'--port': 99999 is not in the range 0<=x<=65535"),
 ]
 
 
@@ -214,4 +224,4 @@ def test_bad_command_line_exits_2_with_one_line(
     assert isinstance(result.exception, SystemExit), result.exception  # no traceback
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1, result.output
-    assert expected in errors[0], errors[0]
+    assert expected.format(**strategy_files) in errors[0], errors[0]

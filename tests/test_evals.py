@@ -227,7 +227,7 @@ def test_suite_errors_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(SuiteError, match="n"):
         load_suite(path)
     path.write_text("name: [unclosed")
-    with pytest.raises(SuiteError, match="not valid YAML"):
+    with pytest.raises(SuiteError, match="invalid YAML at line 1, column 16"):
         load_suite(path)
 
 

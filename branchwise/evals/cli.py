@@ -22,9 +22,7 @@ console = Console()
 def eval_command(
     suite: Annotated[Path, typer.Argument(exists=True, dir_okay=False, help="Suite YAML/JSON file.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Run directory (created; resumed if it exists).")],
-    limit: Annotated[
-        int | None, typer.Option(min=1, help="At most this many problems per dataset (smoke runs).")
-    ] = None,
+    limit: Annotated[int | None, ranged("At most this many problems per dataset (smoke runs).", 1)] = None,
     force: Annotated[
         bool, typer.Option(help="Resume into a run directory made by a different suite configuration.")
     ] = False,
@@ -51,8 +49,7 @@ def eval_command(
     try:
         config = load_suite(suite)
     except SuiteError as err:
-        console.print(f"[red]{err}[/red]")
-        raise typer.Exit(2) from err
+        raise typer.BadParameter(str(err), param_hint="SUITE") from None
     try:
         summary = run_suite(
             config,

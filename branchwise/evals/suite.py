@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from branchwise.evals.datasets import DatasetConfig
 from branchwise.strategies import Strategy
+from branchwise.strategies.errors import describe_validation_error, describe_yaml_error
 
 __all__ = ["AccelSpec", "Cell", "ModelSpec", "StrategySpec", "SuiteConfig", "SuiteError", "load_suite"]
 
@@ -226,16 +227,21 @@ def load_suite(path: str | Path) -> SuiteConfig:
     except OSError as exc:
         raise SuiteError(f"cannot read suite {p}: {exc}") from exc
     except yaml.YAMLError as exc:
-        raise SuiteError(f"suite {p} is not valid YAML: {exc}") from exc
+        raise SuiteError(f"suite {p}: {describe_yaml_error(exc)}") from exc
     if not isinstance(data, dict):
-        raise SuiteError(f"suite {p} must be a mapping with name, datasets, strategies...")
+        found = "an empty document" if data is None else f"a {type(data).__name__}"
+        raise SuiteError(f"suite {p} must be a mapping with name, datasets, strategies...; found {found}")
     try:
         suite = SuiteConfig.model_validate(data)
     except ValidationError as exc:
-        raise SuiteError(f"invalid suite {p}:\n{exc}") from exc
+        raise SuiteError(f"invalid suite {p}: {describe_validation_error(exc)}") from exc
     for i, spec in enumerate(suite.strategies):
         try:
             spec.build(p.parent)
-        except (ValidationError, TypeError, OSError) as exc:
-            raise SuiteError(f"invalid suite {p}: strategies.{i} ({spec.label!r}):\n{exc}") from exc
+        except ValidationError as exc:
+            raise SuiteError(
+                f"invalid suite {p}: strategies.{i} ({spec.label!r}): {describe_validation_error(exc)}"
+            ) from exc
+        except (TypeError, OSError) as exc:
+            raise SuiteError(f"invalid suite {p}: strategies.{i} ({spec.label!r}): {exc}") from exc
     return suite

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from .errors import describe_yaml_error
 from .nodes import AggregateNode, GenerateNode, LoopNode, Node, ScoreNode, SelectNode, SpecModel
 
 __all__ = ["Edge", "LoopStep", "OpStep", "Plan", "PlanStep", "Strategy", "StrategyGraphError"]
@@ -418,12 +419,7 @@ class Strategy(SpecModel):
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-            where = (
-                f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
-            )
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            raise _document_error("yaml_invalid", f"invalid YAML at {where}: {problem}", text) from None
+            raise _document_error("yaml_invalid", describe_yaml_error(err), text) from None
         if not isinstance(data, dict):
             found = "an empty document" if data is None else f"a {type(data).__name__}"
             raise _document_error(

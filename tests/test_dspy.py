@@ -450,3 +450,240 @@ def test_embedded_reason_self_consistency(embedded_dir: Path) -> None:
         )
     assert len(pred.completions) == 4
     assert pred.reasoning_result.kv_stats["tokens_reused"] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine path (DSPy >= 3.4): dspy.LM(..., engine=BranchwiseEngine(...))
+# --------------------------------------------------------------------------------------------------
+
+_needs_engines = pytest.mark.skipif(
+    not hasattr(dspy, "lm15"), reason="DSPy < 3.4 has no engine contract (BranchwiseLM covers it)"
+)
+
+
+def _elm(backend: Any, **kwargs: Any) -> Any:
+    from branchwise.reasoners.dspy import branchwise_lm
+
+    kwargs.setdefault("cache", False)
+    kwargs.setdefault("max_tokens", 16)
+    return branchwise_lm(backend=backend, **kwargs)
+
+
+def _sched(lm: Any) -> Any:
+    return lm.engine.scheduler
+
+
+def test_oldest_supported_dspy_version_is_declared_and_met() -> None:
+    """The `dspy` extra's floor is 3.3 (BranchwiseLM); the engine needs 3.4 and says so on 3.3."""
+    import re
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = Path(__file__).resolve().parents[1]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (spec,) = extras["dspy"]
+    floor = re.search(r">=\s*([\d.]+)", spec)
+    assert floor is not None and floor.group(1) == "3.3", spec
+    assert "<3.5" not in spec  # the newest DSPy installs
+    version = tuple(int(p) for p in dspy.__version__.split(".")[:2])
+    assert version >= (3, 3)
+    if version < (3, 4):
+        from branchwise.reasoners.dspy import BranchwiseEngine
+
+        with pytest.raises(ImportError, match=r"DSPy >= 3\.4"):
+            BranchwiseEngine(backend=FakeBackend())
+
+
+@_needs_engines
+def test_engine_answers_canonical_requests_without_deprecation_warnings(tiny_backend: Any) -> None:
+    import warnings
+
+    from dspy.lm15 import Config, Message, Request
+
+    lm = _elm(tiny_backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no DeprecationWarning (or any other) on the engine path
+        texts = lm("What is 12 + 7?")
+        assert len(texts) == 1 and isinstance(texts[0], str)
+        with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+            pred = dspy.Predict("question -> answer")(question="What is 12 + 7?")
+        assert isinstance(pred.answer, str)
+        req = Request(
+            model=lm.model,
+            system="Be brief.",
+            messages=(Message.user("What is 12 + 7?"),),
+            config=Config(max_tokens=8, temperature=0.0, stop=("\n\n",), logprobs=0),
+        )
+        resp = lm(request=req)
+    assert resp.finish_reason in ("stop", "length")
+    assert resp.usage.input_tokens > 0 and 1 <= resp.usage.output_tokens <= 8
+    assert resp.logprobs is not None and len(resp.logprobs) == resp.usage.output_tokens
+    assert resp.provider_data["branchwise"]["batch_requests"] >= 1
+
+
+@_needs_engines
+def test_engine_refuses_what_it_cannot_serve(tiny_backend: Any) -> None:
+    from dspy.lm15 import ImagePart, Message, Request, TextPart
+
+    lm = _elm(tiny_backend)
+    bad = Request(model=lm.model, messages=(Message.user((TextPart("hi"), ImagePart(url="http://x/y.png"))),))
+    with pytest.raises(Exception, match="text only"):
+        lm(request=bad)
+
+
+@_needs_engines
+def test_engine_predict_n_threaded_equals_serial(tiny_backend: Any) -> None:
+    """Predict(n=4): DSPy sends 4 one-sample requests; seeded, threads give the serial result."""
+    lm = _elm(tiny_backend, seed=3)
+    program = dspy.Predict("question -> answer", n=4)
+    qs = QUESTIONS[:4]
+
+    def run(q: str) -> list[str]:
+        with dspy.context(lm=lm, adapter=LenientChatAdapter()):  # dspy.context is per thread
+            return [c.answer for c in program(question=q).completions]
+
+    serial = [run(q) for q in qs]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(run, qs))
+    assert all(len(c) == 4 for c in serial)
+    assert threaded == serial
+
+
+@_needs_engines
+def test_engine_candidates_reuse_the_prompt_through_the_prefix_cache(tiny_llama_dir: Path) -> None:
+    from branchwise.backends.hf import HFBackend
+
+    backend = HFBackend(tiny_llama_dir)
+    if not hasattr(backend, "cache_bytes"):
+        pytest.skip("HFBackend keeps no prefix cache across requests yet (no `cache_bytes`)")
+    lm = _elm(backend, temperature=0.7)
+    backend.reset_stats()
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        pred = dspy.Predict("question -> answer", n=4)(question="What is 12 + 7?")
+    assert len(pred.completions) == 4
+    assert backend.kv_stats().tokens_reused > 0  # candidates 2..4 read the cached prompt
+
+
+@_needs_engines
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_chain_of_thought_evaluate_8_threads_equals_serial(tiny_model_dir: Any, arch: str) -> None:
+    from branchwise.backends.hf import HFBackend
+
+    lm = _elm(HFBackend(tiny_model_dir(arch)), max_tokens=20, temperature=0.0)
+    program = dspy.ChainOfThought("question -> answer")  # unchanged DSPy program
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        devset = _devset(10)
+        serial = dspy.Evaluate(devset=devset, metric=_metric, num_threads=1, display_progress=False)(program)
+        stats = _sched(lm).stats
+        before = (stats.extend_calls, stats.requests)
+        threaded = dspy.Evaluate(devset=devset, metric=_metric, num_threads=8, display_progress=False)(
+            program
+        )
+    assert [(p.reasoning, p.answer) for _, p, _ in threaded.results] == [
+        (p.reasoning, p.answer) for _, p, _ in serial.results
+    ]
+    assert threaded.score == serial.score
+    calls, requests = stats.extend_calls - before[0], stats.requests - before[1]
+    assert requests == 10 and calls < requests  # threads merged into shared decode passes
+
+
+@_needs_engines
+def test_engine_async_gather_merges_and_equals_serial(tiny_backend: Any) -> None:
+    lm = _elm(tiny_backend, temperature=0.0)
+    serial = [lm(q)[0] for q in QUESTIONS[:6]]
+    stats = _sched(lm).stats
+    before = stats.extend_calls
+
+    async def main() -> list[str]:
+        outs = await asyncio.gather(*(lm.acall(q) for q in QUESTIONS[:6]))
+        return [o[0] for o in outs]
+
+    assert asyncio.run(main()) == serial
+    assert stats.extend_calls - before < 6
+
+
+class ScriptedBackend(FakeBackend):
+    """Answers ChatAdapter prompts with well-formed replies: a ReAct that calls `add` then finishes."""
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = "\n".join(m["content"] for m in messages)
+        with self.lock:
+            self.next += 1
+            self.texts = getattr(self, "texts", {})
+            self.texts[self.next] = text
+            return [self.next]
+
+    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
+        key = self.prompts[node][0]
+        kids = [self.prefill([key]) for _ in range(n)]
+        return kids
+
+    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+        with self.lock:
+            self.extends.append((len(nodes), params))
+        out = []
+        for n in nodes:
+            prompt = self.texts[self.prompts[n][0]]
+            last = prompt.rsplit("[[ ## question ## ]]", 1)[-1]
+            if "next_tool_name" in prompt and "observation_0" not in last:
+                reply = (
+                    "[[ ## next_thought ## ]]\nAdd them.\n\n[[ ## next_tool_name ## ]]\nadd\n\n"
+                    '[[ ## next_tool_args ## ]]\n{"a": 12, "b": 7}\n\n[[ ## completed ## ]]'
+                )
+            elif "next_tool_name" in prompt:
+                reply = (
+                    "[[ ## next_thought ## ]]\nDone.\n\n[[ ## next_tool_name ## ]]\nfinish\n\n"
+                    "[[ ## next_tool_args ## ]]\n{}\n\n[[ ## completed ## ]]"
+                )
+            else:
+                obs = "19" if "19" in last else "?"
+                reply = f"[[ ## reasoning ## ]]\nThe tool said {obs}.\n\n[[ ## answer ## ]]\n{obs}\n\n[[ ## completed ## ]]"
+            out.append(Generation(n, [1, 2, 3], reply, [0.9] * 3, [-0.1] * 3, "eos"))
+        return out
+
+
+@_needs_engines
+def test_engine_react_with_a_tool_threaded_equals_serial() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    lm = _elm(ScriptedBackend())
+    react = dspy.ReAct("question -> answer", tools=[add], max_iters=3)
+
+    def run(q: str) -> str:
+        with dspy.context(lm=lm, adapter=dspy.ChatAdapter()):
+            return react(question=q).answer
+
+    serial = [run(q) for q in QUESTIONS[:4]]
+    with ThreadPoolExecutor(4) as pool:
+        threaded = list(pool.map(run, QUESTIONS[:4]))
+    assert serial == ["19"] * 4 and threaded == serial
+    assert calls == [(12, 7)] * 8
+
+
+@_needs_engines
+def test_reason_takes_an_explicit_backend_whatever_the_global_lm(tiny_backend: Any) -> None:
+    from dspy.utils.dummies import DummyLM
+
+    with dspy.context(lm=DummyLM([{"answer": "unused"}])):
+        pred = Reason("question -> answer", self_consistency(n=2), backend=tiny_backend)(question="1 + 1?")
+    assert len(pred.completions) >= 1 and "reasoning_result" in pred
+    lm = _elm(tiny_backend)
+    with dspy.context(lm=lm):  # a dspy.LM over BranchwiseEngine is a branchwise LM too
+        pred = Reason("question -> answer", self_consistency(n=2))(question="1 + 1?")
+    assert pred.reasoning_result.strategy is not None
+
+
+@_needs_engines
+def test_engine_state_round_trips_through_dspy_lm(tiny_llama_dir: Path) -> None:
+    from branchwise.reasoners.dspy import BranchwiseEngine
+
+    engine = BranchwiseEngine(str(tiny_llama_dir), max_tokens=8)
+    lm = dspy.LM(engine.model_name, engine=engine, async_engine=engine.async_engine(), cache=False)
+    state = lm.dump_state()
+    again = dspy.LM.load_state(state, allow_custom_lm_class=True)
+    assert isinstance(again.engine, BranchwiseEngine) and again.engine.max_tokens == 8
+    assert isinstance(again("hi")[0], str)

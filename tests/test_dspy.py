@@ -687,3 +687,26 @@ def test_engine_state_round_trips_through_dspy_lm(tiny_llama_dir: Path) -> None:
     again = dspy.LM.load_state(state, allow_custom_lm_class=True)
     assert isinstance(again.engine, BranchwiseEngine) and again.engine.max_tokens == 8
     assert isinstance(again("hi")[0], str)
+
+
+@pytest.mark.slow
+@_needs_engines
+def test_embedded_engine_chain_of_thought_evaluate_threaded_equals_serial(embedded_dir: Path) -> None:
+    from branchwise.backends.hf import HFBackend
+
+    lm = _elm(HFBackend(embedded_dir), max_tokens=24, temperature=0.0)
+    program = dspy.ChainOfThought("question -> answer")
+    devset = [
+        dspy.Example(question=q, answer=a).with_inputs("question")
+        for q, a in [("What is 12 + 7?", "19"), ("What is 6 times 7?", "42"), ("What is 100 - 37?", "63")]
+    ]
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        serial = dspy.Evaluate(devset=devset, metric=_metric, num_threads=1, display_progress=False)(program)
+        before = _sched(lm).stats.max_requests_per_call
+        threaded = dspy.Evaluate(devset=devset, metric=_metric, num_threads=8, display_progress=False)(
+            program
+        )
+    assert [(p.reasoning, p.answer) for _, p, _ in threaded.results] == [
+        (p.reasoning, p.answer) for _, p, _ in serial.results
+    ]
+    assert before == 1 and _sched(lm).stats.max_requests_per_call > 1

@@ -27,7 +27,9 @@ def _reference(query, segments, own_k, own_v, new_k, new_v, lens, scaling):
         total = keys.shape[1]
         mask = torch.ones(q, total, dtype=torch.bool)
         mask[:, total - q :] = torch.tril(torch.ones(q, q, dtype=torch.bool))
-        o = torch.nn.functional.scaled_dot_product_attention(query[r], keys, vals, attn_mask=mask, scale=scaling)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[r], keys, vals, attn_mask=mask, scale=scaling
+        )
         outs.append(o.transpose(0, 1))
     return torch.stack(outs)
 
@@ -79,7 +81,9 @@ def test_fused_attention_returns_lse() -> None:
     scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out, torch.softmax(scores, -1) @ v, atol=1e-5, rtol=1e-5)
-    out_c, lse_c = fused_attention(q, k[:, :, :5], v[:, :, :5], 0.3, causal=True)
+    out_c, _ = fused_attention(q, k[:, :, :5], v[:, :, :5], 0.3, causal=True)
     causal = torch.ones(5, 5, dtype=torch.bool).tril()
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :5], v[:, :, :5], attn_mask=causal, scale=0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k[:, :, :5], v[:, :, :5], attn_mask=causal, scale=0.3
+    )
     torch.testing.assert_close(out_c, ref, atol=1e-5, rtol=1e-5)

@@ -7,8 +7,7 @@ import torch
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RSBCMConfig
-from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf import rsbcm
+from branchwise.backends.hf import HFBackend, rsbcm
 from branchwise.backends.hf.rsbcm import Block, plan_evictions
 
 

@@ -45,7 +45,11 @@ class CGEEConfig(_Config):
     """
 
     level1: bool = True
-    level2: bool = True
+    level2: bool = Field(
+        False,
+        description="off by default: on the embedded model the verify pass does not get faster "
+        "without flipping decisions (README, CGEE level 2); `lossless()` turns it on",
+    )
     tau_conf: float | None = Field(
         None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.70"
     )

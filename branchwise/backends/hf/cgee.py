@@ -111,11 +111,12 @@ class EntropyExit(Acceleration):
       candidates' logits (a handful of LM-head rows over the same normed state: ~free) and the
       distribution over the candidate set; the full-vocabulary check (Eq. 5's entropy over the whole
       distribution, and the candidate-mass test) runs only for rows whose candidate distribution
-      moved by less than `gate_delta` since the previously inspected layer. A row whose verdict is
-      still moving could not exit without risking a flip anyway, so the gate only removes checks;
-      the exit criterion stays Eq. 5 on the full distribution.
-    Eq. 5's |ΔH| is taken between consecutive *inspected* layers (the previous entropy is the last
-    one computed for that row; none yet = +inf, so a row's first full check never exits).
+      moved by less than `gate_delta` since the previously inspected layer. With the gate, Eq. 5's
+      two conditions are split by cost: the *level* test H < θ stays on the full distribution (one
+      LM head, at the exit layer only), the *stability* test |ΔH| < ε is replaced by the verdict
+      distribution's stability (a stricter test for what the verify pass decides, and free: Eq. 5's
+      ΔH would need a second full head at the layer before). Without the gate, Eq. 5 as written,
+      with |ΔH| between consecutive *inspected* layers (none yet = +inf: the first never exits).
     """
 
     name = "cgee-exit"
@@ -202,7 +203,10 @@ class EntropyExit(Acceleration):
         self._prev[sub_rows] = ent
         if not self.exit:
             return None
-        exited = (depth >= self.l_min) & (ent < self.theta) & ((ent - prev).abs() < self.epsilon)
+        if self.verdict_gate:  # stability was tested on the verdict distribution (the gate)
+            exited = (depth >= self.l_min) & (ent < self.theta)
+        else:
+            exited = (depth >= self.l_min) & (ent < self.theta) & ((ent - prev).abs() < self.epsilon)
         if self.min_candidate_mass > 0 and cand is not None:
             # a low entropy that sits on other tokens says nothing about the verdict (seen on SmolLM2)
             exited &= torch.tensor([sum(c) >= self.min_candidate_mass for c in cand])

@@ -107,6 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--theta", type=float, default=None, help="override θ (paper default: 8.0)")
     parser.add_argument("--l-min", type=int, default=None, help="override l_min (paper default: 2)")
     parser.add_argument("--epsilon", type=float, default=3.0, help="ε (paper: 3.0)")
+    parser.add_argument(
+        "--schedule",
+        choices=["cost", "paper"],
+        default="cost",
+        help="level-2 checks: cost-aware with the verdict gate (default) or every layer (Alg. 3)",
+    )
+    parser.add_argument("--check-every", type=int, default=None, help="inspect every k-th layer from l_min")
     add_calibration_options(parser)
     parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the CI")
     args = parser.parse_args(argv)
@@ -116,7 +123,17 @@ def main(argv: list[str] | None = None) -> None:
     cal = calibration_for(backend, args.task, args.calibration_problems, args.branches, 32, args.calibrate)
     n_layers = backend.parts.n_layers
     full_accel = Accel()
-    l2_accel = Accel(cgee=CGEEConfig.lossless(theta=args.theta, l_min=args.l_min, epsilon=args.epsilon))
+    paper = args.schedule == "paper"
+    l2_accel = Accel(
+        cgee=CGEEConfig.lossless(
+            theta=args.theta,
+            l_min=args.l_min,
+            epsilon=args.epsilon,
+            cost_aware=not paper,
+            verdict_gate=not paper,
+            check_every=args.check_every,
+        )
+    )
     backend.accel = l2_accel
     cgee = backend.acceleration(CGEE)
     assert cgee is not None
@@ -199,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
             "task": args.task,
             "calibration": cal,
             "thresholds": {"theta": round(theta, 4), "l_min": l_min, "epsilon": args.epsilon},
+            "schedule": args.schedule,
+            "check_every": args.check_every,
             "n_layers": n_layers,
             "verify_ms": {
                 "full": {"median": round(statistics.median(full_med), 2), "min": round(min(full_min), 2)},

@@ -116,11 +116,13 @@ def test_rksc_verify_quick() -> None:
     assert 0.0 <= out["exit_fire_rate"] <= 1.0
     assert 0 <= out["decision_flips"] <= cfg["problems"]
     assert out["rows"] == cfg["problems"] * cfg["branches"]
-    # the live level-2 exits are the ones Alg. 3 picks on the recorded full-depth trace
-    assert out["live_exits_match_replay"] is True
     used = out["replay"]["used"]
     assert (used["theta"], used["l_min"]) == (out["thresholds"]["theta"], out["thresholds"]["l_min"])
-    assert (used["mean_exit_layer"], used["rows"]) == (out["mean_exit_layer"], out["rows"])
+    if out["schedule"] == "paper":  # every layer inspected: the live exits are Alg. 3's on the trace
+        assert out["live_exits_match_replay"] is True
+        assert (used["mean_exit_layer"], used["rows"]) == (out["mean_exit_layer"], out["rows"])
+    else:  # cost-aware: inspects fewer layers than the replay, so its exits need not match it
+        assert out["schedule"] == "cost"
     assert {"calibrated", "paper_defaults", "flips_by_l_min"} <= set(out["replay"])
     assert len(out["replay"]["flips_by_l_min"]) == out["n_layers"]
     assert len(out["per_problem"]) == cfg["problems"]

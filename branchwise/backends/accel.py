@@ -45,13 +45,32 @@ class CGEEConfig(_Config):
     """
 
     level1: bool = True
-    level2: bool = True
+    level2: bool = Field(
+        False,
+        description="off by default: on the embedded model the verify pass does not get faster "
+        "without flipping decisions (README, CGEE level 2); `lossless()` turns it on",
+    )
     tau_conf: float | None = Field(
         None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.70"
     )
     r_gap: float | None = Field(None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.06")
     theta: float | None = Field(None, gt=0.0, le=100.0, description="entropy threshold θ (nats)")
     epsilon: float = Field(3.0, gt=0.0, le=100.0, description="entropy stabilisation tolerance ε (nats)")
+    check_every: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description="level 2 inspects every k-th layer from l_min (None = every layer the cost model allows)",
+    )
+    cost_aware: bool = Field(
+        True,
+        description="level 2 inspects only layers where an exit saves more than the check costs "
+        "(False = every layer from l_min, the paper's Alg. 3)",
+    )
+    verdict_gate: bool = Field(
+        True,
+        description="level 2 runs the full-vocabulary check only where the verdict tokens' distribution is stable",
+    )
     min_candidate_mass: float = Field(
         0.0,
         ge=0.0,

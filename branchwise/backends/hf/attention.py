@@ -68,8 +68,12 @@ def cascade(
 ) -> tuple[torch.Tensor, Weights | None]:
     """Attention of `query` [B, H, q, D] over each row's tail and its shared segments → [B, q, H, D].
 
-    `own_mask_g` [B, 1, G·q, T] says which tail keys each (grouped) query sees.
+    `own_mask_g` [B, 1, G·q, T] says which tail keys each (grouped) query sees. Without
+    `want_weights` every part runs through a fused kernel that returns its log-sum-exp
+    (`fused_cascade`); the explicit-softmax path below is kept for observers of the weights (RSBCM).
     """
+    if not want_weights:
+        return fused_cascade(query, k_own, v_own, own_mask_g, shared, layer, scaling), None
     b, h, q_len, d = query.shape
     h_kv = k_own.shape[1]
     gq = (h // h_kv) * q_len
@@ -107,9 +111,115 @@ def cascade(
             mm, sm, om = _merge(m[seg.rows], s[seg.rows], o[seg.rows], ms, ss, os_)
             m, s, o = m.clone(), s.clone(), o.clone()
             m[seg.rows], s[seg.rows], o[seg.rows] = mm, sm, om
-    weights = Weights(own_stats, seg_stats, m, s) if want_weights else None
+    weights = Weights(own_stats, seg_stats, m, s)
     out = (o / s).reshape(b, h, q_len, d)
     return out.transpose(1, 2), weights
+
+
+def fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention `[N, H, L, D]` → (normalised output, log-sum-exp `[N, H, L]`, float32).
+
+    Fused kernels that return the LSE with the output: the flash kernel on CPU, the memory-efficient
+    one on CUDA (fp32-capable, takes a bias); plain torch elsewhere. `mask` is boolean and
+    broadcastable to `[N, H, L, S]` (True = visible); every query must see at least one key.
+    `causal` is top-left aligned (only meaningful when L == S). A floating `mask` is taken as an
+    additive bias already (see `bias_of`).
+    """
+    if query.device.type == "cpu":
+        bias = None if mask is None else bias_of(mask, query.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=bias, scale=scaling
+        )
+        return out, lse.float()
+    if query.device.type == "cuda":
+        n, h, length = query.shape[:3]
+        bias = None
+        if mask is not None:
+            # the kernel wants a dense bias whose last dim is padded to a multiple of 16
+            s_len = key.shape[2]
+            padded = -(-s_len // 16) * 16
+            full = torch.zeros(n, h, length, padded, dtype=query.dtype, device=query.device)
+            full[..., :s_len] = bias_of(mask, query.dtype).expand(n, h, length, s_len)
+            bias = full[..., :s_len]
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, 0.0, causal, scale=scaling
+        )[:2]
+        return out, lse[..., :length].float()
+    scores = torch.matmul(query, key.transpose(-1, -2)).mul_(scaling)
+    if mask is not None:
+        scores.add_(bias_of(mask, scores.dtype))
+    if causal:
+        tri = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores.masked_fill_(~tri, float("-inf"))
+    lse = torch.logsumexp(scores.float(), -1)
+    out = torch.matmul(torch.exp(scores - lse[..., None].to(scores.dtype)), value)
+    return out, lse
+
+
+def bias_of(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean visibility mask as the additive bias the fused kernels take (0 / -inf)."""
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def fused_cascade(
+    query: torch.Tensor,
+    k_own: torch.Tensor,
+    v_own: torch.Tensor,
+    own_mask: torch.Tensor | None,
+    shared: Sequence[SharedSegment],
+    layer: int,
+    scaling: float,
+) -> torch.Tensor:
+    """`cascade` through fused kernels: the own tail and each shared segment each give (output,
+    LSE), merged by log-sum-exp. `own_mask` [B, 1, G·q, T] is boolean or an additive bias;
+    None means a fresh causal tail (the tail holds
+    exactly this forward's tokens), which runs in the per-head layout with the causal kernel."""
+    b, h, q_len, d = query.shape
+    h_kv = k_own.shape[1]
+    g = h // h_kv
+    gq = g * q_len
+    qg = query.reshape(b, h_kv, gq, d)
+    if own_mask is None:
+        kx = k_own.repeat_interleave(g, dim=1) if g > 1 else k_own
+        vx = v_own.repeat_interleave(g, dim=1) if g > 1 else v_own
+        o, lse = fused_attention(query, kx, vx, scaling, causal=True)
+        o, lse = o.reshape(b, h_kv, gq, d), lse.reshape(b, h_kv, gq)
+    else:
+        o, lse = fused_attention(qg, k_own, v_own, scaling, mask=own_mask)
+    for seg in shared:
+        ks, vs = seg.keys[layer], seg.values[layer]
+        q_rows = qg if seg.rows is None else qg.index_select(0, seg.rows)
+        r = q_rows.shape[0]
+        # One kernel for all rows that share this segment: their queries stacked per KV head.
+        qs = q_rows.transpose(0, 1).reshape(1, h_kv, r * gq, d)
+        os_, ls = fused_attention(qs, ks[None], vs[None], scaling)
+        os_ = os_.reshape(h_kv, r, gq, d).transpose(0, 1)
+        ls = ls.reshape(h_kv, r, gq).transpose(0, 1)
+        if seg.rows is None:
+            o, lse = _merge_lse(o, lse, os_, ls)
+        else:
+            om, lm = _merge_lse(o.index_select(0, seg.rows), lse.index_select(0, seg.rows), os_, ls)
+            o, lse = o.index_copy(0, seg.rows, om), lse.index_copy(0, seg.rows, lm)
+    return o.reshape(b, h, q_len, d).transpose(1, 2)
+
+
+def _merge_lse(
+    o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of two normalised partial attention outputs with their LSEs."""
+    lse = torch.logaddexp(l1, l2)
+    w1 = torch.exp(l1 - lse)[..., None].to(o1.dtype)
+    w2 = torch.exp(l2 - lse)[..., None].to(o2.dtype)
+    return o1 * w1 + o2 * w2, lse
 
 
 def _merge(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from branchwise.backends.base import FinishReason
 from branchwise.backends.hf.arch import DecoderParts
-from branchwise.backends.hf.attention import SharedSegment, Weights, cascade
+from branchwise.backends.hf.attention import SharedSegment, Weights, bias_of, cascade, fused_cascade
 from branchwise.backends.hf.tree import KVTree, Segment
 
 Broadcast = Literal["cascade", "copy"]
@@ -95,6 +95,7 @@ class BatchContext:
     _own_mask_g: torch.Tensor | None = None  # [B,1,G*q,T] bool
     _write_idx: torch.Tensor | None = None
     _uniform: int | None = None
+    _own_bias_g: torch.Tensor | None = None  # _own_mask_g as an additive bias, built on first use
 
     @property
     def batch(self) -> int:
@@ -112,6 +113,7 @@ class BatchContext:
     def begin(self, q_len: int) -> None:
         """Prepare masks and write positions for a forward of `q_len` tokens per row."""
         self.q_len = q_len
+        self._own_bias_g = None
         device = self.lens.device
         max_len = int(self.lens.max())
         total = max_len + q_len
@@ -151,6 +153,7 @@ class BatchContext:
         if self._own_mask is not None:
             self._own_mask = self._own_mask.index_select(0, keep)
             self._own_mask_g = self._own_mask_g.index_select(0, keep)
+        self._own_bias_g = None
         if self._write_idx is not None:
             self._write_idx = self._write_idx.index_select(0, keep)
         if self.pos_next is not None:
@@ -207,7 +210,16 @@ class BatchContext:
         total = self._own_mask.shape[-1]
         k_own, v_own = tk[:, :, :total], tv[:, :, :total]
         want_weights = any(tap.wants_weights for tap in self.taps)
-        if not self.shared and not want_weights:
+        if not want_weights and (self.shared or self._uniform == 0):
+            # fused kernels with log-sum-exp; a fresh tail (every row starts empty) is plain causal
+            if self._uniform == 0:
+                bias = None
+            else:  # built once per forward, shared by the layers
+                if self._own_bias_g is None or self._own_bias_g.dtype != query.dtype:
+                    self._own_bias_g = bias_of(self._own_mask_g, query.dtype)
+                bias = self._own_bias_g
+            return fused_cascade(query, k_own, v_own, bias, self.shared, layer, scaling)
+        if not want_weights:
             out = F.scaled_dot_product_attention(
                 query, k_own, v_own, attn_mask=self._own_mask, scale=scaling, enable_gqa=self.n_groups > 1
             )

@@ -88,10 +88,35 @@ class EntropyTrace:
         return None
 
 
+def head_cost_layers(parts: DecoderParts) -> float:
+    """The LM head's cost in decoder layers (weight FLOPs per token: vocab·hidden over one layer's
+    linear weights), known from the model's shapes. SmolLM2-135M: 49,152·576 / 3.54 M ≈ 8 layers."""
+    layer = parts.layers[0]
+    per_layer = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    return parts.head.weight.numel() / max(per_layer, 1)
+
+
 class EntropyExit(Acceleration):
     """Level-2 observer of one verify forward (Alg. 3). With `exit=False` it only records entropies
-    (calibration). After the forward it counts `verify_rows`, `verify_layers`, `verify_exits` and,
-    given a `trace` list, fills each row's final-layer candidate probabilities and appends its trace.
+    (calibration). After the forward it counts `verify_rows`, `verify_layers`, `verify_exits`,
+    `verify_checks` (rows × layers whose full-vocabulary lens was computed) and, given a `trace` list,
+    fills each row's final-layer candidate probabilities and appends its trace.
+
+    With `cost_aware` the exit check is cost-aware (off: every layer from `l_min`, the paper's Alg. 3;
+    the calibration trace always inspects every layer). One full check (final norm + LM head over the whole vocabulary)
+    costs `head_cost_layers` decoder layers, so with `exit=True`:
+    - a layer is inspected only if an exit there can save more layers than the check costs
+      (L − l > head cost), from `l_min` on, every `check_every`-th layer;
+    - with `verdict_gate` and candidate tokens, each inspected layer first computes only the
+      candidates' logits (a handful of LM-head rows over the same normed state: ~free) and the
+      distribution over the candidate set; the full-vocabulary check (Eq. 5's entropy over the whole
+      distribution, and the candidate-mass test) runs only for rows whose candidate distribution
+      moved by less than `gate_delta` since the previously inspected layer. With the gate, Eq. 5's
+      two conditions are split by cost: the *level* test H < θ stays on the full distribution (one
+      LM head, at the exit layer only), the *stability* test |ΔH| < ε is replaced by the verdict
+      distribution's stability (a stricter test for what the verify pass decides, and free: Eq. 5's
+      ΔH would need a second full head at the layer before). Without the gate, Eq. 5 as written,
+      with |ΔH| between consecutive *inspected* layers (none yet = +inf: the first never exits).
     """
 
     name = "cgee-exit"
@@ -108,45 +133,95 @@ class EntropyExit(Acceleration):
         min_candidate_mass: float = 0.0,
         stats: KVStats | None = None,
         trace: list[EntropyTrace] | None = None,
+        check_every: int | None = None,
+        verdict_gate: bool = False,
+        cost_aware: bool = False,
+        gate_delta: float = 0.02,
     ) -> None:
         self.parts = parts
         self.candidates = list(candidates)
         self.min_candidate_mass = min_candidate_mass
         self.theta, self.epsilon, self.l_min, self.exit = theta, epsilon, l_min, exit
+        self.check_every = check_every or 1
+        self.verdict_gate = verdict_gate and bool(self.candidates)
+        self.gate_delta = gate_delta
+        self.head_cost = head_cost_layers(parts) if cost_aware else 0.0
         self.traces = [EntropyTrace() for _ in range(n_rows)]
         self._prev = torch.full((n_rows,), math.inf)
+        self._prev_cand: torch.Tensor | None = None  # [n_rows, C] candidate-set distribution
+        self._checks = 0
         self._stats = stats
         self._trace = trace
+        self._cand_w: torch.Tensor | None = None
+
+    def inspects(self, depth: int) -> bool:
+        """Whether layer `depth` (1-based) gets an exit check at all."""
+        n = self.parts.n_layers
+        if depth >= n:
+            return False  # the final layer's distribution comes from the normal path
+        if not self.exit:
+            return True
+        # from l_min − 1: the layer before l_min gives the previous entropy (or candidate distribution)
+        return (
+            depth >= self.l_min - 1
+            and (depth < self.l_min or (depth - self.l_min) % self.check_every == 0)
+            and n - depth > self.head_cost
+        )
 
     def after_layer(self, fwd: Forward, index: int, h_in: torch.Tensor, h: torch.Tensor) -> Exit | None:
         depth = index + 1
-        last_layer = depth == self.parts.n_layers
-        if last_layer or (self.exit and depth < self.l_min - 1):
-            return None  # the final layer's distribution comes from the normal path
-        h_last = fwd.last_states(h)
-        logits = self.parts.head(self.parts.norm(h_last))
-        ent = entropy(logits).cpu()
+        if not self.inspects(depth):
+            return None
+        normed = self.parts.norm(fwd.last_states(h))
         rows_cpu = fwd.rows.cpu()
+        check = torch.ones(len(rows_cpu), dtype=torch.bool)
+        if self.exit and self.verdict_gate:
+            if self._cand_w is None:
+                self._cand_w = self.parts.head.weight[self.candidates]
+            cand_dist = torch.softmax((normed @ self._cand_w.T).float(), -1).cpu()
+            if self._prev_cand is None:
+                self._prev_cand = torch.full((len(self.traces), len(self.candidates)), math.inf)
+            moved = (cand_dist - self._prev_cand[rows_cpu]).abs().amax(-1)
+            self._prev_cand[rows_cpu] = cand_dist
+            check = (moved < self.gate_delta) & (depth >= self.l_min)
+            if not bool(check.any()):
+                return None
+        idx = check.nonzero().squeeze(-1)
+        sub = normed if bool(check.all()) else normed[idx.to(normed.device)]
+        logits = self.parts.head(sub)
+        self._checks += len(idx)
+        ent = entropy(logits).cpu()
+        sub_rows = rows_cpu[idx]
         cand = (
             torch.softmax(logits.float(), -1)[:, self.candidates].cpu().tolist() if self.candidates else None
         )
-        for i, (r, e) in enumerate(zip(rows_cpu.tolist(), ent.tolist(), strict=True)):
+        for i, (r, e) in enumerate(zip(sub_rows.tolist(), ent.tolist(), strict=True)):
             self.traces[r].entropies[depth] = e
             if cand is not None:
                 self.traces[r].probs[depth] = cand[i]
-        prev = self._prev[rows_cpu]
-        self._prev[rows_cpu] = ent
+        prev = self._prev[sub_rows]
+        self._prev[sub_rows] = ent
         if not self.exit:
             return None
-        exited = (depth >= self.l_min) & (ent < self.theta) & ((ent - prev).abs() < self.epsilon)
+        if self.verdict_gate:  # stability was tested on the verdict distribution (the gate)
+            exited = (depth >= self.l_min) & (ent < self.theta)
+        else:
+            exited = (depth >= self.l_min) & (ent < self.theta) & ((ent - prev).abs() < self.epsilon)
         if self.min_candidate_mass > 0 and cand is not None:
             # a low entropy that sits on other tokens says nothing about the verdict (seen on SmolLM2)
             exited &= torch.tensor([sum(c) >= self.min_candidate_mass for c in cand])
         if not bool(exited.any()):
             return None
-        for r in rows_cpu[exited].tolist():
+        for r in sub_rows[exited].tolist():
             self.traces[r].exit_layer = depth
-        return Exit(exited.to(h_last.device), logits)
+        full_exit = torch.zeros(len(rows_cpu), dtype=torch.bool)
+        full_exit[idx[exited]] = True
+        if len(idx) == len(rows_cpu):
+            full_logits = logits
+        else:
+            full_logits = logits.new_zeros(len(rows_cpu), logits.shape[-1])
+            full_logits[idx.to(logits.device)] = logits
+        return Exit(full_exit.to(normed.device), full_logits)
 
     def after_forward(self, fwd: Forward, logits: torch.Tensor | None) -> None:
         n_layers = self.parts.n_layers
@@ -155,6 +230,7 @@ class EntropyExit(Acceleration):
             self._stats.bump("verify_rows", len(layers))
             self._stats.bump("verify_layers", sum(layers))
             self._stats.bump("verify_exits", sum(t.exit_layer is not None for t in self.traces))
+            self._stats.bump("verify_checks", self._checks)
         if self._trace is None:
             return
         assert logits is not None
@@ -242,6 +318,9 @@ class CGEE(Acceleration):
             min_candidate_mass=self.cfg.min_candidate_mass,
             stats=self.stats,
             trace=trace,
+            check_every=self.cfg.check_every,
+            verdict_gate=self.cfg.verdict_gate,
+            cost_aware=self.cfg.cost_aware,
         )
 
 

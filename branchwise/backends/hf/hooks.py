@@ -131,8 +131,9 @@ class Acceleration:
     name: str = "acceleration"
 
     # -- fork time
-    def on_fork(self, host: Host, path: list[int], n: int) -> bool:
-        """Whether sharing `path` with `n` children pays; False makes the fork recompute."""
+    def on_fork(self, host: Host, path: list[int], n: int, parent: Segment) -> bool:
+        """Whether sharing `parent` (whose path is `path`) with `n` children pays; False makes the
+        fork recompute."""
         return True
 
     def on_fork_prompts(

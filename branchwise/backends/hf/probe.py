@@ -2,10 +2,16 @@
 
 Sharing is not free: a shared prefix is computed once, then every branch reads it through an extra
 attention product per layer. For short prefixes or few branches a batched recompute can be faster.
-The probe times (i) a batched full recompute against (ii) one prefix forward plus (iii) a batched
-suffix forward over the shared cache, each the minimum of `repeats` runs, per `bucket_tokens`
-prefix-length bucket and branch count, and caches the verdict. It is separate from ASKS: it gates
-any exact fork, whether or not ASKS is on.
+The probe times (i) a batched full recompute of prefix + suffix for n branches against (ii) one
+prefix forward plus (iii) a batched suffix forward of the n branches over the shared prefix (the
+prefix already computed, outside the timed region: the prefix is counted exactly once), each the
+minimum of `repeats` runs, per `bucket_tokens` prefix-length bucket and branch count, and caches
+the verdict. It is separate from ASKS: it gates any exact fork, whether or not ASKS is on.
+
+The probe only asks about prefixes not yet computed. A parent with computed KV (a decoded leaf, a
+prompt already prefilled: every verify row of `score_next`, every tree child) is a sunk cost:
+sharing it costs at most its pending tokens once, while recomputing would redo the whole path per
+branch, so such forks always share and are never timed.
 
 The verdicts are a property of the machine and the model, so the `KVProbe` lives in the backend's
 build cache and every run shares it; the timing runs go through a plain session (no
@@ -19,15 +25,18 @@ import time
 from collections.abc import Callable
 
 from branchwise.backends.accel import ProbeConfig
-from branchwise.backends.base import ShareMode
 from branchwise.backends.hf.hooks import Acceleration, Host
+from branchwise.backends.hf.tree import Segment
 
 
 class KVProbe:
     """Cached per-bucket verdicts of whether prefix sharing beats recompute on this machine."""
 
-    def __init__(self, bucket_tokens: int = 64, repeats: int = 3) -> None:
+    def __init__(
+        self, bucket_tokens: int = 64, repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.bucket_tokens, self.repeats = bucket_tokens, repeats
+        self.clock = clock  # injectable, so the decision logic is testable without wall-clock noise
         self.verdicts: dict[tuple[int, int], bool] = {}
         self.timings: dict[tuple[int, int], dict[str, float]] = {}
 
@@ -56,9 +65,9 @@ class KVProbe:
     def _min_time(self, fn: Callable[[], object]) -> float:
         best = math.inf
         for _ in range(self.repeats):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             fn()
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, self.clock() - t0)
         return best
 
 
@@ -75,10 +84,13 @@ class Probe(Acceleration):
         self.cfg = cfg
         self.probe = probe
 
-    def on_fork(self, host: Host, path: list[int], n: int) -> bool:
+    def on_fork(self, host: Host, path: list[int], n: int, parent: Segment) -> bool:
         cfg = self.cfg
         if cfg.override != "auto":
             return cfg.override == "share"
+        if computed_tokens(parent):  # sunk cost: sharing computed KV is always right
+            host.stats.bump("probe_sunk")
+            return True
         key = self.probe.key(len(path), n)
         if key not in self.probe.verdicts:
             self._time(host, path, n)
@@ -91,22 +103,34 @@ class Probe(Acceleration):
         """Time the three paths in a plain session and cache the verdict."""
         plain = host.plain()
         suffix = path[-1:]
+        ready: list[Segment] = []  # a computed prefix the suffix timing forks from
 
-        def paths(share: ShareMode, prefix_only: bool = False) -> None:
+        def recompute() -> None:
             root = plain.tree.add(None, False, list(path), plain.ledger)
-            if prefix_only or share == "exact":
-                plain.compute([root])
-            if not prefix_only:
-                kids = plain.fork(root.id, n, share=share)
-                plain.append(kids, [suffix] * n)
-                plain.compute([plain.tree.get(k) for k in kids])
-                plain.release(kids)
-            plain.release([root.id])
+            kids = plain.fork(root.id, n, share="none")
+            plain.append(kids, [suffix] * n)
+            plain.compute([plain.tree.get(k) for k in kids])
+            plain.release([*kids, root.id])
 
-        self.probe.decide(
-            len(path),
-            n,
-            lambda: paths("none"),
-            lambda: paths("exact", prefix_only=True),
-            lambda: paths("exact"),
-        )
+        def prefix() -> None:
+            root = plain.tree.add(None, False, list(path), plain.ledger)
+            plain.compute([root])
+            for old in ready:
+                plain.release([old.id])
+            ready[:] = [root]
+
+        def shared_suffix() -> None:
+            kids = plain.fork(ready[0].id, n, share="exact")
+            plain.append(kids, [suffix] * n)
+            plain.compute([plain.tree.get(k) for k in kids])
+            plain.release(kids)
+
+        try:
+            self.probe.decide(len(path), n, recompute, prefix, shared_suffix)
+        finally:
+            plain.release([seg.id for seg in ready])
+
+
+def computed_tokens(seg: Segment) -> int:
+    """Tokens of `seg`'s path whose KV is already computed (its own and its KV ancestors')."""
+    return seg.n_computed + sum(a.n_computed for a in seg.kv_ancestors())

@@ -150,7 +150,7 @@ class Session:
         with self.engine.lock:
             parent = self.tree.get(node)
             path = self.tree.path_tokens(parent)
-            if mode == "exact" and not self._sharing_pays(path, n):
+            if mode == "exact" and not self._sharing_pays(path, n, parent):
                 mode = "none"
             children = []
             for _ in range(n):
@@ -179,7 +179,7 @@ class Session:
         with self.engine.lock:
             root = self.tree.get(node)
             path = self.tree.path_tokens(root)
-            if mode == "exact" and not self._sharing_pays(path, len(ids)):
+            if mode == "exact" and not self._sharing_pays(path, len(ids), root):
                 mode = "none"
             if mode == "none":
                 return [self.tree.add(root, False, list(p), self.ledger).id for p in ids]
@@ -238,8 +238,8 @@ class Session:
         self.tree.adopt(root, child)
         return child.id
 
-    def _sharing_pays(self, path: list[int], n: int) -> bool:
-        return all(plugin.on_fork(self, path, n) for plugin in overrides(self.plugins, "on_fork"))
+    def _sharing_pays(self, path: list[int], n: int, parent: Segment) -> bool:
+        return all(plugin.on_fork(self, path, n, parent) for plugin in overrides(self.plugins, "on_fork"))
 
     def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
         if len(nodes) != len(token_ids):

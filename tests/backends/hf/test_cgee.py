@@ -20,6 +20,8 @@ from branchwise.backends.hf.cgee import (
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import best_of_n
 
+PAPER = {"cost_aware": False, "verdict_gate": False}  # Alg. 3 as written: every layer from l_min
+
 
 def test_gate_needs_both_conditions() -> None:
     assert verify_skip([0.9, 0.5], tau_conf=0.7, r_gap=0.06)
@@ -54,7 +56,7 @@ def test_level2_without_exit_equals_full_depth(tiny_llama_dir) -> None:
 def test_level2_exit_uses_the_normed_logit_lens(tiny_llama_dir) -> None:
     backend = HFBackend(tiny_llama_dir)
     root, kids = _kids(backend, 3)
-    backend.accel = Accel(cgee=CGEEConfig.lossless(theta=99.0, epsilon=99.0, l_min=1))
+    backend.accel = Accel(cgee=CGEEConfig.lossless(theta=99.0, epsilon=99.0, l_min=1, **PAPER))
     suffix, cands = backend.encode(" Yes?"), [5, 6]
     trace: list[EntropyTrace] = []
     probs = backend.score_next(kids, suffix, cands, trace=trace)
@@ -133,7 +135,7 @@ def test_candidate_mass_guard_blocks_uninformative_exits(tiny_llama_dir) -> None
     backend = HFBackend(tiny_llama_dir)
     root, kids = _kids(backend, 3)
     backend.accel = Accel(
-        cgee=CGEEConfig.lossless(theta=99.0, epsilon=99.0, l_min=1, min_candidate_mass=0.999)
+        cgee=CGEEConfig.lossless(theta=99.0, epsilon=99.0, l_min=1, min_candidate_mass=0.999, **PAPER)
     )
     trace: list[EntropyTrace] = []
     backend.score_next(kids, backend.encode(" Yes?"), [5, 6], trace=trace)
@@ -153,11 +155,60 @@ def test_rows_exiting_at_different_layers(tiny_llama_dir) -> None:
     backend.score_next(kids, suffix, cands, trace=trace)  # record entropies (level 2 off)
     layer2 = sorted(t.entropies[2] for t in trace)
     theta = (layer2[1] + layer2[2]) / 2  # two rows below, two above
-    backend.accel = Accel(cgee=CGEEConfig.lossless(theta=theta, epsilon=99.0, l_min=2))
+    backend.accel = Accel(cgee=CGEEConfig.lossless(theta=theta, epsilon=99.0, l_min=2, **PAPER))
     exits: list[EntropyTrace] = []
     got = backend.score_next(kids, suffix, cands, trace=exits)
     assert sorted(t.exit_layer is not None for t in exits) == [False, False, True, True]
     for t, g, f in zip(exits, got, full, strict=True):
         if t.exit_layer is None:  # rows that stayed see exactly the full-depth result
             torch.testing.assert_close(torch.tensor(g), torch.tensor(f), atol=1e-6, rtol=1e-5)
+    backend.release([root, *kids])
+
+
+def _fake_parts(n_layers: int, hidden: int, vocab: int):
+    from torch import nn
+
+    from branchwise.backends.hf.arch import DecoderParts
+
+    layers = nn.ModuleList([nn.Sequential(nn.Linear(hidden, hidden, bias=False)) for _ in range(n_layers)])
+    return DecoderParts(
+        embed=nn.Identity(), layers=layers, rotary=nn.Identity(), norm=nn.Identity(),
+        head=nn.Linear(hidden, vocab, bias=False), n_heads=1, n_kv_heads=1, head_dim=hidden,
+    )  # fmt: skip
+
+
+def test_cost_aware_schedule_inspects_only_layers_that_can_pay() -> None:
+    """Head = 8 layers of cost: in a 30-layer model an exit after layer 22 saves ≤ 8 layers, so no
+    check there; from l_min = 4 every 3rd layer (and l_min − 1 for the previous entropy)."""
+    from branchwise.backends.hf.cgee import EntropyExit, head_cost_layers
+
+    parts = _fake_parts(30, 16, 8 * 16)
+    assert head_cost_layers(parts) == pytest.approx(8.0)
+    aware = EntropyExit(parts, 1, 1.0, 1.0, l_min=4, check_every=3, cost_aware=True)
+    assert [d for d in range(1, 31) if aware.inspects(d)] == [3, 4, 7, 10, 13, 16, 19]
+    paper = EntropyExit(parts, 1, 1.0, 1.0, l_min=4)
+    assert [d for d in range(1, 31) if paper.inspects(d)] == list(range(3, 30))
+    record = EntropyExit(parts, 1, 1.0, 1.0, l_min=4, exit=False, cost_aware=True)
+    assert [d for d in range(1, 31) if record.inspects(d)] == list(range(1, 30))  # calibration sees all
+
+
+def test_verdict_gate_removes_full_checks_without_changing_results(tiny_llama_dir) -> None:
+    """The verdict gate only skips full-vocabulary checks: with θ that nothing passes, results equal
+    full depth, and the gate runs fewer full checks than the paper's every-layer schedule."""
+    backend = HFBackend(tiny_llama_dir)
+    root, kids = _kids(backend, 4)
+    suffix, cands = backend.encode(" Yes or no?"), [5, 6, 7]
+    full = backend.score_next(kids, suffix, cands)
+    checks = {}
+    for gate in (False, True):
+        backend.accel = Accel(
+            cgee=CGEEConfig.lossless(theta=1e-9, l_min=1, cost_aware=False, verdict_gate=gate)
+        )
+        backend.reset_stats()
+        got = backend.score_next(kids, suffix, cands)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(full), atol=1e-6, rtol=1e-5)
+        checks[gate] = backend.kv_stats().extra.get("verify_checks", 0)
+    n_layers = backend.model.config.num_hidden_layers
+    assert checks[False] == 4 * (n_layers - 1)
+    assert checks[True] < checks[False]
     backend.release([root, *kids])

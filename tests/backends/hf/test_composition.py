@@ -59,6 +59,8 @@ def _acting(names: tuple[str, ...], vector_path: Path) -> Accel:
         "probe": ProbeConfig(repeats=1),
         # level 1 rarely skips (so level 2 exits run); the decode gate fires after the 9th token
         "cgee": CGEEConfig(
+            level2=True,
+            cost_aware=False,
             tau_conf=0.99,
             theta=99.0,
             epsilon=99.0,

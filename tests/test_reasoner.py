@@ -145,3 +145,18 @@ def test_decode_params_forwarded(backend: HFBackend) -> None:
     result = Reasoner(self_consistency(n=3, max_tokens=5), backend=backend).run("x")
     assert all(b.n_tokens <= 5 for b in result.branches)
     assert DecodeParams(max_tokens=5).max_tokens == 5
+
+
+def test_probe_switch_to_recompute_is_noted(backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from branchwise.backends.accel import Accel, ProbeConfig
+    from branchwise.backends.hf.probe import KVProbe
+
+    def recompute_wins(self: KVProbe, length: int, n: int, *paths: object) -> bool:
+        self.verdicts[self.key(length, n)] = False  # as if recompute had timed faster
+        return False
+
+    monkeypatch.setattr(KVProbe, "decide", recompute_wins)
+    accel = Accel(probe=ProbeConfig())
+    result = Reasoner(self_consistency(n=3, max_tokens=4, seed=0), backend=backend, accel=accel).run("1 + 2?")
+    assert result.kv_stats["probe_recompute"] >= 1
+    assert any(note.startswith("probe: ") and "recomputed" in note for note in result.notes)

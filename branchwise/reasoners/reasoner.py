@@ -313,6 +313,12 @@ class Reasoner:
                 return
         verifier = self.verifiers[name]
         scores = list(verifier.score(backend, run.question, self._candidates(todo)))
+        fallbacks = getattr(verifier, "notes", None)
+        if isinstance(fallbacks, list):  # a verifier that fell back (e.g. ToT vote -> uniform) says so
+            for note in fallbacks:
+                if note not in run.notes:
+                    run.notes.append(note)
+            fallbacks.clear()
         if len(scores) != len(todo):
             raise ValueError(
                 f"verifier {name!r} ({type(verifier).__name__}) returned {len(scores)} scores for "
@@ -437,6 +443,11 @@ def _accel_notes(accel: Accel | None, stats: dict[str, float]) -> list[str]:
         notes.append(
             f"river: no forward passed threshold {accel.river.threshold} after layer {accel.river.entry_layer}; "
             "every token ran the whole backbone"
+        )
+    if accel is not None and accel.probe is not None and stats.get("probe_recompute"):
+        notes.append(
+            f"probe: {int(stats['probe_recompute'])} fork(s) recomputed the prefix instead of sharing it "
+            "(timed faster on this machine)"
         )
     if accel is not None and accel.skipkv is not None and not stats.get("skipkv_compressions"):
         notes.append(

@@ -469,7 +469,8 @@ def test_river_path_exit_rule_and_rebuild_check(tiny_llama: Tiny) -> None:
     assert path.kernel == "weight_only"  # auto never picks dynamic_int8
     assert [path.may_exit(i) for i in range(3)] == [True, True, False]  # never after the last layer
     assert path.layers[0] is None and path.layers[2] is not None
-    assert path.nbytes == river_bytes(path.layers) > 0
+    assert path.nbytes == river_bytes([*path.layers, path.head]) > river_bytes(path.layers) > 0  # head too
+    assert path.head is not None and path.head.fused  # the LM head runs quantized after an exit
     h = torch.randn(2, 3, 64)
     assert path.passes(h, h + 0.01, torch.tensor([3, 1]))
     assert not path.passes(h, -h, torch.tensor([3, 1]))

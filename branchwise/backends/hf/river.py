@@ -22,6 +22,7 @@ The quantized layer copies and their kernels are `river_quant.py`.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +33,13 @@ from branchwise.backends.accel import RiverConfig
 from branchwise.backends.base import KVStats
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.hooks import Acceleration, Exit, Forward
-from branchwise.backends.hf.river_quant import build_river, quantize_head, resolve_kernel, river_bytes
+from branchwise.backends.hf.river_quant import (
+    WeightOnlyLinear,
+    build_river,
+    quantize_head,
+    resolve_kernel,
+    river_bytes,
+)
 
 
 def transition_similarity(h_in: Tensor, h_out: Tensor, counts: Tensor) -> Tensor:
@@ -105,6 +112,22 @@ class RiverPath:
         )
         self.build_s = time.perf_counter() - start
         self.nbytes = river_bytes([*self.layers, self.head])
+        if self.execution == "dequantize" and self.device.type == "cuda":
+            warnings.warn(
+                "river on CUDA without torchao: weight-only layers dequantize on every call (memory "
+                "saved, no speed-up); pip install torchao for its fused int4/int8 kernels",
+                stacklevel=2,
+            )
+
+    @property
+    def execution(self) -> str:
+        """How the river's Linears run: "fused" (torch's CPU int4/int8 kernels), "torchao",
+        "dynamic_int8", or "dequantize" (weight-only without a fused kernel: dequantized per call)."""
+        if self.kernel in ("torchao", "dynamic_int8"):
+            return self.kernel
+        mods = [m for layer in self.layers if layer is not None for m in layer.modules()]
+        linears = [m for m in mods if isinstance(m, WeightOnlyLinear)]
+        return "fused" if linears and all(m.fused for m in linears) else "dequantize"
 
     def same_weights(self, cfg: RiverConfig) -> bool:
         """Whether `cfg` would build the same river (so switching to it needs no rebuild)."""

@@ -151,8 +151,15 @@ def record(result: ReasoningResult, correct: float, wall: float, checker_note: s
         "search_steps": len(steps),
         "solver_status": dict(Counter(s.solver_status for s in steps if s.solver_status is not None)),
         "fallbacks": sum(s.used_fallback for s in steps),
+        "embedder": dict(Counter(str(s.embedder) for s in steps if s.method == "ets")),
+        "clusters_per_step": [s.clusters or 0 for s in steps if s.method == "ets"],
+        "active_per_step": [s.active for s in steps if s.method == "ets"],
         "notes": [*result.notes, *([checker_note] if checker_note else [])],
     }
+
+
+def _mean_or_none(values: list[int]) -> float | None:
+    return round(statistics.mean(values), 2) if values else None
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -171,6 +178,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "cluster_share": round(sum(r["cluster_s"] for r in rows) / wall, 4) if wall else 0.0,
         "ilp_fallbacks": sum(r["fallbacks"] for r in rows),
         "solver_status": dict(sum((Counter(r["solver_status"]) for r in rows), Counter())),
+        "embedder": dict(sum((Counter(r["embedder"]) for r in rows), Counter())),
+        "clusters_per_step": _mean_or_none([c for r in rows for c in r["clusters_per_step"]]),
+        "active_per_step": _mean_or_none([a for r in rows for a in r["active_per_step"]]),
         "notes": dict(Counter(note for r in rows for note in r["notes"])),
         "rows": rows,
     }
@@ -257,6 +267,14 @@ def main(argv: list[str] | None = None) -> None:
             },
         }
 
+    # what clustered ETS's steps, counted over its select steps ("None": coverage off), not the flag
+    used = dict(sum((Counter(per_width[w]["methods"]["ets"]["embedder"]) for w in per_width), Counter()))
+    embedder_info = {
+        **embedder_info,
+        "name": "+".join(sorted(used)) or None,
+        "requested": args.embedder,
+        "used": used,
+    }
     bench.emit(
         {"solver": solver, "embedder": embedder_info, "per_width": per_width, "paper": PAPER},
         config={

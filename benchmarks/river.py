@@ -106,7 +106,13 @@ def main(argv: list[str] | None = None) -> None:
             plugin = backend.acceleration(River)
             assert plugin is not None
             river = plugin.path
-            build = {"kernel": river.kernel, "seconds": round(river.build_s, 2), "river_bytes": river.nbytes}
+            build = {
+                "kernel": river.kernel,
+                "execution": river.execution,
+                "quantized_head": river.head is not None,
+                "seconds": round(river.build_s, 2),
+                "river_bytes": river.nbytes,
+            }
         decode_all(backend, prompts[:1], 4)  # warm-up (first-call allocations, kernel selection)
         tokens, texts, seconds, extra = decode_all(backend, prompts, args.max_tokens)
         answers = [extract_answer(t) for t in texts]

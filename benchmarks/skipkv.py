@@ -41,6 +41,7 @@ Prints progress to stderr and one JSON object as the last line of stdout.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Sequence
@@ -247,6 +248,45 @@ def summarise(
     return out
 
 
+def tree_strategies(bench: Bench, args: argparse.Namespace, question: str) -> dict[str, Any]:
+    """SkipKV under step-level tree search: steps shorter than the interval, budget below the steps'
+    total. The interval counts each branch's tokens along its path (across `extend` calls), so
+    compressions happen; the budget covers a branch's own steps and its earlier steps no live sibling
+    reads. `branch_kv_max` is the most generated KV a branch held right after a compression (≤ the
+    budget), `branch_kv_peak` the most at any step (≤ budget + interval)."""
+    from branchwise.reasoners import Reasoner
+    from branchwise.strategies import beam_search, ets
+
+    cfg = SkipKVConfig(budget=args.tree_budget, interval=128)
+    step = {"max_step_tokens": args.tree_step_tokens, "seed": args.seed}
+    step |= {"temperature": args.temperature, "verifier": "confidence"}
+    width, depth = args.tree_width, args.tree_depth
+    out: dict[str, Any] = {
+        "budget": cfg.budget,
+        "interval": cfg.interval,
+        "step_tokens": args.tree_step_tokens,
+    }
+    for name, strategy in (
+        # one child per kept beam (k = width): with more, a beam's last step is shared by its children
+        ("beam_search", beam_search(width=width, keep="fixed", k=width, depth=depth, **step)),
+        ("ets", ets(width=width, depth=depth, embedder="hidden", **step)),
+    ):
+        bench.log(f"tree strategy {name}")
+        result = Reasoner(strategy, backend=bench.backend, accel=Accel(skipkv=cfg)).run(question)
+        kv = result.kv_stats
+        out[name] = {
+            "generated_per_branch": max(b.n_tokens for b in result.branches) if result.branches else 0,
+            "compressions": int(kv.get("skipkv_compressions", 0)),
+            "evicted_tokens": int(kv.get("skipkv_evicted_tokens", 0)),
+            "ancestor_evicted_tokens": int(kv.get("skipkv_ancestor_evicted_tokens", 0)),
+            "branch_kv_max": int(kv.get("skipkv_branch_kv_max", 0)),
+            "branch_kv_peak": int(kv.get("skipkv_branch_kv_peak", 0)),
+            "budget_held": kv.get("skipkv_branch_kv_max", 0) <= cfg.budget,
+            "notes": result.notes,
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = BenchParser(
         __doc__,
@@ -281,12 +321,21 @@ def main(argv: list[str] | None = None) -> None:
         help="held-out questions (4 traces each) for --build-steering; 16 = the CLI's default. With 4 "
         "the embedded model wrote no non-execution sentence at all",
     )
+    parser.add_argument("--tree-only", action="store_true", help="only the tree-search section")
+    parser.add_argument("--tree-width", type=int, default=4, help="tree search width")
+    parser.add_argument("--tree-depth", type=int, default=4, help="tree search steps")
+    parser.add_argument("--tree-step-tokens", type=int, default=64, help="tokens per tree step")
+    parser.add_argument("--tree-budget", type=int, default=96, help="SkipKV budget under tree search")
     args = parser.parse_args(argv)
     ratios = [float(r) for r in args.ratios.split(",")]
 
     bench = start("skipkv", args)
     backend = bench.backend
     per_task = [load_problems(task, args.problems, seed=args.seed) for task in args.tasks]
+    tree = tree_strategies(bench, args, per_task[0][0][0])
+    if args.tree_only:
+        bench.emit({"tree_strategies": tree})
+        return
     # tasks interleaved (a mixed stream, as a server sees): task-by-task order would already be
     # grouped by length, leaving batch grouping nothing to do
     problems = [p for row in zip(*per_task, strict=True) for p in row]
@@ -385,6 +434,7 @@ def main(argv: list[str] | None = None) -> None:
         {
             "fullkv": fullkv,
             "budgets": budgets,
+            "tree_strategies": tree,
             "grouping": grouping,
             "steering": steering,
             "paper": PAPER,

@@ -145,3 +145,41 @@ def test_decode_params_forwarded(backend: HFBackend) -> None:
     result = Reasoner(self_consistency(n=3, max_tokens=5), backend=backend).run("x")
     assert all(b.n_tokens <= 5 for b in result.branches)
     assert DecodeParams(max_tokens=5).max_tokens == 5
+
+
+def test_probe_switch_to_recompute_is_noted(backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from branchwise.backends.accel import Accel, ProbeConfig
+    from branchwise.backends.hf.probe import KVProbe
+
+    def recompute_wins(self: KVProbe, length: int, n: int, *paths: object) -> bool:
+        self.verdicts[self.key(length, n)] = False  # as if recompute had timed faster
+        return False
+
+    monkeypatch.setattr(KVProbe, "decide", recompute_wins)
+    accel = Accel(probe=ProbeConfig())
+    result = Reasoner(self_consistency(n=3, max_tokens=4, seed=0), backend=backend, accel=accel).run("1 + 2?")
+    assert result.kv_stats["probe_recompute"] >= 1
+    assert any(note.startswith("probe: ") and "recomputed" in note for note in result.notes)
+
+
+def test_batch_runs_questions_in_lockstep_with_serial_answers(backend: HFBackend) -> None:
+    """Greedy: lockstep batching gives each question the tokens a serial run gives it, and its own
+    KV stats; every merged extend decoded several questions' rows."""
+    from branchwise.strategies import beam_search
+
+    questions = ["What is 1 + 2?", "What is 12 + 7 and why?", "Name a colour.", "2 * 3?"]
+    for strategy in (
+        self_consistency(n=2, max_tokens=6, temperature=0.0),
+        beam_search(
+            width=4, keep="fixed", k=2, depth=2, max_step_tokens=4, temperature=0.0, verifier="confidence"
+        ),
+    ):
+        reasoner = Reasoner(strategy, backend=backend)
+        serial = [reasoner.run(q) for q in questions]
+        batched = reasoner.batch(questions, progress=False)
+        for s, b in zip(serial, batched, strict=True):
+            assert [t.token_ids for t in b.tree] == [t.token_ids for t in s.tree]
+            assert b.answer == s.answer and b.notes == s.notes
+            assert b.kv_stats["peak_bytes"] > 0 and b.kv_stats["lockstep_merged_extends"] >= 1
+            assert b.kv_stats["bytes_held"] == s.kv_stats["bytes_held"]  # its own nodes, not the others'
+        assert backend.kv_stats().live_nodes == 0

@@ -258,6 +258,15 @@ def test_ets_end_to_end_with_embedders(backend: HFBackend, embedder: str) -> Non
         assert step.children == step.width and step.kept + step.pruned == step.active
         if step.active > 1:
             assert step.clusters is not None and 1 <= step.clusters <= step.active
+            assert step.embedder == ("hidden" if embedder == "hidden" else "minilm")  # what clustered
+
+
+def test_tot_vote_uniform_fallback_is_noted(backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from branchwise.reasoners.verifiers import ToTVoteVerifier
+
+    monkeypatch.setattr(ToTVoteVerifier, "_choice_tokens", lambda self, backend, m: None)
+    vote = run(backend, tree_of_thoughts(breadth=2, depth=2, n_generate=3, evaluator="vote", **STEP))
+    assert any(note.startswith("tot_vote: no single-token choice digits") for note in vote.notes)
 
 
 def test_tree_of_thoughts_bfs_and_dfs(backend: HFBackend) -> None:

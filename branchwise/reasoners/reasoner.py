@@ -20,6 +20,7 @@ one backend from several threads never change each other's settings or mix their
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ from branchwise.backends.base import (
     SupportsVerifySkip,
 )
 from branchwise.reasoners.answers import extract_answer, majority_vote
+from branchwise.reasoners.lockstep import Lockstep, run_threads
 from branchwise.reasoners.registry import check_names
 from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
 from branchwise.reasoners.search import kv_size_per_step
@@ -130,9 +132,15 @@ class Reasoner:
             return self.backend, []
         return self.backend, [f"accel ignored: backend {self.backend.name!r} runs no accelerations"]
 
-    def _run(self, question: str, messages: list[dict[str, str]], variants: list[str]) -> ReasoningResult:
+    def _run(
+        self,
+        question: str,
+        messages: list[dict[str, str]],
+        variants: list[str],
+        session: Backend | None = None,
+    ) -> ReasoningResult:
         start = time.perf_counter()
-        backend, notes = self._session()
+        backend, notes = (session, []) if session is not None else self._session()
         prompt = backend.chat_prompt(messages)
         root = backend.prefill(prompt)
         record = TreeNode(node=root, parent=None, depth=0, text="", token_ids=list(prompt))
@@ -156,9 +164,50 @@ class Reasoner:
         return self._result(run, stats)
 
     def batch(self, questions: Iterable[str], *, progress: bool = True) -> list[ReasoningResult]:
-        """Run several questions (one after the other; each run batches its own branches)."""
+        """Run several questions together: their plans run in lockstep and each generate step
+        decodes the branches of all of them as one batch, rows grouped by prompt length (see
+        `lockstep.py`). Each result keeps its own tree, notes and KV statistics.
+
+        One after the other instead (and said so in the notes) where the backend has no sessions or
+        accelerations are on (their plug-ins keep per-run state that one shared batch cannot).
+        """
         items = list(questions)
-        return [self.run(q) for q in tqdm(items, desc="reasoning", disable=not progress)]
+        serial_note = None
+        if len(items) > 1 and isinstance(self.backend, SupportsSessions):
+            sessions = [self.backend.session(share=self.share, accel=self.accel) for _ in items]
+            if all(getattr(s, "accel", None) in (None, Accel()) for s in sessions):
+                return self._lockstep(items, sessions)
+            serial_note = "batch: accelerations keep per-run state, so the questions ran one after another"
+        results = [self.run(q) for q in tqdm(items, desc="reasoning", disable=not progress)]
+        if serial_note is not None:
+            for r in results:
+                r.notes.append(serial_note)
+        return results
+
+    def _lockstep(self, items: list[str], sessions: list[Backend]) -> list[ReasoningResult]:
+        prompt_lens = [len(s.chat_prompt(self._messages(q))) for s, q in zip(sessions, items, strict=True)]
+        merged = self.backend.session(share=self.share, accel=Accel())  # type: ignore[attr-defined]
+        step = Lockstep(merged, len(items), prompt_lens)
+        for i, s in enumerate(sessions):
+            s.extend = step.extend_for(i)  # type: ignore[method-assign]
+
+        def one(i: int) -> ReasoningResult:
+            try:
+                return self._run(items[i], self._messages(items[i]), [], session=sessions[i])
+            finally:
+                step.finished()
+
+        results: list[ReasoningResult] = run_threads([functools.partial(one, i) for i in range(len(items))])
+        for i, r in enumerate(results):
+            extra = step.stats(i)
+            r.kv_stats["tokens_computed"] = (
+                r.kv_stats.get("tokens_computed", 0.0) + extra["lockstep_tokens_computed"]
+            )
+            r.kv_stats["forward_calls"] = (
+                r.kv_stats.get("forward_calls", 0.0) + extra["lockstep_forward_calls"]
+            )
+            r.kv_stats.update(extra)
+        return results
 
     # ------------------------------------------------------------------ executor
     def _execute(self, steps: Sequence[OpStep | LoopStep], run: RunState) -> None:
@@ -313,6 +362,12 @@ class Reasoner:
                 return
         verifier = self.verifiers[name]
         scores = list(verifier.score(backend, run.question, self._candidates(todo)))
+        fallbacks = getattr(verifier, "notes", None)
+        if isinstance(fallbacks, list):  # a verifier that fell back (e.g. ToT vote -> uniform) says so
+            for note in fallbacks:
+                if note not in run.notes:
+                    run.notes.append(note)
+            fallbacks.clear()
         if len(scores) != len(todo):
             raise ValueError(
                 f"verifier {name!r} ({type(verifier).__name__}) returned {len(scores)} scores for "
@@ -437,6 +492,11 @@ def _accel_notes(accel: Accel | None, stats: dict[str, float]) -> list[str]:
         notes.append(
             f"river: no forward passed threshold {accel.river.threshold} after layer {accel.river.entry_layer}; "
             "every token ran the whole backbone"
+        )
+    if accel is not None and accel.probe is not None and stats.get("probe_recompute"):
+        notes.append(
+            f"probe: {int(stats['probe_recompute'])} fork(s) recomputed the prefix instead of sharing it "
+            "(timed faster on this machine)"
         )
     if accel is not None and accel.skipkv is not None and not stats.get("skipkv_compressions"):
         notes.append(

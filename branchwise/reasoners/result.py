@@ -51,6 +51,10 @@ class SearchStep(BaseModel):
         description="children allocated to the next generate (dfs: leaves to expand, each by the generate's n)"
     )
     clusters: int | None = Field(None, description="ets: semantic clusters of the leaves' last steps")
+    embedder: str | None = Field(
+        None,
+        description='ets: the embedder that clustered the steps ("minilm", "hidden"; None: coverage off)',
+    )
     solver_status: str | None = Field(
         None, description="ets: optimal, feasible, trivial, or why it fell back"
     )

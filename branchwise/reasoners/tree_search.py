@@ -158,7 +158,7 @@ def _ets(
 ) -> tuple[dict[int, int | None], dict[str, Any]]:
     """ETS: cluster the last steps, solve the KV/coverage ILP, REBASE over the kept leaves."""
     t0 = time.perf_counter()
-    clusters = _clusters(node, run, active, embedder) if len(active) > 1 else None
+    clusters, used = _clusters(node, run, active, embedder) if len(active) > 1 else (None, None)
     t1 = time.perf_counter()
     parents: dict[int, int | None] = {}
     for leaf in active:
@@ -189,6 +189,7 @@ def _ets(
         )
     info = {
         "clusters": sel.n_clusters or None,
+        "embedder": used,
         "solver_status": sel.solver_status,
         "used_fallback": sel.used_fallback,
         "objective": sel.objective,
@@ -200,8 +201,9 @@ def _ets(
 
 def _clusters(
     node: SelectNode, run: RunState, active: Sequence[Leaf], embedder: Embedder | None
-) -> np.ndarray | None:
-    """Cluster labels of the leaves' last steps, or None (coverage term off) when no embedder works."""
+) -> tuple[np.ndarray | None, str | None]:
+    """Cluster labels of the leaves' last steps and the embedder actually used ("minilm" or
+    "hidden"), or (None, None) (coverage term off) when no embedder works. A fallback is noted."""
     embeddings = None
     if node.embedder == "minilm":
         try:
@@ -217,11 +219,12 @@ def _clusters(
             note = f"select {node.id!r}: backend has no hidden-state embedder; coverage term off"
             if note not in run.notes:
                 run.notes.append(note)
-            return None
+            return None, None
         states = backend.embed_nodes([leaf.node for leaf in active], backend.encode("\n"))
         # A causal LM's states share one dominant direction (here also the common question), so
         # raw cosines sit near 1 and a 0.05 cut merges unrelated steps; centring over the
         # candidates keeps only what tells them apart (identical steps still coincide). Measured
         # on SmolLM2-135M chain_sum steps, centred states cut at 0.05 group like MiniLM does.
         embeddings = (states - states.mean(dim=0, keepdim=True)).numpy()
-    return cluster_embeddings(embeddings, node.cluster_distance)
+        return cluster_embeddings(embeddings, node.cluster_distance), "hidden"
+    return cluster_embeddings(embeddings, node.cluster_distance), "minilm"

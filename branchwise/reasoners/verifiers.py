@@ -318,6 +318,8 @@ class ToTVoteVerifier:
         self.instruction = instruction
         self.answer_prefix = answer_prefix
         self.max_chars = max_chars
+        self.notes: list[str] = []
+        """Fallbacks of the last `score` calls, drained into the result's notes by the reasoner."""
 
     def _choice_tokens(self, backend: Backend, m: int) -> tuple[list[int], list[int]] | None:
         """(suffix, one token per choice) with each choice a single distinct token, or None."""
@@ -336,6 +338,7 @@ class ToTVoteVerifier:
                 continue
             picked = self._choice_tokens(backend, len(group))
             if picked is None:  # a tokenizer with no single-token digits: no preference
+                self.notes.append("tot_vote: no single-token choice digits in this tokenizer; uniform scores")
                 out += [1.0 / len(group)] * len(group)
                 continue
             suffix, tokens = picked
@@ -349,6 +352,8 @@ class ToTVoteVerifier:
             finally:
                 backend.release([root])
             mass = sum(probs)
+            if mass <= 0:
+                self.notes.append("tot_vote: the vote gave every choice probability 0; uniform scores")
             out += [p / mass if mass > 0 else 1.0 / len(group) for p in probs]
         return out
 

@@ -74,6 +74,8 @@ class Forward:
     observed: bool = False
     """True when a per-call observer (a verify or capture pass) watches this forward."""
     state: dict[str, object] = field(default_factory=dict)
+    head: nn.Module | None = None
+    """The LM head for this forward's logits (None: the model's); River swaps in its quantized one."""
 
     @property
     def q_len(self) -> int:

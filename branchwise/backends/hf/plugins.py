@@ -113,7 +113,7 @@ def build_plugins(
                 ("steering", steer_cfg),
                 lambda: SteeringBuild.load(steer_cfg, parts, model_name, delimiters),
             )
-        out.append(SkipKV(skip, parts, tokenizer, delimiters, steering, stats))
+        out.append(SkipKV(skip, parts, tokenizer, delimiters, steering, stats, host.tree))
     if accel.river is not None:
         river_cfg = accel.river
         path = cached(

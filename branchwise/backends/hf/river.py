@@ -14,13 +14,15 @@ batched forward leaves the backbone only when every row passes; prefill averages
 fed tokens (sequence level), decode sees one token per row (token level).
 
 The `River` plug-in tests the exit after each backbone layer (`after_layer`) and, once the batch
-exits, switches the rest of the forward's layer stack to the river.
+exits, switches the rest of the forward's layer stack to the river, and the LM head to its
+quantized copy (where a fused kernel runs it: the fp32 head is the largest single read per step).
 The quantized layer copies and their kernels are `river_quant.py`.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +33,13 @@ from branchwise.backends.accel import RiverConfig
 from branchwise.backends.base import KVStats
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.hooks import Acceleration, Exit, Forward
-from branchwise.backends.hf.river_quant import build_river, resolve_kernel, river_bytes
+from branchwise.backends.hf.river_quant import (
+    WeightOnlyLinear,
+    build_river,
+    quantize_head,
+    resolve_kernel,
+    river_bytes,
+)
 
 
 def transition_similarity(h_in: Tensor, h_out: Tensor, counts: Tensor) -> Tensor:
@@ -81,6 +89,8 @@ class RiverPath:
     cfg: RiverConfig
     device: torch.device
     layers: list[nn.Module | None] = field(init=False)
+    head: nn.Module | None = field(init=False)
+    """The quantized LM head exited tokens use (None: the backbone's, no fused kernel for it)."""
     kernel: str = field(init=False)
     nbytes: int = field(init=False)
     build_s: float = field(init=False)
@@ -97,8 +107,27 @@ class RiverPath:
             self.kernel,
             self.device,
         )
+        self.head = quantize_head(
+            self.parts.head, self.cfg.bits, self.cfg.group_size, self.kernel, self.device
+        )
         self.build_s = time.perf_counter() - start
-        self.nbytes = river_bytes(self.layers)
+        self.nbytes = river_bytes([*self.layers, self.head])
+        if self.execution == "dequantize" and self.device.type == "cuda":
+            warnings.warn(
+                "river on CUDA without torchao: weight-only layers dequantize on every call (memory "
+                "saved, no speed-up); pip install torchao for its fused int4/int8 kernels",
+                stacklevel=2,
+            )
+
+    @property
+    def execution(self) -> str:
+        """How the river's Linears run: "fused" (torch's CPU int4/int8 kernels), "torchao",
+        "dynamic_int8", or "dequantize" (weight-only without a fused kernel: dequantized per call)."""
+        if self.kernel in ("torchao", "dynamic_int8"):
+            return self.kernel
+        mods = [m for layer in self.layers if layer is not None for m in layer.modules()]
+        linears = [m for m in mods if isinstance(m, WeightOnlyLinear)]
+        return "fused" if linears and all(m.fused for m in linears) else "dequantize"
 
     def same_weights(self, cfg: RiverConfig) -> bool:
         """Whether `cfg` would build the same river (so switching to it needs no rebuild)."""
@@ -146,6 +175,8 @@ class River(Acceleration):
                 layer = self.path.layers[j]
                 assert layer is not None  # built for every layer after the entry layer
                 fwd.layers[j] = layer
+            if self.path.head is not None:
+                fwd.head = self.path.head  # exited tokens' logits come from the quantized head too
             if self.cfg.audit and not fwd.observed:
                 self._audit = self._audit_backbone(fwd, h, index)
         return None

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-KERNELS = ("auto", "dynamic_int8", "weight_only")
+KERNELS = ("auto", "dynamic_int8", "weight_only", "torchao")
+
+
+def torchao_available() -> bool:
+    """Whether torchao (fused weight-only int4/int8 GPU kernels) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
 
 
 _INT4_CPU_GROUPS = (32, 64, 128, 256)  # the group sizes torch's fused CPU int4 kernel accepts
@@ -329,20 +336,30 @@ class WeightOnlyLinear(nn.Module):
 
 
 def resolve_kernel(cfg_kernel: str, bits: int, device: torch.device, dtype: torch.dtype | None = None) -> str:
-    """`auto` → `weight_only`, on every device and at both bit widths; explicit kernels as given.
+    """`auto` → `torchao` on CUDA when torchao is installed (its fused weight-only int4/int8
+    kernels), else `weight_only`; explicit kernels as given.
 
     Why never `dynamic_int8` for `auto`: it quantizes the activations too (per token, int8), and
     activation outliers make that lossy (SmolLM2-135M river: next-token match ~0.95, against ~0.995
-    for 8-bit weight-only), while the weight-only kernel now runs on torch's fused W8A16/W4A16 CPU
-    kernels and is faster than fp32 at decode batch sizes. `dynamic_int8` stays available when asked
-    for: it is the fastest at large batch / long prefill. `device` and `dtype` are part of the
-    signature because a kernel's availability depends on them (`_check_dynamic_int8`); `auto` no
-    longer needs them.
+    for 8-bit weight-only), while the weight-only kernel runs on torch's fused W8A16/W4A16 CPU
+    kernels and is faster than fp32 at decode batch sizes. On CUDA without torchao, `weight_only`
+    dequantizes per call (`RiverPath.execution` says "dequantize": memory saved, no speed-up).
     """
-    del device, dtype  # `auto` is the same everywhere now; kept for callers and future kernels
+    del dtype  # kept for callers: a kernel's availability may depend on it
     if cfg_kernel not in KERNELS:
         raise ValueError(f"kernel={cfg_kernel!r} is not one of {', '.join(map(repr, KERNELS))}")
-    return "weight_only" if cfg_kernel == "auto" else cfg_kernel
+    if cfg_kernel != "auto":
+        return cfg_kernel
+    return "torchao" if device.type == "cuda" and torchao_available() else "weight_only"
+
+
+def _torchao_quantize(module: nn.Module, bits: int, group_size: int) -> nn.Module:
+    """A copy of `module` with torchao's fused weight-only int4 (W4A16) or int8 (W8A16) Linears."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    out = copy.deepcopy(module)
+    quantize_(out, Int4WeightOnlyConfig(group_size=group_size) if bits == 4 else Int8WeightOnlyConfig())
+    return out
 
 
 def _check_dynamic_int8(layer: nn.Module, bits: int, device: torch.device) -> None:
@@ -373,6 +390,8 @@ def quantize_layer(
     """
     dtype = next(layer.parameters()).dtype
     kernel = resolve_kernel(kernel, bits, device, dtype)
+    if kernel == "torchao":
+        return _torchao_quantize(layer, bits, group_size)
     if kernel == "dynamic_int8":
         _check_dynamic_int8(layer, bits, device)
         river = copy.deepcopy(layer)
@@ -430,6 +449,31 @@ def build_river(
     return river
 
 
+def quantize_head(
+    head: nn.Module, bits: int, group_size: int, kernel: str, device: torch.device
+) -> nn.Module | None:
+    """The LM head as a weight-only quantized Linear for the river, or None (keep the backbone's).
+
+    Why: after an exit the fp32 head (vocab × hidden: 49k × 576 on the embedded model, 113 MB read
+    per decode step) costs more than all the river layers together. Quantized only where a fused
+    kernel runs it (a dequantize-per-call head would be slower than the fp one); the head is only
+    read, so a head tied to the embeddings stays intact.
+    """
+    if not isinstance(head, nn.Linear):
+        return None
+    if kernel == "torchao":
+        return _torchao_quantize(head, bits, group_size)  # type: ignore[return-value]
+    if kernel != "weight_only":
+        return None
+    out_f, in_f = head.weight.shape
+    fused = (
+        int8_cpu_kernel_ok(bits, in_f, device)
+        if bits == 8
+        else int4_cpu_kernel_ok(bits, min(group_size, in_f), in_f, out_f, device)
+    )
+    return WeightOnlyLinear.from_linear(head, bits, group_size, fused=True).eval() if fused else None
+
+
 def _dynamic_linear_bytes(mod: nn.Module) -> int:
     """Bytes of a torch dynamic-quantized Linear: int8 weight, its scales/zero points, and the bias.
 
@@ -450,8 +494,8 @@ def _dynamic_linear_bytes(mod: nn.Module) -> int:
 
 
 def river_bytes(river: list[nn.Module | None]) -> int:
-    """Bytes held by the river's layers: parameters, buffers (packed weights included) and torch's
-    dynamic int8 packed weights."""
+    """Bytes held by the river's layers (and head): parameters, buffers (packed weights included)
+    and torch's dynamic int8 packed weights."""
     total = 0
     for layer in river:
         if layer is None:

@@ -110,7 +110,7 @@ class Runner:
         if len(fwd.rows):
             h_last = parts.norm(fwd.last_states(h))
             ctx.last_hidden = h_last
-            final = parts.head(h_last)
+            final = (fwd.head or parts.head)(h_last)
             if logits is None:
                 logits = final
             else:

@@ -8,11 +8,16 @@ The policy (sentences, Eq. 3-6 scores, which slots to keep, the steering vector)
   final-norm hidden state during decode, for the sentence means of Eq. 2);
 - `begin_decode`: a `QueryWindow` tap records each layer's last α post-RoPE decode queries (the
   observation window of Eq. 4);
-- `after_step`: every `interval` steps a branch above budget keeps its best slots (`Batch.keep_own`);
-  positions stay logical, so later tokens simply stop seeing what was evicted;
+- `after_step`: every `interval` generated tokens of a branch (counted along its path, across
+  `extend` calls and tree steps, not by the decode loop's step which restarts on every `extend`), a
+  branch above budget keeps its best slots (`Batch.keep_own`); positions stay logical, so later
+  tokens simply stop seeing what was evicted;
 - `before_step` / `before_layer`: steering adds α_t·v at one layer's input at delimiter tokens.
 
-Prompt and ancestor KV (shared with other branches) is never evicted. State per branch lives here
+A branch's budget covers its own generated KV *and* the generated KV of its exclusive ancestors:
+earlier tree steps that no live sibling reads (each has one live child, the branch's path). Those
+are evicted in place in their segments (`KVTree.keep_kv`) with the same Eq. 6 scores. The prompt
+and every ancestor shared with a live sibling are never evicted. State per branch lives here
 (`states`), keyed by node and dropped when the node is freed.
 """
 
@@ -43,7 +48,7 @@ from branchwise.backends.hf.skipkv_policy import (
     steering_strength,
     token_importance,
 )
-from branchwise.backends.hf.tree import Segment
+from branchwise.backends.hf.tree import KVTree, Segment
 
 
 @dataclass
@@ -115,6 +120,10 @@ class SkipState:
 
     tracker: SentenceTracker
     gen_start: int
+    generated: int = 0
+    """Tokens generated along the branch's path (inherited from the nearest SkipKV ancestor)."""
+    checked: int = 0
+    """`generated` at the branch's last compression check: the interval counts from there."""
 
 
 class QueryWindow(AttentionTap):
@@ -136,7 +145,10 @@ class QueryWindow(AttentionTap):
 
 class SkipKV(Acceleration):
     """The SkipKV plug-in of one run (see the module docstring). Statistics: `skipkv_compressions`,
-    `skipkv_evicted_tokens` (counted at every compression step)."""
+    `skipkv_evicted_tokens` (counted at every compression step), `skipkv_ancestor_evicted_tokens`
+    (of those, the ones in exclusive ancestor steps), `skipkv_branch_kv_max` (the most generated KV a
+    branch held right after a compression: at most `budget`) and `skipkv_branch_kv_peak` (the most it
+    held at any step: at most `budget + interval` unless the branch's steps are shared)."""
 
     name = "skipkv"
 
@@ -148,12 +160,14 @@ class SkipKV(Acceleration):
         delimiters: frozenset[int],
         steering: SteeringBuild | None,
         stats: KVStats,
+        tree: KVTree | None = None,
     ) -> None:
         self.cfg = cfg
         self.parts = parts
         self.delimiters = delimiters
         self.steer_build = steering
         self.stats = stats
+        self.tree = tree
         self.states: dict[int, SkipState] = {}
         self._decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
         self._window: QueryWindow | None = None
@@ -168,13 +182,20 @@ class SkipKV(Acceleration):
             state = self.states.get(r.seg.id)
             if state is not None and fed:  # e.g. the last sampled token of an earlier extend
                 state.tracker.append(fed)
+                state.generated += len(fed)
 
     def begin_decode(self, batch: Batch) -> None:
         """Start tracking each row's generated tokens and record the decode queries."""
         for r in batch.rows:
             if r.seg.id not in self.states:
                 tracker = SentenceTracker(self.delimiters, self.cfg.keywords, self._decode)
-                self.states[r.seg.id] = SkipState(tracker=tracker, gen_start=r.kv_len)
+                up = self._inherited(r.seg)
+                self.states[r.seg.id] = SkipState(
+                    tracker=tracker,
+                    gen_start=r.kv_len,
+                    generated=0 if up is None else up.generated,
+                    checked=0 if up is None else up.checked,
+                )
         ctx = batch.ctx
         shape = (ctx.batch, self.parts.n_heads, 0, self.parts.head_dim)
         self._window = QueryWindow(ctx.tail_k[0], shape, self.parts.n_layers, self.cfg.query_window)
@@ -206,30 +227,85 @@ class SkipKV(Acceleration):
     def after_step(
         self, batch: Batch, rows: Sequence[Row], feeds: Sequence[Sequence[int]], step: int
     ) -> None:
-        """Track the tokens just fed; every `interval` steps compress the rows above budget."""
+        """Track the tokens just fed; compress each row above budget once `interval` more tokens
+        were generated on its path since its last check (the count survives `extend` calls)."""
         self._steer = None
         hidden = batch.ctx.last_hidden
         assert hidden is not None
+        compressions, evicted, held_max = 0, 0, 0
         for pos, (r, fed) in enumerate(zip(rows, feeds, strict=True)):
+            state = self.states[r.seg.id]
             if fed:
-                self.states[r.seg.id].tracker.append(fed, hidden=hidden[pos : pos + 1])
-        if (step + 1) % self.cfg.interval:
-            return
-        compressions, evicted = 0, 0
-        for pos, r in enumerate(rows):
-            if r.finish is None and self.states[r.seg.id].tracker.cache_len > self.cfg.budget:
-                compressions += 1
-                evicted += self._compress(batch, pos, r)
+                state.tracker.append(fed, hidden=hidden[pos : pos + 1])
+                state.generated += len(fed)
+            held = self._held(batch, r)
+            if r.finish is None and state.generated - state.checked >= self.cfg.interval:
+                state.checked = state.generated
+                if held > self.cfg.budget:
+                    compressions += 1
+                    evicted += self._compress(batch, pos, r)
+                    held = self._held(batch, r)
+                    self.stats.extra["skipkv_branch_kv_max"] = max(
+                        self.stats.extra.get("skipkv_branch_kv_max", 0), held
+                    )
+            held_max = max(held_max, held)
+        if held_max > self.stats.extra.get("skipkv_branch_kv_peak", 0):
+            self.stats.extra["skipkv_branch_kv_peak"] = held_max
         self.stats.bump("skipkv_compressions", compressions)
         self.stats.bump("skipkv_evicted_tokens", evicted)
 
+    def _inherited(self, seg: Segment) -> SkipState | None:
+        """The state of the nearest ancestor (KV or logical) that decoded under SkipKV."""
+        up = seg.parent if seg.shares_parent else seg.logical_parent or seg.parent
+        while up is not None:
+            state = self.states.get(up.id)
+            if state is not None:
+                return state
+            up = up.parent if up.shares_parent else up.logical_parent or up.parent
+        return None
+
+    def exclusive_ancestors(self, batch: Batch, row: Row) -> list[tuple[Segment, SkipState]]:
+        """The row's ancestor steps whose generated KV only this branch reads, farthest first.
+
+        Nearest first, an ancestor qualifies while it decoded under SkipKV, is not the prompt, and has
+        exactly one live child (the branch's path); the first shared one ends the walk (everything
+        above it is shared too). Under `broadcast="copy"` ancestors are copies, so none qualify.
+        """
+        if self.tree is None or batch.broadcast != "cascade":
+            return []
+        out = []
+        for anc in row.seg.kv_ancestors():
+            state = self.states.get(anc.id)
+            if state is None or anc.is_prompt or anc.live_children != 1 or not anc.keys:
+                break
+            out.append((anc, state))
+        return out[::-1]
+
+    def _held(self, batch: Batch, row: Row) -> int:
+        """Generated KV tokens the branch holds in its own segment and its exclusive ancestors."""
+        own = self.states[row.seg.id].tracker.cache_len
+        return own + sum(s.tracker.cache_len for _, s in self.exclusive_ancestors(batch, row))
+
     def _compress(self, batch: Batch, pos: int, row: Row) -> int:
-        """Evict one row's lowest Eq. 6 tokens down to the budget, in place; returns how many."""
+        """Evict the branch's lowest Eq. 6 tokens down to the budget, in place; returns how many.
+
+        The candidates are the row's own generated slots and those of its exclusive ancestors, scored
+        together (importance from the row's recent queries, redundancy over all of them, each
+        segment's own sentence penalty)."""
         cfg, state, window = self.cfg, self.states[row.seg.id], self._window
         assert window is not None
         ctx = batch.ctx
         at, n, g0 = row.tail_start, row.kv_len, state.gen_start
-        keys = [t[pos, :, at : at + n] for t in ctx.tail_k]
+        ancestors = self.exclusive_ancestors(batch, row)
+        # pieces in path order: (keys per layer, first evictable slot, tracker)
+        pieces: list[tuple[list[torch.Tensor], int, SentenceTracker]] = []
+        for anc, anc_state in ancestors:
+            assert anc.keys is not None
+            pieces.append((list(anc.keys), anc_state.gen_start, anc_state.tracker))
+        pieces.append(([t[pos, :, at : at + n] for t in ctx.tail_k], g0, state.tracker))
+        keys = [torch.cat([p[0][layer] for p in pieces], dim=1) for layer in range(len(ctx.tail_k))]
+        sizes = [int(p[0][0].shape[1]) for p in pieces]
+        total = sum(sizes)
         scale = self.parts.head_dim**-0.5
         importance = torch.stack(
             [
@@ -238,19 +314,47 @@ class SkipKV(Acceleration):
             ]
         )
         redundancy = torch.stack([key_redundancy(k) for k in keys]) if cfg.redundancy else None
-        penalty = None
-        if cfg.sentence_scoring:
-            lam = sentence_redundancy(state.tracker.sentence_vectors(), cfg.tau)
-            penalty = torch.zeros(n, device=lam.device)
-            penalty[g0:] = state.tracker.sentence_penalty(lam)
+        evictable = torch.zeros(total, dtype=torch.bool, device=importance.device)
+        penalty = torch.zeros(total, device=importance.device) if cfg.sentence_scoring else None
+        offset = 0
+        for (_, start, tracker), size in zip(pieces, sizes, strict=True):
+            evictable[offset + start : offset + size] = True
+            if penalty is not None and size > start:
+                lam = sentence_redundancy(tracker.sentence_vectors(), cfg.tau)
+                penalty[offset + start : offset + size] = tracker.sentence_penalty(lam).to(penalty.device)
+            offset += size
         scores = eviction_scores(importance, redundancy, penalty, cfg.sigma)
-        evictable = torch.arange(n, device=scores.device) >= g0
         keep = select_keep(
             scores, cfg.budget, evictable=evictable, protected=newest_mask(evictable, cfg.window)
         )
-        batch.keep_own(pos, row, keep.to(ctx.tail_k[0].device))
-        state.tracker.evict((keep[keep >= g0] - g0).tolist())
-        return n - int(keep.numel())
+        offset = 0
+        for i, ((_, start, tracker), size) in enumerate(zip(pieces, sizes, strict=True)):
+            local = keep[(keep >= offset) & (keep < offset + size)] - offset
+            if i < len(ancestors):
+                if local.numel() < size:
+                    self._keep_ancestor(batch, ancestors[i][0], local)
+                    self.stats.bump("skipkv_ancestor_evicted_tokens", size - int(local.numel()))
+            else:
+                batch.keep_own(pos, row, local.to(ctx.tail_k[0].device))
+            if local.numel() < size:
+                tracker.evict((local[local >= start] - start).tolist())
+            offset += size
+        return total - int(keep.numel())
+
+    def _keep_ancestor(self, batch: Batch, seg: Segment, keep: torch.Tensor) -> None:
+        """Keep only the slots `keep` of an exclusive ancestor, in the tree and in this batch's view."""
+        assert self.tree is not None and seg.keys is not None
+        mask = torch.zeros(seg.kv_tokens, dtype=torch.bool, device=seg.keys[0].device)
+        mask[keep.to(mask.device)] = True
+        self.tree.keep_kv(seg, mask)
+        shared = []
+        for entry in batch.ctx.shared:
+            if entry.key == seg.id:
+                if not seg.kv_tokens:
+                    continue  # nothing left to attend to
+                entry.keys, entry.values = seg.keys, seg.values or []
+            shared.append(entry)
+        batch.ctx.shared = shared
 
     def on_release(self, seg: Segment) -> None:
         self.states.pop(seg.id, None)

@@ -469,7 +469,8 @@ def test_river_path_exit_rule_and_rebuild_check(tiny_llama: Tiny) -> None:
     assert path.kernel == "weight_only"  # auto never picks dynamic_int8
     assert [path.may_exit(i) for i in range(3)] == [True, True, False]  # never after the last layer
     assert path.layers[0] is None and path.layers[2] is not None
-    assert path.nbytes == river_bytes(path.layers) > 0
+    assert path.nbytes == river_bytes([*path.layers, path.head]) > river_bytes(path.layers) > 0  # head too
+    assert path.head is not None and path.head.fused  # the LM head runs quantized after an exit
     h = torch.randn(2, 3, 64)
     assert path.passes(h, h + 0.01, torch.tensor([3, 1]))
     assert not path.passes(h, -h, torch.tensor([3, 1]))
@@ -482,3 +483,33 @@ def test_river_path_exit_rule_and_rebuild_check(tiny_llama: Tiny) -> None:
     assert not path.same_weights(cfg.model_copy(update={"bits": 4}))
     path4 = RiverPath(decoder_parts(model), cfg.model_copy(update={"bits": 4}), CPU)
     assert not path4.same_weights(path4.cfg.model_copy(update={"group_size": 64}))
+
+
+def test_auto_kernel_picks_torchao_on_cuda_only_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from branchwise.backends.hf import river_quant
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(river_quant, "torchao_available", lambda: True)
+    assert river_quant.resolve_kernel("auto", 4, cuda) == "torchao"
+    assert river_quant.resolve_kernel("auto", 4, CPU) == "weight_only"  # CPU: torch's fused kernels
+    monkeypatch.setattr(river_quant, "torchao_available", lambda: False)
+    assert river_quant.resolve_kernel("auto", 8, cuda) == "weight_only"  # reported as "dequantize"
+
+
+def test_river_build_is_cached_and_reports_execution(tiny_llama_dir) -> None:
+    """Built once per backend and weight config: a second run reuses it (accel_builds 0)."""
+    from branchwise.backends.accel import Accel, RiverConfig
+    from branchwise.backends.hf import HFBackend
+    from branchwise.backends.hf.river import River
+    from branchwise.reasoners import Reasoner
+    from branchwise.strategies import self_consistency
+
+    backend = HFBackend(tiny_llama_dir)
+    accel = Accel(river=RiverConfig(threshold=0.5, entry_layer=0))
+    reasoner = Reasoner(self_consistency(n=2, max_tokens=3, seed=0), backend=backend, accel=accel)
+    first, second = reasoner.run("1 + 1?"), reasoner.run("2 + 2?")
+    assert first.kv_stats["accel_builds"] == 1 and second.kv_stats["accel_builds"] == 0
+    assert first.kv_stats["river_build_s"] == second.kv_stats["river_build_s"] > 0  # the one build's cost
+    backend.accel = accel
+    plugin = backend.acceleration(River)
+    assert plugin is not None and plugin.path.execution == "fused"

@@ -61,8 +61,18 @@ def test_exited_tokens_leave_a_complete_cache(tiny_llama_dir, kernel: str) -> No
         if layer == 0:  # never skipped: bit-for-bit the backbone's
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         else:  # written by the river layer into the same slot: close to, not equal to, the backbone's
-            cos = torch.nn.functional.cosine_similarity(got.flatten(1), want.flatten(1), dim=-1)
-            assert (cos > 0.9).all(), cos
+            # per head, the cosine of every river slot t with the backbone's key at every position s
+            sim = torch.einsum(
+                "htd,hsd->hts",
+                torch.nn.functional.normalize(got, dim=-1),
+                torch.nn.functional.normalize(want, dim=-1),
+            )
+            own = sim.diagonal(dim1=1, dim2=2)  # slot t against position t
+            other = sim.masked_fill(torch.eye(sim.shape[-1], dtype=torch.bool), -2.0).amax(-1)
+            # measured: own >= 0.996, any other position <= 0.91 (8-bit weight-only and dynamic int8),
+            # so a key written to a wrong slot (or another layer's) fails both bounds
+            assert own.min() > 0.99, own.min()
+            assert (own - other).min() > 0.05, (own - other).min()
     backend.release([root, kid])
 
 

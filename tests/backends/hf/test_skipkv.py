@@ -191,3 +191,28 @@ def test_delimiter_states_split_execution_from_reflection(tiny_llama_dir) -> Non
         ]
     last = len(prompt) + len(response) - 1  # the final "\n" closes "The answer is 5."
     torch.testing.assert_close(execution[-1], states[last].float())
+
+
+@pytest.mark.parametrize("strategy", ["beam_search", "ets"])
+def test_budget_holds_across_tree_steps(tiny_llama_dir, strategy: str) -> None:
+    """Steps shorter than the interval: the count runs along each branch's path across `extend`
+    calls, so compressions happen, and they reach the branch's earlier steps no sibling reads."""
+    from branchwise.strategies import ets
+
+    backend = HFBackend(tiny_llama_dir)
+    cfg = SkipKVConfig(budget=12, interval=10, window=2, query_window=4)
+    step = {"max_step_tokens": 8, "step_delimiter": "\n", "seed": 0, "temperature": 1.0}
+    if strategy == "beam_search":
+        # one child per kept beam: with more, a beam's last step is shared by its live children
+        # and only their own (unshared) steps are the branch's to evict
+        tree = beam_search(width=4, keep="fixed", k=4, depth=6, verifier="chain_sum", **step)
+    else:
+        tree = ets(width=4, depth=6, verifier="chain_sum", embedder="hidden", **step)
+    result = Reasoner(tree, backend=backend, accel=Accel(skipkv=cfg)).run("What is 1 + 2?")
+    stats = result.kv_stats
+    assert stats["skipkv_compressions"] > 0
+    assert stats["skipkv_evicted_tokens"] > 0
+    assert stats["skipkv_ancestor_evicted_tokens"] > 0  # earlier steps of a branch, not only its own
+    assert stats["skipkv_branch_kv_max"] <= cfg.budget  # right after every compression
+    assert stats["skipkv_branch_kv_peak"] <= cfg.budget + cfg.interval + 1
+    assert not any(note.startswith("skipkv") for note in result.notes)

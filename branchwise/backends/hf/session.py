@@ -151,7 +151,6 @@ class Session:
                 self.stats.cache_hit_tokens += hit
                 self.stats.cache_miss_tokens += len(ids) - hit
                 if node is not None:  # a live child pins the matched path
-                    self.stats.tokens_reused += hit
                     return tree.add(node, True, ids[hit:], self.ledger).id
             return tree.add(None, False, ids, self.ledger).id
 

@@ -131,13 +131,18 @@ def compare(bench: Any, name: str, workload: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = BenchParser(
         __doc__,
-        {"turns": 6, "doc_tokens": 256, "turn_tokens": 40, "answer_tokens": 8, "shot_tokens": 384},
+        {"turns": 4, "doc_tokens": 320, "turn_tokens": 32, "answer_tokens": 4, "shot_tokens": 320},
         threads=1,
     )
     parser.add_argument("--turns", type=int, default=10, help="user turns of the conversation")
     parser.add_argument("--doc-tokens", type=int, default=800, help="tokens of the system document")
     parser.add_argument("--turn-tokens", type=int, default=100, help="tokens of each user message")
-    parser.add_argument("--answer-tokens", type=int, default=16, help="max tokens of each answer")
+    parser.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=8,
+        help="max tokens of each answer (decode steps cost the same with or without the cache)",
+    )
     parser.add_argument("--candidates", type=int, default=8, help="candidate requests n (DSPy-style)")
     parser.add_argument("--shot-tokens", type=int, default=1024, help="tokens of the few-shot prompt")
     parser.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, help="cache budget when on")

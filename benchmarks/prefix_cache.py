@@ -121,6 +121,9 @@ def compare(bench: Any, name: str, workload: Any) -> dict[str, Any]:
     return {
         "speedup": round(arms["off"]["seconds"] / arms["on"]["seconds"], 3),
         "tokens_identical": int(arms["off"]["tokens"] == arms["on"]["tokens"]),
+        "computed_ratio": round(
+            arms["off"]["stats"]["tokens_computed"] / max(1, arms["on"]["stats"]["tokens_computed"]), 3
+        ),
         "seconds": {arm: a["seconds"] for arm, a in arms.items()},
         "context_tokens": arms["on"]["context"],
         "generated_tokens": sum(len(t) for t in arms["on"]["tokens"]),

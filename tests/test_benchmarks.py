@@ -196,6 +196,17 @@ def test_prefix_sharing_quick() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
+def test_prefix_cache_quick() -> None:
+    out = run_quick("prefix_cache.py")
+    for part in (out["conversation"], out["candidates"]):
+        assert part["speedup"] == ratio(part["seconds"]["off"], part["seconds"]["on"])
+        assert part["tokens_identical"] == 1  # the cache changes no greedy token
+        on, off = part["stats"]["on"], part["stats"]["off"]
+        assert on["cache_hit_tokens"] > 0 and on["tokens_computed"] < off["tokens_computed"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
 def test_skipkv_quick() -> None:
     out = run_quick("skipkv.py")
     cfg = out["config"]

@@ -85,6 +85,7 @@ def test_forward_returns_openai_shape_with_n_choices(tiny_backend: Any) -> None:
 
 def test_n_samples_share_one_prompt_prefill(tiny_backend: Any) -> None:
     """share='exact': the prompt is computed once and read by all n branches; 'none' recomputes."""
+    tiny_backend.cache_bytes = 0  # no prefix cache across requests: earlier tests sent this prompt
     prompt_len = len(tiny_backend.chat_prompt(_msgs("What is 6 times 7?")))
     stats = {}
     for share in ("exact", "none"):

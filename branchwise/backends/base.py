@@ -72,6 +72,9 @@ class KVStats:
     `bytes_held` counts the tensors actually allocated right now (shared storage once), `peak_bytes`
     the maximum of that over time. `tokens_computed` counts token positions pushed through the model;
     `tokens_reused` counts ancestor tokens that a branch read from shared KV instead of recomputing.
+    The prefix cache across requests (local backend): `cache_hit_tokens` / `cache_miss_tokens` are
+    prompt tokens a `prefill` found cached / had to compute, `cache_evictions` cached nodes freed to
+    keep the byte budget, `cache_bytes` what the cache holds now (engine-wide; not in `bytes_held`).
     """
 
     bytes_held: int = 0
@@ -80,6 +83,10 @@ class KVStats:
     tokens_reused: int = 0
     forward_calls: int = 0
     live_nodes: int = 0
+    cache_hit_tokens: int = 0
+    cache_miss_tokens: int = 0
+    cache_evictions: int = 0
+    cache_bytes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     def bump(self, key: str, value: float = 1.0) -> None:
@@ -90,6 +97,7 @@ class KVStats:
         """Zero every counter in place (holders of this object keep counting into it)."""
         self.bytes_held = self.peak_bytes = self.tokens_computed = self.tokens_reused = 0
         self.forward_calls = self.live_nodes = 0
+        self.cache_hit_tokens = self.cache_miss_tokens = self.cache_evictions = self.cache_bytes = 0
         self.extra.clear()
 
     def as_dict(self) -> dict[str, float]:
@@ -100,6 +108,10 @@ class KVStats:
             "tokens_reused": self.tokens_reused,
             "forward_calls": self.forward_calls,
             "live_nodes": self.live_nodes,
+            "cache_hit_tokens": self.cache_hit_tokens,
+            "cache_miss_tokens": self.cache_miss_tokens,
+            "cache_evictions": self.cache_evictions,
+            "cache_bytes": self.cache_bytes,
             **self.extra,
         }
 

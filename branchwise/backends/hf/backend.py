@@ -39,6 +39,10 @@ from branchwise.backends.hf.session import SHARE_MODES, Engine, Session, check_s
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=Acceleration)
 
+DEFAULT_CACHE_BYTES = 1 << 30
+"""Default byte budget of the prefix cache across requests (1 GiB: ~23k tokens of the embedded
+model's KV in fp32, a long conversation or a few-shot prompt many times over)."""
+
 __all__ = ["SHARE_MODES", "HFBackend", "resolve_device", "resolve_dtype"]
 
 
@@ -88,6 +92,7 @@ class HFBackend:
         share: ShareMode = "exact",
         accel: Accel | None = None,
         broadcast: Broadcast = "cascade",
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -101,6 +106,7 @@ class HFBackend:
         tokenizer = AutoTokenizer.from_pretrained(path)
         self._setup(loaded.to(dev), tokenizer, share=share, model_name=name, accel=accel)
         self.broadcast = broadcast
+        self.cache_bytes = cache_bytes
 
     @classmethod
     def from_model(
@@ -110,12 +116,14 @@ class HFBackend:
         *,
         share: ShareMode = "exact",
         accel: Accel | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> HFBackend:
         """Wrap an already loaded model (tests, notebooks) without reloading it."""
         self = cls.__new__(cls)
         register()
         name = getattr(model.config, "_name_or_path", "model")
         self._setup(model, tokenizer, share=share, model_name=name, accel=accel)
+        self.cache_bytes = cache_bytes
         return self
 
     def _setup(
@@ -183,6 +191,20 @@ class HFBackend:
     @share.setter
     def share(self, value: ShareMode) -> None:
         self._default.share = check_share(value)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Byte budget of the prefix cache across requests (0 = off): finished requests' exact KV
+        stays in the tree, and a `prefill` computes only what no cached path already holds."""
+        return self.tree.cache_budget
+
+    @cache_bytes.setter
+    def cache_bytes(self, value: int) -> None:
+        if value < 0:
+            raise ValueError(f"cache_bytes={value} must be >= 0")
+        with self.engine.lock:
+            self.tree.cache_budget = int(value)
+            self.tree.trim()
 
     @property
     def broadcast(self) -> Broadcast:

@@ -115,6 +115,10 @@ class Session:
             self.plugins: list[Acceleration] = build_plugins(
                 accel, self, tokenizer=engine.tokenizer, model_name=engine.model_name, builds=engine.builds
             )
+        self.exact_kv = not self.plugins
+        """Whether this run's KV is what exact recompute gives. Conservative: any acceleration may
+        approximate or evict KV (River, SkipKV, RSBCM, ASKS), so a run with one neither inserts its
+        nodes into the prefix cache nor matches from it."""
 
     # ------------------------------------------------------------------ settings
     def plugin(self, kind: type[A]) -> A | None:
@@ -141,7 +145,14 @@ class Session:
         if not ids:
             raise ValueError("token_ids must hold at least 1 token")
         with self.engine.lock:
-            return self.tree.add(None, False, ids, self.ledger).id
+            tree = self.tree
+            if tree.cache_budget > 0 and self.share == "exact" and self.exact_kv:
+                node, hit = tree.match(ids)
+                self.stats.cache_hit_tokens += hit
+                self.stats.cache_miss_tokens += len(ids) - hit
+                if node is not None:  # a live child pins the matched path
+                    return tree.add(node, True, ids[hit:], self.ledger).id
+            return tree.add(None, False, ids, self.ledger).id
 
     def fork(self, node: NodeId, n: int, share: ShareMode | None = None) -> list[NodeId]:
         if n < 1:
@@ -245,13 +256,17 @@ class Session:
         if len(nodes) != len(token_ids):
             raise ValueError(f"token_ids has {len(token_ids)} entries for {len(nodes)} nodes")
         with self.engine.lock:
+            evictions = self.tree.evictions
             for node, ids in zip(nodes, token_ids, strict=True):
                 seg = self.tree.growable(node)
                 seg.tokens.extend(self.engine.check_ids(ids, "token_ids"))
+            self.stats.cache_evictions += self.tree.evictions - evictions
 
     def extend(self, nodes: Sequence[NodeId], params: DecodeParams) -> list[Generation]:
         with self.engine.lock:
+            evictions = self.tree.evictions
             segs = [self.tree.growable(n) for n in nodes]
+            self.stats.cache_evictions += self.tree.evictions - evictions
             if len({s.id for s in segs}) != len(segs):
                 raise ValueError("nodes must be distinct; fork a node to decode it several times")
             if not segs:
@@ -330,10 +345,13 @@ class Session:
     def release(self, nodes: Sequence[NodeId]) -> None:
         with self.engine.lock:
             releasers = overrides(self.plugins, "on_release")
+            evictions = self.tree.evictions
             for node in nodes:
                 for seg in self.tree.release(node):
                     for plugin in releasers:
                         plugin.on_release(seg)
+            self.tree.trim()
+            self.stats.cache_evictions += self.tree.evictions - evictions
 
     def free(self, seg: Segment) -> None:
         """Release a segment an acceleration made for its own use."""
@@ -366,6 +384,10 @@ class Session:
                 tokens_reused=s.tokens_reused,
                 forward_calls=s.forward_calls,
                 live_nodes=self.ledger.nodes,
+                cache_hit_tokens=s.cache_hit_tokens,
+                cache_miss_tokens=s.cache_miss_tokens,
+                cache_evictions=s.cache_evictions,
+                cache_bytes=self.tree.cache.held,
                 extra=dict(s.extra),
             )
 
@@ -426,6 +448,9 @@ class Session:
         `observers` watch the pending-token forward (they must not exit rows: their KV is kept).
         """
         self._materialize_ancestors(segs)
+        if not self.exact_kv:
+            for seg in segs:
+                seg.exact = False
         pending = [s for s in segs if s.pending]
         if (
             params is not None

@@ -9,6 +9,27 @@ no child needs it any more, and then its parent is checked in turn.
 This module knows nothing about the model: it stores the tensors it is given, counts their bytes
 per owner (a run) and in total, and answers structural questions. The runner computes the tensors,
 the session decides when.
+
+The prefix cache across requests (RadixAttention's idea) is the same tree with finished requests'
+nodes left in it. With a byte budget (`KVTree.cache_budget` > 0):
+
+- **Insert.** A released node that nothing live reads any more is *kept* instead of freed when its
+  KV is exact (`Segment.exact`: computed by a session without KV-altering accelerations, never
+  evicted, `kv_tokens == n_computed`) and its KV chain is exact too. Its pending tokens (the last
+  sampled token, never computed) are dropped, so a cached node holds computed KV only. Ownership
+  moves from the run's ledger to the tree's `cache` ledger: the run's `held` and the tree's `total`
+  (live KV) drop by the node's bytes and `cache.held` rises by them; `total + cache` is all the KV
+  the tree holds. A kept node is indexed under its parent (`Segment.cache_kids`) or, as a root, in
+  `KVTree.cache_roots` - that index is the radix tree, keyed by token ids.
+- **Match.** `match(ids)` walks the index for the longest cached prefix of `ids` (at most
+  `len(ids) - 1` tokens, so the new node always computes at least its last token and has logits),
+  splitting a cached node when the match ends inside it. The new request's node becomes a live child
+  of the match: that **pins** the whole matched path (a node with live children is never evicted).
+- **Evict.** `trim()` frees least recently used cached *leaves* (cached, no children at all) until
+  `cache.held <= cache_budget`; a parent becomes a leaf in turn. Pinned bytes can keep the cache
+  above its budget until the pins are released.
+- A cached node under a *live* parent does not freeze it: growing that parent (`growable`) drops
+  its cached children first, since their KV assumed the parent's old end.
 """
 
 from __future__ import annotations
@@ -61,6 +82,15 @@ class Segment:
     kv_bytes: int = 0
     logical_parent: Segment | None = None
     """The node a child was forked from when its KV parent is elsewhere (a split prefix, or none)."""
+    exact: bool = True
+    """Whether this node's KV is what an exact recompute gives (False once an acceleration that
+    approximates or evicts KV touched it); only exact nodes enter or are matched from the cache."""
+    cached: bool = False
+    """Held by the prefix cache (released, owned by the tree's `cache` ledger) rather than by a run."""
+    cache_kids: dict[int, Segment] = field(default_factory=dict)
+    """Cached children by id: the radix index below this node."""
+    last_used: int = 0
+    """Cache clock tick of the last insert or match through this node (LRU order)."""
 
     def kv_ancestors(self) -> list[Segment]:
         """Ancestors whose KV this segment attends to, nearest first."""
@@ -99,8 +129,17 @@ class KVTree:
     """
 
     total: Ledger = field(default_factory=Ledger)
+    """Bytes and nodes of live KV (every run's nodes); cached nodes count in `cache` instead."""
+    cache: Ledger = field(default_factory=Ledger)
+    """Bytes and nodes kept by the prefix cache."""
+    cache_budget: int = 0
+    """Byte budget of the prefix cache; 0 = off (released nodes are freed at once)."""
+    cache_roots: dict[int, Segment] = field(default_factory=dict)
+    evictions: int = 0
+    """Cached nodes freed to stay within the budget (or dropped because their parent grew), ever."""
     _segments: dict[int, Segment] = field(default_factory=dict)
     _next_id: int = 0
+    _clock: int = 0
 
     # ------------------------------------------------------------------ public API
     def add(self, parent: Segment | None, shares: bool, tokens: list[int], owner: Ledger) -> Segment:
@@ -133,6 +172,9 @@ class KVTree:
     def growable(self, node: int) -> Segment:
         """The live segment of a node that may take new tokens (no live children)."""
         seg = self.get(node)
+        if seg.cache_kids and seg.live_children == len(seg.cache_kids):
+            for kid in list(seg.cache_kids.values()):  # their KV assumed this node's old end
+                self.evictions += len(self._drop(kid))
         if seg.live_children:
             raise ValueError(
                 f"node {node} has {seg.live_children} live children and is frozen; fork it instead"
@@ -174,28 +216,126 @@ class KVTree:
         return self.free_unused(seg)
 
     def free_unused(self, seg: Segment) -> list[Segment]:
-        """Free released segments without live children, then whatever that frees upstream.
+        """Free (or keep in the cache) released segments without live children, then look upstream.
 
         A segment counts as a child of its KV parent and, when forked elsewhere (a split prefix), of
-        its logical parent too; a worklist visits both without freeing anything twice.
+        its logical parent too; a worklist visits both without freeing anything twice. Cached
+        children do not hold a released node back: it is kept with them, or freed with them.
         """
-        freed = []
+        freed: list[Segment] = []
         work = [seg]
         while work:
             seg = work.pop()
-            if seg.id not in self._segments or not seg.released or seg.live_children:
+            if seg.id not in self._segments or not seg.released or seg.cached:
                 continue
-            self.set_kv(seg, None, None)
-            seg.last_logits = None
-            del self._segments[seg.id]
-            for ledger in self._ledgers(seg.owner):
-                ledger.nodes -= 1
+            if seg.live_children > len(seg.cache_kids):
+                continue
+            if self._keepable(seg):
+                work.extend(self._keep(seg))
+                continue
+            for kid in list(seg.cache_kids.values()):
+                freed += self._drop(kid)
+            self._free(seg)
             freed.append(seg)
             for up in (seg.parent, seg.logical_parent):
                 if up is not None:
                     up.live_children -= 1
                     work.append(up)
         return freed
+
+    # ------------------------------------------------------------------ prefix cache
+    def match(self, ids: Sequence[int]) -> tuple[Segment | None, int]:
+        """The cached node whose path is the longest prefix of `ids` (at most len(ids) - 1 tokens),
+        and that length; splits a cached node when the match ends inside it. (None, 0): no match."""
+        node: Segment | None = None
+        pos, limit = 0, len(ids) - 1
+        kids = self.cache_roots
+        while pos < limit and self.cache_budget > 0:
+            best, best_k = None, 0
+            for kid in kids.values():
+                k = common_prefix(kid.tokens, ids[pos:limit])
+                if k > best_k and kid.exact:
+                    best, best_k = kid, k
+            if best is None:
+                break
+            if best_k < len(best.tokens):
+                best = self._split(best, best_k)
+            node, pos, kids = best, pos + best_k, best.cache_kids
+        self._clock += 1
+        seg = node
+        while seg is not None:
+            seg.last_used = self._clock
+            seg = seg.parent
+        return node, pos
+
+    def trim(self) -> int:
+        """Evict least recently used cached leaves until the cache fits its budget; returns how many."""
+        n = 0
+        while self.cache.held > self.cache_budget:
+            leaves = [s for s in self._segments.values() if s.cached and not s.live_children]
+            if not leaves:
+                break  # the rest is pinned by live requests
+            n += len(self._drop(min(leaves, key=lambda s: (s.last_used, s.id))))
+        self.evictions += n
+        return n
+
+    def _keepable(self, seg: Segment) -> bool:
+        if self.cache_budget <= 0 or seg.n_computed == 0 or seg.kv_tokens != seg.n_computed:
+            return False
+        if seg.parent is not None and not seg.shares_parent:
+            return False  # a No-KV copy of its parent's path: the cache would hold it twice
+        if seg.pending and seg.cache_kids:
+            return False
+        return seg.exact and all(a.exact for a in seg.kv_ancestors())
+
+    def _keep(self, seg: Segment) -> list[Segment]:
+        """Move a released segment into the cache; returns the nodes to look at again."""
+        seg.tokens = seg.tokens[: seg.n_computed]  # the last sampled token was never computed
+        seg.last_logits = None
+        self._move(seg, self.cache)
+        seg.cached = True
+        self._clock += 1
+        seg.last_used = self._clock
+        self._index(seg)[seg.id] = seg
+        again = [] if seg.parent is None else [seg.parent]
+        if seg.logical_parent is not None:  # the fork origin needs no freezing by a finished node
+            seg.logical_parent.live_children -= 1
+            again.append(seg.logical_parent)
+            seg.logical_parent = None
+        return again
+
+    def _index(self, seg: Segment) -> dict[int, Segment]:
+        return self.cache_roots if seg.parent is None else seg.parent.cache_kids
+
+    def _drop(self, seg: Segment) -> list[Segment]:
+        """Free a cached node and its cached subtree (nothing live reads them); returns them."""
+        out: list[Segment] = []
+        for kid in list(seg.cache_kids.values()):
+            out += self._drop(kid)
+        assert seg.cached and not seg.live_children, "a pinned cache node cannot be dropped"
+        del self._index(seg)[seg.id]
+        self._free(seg)
+        out.append(seg)
+        if seg.parent is not None:
+            seg.parent.live_children -= 1
+        return out
+
+    def _free(self, seg: Segment) -> None:
+        self.set_kv(seg, None, None)
+        seg.last_logits = None
+        del self._segments[seg.id]
+        for ledger in self._ledgers(seg.owner):
+            ledger.nodes -= 1
+
+    def _move(self, seg: Segment, owner: Ledger) -> None:
+        """Hand a segment (its bytes and its node count) to another owner."""
+        for ledger in self._ledgers(seg.owner):
+            ledger.held -= seg.kv_bytes
+            ledger.nodes -= 1
+        seg.owner = owner
+        for ledger in self._ledgers(owner):
+            ledger.add(seg.kv_bytes)
+            ledger.nodes += 1
 
     def set_kv(
         self, seg: Segment, keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None
@@ -211,6 +351,7 @@ class KVTree:
     def keep_kv(self, seg: Segment, keep: torch.Tensor) -> None:
         """Evict the physical KV positions where `keep` is False (their tensors are really freed)."""
         assert seg.keys is not None and seg.values is not None
+        seg.exact = False
         self.set_kv(seg, [k[:, keep] for k in seg.keys], [v[:, keep] for v in seg.values])
 
     def note_transient(self, owner: Ledger, nbytes: int) -> None:
@@ -232,8 +373,9 @@ class KVTree:
 
     # ------------------------------------------------------------------ internals
     def _ledgers(self, owner: Ledger) -> tuple[Ledger, ...]:
-        """The owner's ledger and the tree's total (once, when the owner is the total itself)."""
-        return (owner,) if owner is self.total else (owner, self.total)
+        """The owner's ledger and the tree's total (once, when the owner is the total itself; the
+        cache ledger alone for cached nodes, which are not live KV)."""
+        return (owner,) if owner is self.total or owner is self.cache else (owner, self.total)
 
     def _split(self, seg: Segment, k: int) -> Segment:
         """Move seg's first k tokens (and their KV) into a new parent segment; returns the parent."""
@@ -246,6 +388,12 @@ class KVTree:
         if seg.parent is not None:
             seg.parent.live_children -= 1  # `seg` hands its place under the parent to `head`
         head.n_computed, head.live_children, head.released = k, 1, True
+        head.exact, head.last_used = seg.exact, seg.last_used
+        if seg.cached:  # the head takes the node's place in the radix index
+            del self._index(seg)[seg.id]
+            head.cached = True
+            self._index(head)[head.id] = head
+            head.cache_kids[seg.id] = seg
         keys = [t[:, :k].clone() for t in seg.keys]
         values = [t[:, :k].clone() for t in seg.values]
         rest_k = [t[:, k:].clone() for t in seg.keys]

@@ -368,11 +368,14 @@ class Scheduler:
         fork it into ``n`` branches."""
         backend = self.backend
         root = backend.prefill(job.prompt)
-        # one sample shares its prompt with nobody: a plain row batches better than a one-row shared
-        # segment (each shared segment is one more attention product per layer)
-        share = job.share if job.n > 1 else "none"
+        if job.n == 1:
+            # One sample shares its prompt with nobody: decode the prompt's own node. It is a plain
+            # row (a one-row shared segment would cost one more attention product per layer), and
+            # its KV is the exact prompt, so a backend with a prefix cache keeps it for the next
+            # request that starts the same way (DSPy's candidates, an agent's next turn).
+            return [root]
         try:
-            return backend.fork(root, job.n, share=share)
+            return backend.fork(root, job.n, share=job.share)
         finally:
             # the children keep the root's KV alive; releasing it now frees it with them
             backend.release([root])

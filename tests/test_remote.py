@@ -115,11 +115,12 @@ def test_accelerations_that_need_the_model_raise_clearly(served: str) -> None:
     with pytest.raises(UnsupportedOnRemote, match="River"):
         remote.accel = Accel(river=RiverConfig())
     reasoner = Reasoner(
-        PREBUILT["best-of-n"](branches=2, tokens=4), backend=remote, accel=Accel(cgee=CGEEConfig())
+        PREBUILT["best-of-n"](branches=2, tokens=4), backend=remote, accel=Accel(cgee=CGEEConfig(level2=True))
     )
     with pytest.raises(UnsupportedOnRemote, match="CGEE level 2"):
         reasoner.run(QUESTION)
-    level1 = Accel(cgee=CGEEConfig(level2=False))
+    level1 = Accel(cgee=CGEEConfig())  # level 1 alone (level 2 is off by default)
+    assert not level1.cgee.level2
     result = Reasoner(PREBUILT["best-of-n"](branches=2, tokens=4), backend=remote, accel=level1).run(QUESTION)
     assert result.verify_calls == 1
 

@@ -217,6 +217,14 @@ def tiny_llama_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir("llama")
 
 
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_llama_dir: Path) -> Any:
+    """An ``HFBackend`` on the tiny Llama, shared by one test module (loading it once per file)."""
+    from branchwise.backends.hf import HFBackend
+
+    return HFBackend(tiny_llama_dir)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
     """Local checkpoint dir of a random tiny ``Qwen2ForCausalLM`` (attention biases) + tokenizer."""

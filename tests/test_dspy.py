@@ -44,13 +44,6 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_backend(tiny_llama_dir: Path) -> Any:
-    from branchwise.backends.hf import HFBackend
-
-    return HFBackend(tiny_llama_dir)
-
-
 def _lm(backend: Any, **kwargs: Any) -> BranchwiseLM:
     kwargs.setdefault("cache", False)
     kwargs.setdefault("max_tokens", 16)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,13 +33,6 @@ QUESTIONS = [
     "What is 8 * 9?",
     "How many months are in a year?",
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_backend(tiny_llama_dir: Path) -> Any:
-    from branchwise.backends.hf import HFBackend
-
-    return HFBackend(tiny_llama_dir)
 
 
 def _chat(backend: Any, **kwargs: Any) -> ChatBranchwise:

@@ -197,8 +197,53 @@ class SkipKVConfig(_Config):
         return cls(budget=budget, sentence_scoring=False, **kwargs)  # type: ignore[arg-type]
 
 
+class ReasonCacheConfig(_Config):
+    """ReasonCache (§IV): share near-identical sealed KV blocks across steps and branches.
+
+    Each branch's generated KV is cut into blocks of `block_tokens`; when a reasoning step ends, its
+    sealed blocks may point at a block of an earlier, similar step (this branch or a live sibling)
+    instead of holding their own copy. Stage 1 keeps earlier steps whose bag-of-token-id cosine ×
+    length penalty passes τ = τ_strict − (τ_strict − τ_soft)·mean(similarities) and, for formal
+    steps, whose syntax trees are equal; stage 2 keeps blocks whose KV distance is at or below the
+    `percentile`-th percentile of the distances seen, after `warmup_blocks` with no reuse.
+    `mode="lexical"` skips stage 2 (the paper's "only Cos" ablation); `mode="random"` shares each
+    block with probability `random_rate` with a random earlier block (the paper's baseline).
+    """
+
+    block_tokens: int = Field(16, ge=1, le=4096, description="KV slots per block (vLLM's default 16)")
+    tau_strict: float = Field(0.9, ge=0.0, le=1.0, description="τ_strict, the threshold with no history")
+    tau_soft: float = Field(0.7, ge=0.0, le=1.0, description="τ_soft, the threshold in a repetitive state")
+    structural: bool = Field(True, description="require equal syntax trees for formal (math, code) steps")
+    percentile: float = Field(80.0, ge=0.0, le=100.0, description="PAT percentile p")
+    warmup_blocks: int = Field(
+        16, ge=0, le=1_000_000, description="stage-2 distances collected before any reuse"
+    )
+    mode: Literal["filter", "lexical", "random"] = Field(
+        "filter", description="'filter' = both stages; 'lexical' = stage 1 only; 'random' = random sharing"
+    )
+    random_rate: float = Field(0.2, ge=0.0, le=1.0, description="share probability of mode='random'")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="random generator seed of mode='random'")
+
+    @model_validator(mode="after")
+    def _check(self) -> ReasonCacheConfig:
+        if self.tau_soft > self.tau_strict:
+            raise ValueError(f"tau_soft={self.tau_soft} must not exceed tau_strict={self.tau_strict}")
+        return self
+
+
 EXCLUSIVE: tuple[tuple[str, str, str], ...] = (
     ("skipkv", "rsbcm", "both evict a branch's KV and would each keep its own, diverging, slot map"),
+    (
+        "reasoncache",
+        "skipkv",
+        "both move a branch's own KV slots mid-decode (sharing vs eviction) and would each keep its own "
+        "slot map",
+    ),
+    (
+        "reasoncache",
+        "rsbcm",
+        "would both rewrite a branch's KV (RSBCM evicts blocks that ReasonCache may have shared)",
+    ),
 )
 """Pairs of accelerations that cannot run together, and why; every other combination composes."""
 
@@ -216,6 +261,7 @@ class Accel(_Config):
     rsbcm: RSBCMConfig | None = None
     river: RiverConfig | None = None
     skipkv: SkipKVConfig | None = None
+    reasoncache: ReasonCacheConfig | None = None
 
     @model_validator(mode="after")
     def _compatible(self) -> Accel:

@@ -33,12 +33,25 @@ ATTN_NAME = "branchwise"
 
 @dataclass
 class SharedSegment:
-    """One ancestor KV segment and the batch rows that attend to it (None = every row)."""
+    """One KV segment read by several batch rows (None = every row).
+
+    An ancestor is read whole by each of its rows. A pool of shared blocks (ReasonCache) is read
+    through `mask` `[r, T]` (True = visible, one line per row of `rows`): each row sees only the
+    blocks its block table points at, still in one product for all rows.
+    """
 
     keys: Sequence[torch.Tensor]  # per layer [H_kv, T, D]
     values: Sequence[torch.Tensor]
     rows: torch.Tensor | None
     key: int = -1  # the tree's segment id, so per-segment observers know which segment this is
+    mask: torch.Tensor | None = None
+
+    def grouped_mask(self, gq: int) -> torch.Tensor | None:
+        """`mask` for queries stacked row-major as `[r·gq, T]` (None = all visible)."""
+        if self.mask is None:
+            return None
+        r, t = self.mask.shape
+        return self.mask[:, None, :].expand(r, gq, t).reshape(r * gq, t)
 
 
 @dataclass
@@ -95,6 +108,9 @@ def cascade(
         # One GEMM per KV head for all rows that share this segment.
         qs = q_rows.permute(1, 0, 2, 3).reshape(h_kv, r * gq, d)
         sc = torch.bmm(qs, ks.transpose(1, 2)).mul_(scaling)
+        seg_mask = seg.grouped_mask(gq)
+        if seg_mask is not None:
+            sc.masked_fill_(~seg_mask[None], float("-inf"))
         ms = sc.amax(-1, keepdim=True)
         ps = torch.exp(sc - ms)
         ss = ps.sum(-1, keepdim=True)
@@ -201,7 +217,10 @@ def fused_cascade(
         r = q_rows.shape[0]
         # One kernel for all rows that share this segment: their queries stacked per KV head.
         qs = q_rows.transpose(0, 1).reshape(1, h_kv, r * gq, d)
-        os_, ls = fused_attention(qs, ks[None], vs[None], scaling)
+        seg_mask = seg.grouped_mask(gq)
+        os_, ls = fused_attention(
+            qs, ks[None], vs[None], scaling, mask=None if seg_mask is None else seg_mask[None, None]
+        )
         os_ = os_.reshape(h_kv, r, gq, d).transpose(0, 1)
         ls = ls.reshape(h_kv, r, gq).transpose(0, 1)
         if seg.rows is None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from branchwise.backends.base import FinishReason
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import SharedSegment, Weights, bias_of, cascade, fused_cascade
-from branchwise.backends.hf.tree import KVTree, Segment
+from branchwise.backends.hf.tree import Block, KVTree, Segment
 
 Broadcast = Literal["cascade", "copy"]
 """How rows read shared ancestors: one batched product per segment, or per-row copies (baseline)."""
@@ -71,6 +71,84 @@ class AttentionTap:
         """Row `pos` keeps tail slots `index` (absolute), now packed from `start` on."""
 
 
+POOL_KEY = -2
+"""`SharedSegment.key` of a batch's block pool (segment ids are never negative)."""
+
+
+@dataclass
+class BlockPool:
+    """The shared blocks the rows of one batch read, laid out once, and each row's block table.
+
+    Blocks live in the tree (ref-counted, one copy each); a batch that reads them lays each out once
+    in `keys`/`values` (per layer `[H_kv, cap, D]`), however many rows point at it, and `table`
+    `[B, cap]` says which pool slots each row reads. Attention reads the pool as one more shared
+    segment: one product of all its rows' queries against the pool, masked by the table, so pointing
+    a row at a block copies nothing.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    table: torch.Tensor  # [B, cap] bool
+    slots: dict[int, int] = field(default_factory=dict)
+    """Block id → first pool slot."""
+    used: int = 0
+    _segment: SharedSegment | None = None
+
+    @classmethod
+    def empty(cls, like: torch.Tensor, n_layers: int, batch: int) -> BlockPool:
+        h, d = like.shape[1], like.shape[3]
+        make = [like.new_zeros(h, 0, d) for _ in range(n_layers)]
+        return cls(
+            keys=make, values=list(make), table=torch.zeros(batch, 0, dtype=torch.bool, device=like.device)
+        )
+
+    def point(self, row: int, block: Block) -> None:
+        """Let batch row `row` read `block` (laid out on first use)."""
+        at = self.slots.get(block.id)
+        n = block.tokens
+        if at is None:
+            at = self.used
+            if at + n > self.table.shape[1]:
+                self._grow(at + n)
+            for layer, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
+                self.keys[layer][:, at : at + n] = k
+                self.values[layer][:, at : at + n] = v
+            self.slots[block.id] = at
+            self.used = at + n
+        self.table[row, at : at + n] = True
+        self._segment = None
+
+    def _grow(self, needed: int) -> None:
+        cap = max(needed, 2 * self.table.shape[1])
+        for buf in (self.keys, self.values):
+            for layer, old in enumerate(buf):
+                new = old.new_zeros(old.shape[0], cap, old.shape[2])
+                new[:, : old.shape[1]] = old
+                buf[layer] = new
+        table = self.table.new_zeros(self.table.shape[0], cap)
+        table[:, : self.table.shape[1]] = self.table
+        self.table = table
+
+    def select_rows(self, keep: torch.Tensor) -> None:
+        self.table = self.table.index_select(0, keep)
+        self._segment = None
+
+    def segment(self) -> SharedSegment | None:
+        """The pool as a shared segment of the rows that read any block (None: no row does)."""
+        if self._segment is None and self.used:
+            table = self.table[:, : self.used]
+            rows = table.any(dim=1).nonzero().flatten()
+            if rows.numel():
+                self._segment = SharedSegment(
+                    [k[:, : self.used] for k in self.keys],
+                    [v[:, : self.used] for v in self.values],
+                    rows,
+                    POOL_KEY,
+                    mask=table.index_select(0, rows),
+                )
+        return self._segment
+
+
 @dataclass
 class BatchContext:
     """Per-batch KV state the attention function reads and writes, layer by layer.
@@ -89,6 +167,8 @@ class BatchContext:
     n_groups: int = 1
     taps: list[AttentionTap] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # final-norm hidden state at each row's last fed token
+    pool: BlockPool | None = None
+    """Shared blocks the rows read (ReasonCache); None while no row reads one."""
     # set by begin():
     q_len: int = 0
     _own_mask: torch.Tensor | None = None  # [B,1,q,T] bool
@@ -158,6 +238,8 @@ class BatchContext:
             self._write_idx = self._write_idx.index_select(0, keep)
         if self.pos_next is not None:
             self.pos_next = self.pos_next.index_select(0, keep)
+        if self.pool is not None:
+            self.pool.select_rows(keep)
         for tap in self.taps:
             tap.select_rows(keep)
         new_shared = []
@@ -210,7 +292,11 @@ class BatchContext:
         total = self._own_mask.shape[-1]
         k_own, v_own = tk[:, :, :total], tv[:, :, :total]
         want_weights = any(tap.wants_weights for tap in self.taps)
-        if not want_weights and (self.shared or self._uniform == 0):
+        shared = self.shared
+        pooled = None if self.pool is None else self.pool.segment()
+        if pooled is not None:
+            shared = [*shared, pooled]
+        if not want_weights and (shared or self._uniform == 0):
             # fused kernels with log-sum-exp; a fresh tail (every row starts empty) is plain causal
             if self._uniform == 0:
                 bias = None
@@ -218,15 +304,13 @@ class BatchContext:
                 if self._own_bias_g is None or self._own_bias_g.dtype != query.dtype:
                     self._own_bias_g = bias_of(self._own_mask_g, query.dtype)
                 bias = self._own_bias_g
-            return fused_cascade(query, k_own, v_own, bias, self.shared, layer, scaling)
+            return fused_cascade(query, k_own, v_own, bias, shared, layer, scaling)
         if not want_weights:
             out = F.scaled_dot_product_attention(
                 query, k_own, v_own, attn_mask=self._own_mask, scale=scaling, enable_gqa=self.n_groups > 1
             )
             return out.transpose(1, 2)
-        out, weights = cascade(
-            query, k_own, v_own, self._own_mask_g, self.shared, layer, scaling, want_weights
-        )
+        out, weights = cascade(query, k_own, v_own, self._own_mask_g, shared, layer, scaling, want_weights)
         if weights is not None:
             for tap in self.taps:
                 if tap.wants_weights:
@@ -304,7 +388,40 @@ class Batch:
             n_groups=parts.n_heads // parts.n_kv_heads,
             pos_next=torch.tensor([s.position for s in segs], device=device),
         )
-        return cls(rows=rows, ctx=ctx, feeds=[s.pending for s in segs], broadcast=broadcast)
+        batch = cls(rows=rows, ctx=ctx, feeds=[s.pending for s in segs], broadcast=broadcast)
+        for i, r in enumerate(rows):
+            for seg in (r.seg, *r.seg.kv_ancestors()):
+                for _, block in seg.blocks:
+                    batch.pool().point(i, block)
+        return batch
+
+    def pool(self) -> BlockPool:
+        """The batch's block pool (made on first use)."""
+        if self.ctx.pool is None:
+            self.ctx.pool = BlockPool.empty(self.ctx.tail_k[0], len(self.ctx.tail_k), self.ctx.batch)
+        return self.ctx.pool
+
+    def seal(self, tree: KVTree, pos: int, row: Row, slot: int, n: int) -> Block:
+        """Copy `n` own KV slots of a row (from `slot`, relative to its own KV) into a new block.
+
+        The block is owned by the row's run; nothing points at it yet (see `point_at`)."""
+        at = row.tail_start + slot
+        keys = [t[pos, :, at : at + n].clone() for t in self.ctx.tail_k]
+        values = [t[pos, :, at : at + n].clone() for t in self.ctx.tail_v]
+        return tree.seal_block(keys, values, row.seg.owner)
+
+    def point_at(self, tree: KVTree, pos: int, row: Row, slot: int, logical: int, block: Block) -> None:
+        """Replace the row's own KV slots `slot .. slot + block.tokens` by a reference to `block`.
+
+        The slots leave the row's tail (`move_slots`: buffers, length and taps move together) and
+        the row reads the block through the pool from the next forward on; `logical` is where the
+        block sits in the node's own tokens, so positions stay logical."""
+        n = block.tokens
+        own = torch.arange(row.kv_len, device=self.ctx.lens.device)
+        keep = own[(own < slot) | (own >= slot + n)]
+        self.keep_own(pos, row, keep)
+        tree.ref_block(row.seg, logical, block)
+        self.pool().point(pos, block)
 
     def advance(self, present: Sequence[int], feeds: Sequence[Sequence[int]]) -> None:
         """Rows `present` (row indices, in batch order) just computed `feeds`."""

@@ -171,6 +171,8 @@ def decode(
         batch.advance(present, feeds)
         for hook in after_step:
             hook.after_step(batch, [rows[ri] for ri in present], feeds, step)
+    for hook in overrides(hooks, "end_decode"):
+        hook.end_decode(batch, [rows[ri] for ri in present])
     for pos, ri in enumerate(present):
         if not rows[ri].captured:
             capture(pos, rows[ri])

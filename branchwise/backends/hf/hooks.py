@@ -18,7 +18,8 @@ The moments, in the order one `extend` meets them:
 | `after_layer` | after decoder layer i (may exit rows or switch layers) | River, CGEE level 2 |
 | `after_forward` | the forward produced logits | River accounting |
 | `after_pending` | a batch computed its pending (prompt/appended) tokens | SkipKV |
-| `begin_decode` / `before_step` / `stop_reason` / `after_step` | the decode loop | SkipKV, CGEE decode gate |
+| `begin_decode` / `before_step` / `stop_reason` / `after_step` | the decode loop | SkipKV, CGEE decode gate, ReasonCache |
+| `end_decode` | the loop ended, the last rows are not yet copied back | ReasonCache |
 | `on_capture` / `after_batch` | a row's KV went back to its node / the batch ended | RSBCM |
 | `on_split` / `on_release` / `on_scores` | tree events | RSBCM, SkipKV |
 | `verify_observer` / `skip_verify` | the verify pass | CGEE |
@@ -192,6 +193,9 @@ class Acceleration:
         self, batch: Batch, rows: Sequence[Row], feeds: Sequence[Sequence[int]], step: int
     ) -> None:
         """A decode step fed `feeds` for the present `rows`."""
+
+    def end_decode(self, batch: Batch, rows: Sequence[Row]) -> None:
+        """The decode loop ended; `rows` (the present rows) are about to be copied into their nodes."""
 
     # -- verify pass
     def verify_observer(

@@ -8,6 +8,7 @@ cached artefacts that depend only on the backend and the config:
 |---|---|---|
 | River's quantized layers | the config's weight fields (`river.weights_key`) | quantizing every layer after the entry layer |
 | SkipKV's delimiter ids | the backend (its tokenizer) | decoding the whole vocabulary |
+| ReasonCache's step boundaries | the backend (its tokenizer) | decoding the whole vocabulary |
 | SkipKV's steering vector | the steering config | loading, checking and moving the vector |
 | CGEE's thresholds | the config and the calibration file's stamp | reading the saved calibration |
 | the KV probe's verdicts | the probe's bucket size and repeats | timing sharing against recompute |
@@ -27,6 +28,7 @@ from branchwise.backends.hf.asks import ASKS
 from branchwise.backends.hf.cgee import CGEE, EntropyTrace, Thresholds, calibration_path, layer_trace
 from branchwise.backends.hf.hooks import Acceleration, Host
 from branchwise.backends.hf.probe import KVProbe, Probe
+from branchwise.backends.hf.reasoncache import ReasonCache, StepBoundaries
 from branchwise.backends.hf.river import River, RiverPath, weights_key
 from branchwise.backends.hf.rsbcm import RSBCM
 from branchwise.backends.hf.skipkv import SkipKV, SteeringBuild
@@ -114,6 +116,9 @@ def build_plugins(
                 lambda: SteeringBuild.load(steer_cfg, parts, model_name, delimiters),
             )
         out.append(SkipKV(skip, parts, tokenizer, delimiters, steering, stats, host.tree))
+    if accel.reasoncache is not None:
+        boundaries = cached("reasoncache", ("step_boundaries",), lambda: StepBoundaries.of(tokenizer))
+        out.append(ReasonCache(accel.reasoncache, tokenizer, boundaries, host.tree, stats))
     if accel.river is not None:
         river_cfg = accel.river
         path = cached(

@@ -30,6 +30,13 @@ nodes left in it. With a byte budget (`KVTree.cache_budget` > 0):
   above its budget until the pins are released.
 - A cached node under a *live* parent does not freeze it: growing that parent (`growable`) drops
   its cached children first, since their KV assumed the parent's old end.
+
+Shared blocks (ReasonCache's zero-copy reuse) are the other way two nodes hold one copy of KV: a
+`Block` is a sealed, immutable run of `block_tokens` KV slots that several nodes reference
+(`Segment.blocks`, each entry the logical start of the block in the node's own tokens). A block
+carries a reference count; it is freed exactly when the last node referencing it is freed. Its
+bytes count once, in the ledger of the run that sealed it. A node with blocks holds fewer physical
+KV tokens than it computed (like an eviction), so it is neither cached nor split.
 """
 
 from __future__ import annotations
@@ -55,6 +62,29 @@ class Ledger:
     def note_transient(self, nbytes: int) -> None:
         """Count `nbytes` of short-lived buffers (a batch's KV tails) on top of what is held."""
         self.peak = max(self.peak, self.held + nbytes)
+
+
+@dataclass(eq=False)
+class Block:
+    """A sealed physical KV block that nodes reference instead of holding their own copy.
+
+    `keys`/`values` are per layer `[H_kv, block_tokens, D]` and never change; `refs` counts the
+    nodes whose `blocks` list it. Rotary positions are baked into the keys where it was computed.
+    """
+
+    id: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    owner: Ledger
+    refs: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return int(self.keys[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 
 
 @dataclass(eq=False)
@@ -91,6 +121,8 @@ class Segment:
     """Cached children by id: the radix index below this node."""
     last_used: int = 0
     """Cache clock tick of the last insert or match through this node (LRU order)."""
+    blocks: list[tuple[int, Block]] = field(default_factory=list)
+    """Shared blocks read in place of own KV: (logical start in this node's own tokens, block)."""
 
     def kv_ancestors(self) -> list[Segment]:
         """Ancestors whose KV this segment attends to, nearest first."""
@@ -137,8 +169,11 @@ class KVTree:
     cache_roots: dict[int, Segment] = field(default_factory=dict)
     evictions: int = 0
     """Cached nodes freed to stay within the budget (or dropped because their parent grew), ever."""
+    blocks_live: int = 0
+    """Physical shared blocks held (each counted once however many nodes reference it)."""
     _segments: dict[int, Segment] = field(default_factory=dict)
     _next_id: int = 0
+    _next_block: int = 0
     _clock: int = 0
 
     # ------------------------------------------------------------------ public API
@@ -322,6 +357,7 @@ class KVTree:
 
     def _free(self, seg: Segment) -> None:
         self.set_kv(seg, None, None)
+        self._unref_blocks(seg)
         seg.last_logits = None
         del self._segments[seg.id]
         for ledger in self._ledgers(seg.owner):
@@ -354,6 +390,33 @@ class KVTree:
         seg.exact = False
         self.set_kv(seg, [k[:, keep] for k in seg.keys], [v[:, keep] for v in seg.values])
 
+    # ------------------------------------------------------------------ shared blocks
+    def seal_block(self, keys: list[torch.Tensor], values: list[torch.Tensor], owner: Ledger) -> Block:
+        """A new physical block holding `keys`/`values` (no references yet); `owner` pays its bytes."""
+        block = Block(id=self._next_block, keys=keys, values=values, owner=owner)
+        self._next_block += 1
+        self.blocks_live += 1
+        for ledger in self._ledgers(owner):
+            ledger.add(block.nbytes)
+        return block
+
+    def ref_block(self, seg: Segment, start: int, block: Block) -> None:
+        """Let `seg` read `block` as its own tokens `start .. start + block.tokens` (no copy)."""
+        block.refs += 1
+        seg.blocks.append((start, block))
+        seg.exact = False
+
+    def _unref_blocks(self, seg: Segment) -> None:
+        for _, block in seg.blocks:
+            block.refs -= 1
+            assert block.refs >= 0, f"block {block.id} lost more references than it had"
+            if block.refs == 0:
+                for ledger in self._ledgers(block.owner):
+                    ledger.held -= block.nbytes
+                block.keys, block.values = [], []
+                self.blocks_live -= 1
+        seg.blocks = []
+
     def note_transient(self, owner: Ledger, nbytes: int) -> None:
         """Count a batch's temporary buffers in the owner's and the tree's peaks."""
         for ledger in self._ledgers(owner):
@@ -381,8 +444,8 @@ class KVTree:
         """Move seg's first k tokens (and their KV) into a new parent segment; returns the parent."""
         if seg.n_computed < k:
             raise RuntimeError("cannot split a segment inside its uncomputed tokens")
-        if seg.kv_tokens != seg.n_computed:
-            raise RuntimeError("cannot split a segment whose KV was partly evicted")
+        if seg.kv_tokens != seg.n_computed or seg.blocks:
+            raise RuntimeError("cannot split a segment whose KV was partly evicted or shared by blocks")
         assert seg.keys is not None and seg.values is not None
         head = self.add(seg.parent, seg.shares_parent, seg.tokens[:k], seg.owner)
         if seg.parent is not None:

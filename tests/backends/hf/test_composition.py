@@ -15,6 +15,7 @@ from branchwise.backends.accel import (
     ASKSConfig,
     CGEEConfig,
     ProbeConfig,
+    ReasonCacheConfig,
     RiverConfig,
     RSBCMConfig,
     SkipKVConfig,
@@ -25,7 +26,7 @@ from branchwise.backends.hf.skipkv_policy import SteeringVector
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import beam_search, self_consistency
 
-NAMES = ("asks", "probe", "cgee", "rsbcm", "river", "skipkv")
+NAMES = ("asks", "probe", "cgee", "rsbcm", "river", "skipkv", "reasoncache")
 QUESTION = "What is 12 + 7?"
 VARIANTS = ["What is 12 + 7?", "Compute 12 + 7.", "What is 12 plus 7?"]
 
@@ -35,8 +36,9 @@ def _allowed(names: tuple[str, ...]) -> bool:
 
 
 PAIRS = [pair for pair in itertools.combinations(NAMES, 2) if _allowed(pair)]
-# "all of them together": every acceleration except one side of each exclusive pair
-ALL = [tuple(n for n in NAMES if n != drop) for drop in ("rsbcm", "skipkv")]
+# "all of them together": every largest set of accelerations no exclusive pair rules out
+EVICTING = ("rsbcm", "skipkv", "reasoncache")  # pairwise exclusive: one of them at a time
+ALL = [tuple(n for n in NAMES if n not in EVICTING or n == keep) for keep in EVICTING]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,7 @@ def _acting(names: tuple[str, ...], vector_path: Path) -> Accel:
             query_window=4,
             steering=SteeringConfig(vector_path=str(vector_path)),
         ),
+        "reasoncache": ReasonCacheConfig(block_tokens=2, mode="random", random_rate=1.0),
     }
     return Accel(**{name: configs[name] for name in names})
 
@@ -92,6 +95,7 @@ def _lossless(names: tuple[str, ...]) -> Accel:
         "rsbcm": RSBCMConfig(capacity_blocks=10_000),
         "river": RiverConfig(threshold=1.0, entry_layer=0),
         "skipkv": SkipKVConfig(budget=64, interval=4),
+        "reasoncache": ReasonCacheConfig(tau_strict=1.0, tau_soft=1.0),  # no step is ever similar enough
     }
     return Accel(**{name: configs[name] for name in names})
 
@@ -131,6 +135,7 @@ def test_lossless_combinations_keep_greedy_tokens(backend: HFBackend, names) -> 
     assert [b.text for b in got.branches] == [b.text for b in reference.branches]
     assert got.kv_stats.get("river_exits", 0) == 0 and got.kv_stats.get("skipkv_evicted_tokens", 0) == 0
     assert got.kv_stats.get("rsbcm_evictions", 0) == 0 and got.kv_stats.get("asks_reused", 0) == 0
+    assert got.kv_stats.get("reasoncache_blocks_reused", 0) == 0
 
 
 def test_rksc_without_rsbcm_plus_river_and_skipkv(backend: HFBackend) -> None:
@@ -153,7 +158,8 @@ def test_rksc_without_rsbcm_plus_river_and_skipkv(backend: HFBackend) -> None:
 
 @pytest.mark.parametrize(("a", "b"), [(a, b) for a, b, _ in EXCLUSIVE])
 def test_forbidden_pairs_fail_at_construction_naming_both(a: str, b: str, vector_path: Path) -> None:
-    acting = _acting(tuple(n for n in NAMES if n not in (a, b)), vector_path)
+    others = tuple(n for n in NAMES if n not in (a, b) and _allowed((n, a)) and _allowed((n, b)))
+    acting = _acting(others, vector_path)
     both = {a: getattr(_acting((a,), vector_path), a), b: getattr(_acting((b,), vector_path), b)}
     with pytest.raises(ValueError, match=rf"{a}.*{b}|{b}.*{a}"):
         Accel(**both)
@@ -168,4 +174,5 @@ EVIDENCE = {
     "rsbcm": ("rsbcm_evictions",),
     "river": ("river_exits",),
     "skipkv": ("skipkv_compressions",),
+    "reasoncache": ("reasoncache_blocks_reused",),
 }

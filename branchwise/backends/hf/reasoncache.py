@@ -1,0 +1,405 @@
+"""ReasonCache (the ReasonCache paper) as a plug-in: reuse near-identical KV blocks across reasoning
+steps and branches instead of holding a copy of each.
+
+Branches of one question (self-consistency, beam, ETS siblings) and the steps inside one trace
+repeat themselves. Each row's generated KV is cut into fixed blocks of `block_tokens` slots, aligned
+where its decoding started; a block is *sealed* once all its tokens are computed. When a reasoning
+step ends (a newline or sentence end, decided on token ids), the filter (`reasoncache_filter.py`)
+looks for an earlier step of the same question, in this branch or a live sibling, that the new step
+repeats (stage 1), then for each block sealed during the new step the nearest sealed block of those
+candidate steps by KV distance (stage 2, PAT threshold). An admitted block is *shared*:
+
+- the source block becomes a physical `tree.Block` (copied once out of its row, its slots leave that
+  row's tail, the row points at it), unless it already is one;
+- the new block's slots leave the current row's tail and the row points at the same block
+  (`Batch.point_at`): from the next forward on its attention reads the block through the batch's
+  block pool, in the one product all rows of the pool share. No copy per reader.
+
+The tree ref-counts blocks and frees one exactly when its last node goes. Positions stay logical:
+the reused keys keep the rotary positions they were computed at (as in the paper's vLLM build), and
+every later token's position comes from the node's token count, not from its KV length.
+
+Off the hot path: the filter runs only between decode steps, only when a step closes and only on
+sealed blocks; its time is counted (`reasoncache_filter_s`) so a benchmark can set it against
+decode time. Sources are rows still in the batch (or blocks already shared); a finished row that
+left the batch is no longer a source, and ancestors (shared prefixes, earlier tree steps) are never
+rewritten. `mode="lexical"` (stage 1 without stage 2, the paper's "only Cos" ablation) and
+`mode="random"` (the paper's random-sharing baseline) run in the same code path.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from branchwise.backends.accel import ReasonCacheConfig
+from branchwise.backends.base import KVStats
+from branchwise.backends.hf.batch import Batch, Row
+from branchwise.backends.hf.hooks import Acceleration
+from branchwise.backends.hf.reasoncache_filter import (
+    BlockNorms,
+    PercentileThreshold,
+    block_distance,
+    dynamic_tau,
+    formal_trees,
+    lexical_similarity,
+    structurally_equal,
+)
+from branchwise.backends.hf.tree import Block, KVTree, Segment
+
+
+@dataclass(frozen=True)
+class StepBoundaries:
+    """Token ids that end a reasoning step (built once per tokenizer, from decoded text).
+
+    A step ends after a token holding a newline (or sentence punctuation then whitespace, `.Ċ`), or
+    after a sentence-ending token (`.`, `!`, `?`) when the next token starts with whitespace, so a
+    decimal point (`2.5`) never splits a step."""
+
+    closes: frozenset[int]
+    sentence_end: frozenset[int]
+    space_start: frozenset[int]
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> StepBoundaries:
+        special = set(tokenizer.all_special_ids)
+        ids = [i for i in range(len(tokenizer)) if i not in special]
+        texts = tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
+        closes, end, space = set(), set(), set()
+        for i, text in zip(ids, texts, strict=True):
+            stripped = text.rstrip()
+            if "\n" in text or (stripped != text and stripped[-1:] in {".", "!", "?"}):
+                closes.add(i)
+            elif stripped[-1:] in {".", "!", "?"}:
+                end.add(i)
+            if text[:1].isspace():
+                space.add(i)
+        return cls(frozenset(closes), frozenset(end), frozenset(space))
+
+    def step_end(self, tokens: Sequence[int], last: int, step_start: int) -> int | None:
+        """Where the step open since `step_start` ends (exclusive) now that token `last` was
+        computed, or None while it goes on. After "... 5." then " So" it ends before " So"."""
+        if tokens[last] in self.closes:
+            return last + 1
+        if (
+            last - 1 > step_start
+            and tokens[last - 1] in self.sentence_end
+            and tokens[last] in self.space_start
+        ):
+            return last
+        return None
+
+
+@dataclass
+class Step:
+    """A closed reasoning step of one branch: its tokens' bag, its length, its syntax trees and the
+    blocks sealed while it was decoded (logical starts in the branch's own tokens)."""
+
+    node: int
+    start: int
+    end: int
+    bag: Counter[int]
+    chars: int
+    trees: list[ast.AST]
+    blocks: list[int]
+
+
+@dataclass
+class Branch:
+    """ReasonCache's bookkeeping of one branch node, kept across `extend` calls."""
+
+    node: int
+    question: int
+    origin: int
+    """Logical own-token index where block 0 starts (the node's KV before decoding is never shared)."""
+    step_start: int
+    steps: list[Step] = field(default_factory=list)
+    shared: dict[int, Block] = field(default_factory=dict)
+    """Logical block start → the block it now reads (its slots left the tail)."""
+    sealed_tokens: int = 0
+    """Tokens of the blocks this branch sealed as a source (they are still held, once)."""
+    counted: tuple[int, int] = (0, 0)
+    """(dense, saved) tokens already added to the run's statistics."""
+
+    @property
+    def saved(self) -> int:
+        """Own KV tokens not held: shared blocks read in place of own copies, less those it holds."""
+        return sum(b.tokens for b in self.shared.values()) - self.sealed_tokens
+
+    def slot(self, logical: int) -> int:
+        """Where own token `logical` sits in the row's own KV: shared blocks before it left the tail."""
+        return logical - sum(b.tokens for s, b in self.shared.items() if s < logical)
+
+
+class ReasonCache(Acceleration):
+    """The ReasonCache plug-in of one run (see the module docstring). Statistics (in `kv_stats`):
+    `reasoncache_steps`, `reasoncache_blocks_sealed`, `reasoncache_stage1_steps` /
+    `reasoncache_stage1_blocks` (candidate steps, and the new blocks that had a candidate block),
+    `reasoncache_stage2_blocks` (admitted by the threshold), `reasoncache_blocks_reused`,
+    `reasoncache_filter_s`, and `reasoncache_amsr` (generated KV tokens not held thanks to sharing,
+    over the generated KV a dense cache would hold, at the end of each batch)."""
+
+    name = "reasoncache"
+
+    def __init__(
+        self,
+        cfg: ReasonCacheConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        boundaries: StepBoundaries,
+        tree: KVTree,
+        stats: KVStats,
+    ) -> None:
+        self.cfg = cfg
+        self.boundaries = boundaries
+        self.tree = tree
+        self.stats = stats
+        self.branches: dict[int, Branch] = {}
+        self.history: dict[int, list[Step]] = {}
+        """Closed steps per question (root node id), in closing order."""
+        self.pat = PercentileThreshold(cfg.percentile, cfg.warmup_blocks)
+        self._norms: dict[tuple[int, int], BlockNorms] = {}
+        self._decode = tokenizer.decode
+        self._rng = random.Random(cfg.seed)
+
+    # ------------------------------------------------------------------ hooks
+    def begin_decode(self, batch: Batch) -> None:
+        for r in batch.rows:
+            if r.seg.id not in self.branches:
+                self.branches[r.seg.id] = Branch(
+                    node=r.seg.id, question=_question(r.seg), origin=r.computed, step_start=r.computed
+                )
+
+    def after_step(
+        self, batch: Batch, rows: Sequence[Row], feeds: Sequence[Sequence[int]], step: int
+    ) -> None:
+        ends: list[int | None] = []
+        for r, fed in zip(rows, feeds, strict=True):
+            branch = self.branches.get(r.seg.id)
+            end = None
+            if branch is not None and fed:
+                end = self.boundaries.step_end(r.seg.tokens, r.computed - 1, branch.step_start)
+            elif r.finish is not None:
+                end = r.computed  # a finished branch's last step
+            ends.append(end)
+        self._close_steps(batch, rows, ends)
+
+    def end_decode(self, batch: Batch, rows: Sequence[Row]) -> None:
+        """Close every branch's last, open step (the loop ended before another step could)."""
+        self._close_steps(batch, rows, [r.computed for r in rows])
+
+    def _close_steps(self, batch: Batch, rows: Sequence[Row], ends: Sequence[int | None]) -> None:
+        """Close the steps ending at `ends` (one per present row; None = still open), timed."""
+        closing = []
+        for pos, (r, end) in enumerate(zip(rows, ends, strict=True)):
+            branch = self.branches.get(r.seg.id)
+            if branch is not None and end is not None and end > branch.step_start:
+                closing.append((pos, r, branch, end))
+        if not closing:
+            return
+        start = time.perf_counter()
+        present = {r.seg.id: (p, r) for p, r in enumerate(rows)}
+        for pos, r, branch, end in closing:
+            self._close_step(batch, present, pos, r, branch, end)
+        self.stats.bump("reasoncache_filter_s", time.perf_counter() - start)
+
+    def after_batch(self, batch: Batch, decoded: bool) -> None:
+        """Add the batch's generated KV to the run's totals: dense tokens, and tokens not held."""
+        for r in batch.rows:
+            branch = self.branches.get(r.seg.id)
+            if branch is None:
+                continue
+            dense, saved = r.computed - branch.origin, branch.saved
+            self.stats.bump("reasoncache_dense_tokens", dense - branch.counted[0])
+            self.stats.bump("reasoncache_saved_tokens", saved - branch.counted[1])
+            branch.counted = (dense, saved)
+        total = self.stats.extra.get("reasoncache_dense_tokens", 0.0)
+        if total:
+            self.stats.extra["reasoncache_amsr"] = self.stats.extra["reasoncache_saved_tokens"] / total
+
+    def on_release(self, seg: Segment) -> None:
+        self.branches.pop(seg.id, None)
+
+    # ------------------------------------------------------------------ steps
+    def _close_step(
+        self, batch: Batch, present: dict[int, tuple[int, Row]], pos: int, row: Row, branch: Branch, end: int
+    ) -> None:
+        """Record the step `branch.step_start .. end` and share the blocks sealed during it."""
+        bs = self.cfg.block_tokens
+        start, branch.step_start = branch.step_start, end
+        ids = row.seg.tokens[start:end]
+        b = branch.origin + ((start - branch.origin) // bs) * bs
+        blocks = []
+        while b + bs <= end:
+            if b + bs > start:  # sealed during this step
+                blocks.append(b)
+            b += bs
+        text = self._decode(ids, skip_special_tokens=True)
+        step = Step(
+            node=branch.node,
+            start=start,
+            end=end,
+            bag=Counter(ids),
+            chars=len(text),
+            trees=formal_trees(text) if self.cfg.structural else [],
+            blocks=blocks,
+        )
+        self.stats.bump("reasoncache_steps")
+        self.stats.bump("reasoncache_blocks_sealed", len(blocks))
+        history = self.history.setdefault(branch.question, [])
+        if blocks and history:
+            if self.cfg.mode == "random":
+                self._share_random(batch, present, pos, row, branch, step, history)
+            else:
+                self._share_similar(batch, present, pos, row, branch, step, history)
+        history.append(step)
+
+    def _candidates(self, step: Step, history: list[Step]) -> list[tuple[float, Step]]:
+        """Stage 1: earlier steps whose similarity passes the dynamic τ (and, for formal steps,
+        whose syntax trees match), most similar first."""
+        sims = [lexical_similarity(step.bag, h.bag, step.chars, h.chars) for h in history]
+        tau = dynamic_tau(sims, self.cfg.tau_strict, self.cfg.tau_soft)
+        out = [
+            (sim, h)
+            for sim, h in zip(sims, history, strict=True)
+            if sim > tau and h.blocks and (not self.cfg.structural or structurally_equal(step.trees, h.trees))
+        ]
+        return sorted(out, key=lambda x: -x[0])
+
+    def _share_similar(
+        self,
+        batch: Batch,
+        present: dict[int, tuple[int, Row]],
+        pos: int,
+        row: Row,
+        branch: Branch,
+        step: Step,
+        history: list[Step],
+    ) -> None:
+        candidates = self._candidates(step, history)
+        if not candidates:
+            return
+        self.stats.bump("reasoncache_stage1_steps", len(candidates))
+        for i, block_start in enumerate(step.blocks):
+            sources = [
+                (src, j)
+                for _, cand in candidates
+                for j, src in enumerate(cand.blocks)
+                if self._available(present, cand.node, src)
+            ]
+            if not sources:
+                continue
+            self.stats.bump("reasoncache_stage1_blocks")
+            if self.cfg.mode == "lexical":
+                # the "only Cos" ablation: the block at the same place in the most similar step
+                same_place = [(c.node, c.blocks[min(i, len(c.blocks) - 1)]) for _, c in candidates]
+                usable = [(n, b) for n, b in same_place if self._available(present, n, b)]
+                if usable:
+                    self._share(batch, present, pos, row, branch, block_start, *usable[0])
+                continue
+            mine = self._block_kv(batch, present, branch.node, block_start)
+            mine_norms = self._norms_of(branch.node, block_start, mine)
+            best, best_d = None, float("inf")
+            for _, cand in candidates:
+                for src in cand.blocks:
+                    if not self._available(present, cand.node, src):
+                        continue
+                    theirs = self._block_kv(batch, present, cand.node, src)
+                    d = block_distance(mine, theirs, mine_norms, self._norms_of(cand.node, src, theirs))
+                    if d < best_d:
+                        best, best_d = (cand.node, src), d
+            if best is None or not self.pat.admit(best_d):
+                continue
+            self.stats.bump("reasoncache_stage2_blocks")
+            self._share(batch, present, pos, row, branch, block_start, *best)
+
+    def _share_random(
+        self,
+        batch: Batch,
+        present: dict[int, tuple[int, Row]],
+        pos: int,
+        row: Row,
+        branch: Branch,
+        step: Step,
+        history: list[Step],
+    ) -> None:
+        """The paper's baseline: share each new block, with probability `random_rate`, with a
+        uniformly chosen earlier sealed block of the same question."""
+        pool = [(h.node, b) for h in history for b in h.blocks if self._available(present, h.node, b)]
+        for block_start in step.blocks:
+            if pool and self._rng.random() < self.cfg.random_rate:
+                self._share(batch, present, pos, row, branch, block_start, *self._rng.choice(pool))
+
+    # ------------------------------------------------------------------ blocks
+    def _available(self, present: dict[int, tuple[int, Row]], node: int, start: int) -> bool:
+        """Whether a block can be a source: already a shared block, or still in a live row's tail."""
+        branch = self.branches.get(node)
+        if branch is None:
+            return False
+        return start in branch.shared or node in present
+
+    def _block_kv(
+        self, batch: Batch, present: dict[int, tuple[int, Row]], node: int, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's keys and values `[L, H, d, D]` (a transient stack of per-layer views)."""
+        branch = self.branches[node]
+        block = branch.shared.get(start)
+        if block is not None:
+            return torch.stack(block.keys), torch.stack(block.values)
+        pos, row = present[node]
+        at = row.tail_start + branch.slot(start)
+        n = self.cfg.block_tokens
+        ctx = batch.ctx
+        return (
+            torch.stack([t[pos, :, at : at + n] for t in ctx.tail_k]),
+            torch.stack([t[pos, :, at : at + n] for t in ctx.tail_v]),
+        )
+
+    def _norms_of(self, node: int, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> BlockNorms:
+        key = (node, start)
+        norms = self._norms.get(key)
+        if norms is None:
+            norms = self._norms[key] = BlockNorms.of(*kv)
+        return norms
+
+    def _share(
+        self,
+        batch: Batch,
+        present: dict[int, tuple[int, Row]],
+        pos: int,
+        row: Row,
+        branch: Branch,
+        block_start: int,
+        src_node: int,
+        src_start: int,
+    ) -> None:
+        """Make the current row's block at `block_start` read the source block (sealed on first use)."""
+        if block_start in branch.shared:
+            return
+        source = self.branches[src_node]
+        block = source.shared.get(src_start)
+        if block is None:
+            src_pos, src_row = present[src_node]
+            slot = source.slot(src_start)
+            block = batch.seal(self.tree, src_pos, src_row, slot, self.cfg.block_tokens)
+            batch.point_at(self.tree, src_pos, src_row, slot, src_start, block)
+            source.shared[src_start] = block
+            source.sealed_tokens += block.tokens
+        batch.point_at(self.tree, pos, row, branch.slot(block_start), block_start, block)
+        branch.shared[block_start] = block
+        self.stats.bump("reasoncache_blocks_reused")
+
+
+def _question(seg: Segment) -> int:
+    """The root node a branch descends from (KV or logical parents): branches of one question."""
+    while True:
+        up = seg.parent if seg.parent is not None else seg.logical_parent
+        if up is None:
+            return seg.id
+        seg = up

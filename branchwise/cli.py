@@ -211,6 +211,9 @@ def run(
     steer: Annotated[
         bool, typer.Option(help="SkipKV adaptive steering (needs `branchwise steering build` first).")
     ] = False,
+    reasoncache: Annotated[
+        bool, typer.Option(help="ReasonCache: share near-identical KV blocks across steps and branches.")
+    ] = False,
 ) -> None:
     """Answer QUESTIONS with a multi-branch strategy and print the answer, the vote and the KV/time summary."""
     from branchwise.backends.accel import (
@@ -218,6 +221,7 @@ def run(
         ASKSConfig,
         CGEEConfig,
         ProbeConfig,
+        ReasonCacheConfig,
         RiverConfig,
         RSBCMConfig,
         SkipKVConfig,
@@ -245,6 +249,7 @@ def run(
             skipkv=SkipKVConfig(budget=skipkv_budget, steering=SteeringConfig() if steer else None)
             if skipkv_budget
             else None,
+            reasoncache=ReasonCacheConfig() if reasoncache else None,
         )
     except ValidationError as err:
         raise typer.BadParameter(f"these accelerations cannot run together: {one_line(err)}") from None
@@ -287,6 +292,8 @@ def run(
             "rsbcm_evictions",
             "verify_exits",
             "skipkv_evicted_tokens",
+            "reasoncache_blocks_reused",
+            "reasoncache_amsr",
         ):
             if key in kv:
                 summary.add_row(key.replace("_", " "), f"{kv[key]:g}")

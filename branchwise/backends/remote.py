@@ -264,6 +264,7 @@ class RemoteBackend:
             "rsbcm": "RSBCM (KV block eviction)",
             "river": "River (layer-level early exit)",
             "skipkv": "SkipKV (KV eviction and steering)",
+            "reasoncache": "ReasonCache (KV block sharing)",
         }
         named = [label for key, label in needs_model.items() if getattr(accel, key, None) is not None]
         cgee = accel.cgee

@@ -503,4 +503,12 @@ def _accel_notes(accel: Accel | None, stats: dict[str, float]) -> list[str]:
             f"skipkv: no branch held more than {accel.skipkv.budget} generated tokens at a compression step "
             f"(every {accel.skipkv.interval}); nothing was evicted"
         )
+    if accel is not None and accel.reasoncache is not None and not stats.get("reasoncache_blocks_reused"):
+        rc = accel.reasoncache
+        notes.append(
+            f"reasoncache: no block was shared ({stats.get('reasoncache_blocks_sealed', 0):g} sealed, "
+            f"{stats.get('reasoncache_stage1_blocks', 0):g} with a similar earlier step, "
+            f"{stats.get('reasoncache_stage2_blocks', 0):g} within the distance threshold after "
+            f"{rc.warmup_blocks} warm-up blocks); every branch held its own KV"
+        )
     return notes

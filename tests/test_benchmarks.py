@@ -206,6 +206,19 @@ def test_prefix_cache_quick() -> None:
 
 
 @pytest.mark.slow
+def test_agent_quick(embedded_dir: Path) -> None:
+    pytest.importorskip("dspy")
+    out = run_quick("agent.py")
+    computed, latency = out["tokens_computed"], out["latency_s"]
+    assert out["tokens_computed_ratio"] == ratio(computed["off"], computed["on"])
+    assert out["latency_ratio"] == ratio(latency["off"], latency["on"])
+    assert 1 <= out["actions"]["on"] <= out["config"]["steps"]
+    assert out["cache_hit_tokens"]["off"] == 0 < out["cache_hit_tokens"]["on"]
+    if out["trajectories_identical"]:  # the same actions: the cache only removed recomputation
+        assert out["tool_calls"]["off"] == out["tool_calls"]["on"] and computed["on"] < computed["off"]
+
+
+@pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
 def test_skipkv_quick() -> None:
     out = run_quick("skipkv.py")

@@ -705,3 +705,34 @@ def test_embedded_engine_chain_of_thought_evaluate_threaded_equals_serial(embedd
         (p.reasoning, p.answer) for _, p, _ in serial.results
     ]
     assert before == 1 and _sched(lm).stats.max_requests_per_call > 1
+
+
+def test_reason_with_a_custom_adapter_votes_on_its_parse_and_sends_demos_as_turns(tiny_backend: Any) -> None:
+    class Plain(dspy.ChatAdapter):
+        def format(self, signature: Any, demos: list[Any], inputs: dict[str, Any]) -> list[dict[str, Any]]:
+            msgs = [{"role": "system", "content": "Answer briefly."}]
+            for d in demos:
+                msgs += [
+                    {"role": "user", "content": d["question"]},
+                    {"role": "assistant", "content": f"Answer: {d['answer']}"},
+                ]
+            return [*msgs, {"role": "user", "content": inputs["question"]}]
+
+        def parse(self, signature: Any, completion: str) -> dict[str, Any]:
+            return {"answer": "forty-two"}
+
+    reason = Reason(
+        "question -> answer",
+        self_consistency(n=3, max_tokens=4, seed=0),
+        chain_of_thought=False,
+        backend=tiny_backend,
+        adapter=Plain(),
+    )
+    reason.demos = [dspy.Example(question="2 + 2?", answer="4")]
+    pred = reason(question="1 + 1?")
+    assert pred.answer == "forty-two" and pred.support == 1.0 and len(pred.votes) == 1
+    prompt = tiny_backend.decode(pred.reasoning_result.tree[0].token_ids)
+    demo_q, demo_a, asked = prompt.find("2 + 2?"), prompt.find("Answer: 4"), prompt.find("1 + 1?")
+    assert 0 <= demo_q < demo_a < asked, (
+        prompt
+    )  # the demo as a user turn and an assistant turn, then the question

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -186,3 +187,43 @@ def test_batch_runs_questions_in_lockstep_with_serial_answers(backend: HFBackend
             assert b.kv_stats["peak_bytes"] > 0 and b.kv_stats["lockstep_merged_extends"] >= 1
             assert b.kv_stats["bytes_held"] == s.kv_stats["bytes_held"]  # its own nodes, not the others'
         assert backend.kv_stats().live_nodes == 0
+
+
+def test_arun_answers_like_run_without_blocking_the_event_loop(tiny_backend: HFBackend) -> None:
+    """Greedy: `arun` gives `run`'s tokens; two `arun`s gathered finish while the loop keeps ticking."""
+    reasoner = Reasoner(self_consistency(n=2, max_tokens=6, temperature=0.0), backend=tiny_backend)
+    questions = ["What is 1 + 2?", "Name a colour."]
+    serial = [reasoner.run(q) for q in questions]
+
+    async def main() -> tuple[list[ReasoningResult], int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        ticker = asyncio.create_task(tick())
+        results = await asyncio.gather(*(reasoner.arun(q) for q in questions))
+        ticker.cancel()
+        return list(results), ticks
+
+    results, ticks = asyncio.run(main())
+    for s, a in zip(serial, results, strict=True):
+        assert [b.token_ids for b in a.tree] == [b.token_ids for b in s.tree]
+        assert a.answer == s.answer
+    assert ticks > 1  # the loop ran while the strategies decoded in worker threads
+    assert tiny_backend.kv_stats().live_nodes == 0
+
+
+def test_history_turns_sit_between_the_system_prompt_and_the_question(tiny_backend: HFBackend) -> None:
+    demo = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    reasoner = Reasoner(self_consistency(n=1), backend=tiny_backend, system_prompt="Be brief.", history=demo)
+    assert reasoner._messages("3 + 3?") == [
+        {"role": "system", "content": "Be brief."},
+        *demo,
+        {"role": "user", "content": "3 + 3?"},
+    ]
+    with pytest.raises(ValueError, match="role/content"):
+        Reasoner(self_consistency(n=1), backend=tiny_backend, history=[{"role": "user"}])

@@ -20,7 +20,6 @@ once its batch has decoded (the text equals the non-streamed one), as ``branchwi
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -384,8 +383,8 @@ def as_runnable(reasoner: Reasoner, *, input_key: str = "question", name: str | 
     Input: a question string, a dict holding it under `input_key`, a prompt value or messages (the
     last human message is the question). Output: a dict with ``answer``, ``votes``, ``support``,
     ``text`` (the chosen branch), ``strategy``, ``kv_stats`` and ``result`` (the full
-    `ReasoningResult`). ``ainvoke`` runs the strategy in a worker thread, so concurrent async runs
-    do not block the event loop.
+    `ReasoningResult`). ``ainvoke`` awaits `Reasoner.arun` (the strategy in a worker thread), so
+    concurrent async runs do not block the event loop.
 
     (This is the ``Reasoner.as_runnable()`` of the integration: a function here, so `Reasoner`
     itself does not depend on langchain-core.)
@@ -395,6 +394,6 @@ def as_runnable(reasoner: Reasoner, *, input_key: str = "question", name: str | 
         return _output(reasoner.run(_question(value, input_key)))
 
     async def arun(value: Any) -> dict[str, Any]:
-        return await asyncio.to_thread(run, value)
+        return _output(await reasoner.arun(_question(value, input_key)))
 
     return RunnableLambda(run, afunc=arun, name=name or f"branchwise-{reasoner.strategy.name}")

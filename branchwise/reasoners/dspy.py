@@ -482,6 +482,22 @@ def _field_extractor_name(field_name: str) -> str:
     return name
 
 
+def _adapter_extractor_name(adapter: Any, signature: Any, field_name: str, owner: object) -> str:
+    """Register and name an extractor that votes on one output field as `adapter` parses it (for a
+    custom adapter, whose replies need not carry ChatAdapter's section markers)."""
+    name = f"dspy_adapter_field:{field_name}:{id(owner):x}"
+
+    def extract(text: str) -> str | None:
+        try:
+            value = adapter.parse(signature, text).get(field_name)
+        except (AdapterParseError, ValueError):
+            return None
+        return None if value is None else _answer_key(str(value))
+
+    register_extractor(name, extract, replace=True)
+    return name
+
+
 class Reason(dspy.Module):
     """Run a branchwise strategy for a DSPy signature and return a `dspy.Prediction`.
 
@@ -502,6 +518,9 @@ class Reason(dspy.Module):
         backend: a backend to use directly: then the global LM may be anything (or none).
         share: KV sharing mode of the strategy's branches; default: the LM's.
         answer_field: the output field set from the vote; default: the last output field.
+        adapter: the DSPy adapter that formats the prompt and parses every branch (and so decides
+            what the vote compares); default: `LenientChatAdapter`. Few-shot demos (``demos``) are
+            sent as real user/assistant turns, as `dspy.Predict` sends them.
     """
 
     def __init__(
@@ -514,6 +533,7 @@ class Reason(dspy.Module):
         backend: Backend | None = None,
         share: ShareMode | None = None,
         answer_field: str | None = None,
+        adapter: dspy.Adapter | None = None,
     ) -> None:
         super().__init__()
         from branchwise.strategies import self_consistency
@@ -530,6 +550,7 @@ class Reason(dspy.Module):
         self._lm = lm
         self._backend = _Shared(backend) if backend is not None else None
         self.share = share
+        self.adapter = adapter
 
     def _resolve(self) -> tuple[Backend, ShareMode]:
         if self._backend is not None:
@@ -549,7 +570,10 @@ class Reason(dspy.Module):
         """The strategy with the vote on the answer field and ChatAdapter's end marker as a stop."""
         from branchwise.strategies import AggregateNode, GenerateNode, Strategy
 
-        extractor = _field_extractor_name(self.answer_field)
+        if self.adapter is None:
+            extractor = _field_extractor_name(self.answer_field)
+        else:
+            extractor = _adapter_extractor_name(self.adapter, self.signature, self.answer_field, self)
         nodes = []
         for node in self.strategy.nodes:
             if isinstance(node, AggregateNode) and node.extractor == "auto":
@@ -568,24 +592,23 @@ class Reason(dspy.Module):
         from branchwise.reasoners.reasoner import Reasoner
 
         backend, share = self._resolve()
-        adapter = LenientChatAdapter()
+        adapter = self.adapter if self.adapter is not None else LenientChatAdapter()
         messages = adapter.format(self.signature, self.demos, inputs)
         system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
-        turns = [m for m in messages if m["role"] != "system"]
-        # Reasoner takes one user turn: earlier turns (few-shot demos) are folded into the system text
-        history = "\n\n".join(f"{m['role'].upper()}:\n{m['content']}" for m in turns[:-1])
-        if history:
-            system = f"{system}\n\nEXAMPLES:\n\n{history}" if system else history
-        reasoner = Reasoner(self._adapted_strategy(), backend=backend, share=share, system_prompt=system)
-        result = reasoner.run(str(turns[-1]["content"]))
+        turns = [{"role": m["role"], "content": str(m["content"])} for m in messages if m["role"] != "system"]
+        # the last turn is the question; earlier ones (few-shot demos) go as real chat turns
+        reasoner = Reasoner(
+            self._adapted_strategy(), backend=backend, share=share, system_prompt=system, history=turns[:-1]
+        )
+        result = reasoner.run(turns[-1]["content"])
         return self._prediction(adapter, result)
 
-    def _prediction(self, adapter: LenientChatAdapter, result: ReasoningResult) -> dspy.Prediction:
+    def _prediction(self, adapter: dspy.Adapter, result: ReasoningResult) -> dspy.Prediction:
         completions, winners = [], []
         for branch in result.branches:
             try:
                 parsed = adapter.parse(self.signature, branch.text)
-            except AdapterParseError:
+            except (AdapterParseError, ValueError):
                 parsed = {name: None for name in self.signature.output_fields}
             completions.append(parsed)
             value = parsed.get(self.answer_field)

@@ -20,6 +20,7 @@ one backend from several threads never change each other's settings or mix their
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -83,9 +84,14 @@ class Reasoner:
         prompt_template: Callable[[str], str] | None = None,
         accel: Accel | None = None,
         embedder: Embedder | None = None,
+        history: Sequence[dict[str, str]] | None = None,
     ) -> None:
         """`embedder` replaces the text embedder of ETS selects with `embedder="minilm"` (any
-        `Embedder`: texts -> rows); by default the packaged all-MiniLM-L6-v2 is loaded on first use."""
+        `Embedder`: texts -> rows); by default the packaged all-MiniLM-L6-v2 is loaded on first use.
+
+        `history` is chat turns (role/content dicts) placed between the system prompt and the
+        question, e.g. few-shot demonstrations as real user/assistant turns: small models copy a
+        demonstrated reply far more reliably than one described in the system text."""
         if share not in ("none", "exact"):
             raise ValueError(f"share={share!r} is not one of 'none', 'exact'")
         self.strategy = strategy
@@ -102,6 +108,10 @@ class Reasoner:
         self.prompt_template = prompt_template
         self.accel = accel
         self.embedder = embedder
+        self.history = [dict(m) for m in history or []]
+        bad = [m for m in self.history if set(m) != {"role", "content"}]
+        if bad:
+            raise ValueError(f"history turns must be role/content dicts; got {bad[0]!r}")
 
     # ------------------------------------------------------------------ public
     def run(self, question: str, variants: Sequence[str] | None = None) -> ReasoningResult:
@@ -116,8 +126,14 @@ class Reasoner:
             raise ValueError("variants must hold at least 1 phrasing (or be None)")
         return self._run(question, self._messages(question), list(variants or []))
 
+    async def arun(self, question: str, variants: Sequence[str] | None = None) -> ReasoningResult:
+        """`run` from async code: the run goes to a worker thread, so the event loop stays free and
+        concurrent `arun`s (``asyncio.gather``) proceed side by side, each in its own session."""
+        return await asyncio.to_thread(self.run, question, variants)
+
     def _messages(self, question: str) -> list[dict[str, str]]:
         messages = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        messages += [dict(m) for m in self.history]
         content = self.prompt_template(question) if self.prompt_template else question
         messages.append({"role": "user", "content": content})
         return messages

@@ -58,7 +58,9 @@ PAPER = {
 }
 
 
-def summarise(run: Run, problems: Sequence[tuple[str, Any, Any]], dense: dict[str, Any] | None) -> dict[str, Any]:
+def summarise(
+    run: Run, problems: Sequence[tuple[str, Any, Any]], dense: dict[str, Any] | None
+) -> dict[str, Any]:
     """AMSR, sharing counters, voted accuracy, agreement with dense, throughput and filter share."""
     voted, correct = [], []
     tokens = 0
@@ -91,7 +93,12 @@ def summarise(run: Run, problems: Sequence[tuple[str, Any, Any]], dense: dict[st
 
 
 def waves(
-    backend: HFBackend, prompts: Sequence[list[int]], total: int, width: int, params: DecodeParams, accel: Accel
+    backend: HFBackend,
+    prompts: Sequence[list[int]],
+    total: int,
+    width: int,
+    params: DecodeParams,
+    accel: Accel,
 ) -> float:
     """Seconds to decode `total` branches of each prompt, `width` branches at a time."""
     backend.accel = accel
@@ -147,8 +154,9 @@ def main() -> None:
         quick={
             "tasks": ["basic_arithmetic"],
             "problems": 2,
-            "branches": 4,
-            "max_tokens": 96,
+            "branches": 8,
+            "max_tokens": 128,
+            "warmup_problems": 1,
             "budget_problems": 1,
             "budget_total": 8,
             "tree_questions": 1,
@@ -163,6 +171,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0, help="problem split and sampler seed")
     parser.add_argument("--block-tokens", type=int, default=16, help="ReasonCache block size (paper: 16)")
+    parser.add_argument(
+        "--warmup-problems", type=int, default=2, help="held-out problems per task for PAT's warm-up"
+    )
     parser.add_argument("--budget-branches", type=int, default=4, help="dense branches the KV budget holds")
     parser.add_argument("--budget-problems", type=int, default=2, help="problems of the fixed-budget run")
     parser.add_argument("--budget-total", type=int, default=16, help="branches per problem there")
@@ -180,6 +191,21 @@ def main() -> None:
     warm = backend.prefill(prompts[0])
     backend.extend([warm], DecodeParams(max_tokens=4))
     backend.release([warm])
+    # PAT's warm-up (distances collected with no reuse) is per backend: pay it on other problems
+    held_out = [
+        p for task in args.tasks for p in load_problems(task, args.warmup_problems, seed=args.seed + 10_000)
+    ]
+    bench.log(f"PAT warm-up on {len(held_out)} held-out problems")
+    warm_prompts = [backend.chat_prompt([{"role": "user", "content": q}]) for q, _, _ in held_out]
+    warm_run = decode_all(
+        backend,
+        warm_prompts,
+        batches(len(held_out), args.batch_problems),
+        args.branches,
+        params,
+        Accel(reasoncache=rc_cfg),
+    )
+    pat_seen = int(warm_run.extra.get("reasoncache_stage1_blocks", 0))
 
     def run(name: str, accel: Accel, dense: dict[str, Any] | None) -> dict[str, Any]:
         bench.log(f"{name}: {len(problems)} problems x {args.branches} branches")
@@ -223,7 +249,9 @@ def main() -> None:
         "throughput_ratio": round(dense_s / rc_s, 3),
     }
     bench.log("beam search")
-    tree = tree_search(backend, [q for q, _, _ in problems[: args.tree_questions]], args.tree_step_tokens, args.seed)
+    tree = tree_search(
+        backend, [q for q, _, _ in problems[: args.tree_questions]], args.tree_step_tokens, args.seed
+    )
     for m in methods.values():
         m.pop("voted_answers")
     bench.emit(
@@ -238,11 +266,19 @@ def main() -> None:
                 "filter_share": rc["filter_share"],
             },
             **{
-                name: {"amsr": methods[name]["amsr"], "agreement_with_dense": methods[name]["agreement_with_dense"]}
+                name: {
+                    "amsr": methods[name]["amsr"],
+                    "agreement_with_dense": methods[name]["agreement_with_dense"],
+                }
                 for name in ("reasoncache_lexical", "random", "attention_only", "rkv")
             },
         },
-        config={"random_rate": round(rate, 4), "eviction_budget": budget, "eviction_interval": interval},
+        config={
+            "random_rate": round(rate, 4),
+            "eviction_budget": budget,
+            "eviction_interval": interval,
+            "pat_warmup_distances": pat_seen,
+        },
     )
 
 

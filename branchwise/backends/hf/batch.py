@@ -110,12 +110,14 @@ class BlockPool:
             at = self.used
             if at + n > self.table.shape[1]:
                 self._grow(at + n)
-            for layer, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
-                self.keys[layer][:, at : at + n] = k
-                self.values[layer][:, at : at + n] = v
+            with torch.inference_mode():  # the pool may have grown during a forward
+                for layer, (k, v) in enumerate(zip(block.keys, block.values, strict=True)):
+                    self.keys[layer][:, at : at + n] = k
+                    self.values[layer][:, at : at + n] = v
             self.slots[block.id] = at
             self.used = at + n
-        self.table[row, at : at + n] = True
+        with torch.inference_mode():
+            self.table[row, at : at + n] = True
         self._segment = None
 
     def _grow(self, needed: int) -> None:
@@ -261,9 +263,10 @@ class BatchContext:
         every tap move together, so nothing is left pointing at a slot that moved.
         """
         kept = int(index.numel())
-        for buffers in (self.tail_k, self.tail_v):
-            for t in buffers:
-                t[pos, :, start : start + kept] = t[pos, :, index]
+        with torch.inference_mode():  # buffers grown during a forward are inference tensors
+            for buffers in (self.tail_k, self.tail_v):
+                for t in buffers:
+                    t[pos, :, start : start + kept] = t[pos, :, index]
         for tap in self.taps:
             tap.move_slots(pos, start, index)
         lens = self.lens.clone()

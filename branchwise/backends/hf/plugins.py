@@ -9,6 +9,7 @@ cached artefacts that depend only on the backend and the config:
 | River's quantized layers | the config's weight fields (`river.weights_key`) | quantizing every layer after the entry layer |
 | SkipKV's delimiter ids | the backend (its tokenizer) | decoding the whole vocabulary |
 | ReasonCache's step boundaries | the backend (its tokenizer) | decoding the whole vocabulary |
+| ReasonCache's PAT distances | block size, percentile, warm-up | the warm-up: the distance distribution is the model's, so it is collected once per backend |
 | SkipKV's steering vector | the steering config | loading, checking and moving the vector |
 | CGEE's thresholds | the config and the calibration file's stamp | reading the saved calibration |
 | the KV probe's verdicts | the probe's bucket size and repeats | timing sharing against recompute |
@@ -29,6 +30,7 @@ from branchwise.backends.hf.cgee import CGEE, EntropyTrace, Thresholds, calibrat
 from branchwise.backends.hf.hooks import Acceleration, Host
 from branchwise.backends.hf.probe import KVProbe, Probe
 from branchwise.backends.hf.reasoncache import ReasonCache, StepBoundaries
+from branchwise.backends.hf.reasoncache_filter import PercentileThreshold
 from branchwise.backends.hf.river import River, RiverPath, weights_key
 from branchwise.backends.hf.rsbcm import RSBCM
 from branchwise.backends.hf.skipkv import SkipKV, SteeringBuild
@@ -117,8 +119,14 @@ def build_plugins(
             )
         out.append(SkipKV(skip, parts, tokenizer, delimiters, steering, stats, host.tree))
     if accel.reasoncache is not None:
+        rc = accel.reasoncache
         boundaries = cached("reasoncache", ("step_boundaries",), lambda: StepBoundaries.of(tokenizer))
-        out.append(ReasonCache(accel.reasoncache, tokenizer, boundaries, host.tree, stats))
+        pat = cached(
+            "reasoncache",
+            ("pat", rc.block_tokens, rc.percentile, rc.warmup_blocks),
+            lambda: PercentileThreshold(rc.percentile, rc.warmup_blocks),
+        )
+        out.append(ReasonCache(rc, tokenizer, boundaries, pat, host.tree, stats))
     if accel.river is not None:
         river_cfg = accel.river
         path = cached(

@@ -143,7 +143,8 @@ class ReasonCache(Acceleration):
     `reasoncache_steps`, `reasoncache_blocks_sealed`, `reasoncache_stage1_steps` /
     `reasoncache_stage1_blocks` (candidate steps, and the new blocks that had a candidate block),
     `reasoncache_stage2_blocks` (admitted by the threshold), `reasoncache_blocks_reused`,
-    `reasoncache_filter_s`, and `reasoncache_amsr` (generated KV tokens not held thanks to sharing,
+    `reasoncache_filter_s`, `reasoncache_threshold` (the PAT distance threshold now; 0 in warm-up)
+    and `reasoncache_amsr` (generated KV tokens not held thanks to sharing,
     over the generated KV a dense cache would hold, at the end of each batch)."""
 
     name = "reasoncache"
@@ -153,6 +154,7 @@ class ReasonCache(Acceleration):
         cfg: ReasonCacheConfig,
         tokenizer: PreTrainedTokenizerBase,
         boundaries: StepBoundaries,
+        pat: PercentileThreshold,
         tree: KVTree,
         stats: KVStats,
     ) -> None:
@@ -163,7 +165,9 @@ class ReasonCache(Acceleration):
         self.branches: dict[int, Branch] = {}
         self.history: dict[int, list[Step]] = {}
         """Closed steps per question (root node id), in closing order."""
-        self.pat = PercentileThreshold(cfg.percentile, cfg.warmup_blocks)
+        self.pat = pat
+        """The backend's PAT (shared by its runs): KV distances are a property of the model, so the
+        warm-up is paid once per backend, as in the paper's serving system, not once per question."""
         self._norms: dict[tuple[int, int], BlockNorms] = {}
         self._decode = tokenizer.decode
         self._rng = random.Random(cfg.seed)
@@ -314,7 +318,11 @@ class ReasonCache(Acceleration):
                     d = block_distance(mine, theirs, mine_norms, self._norms_of(cand.node, src, theirs))
                     if d < best_d:
                         best, best_d = (cand.node, src), d
-            if best is None or not self.pat.admit(best_d):
+            if best is None:
+                continue
+            admitted = self.pat.admit(best_d)
+            self.stats.extra["reasoncache_threshold"] = self.pat.threshold() or 0.0
+            if not admitted:
                 continue
             self.stats.bump("reasoncache_stage2_blocks")
             self._share(batch, present, pos, row, branch, block_start, *best)

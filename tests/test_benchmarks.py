@@ -357,3 +357,23 @@ def test_ets_benchmark_stops_when_minilm_cannot_load(monkeypatch: pytest.MonkeyP
     assert "cannot load all-MiniLM-L6-v2" in str(exc.value.code) and "--embedder hidden" in str(
         exc.value.code
     )
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_reasoncache_quick() -> None:
+    out = run_quick("reasoncache.py")
+    methods = out["methods"]
+    assert set(methods) == {"dense", "reasoncache", "reasoncache_lexical", "random", "attention_only", "rkv"}
+    for name in ("reasoncache", "reasoncache_lexical", "random", "attention_only", "rkv"):
+        assert 0.0 <= out[name]["amsr"] <= 1.0 and 0.0 <= out[name]["agreement_with_dense"] <= 1.0
+        assert out[name]["amsr"] == methods[name]["amsr"]
+    assert methods["dense"]["blocks_sealed"] == 0 and methods["dense"]["amsr"] == 0.0
+    rc = methods["reasoncache"]
+    assert rc["blocks_sealed"] > 0 and rc["stage2_blocks"] <= rc["stage1_blocks"] <= rc["blocks_sealed"]
+    assert rc["blocks_reused"] == rc["stage2_blocks"] and (rc["amsr"] > 0) == (rc["blocks_reused"] > 0)
+    fixed = out["fixed_kv_budget"]
+    assert fixed["reasoncache"]["branches_at_once"] >= fixed["dense"]["branches_at_once"]
+    assert fixed["throughput_ratio"] == ratio(
+        fixed["reasoncache"]["branches_per_s"], fixed["dense"]["branches_per_s"]
+    )

@@ -143,7 +143,7 @@ class ReasonCache(Acceleration):
     `reasoncache_steps`, `reasoncache_blocks_sealed`, `reasoncache_stage1_steps` /
     `reasoncache_stage1_blocks` (candidate steps, and the new blocks that had a candidate block),
     `reasoncache_stage2_blocks` (admitted by the threshold), `reasoncache_blocks_reused`,
-    `reasoncache_filter_s`, `reasoncache_threshold` (the PAT distance threshold now; 0 in warm-up)
+    `reasoncache_filter_s` (and `_ms_per_step`), `reasoncache_threshold` (the PAT distance threshold now; 0 in warm-up)
     and `reasoncache_amsr` (generated KV tokens not held thanks to sharing,
     over the generated KV a dense cache would hold, at the end of each batch)."""
 
@@ -223,6 +223,10 @@ class ReasonCache(Acceleration):
             self.stats.bump("reasoncache_dense_tokens", dense - branch.counted[0])
             self.stats.bump("reasoncache_saved_tokens", saved - branch.counted[1])
             branch.counted = (dense, saved)
+        steps = self.stats.extra.get("reasoncache_steps", 0.0)
+        if steps:
+            filter_s = self.stats.extra.get("reasoncache_filter_s", 0.0)
+            self.stats.extra["reasoncache_filter_ms_per_step"] = 1000 * filter_s / steps
         total = self.stats.extra.get("reasoncache_dense_tokens", 0.0)
         if total:
             self.stats.extra["reasoncache_amsr"] = self.stats.extra["reasoncache_saved_tokens"] / total

@@ -246,3 +246,15 @@ def test_eviction_accelerations_are_rejected_with_a_clear_error(other: dict) -> 
 def test_config_rejects_soft_above_strict() -> None:
     with pytest.raises(ValueError, match="tau_soft"):
         ReasonCacheConfig(tau_strict=0.5, tau_soft=0.8)
+
+
+def test_a_run_that_shared_nothing_says_so(backend: HFBackend) -> None:
+    from branchwise.reasoners import Reasoner
+    from branchwise.strategies import self_consistency
+
+    never = Accel(reasoncache=ReasonCacheConfig(tau_strict=1.0, tau_soft=1.0))
+    result = Reasoner(self_consistency(n=3, max_tokens=20, seed=0), backend=backend, accel=never).run(
+        "What is 12 + 7?"
+    )
+    assert result.kv_stats["reasoncache_blocks_sealed"] > 0
+    assert any(note.startswith("reasoncache: no block was shared") for note in result.notes), result.notes

@@ -138,6 +138,17 @@ class Branch:
         return logical - sum(b.tokens for s, b in self.shared.items() if s < logical)
 
 
+@dataclass
+class StepEnd:
+    """Where a step closed: the batch, its present rows by node, and the row whose step it was."""
+
+    batch: Batch
+    present: dict[int, tuple[int, Row]]
+    pos: int
+    row: Row
+    branch: Branch
+
+
 class ReasonCache(Acceleration):
     """The ReasonCache plug-in of one run (see the module docstring). Statistics (in `kv_stats`):
     `reasoncache_steps`, `reasoncache_blocks_sealed`, `reasoncache_stage1_steps` /
@@ -168,7 +179,8 @@ class ReasonCache(Acceleration):
         self.pat = pat
         """The backend's PAT (shared by its runs): KV distances are a property of the model, so the
         warm-up is paid once per backend, as in the paper's serving system, not once per question."""
-        self._norms: dict[tuple[int, int], BlockNorms] = {}
+        self._norms: dict[int, dict[int, BlockNorms]] = {}
+        """Squared norms per node and block start, computed once per block (the paper's cache)."""
         self._decode = tokenizer.decode
         self._rng = random.Random(cfg.seed)
 
@@ -210,7 +222,7 @@ class ReasonCache(Acceleration):
         start = time.perf_counter()
         present = {r.seg.id: (p, r) for p, r in enumerate(rows)}
         for pos, r, branch, end in closing:
-            self._close_step(batch, present, pos, r, branch, end)
+            self._close_step(StepEnd(batch, present, pos, r, branch), end)
         self.stats.bump("reasoncache_filter_s", time.perf_counter() - start)
 
     def after_batch(self, batch: Batch, decoded: bool) -> None:
@@ -233,13 +245,13 @@ class ReasonCache(Acceleration):
 
     def on_release(self, seg: Segment) -> None:
         self.branches.pop(seg.id, None)
+        self._norms.pop(seg.id, None)
 
     # ------------------------------------------------------------------ steps
-    def _close_step(
-        self, batch: Batch, present: dict[int, tuple[int, Row]], pos: int, row: Row, branch: Branch, end: int
-    ) -> None:
+    def _close_step(self, at: StepEnd, end: int) -> None:
         """Record the step `branch.step_start .. end` and share the blocks sealed during it."""
         bs = self.cfg.block_tokens
+        row, branch = at.row, at.branch
         start, branch.step_start = branch.step_start, end
         ids = row.seg.tokens[start:end]
         b = branch.origin + ((start - branch.origin) // bs) * bs
@@ -263,9 +275,9 @@ class ReasonCache(Acceleration):
         history = self.history.setdefault(branch.question, [])
         if blocks and history:
             if self.cfg.mode == "random":
-                self._share_random(batch, present, pos, row, branch, step, history)
+                self._share_random(at, step, history)
             else:
-                self._share_similar(batch, present, pos, row, branch, step, history)
+                self._share_similar(at, step, history)
         history.append(step)
 
     def _candidates(self, step: Step, history: list[Step]) -> list[tuple[float, Step]]:
@@ -280,16 +292,7 @@ class ReasonCache(Acceleration):
         ]
         return sorted(out, key=lambda x: -x[0])
 
-    def _share_similar(
-        self,
-        batch: Batch,
-        present: dict[int, tuple[int, Row]],
-        pos: int,
-        row: Row,
-        branch: Branch,
-        step: Step,
-        history: list[Step],
-    ) -> None:
+    def _share_similar(self, at: StepEnd, step: Step, history: list[Step]) -> None:
         candidates = self._candidates(step, history)
         if not candidates:
             return
@@ -299,7 +302,7 @@ class ReasonCache(Acceleration):
                 (src, j)
                 for _, cand in candidates
                 for j, src in enumerate(cand.blocks)
-                if self._available(present, cand.node, src)
+                if self._available(at.present, cand.node, src)
             ]
             if not sources:
                 continue
@@ -307,18 +310,18 @@ class ReasonCache(Acceleration):
             if self.cfg.mode == "lexical":
                 # the "only Cos" ablation: the block at the same place in the most similar step
                 same_place = [(c.node, c.blocks[min(i, len(c.blocks) - 1)]) for _, c in candidates]
-                usable = [(n, b) for n, b in same_place if self._available(present, n, b)]
+                usable = [(n, b) for n, b in same_place if self._available(at.present, n, b)]
                 if usable:
-                    self._share(batch, present, pos, row, branch, block_start, *usable[0])
+                    self._share(at, block_start, *usable[0])
                 continue
-            mine = self._block_kv(batch, present, branch.node, block_start)
-            mine_norms = self._norms_of(branch.node, block_start, mine)
+            mine = self._block_kv(at, at.branch.node, block_start)
+            mine_norms = self._norms_of(at.branch.node, block_start, mine)
             best, best_d = None, float("inf")
             for _, cand in candidates:
                 for src in cand.blocks:
-                    if not self._available(present, cand.node, src):
+                    if not self._available(at.present, cand.node, src):
                         continue
-                    theirs = self._block_kv(batch, present, cand.node, src)
+                    theirs = self._block_kv(at, cand.node, src)
                     d = block_distance(mine, theirs, mine_norms, self._norms_of(cand.node, src, theirs))
                     if d < best_d:
                         best, best_d = (cand.node, src), d
@@ -329,24 +332,15 @@ class ReasonCache(Acceleration):
             if not admitted:
                 continue
             self.stats.bump("reasoncache_stage2_blocks")
-            self._share(batch, present, pos, row, branch, block_start, *best)
+            self._share(at, block_start, *best)
 
-    def _share_random(
-        self,
-        batch: Batch,
-        present: dict[int, tuple[int, Row]],
-        pos: int,
-        row: Row,
-        branch: Branch,
-        step: Step,
-        history: list[Step],
-    ) -> None:
+    def _share_random(self, at: StepEnd, step: Step, history: list[Step]) -> None:
         """The paper's baseline: share each new block, with probability `random_rate`, with a
         uniformly chosen earlier sealed block of the same question."""
-        pool = [(h.node, b) for h in history for b in h.blocks if self._available(present, h.node, b)]
+        pool = [(h.node, b) for h in history for b in h.blocks if self._available(at.present, h.node, b)]
         for block_start in step.blocks:
             if pool and self._rng.random() < self.cfg.random_rate:
-                self._share(batch, present, pos, row, branch, block_start, *self._rng.choice(pool))
+                self._share(at, block_start, *self._rng.choice(pool))
 
     # ------------------------------------------------------------------ blocks
     def _available(self, present: dict[int, tuple[int, Row]], node: int, start: int) -> bool:
@@ -356,54 +350,43 @@ class ReasonCache(Acceleration):
             return False
         return start in branch.shared or node in present
 
-    def _block_kv(
-        self, batch: Batch, present: dict[int, tuple[int, Row]], node: int, start: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _block_kv(self, at: StepEnd, node: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A block's keys and values `[L, H, d, D]` (a transient stack of per-layer views)."""
         branch = self.branches[node]
         block = branch.shared.get(start)
         if block is not None:
             return torch.stack(block.keys), torch.stack(block.values)
-        pos, row = present[node]
-        at = row.tail_start + branch.slot(start)
-        n = self.cfg.block_tokens
-        ctx = batch.ctx
+        pos, row = at.present[node]
+        first = row.tail_start + branch.slot(start)
+        last = first + self.cfg.block_tokens
+        ctx = at.batch.ctx
         return (
-            torch.stack([t[pos, :, at : at + n] for t in ctx.tail_k]),
-            torch.stack([t[pos, :, at : at + n] for t in ctx.tail_v]),
+            torch.stack([t[pos, :, first:last] for t in ctx.tail_k]),
+            torch.stack([t[pos, :, first:last] for t in ctx.tail_v]),
         )
 
     def _norms_of(self, node: int, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> BlockNorms:
-        key = (node, start)
-        norms = self._norms.get(key)
+        per_node = self._norms.setdefault(node, {})
+        norms = per_node.get(start)
         if norms is None:
-            norms = self._norms[key] = BlockNorms.of(*kv)
+            norms = per_node[start] = BlockNorms.of(*kv)
         return norms
 
-    def _share(
-        self,
-        batch: Batch,
-        present: dict[int, tuple[int, Row]],
-        pos: int,
-        row: Row,
-        branch: Branch,
-        block_start: int,
-        src_node: int,
-        src_start: int,
-    ) -> None:
-        """Make the current row's block at `block_start` read the source block (sealed on first use)."""
+    def _share(self, at: StepEnd, block_start: int, src_node: int, src_start: int) -> None:
+        """Make the closing row's block at `block_start` read the source block (sealed on first use)."""
+        batch, branch = at.batch, at.branch
         if block_start in branch.shared:
             return
         source = self.branches[src_node]
         block = source.shared.get(src_start)
         if block is None:
-            src_pos, src_row = present[src_node]
+            src_pos, src_row = at.present[src_node]
             slot = source.slot(src_start)
             block = batch.seal(self.tree, src_pos, src_row, slot, self.cfg.block_tokens)
             batch.point_at(self.tree, src_pos, src_row, slot, src_start, block)
             source.shared[src_start] = block
             source.sealed_tokens += block.tokens
-        batch.point_at(self.tree, pos, row, branch.slot(block_start), block_start, block)
+        batch.point_at(self.tree, at.pos, at.row, branch.slot(block_start), block_start, block)
         branch.shared[block_start] = block
         self.stats.bump("reasoncache_blocks_reused")
 

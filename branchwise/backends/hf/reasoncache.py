@@ -388,6 +388,7 @@ class ReasonCache(Acceleration):
             source.sealed_tokens += block.tokens
         batch.point_at(self.tree, at.pos, at.row, branch.slot(block_start), block_start, block)
         branch.shared[block_start] = block
+        self._norms.get(branch.node, {}).pop(block_start, None)  # it reads the source's KV now
         self.stats.bump("reasoncache_blocks_reused")
 
 

@@ -53,6 +53,7 @@ from branchwise.backends.hf.reasoncache_filter import (
     structurally_equal,
 )
 from branchwise.backends.hf.tree import Block, KVTree, Segment
+from branchwise.backends.hf.vocab import token_texts
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,8 @@ class StepBoundaries:
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase) -> StepBoundaries:
-        special = set(tokenizer.all_special_ids)
-        ids = [i for i in range(len(tokenizer)) if i not in special]
-        texts = tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
         closes, end, space = set(), set(), set()
-        for i, text in zip(ids, texts, strict=True):
+        for i, text in token_texts(tokenizer):
             stripped = text.rstrip()
             if "\n" in text or (stripped != text and stripped[-1:] in {".", "!", "?"}):
                 closes.add(i)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from branchwise.backends.hf.cgee import safe_model_name
 from branchwise.backends.hf.embedded import branchwise_cache_dir
+from branchwise.backends.hf.vocab import token_texts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -55,17 +56,9 @@ def is_delimiter_text(text: str) -> bool:
 
 
 def delimiter_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Ids of the vocabulary tokens that decode, on their own, to a newline delimiter.
-
-    The rule is on decoded text rather than on a fixed token list so it holds for any tokenizer
-    (byte-level "Ċ", SentencePiece "<0x0A>", merged ".ĊĊ"). Special tokens are skipped: a chat
-    marker is never a sentence end. Singletons go through `batch_decode`, equivalent to
-    `decode([i])` per id but one call, which matters for 150k-token vocabularies.
-    """
-    special = set(tokenizer.all_special_ids)
-    ids = [i for i in range(len(tokenizer)) if i not in special]
-    texts = tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
-    return frozenset(i for i, text in zip(ids, texts, strict=True) if is_delimiter_text(text))
+    """Ids of the vocabulary tokens that decode, on their own, to a newline delimiter (special
+    tokens excluded; see `vocab.token_texts` for why the rule is on text)."""
+    return frozenset(i for i, text in token_texts(tokenizer) if is_delimiter_text(text))
 
 
 # ---------------------------------------------------------------------------------------------- sentences

@@ -97,9 +97,10 @@ class BlockPool:
     @classmethod
     def empty(cls, like: torch.Tensor, n_layers: int, batch: int) -> BlockPool:
         h, d = like.shape[1], like.shape[3]
-        make = [like.new_zeros(h, 0, d) for _ in range(n_layers)]
         return cls(
-            keys=make, values=list(make), table=torch.zeros(batch, 0, dtype=torch.bool, device=like.device)
+            keys=[like.new_zeros(h, 0, d) for _ in range(n_layers)],
+            values=[like.new_zeros(h, 0, d) for _ in range(n_layers)],
+            table=torch.zeros(batch, 0, dtype=torch.bool, device=like.device),
         )
 
     def point(self, row: int, block: Block) -> None:

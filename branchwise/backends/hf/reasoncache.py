@@ -297,9 +297,9 @@ class ReasonCache(Acceleration):
         self.stats.bump("reasoncache_stage1_steps", len(candidates))
         for i, block_start in enumerate(step.blocks):
             sources = [
-                (src, j)
+                (cand.node, src)
                 for _, cand in candidates
-                for j, src in enumerate(cand.blocks)
+                for src in cand.blocks
                 if self._available(at.present, cand.node, src)
             ]
             if not sources:
@@ -314,17 +314,12 @@ class ReasonCache(Acceleration):
                 continue
             mine = self._block_kv(at, at.branch.node, block_start)
             mine_norms = self._norms_of(at.branch.node, block_start, mine)
-            best, best_d = None, float("inf")
-            for _, cand in candidates:
-                for src in cand.blocks:
-                    if not self._available(at.present, cand.node, src):
-                        continue
-                    theirs = self._block_kv(at, cand.node, src)
-                    d = block_distance(mine, theirs, mine_norms, self._norms_of(cand.node, src, theirs))
-                    if d < best_d:
-                        best, best_d = (cand.node, src), d
-            if best is None:
-                continue
+            best, best_d = sources[0], float("inf")
+            for node, src in sources:
+                theirs = self._block_kv(at, node, src)
+                d = block_distance(mine, theirs, mine_norms, self._norms_of(node, src, theirs))
+                if d < best_d:
+                    best, best_d = (node, src), d
             admitted = self.pat.admit(best_d)
             self.stats.extra["reasoncache_threshold"] = self.pat.threshold() or 0.0
             if not admitted:

@@ -5,12 +5,13 @@ Branches of one question (self-consistency, beam, ETS siblings) and the steps in
 repeat themselves. Each row's generated KV is cut into fixed blocks of `block_tokens` slots, aligned
 where its decoding started; a block is *sealed* once all its tokens are computed. When a reasoning
 step ends (a newline or sentence end, decided on token ids), the filter (`reasoncache_filter.py`)
-looks for an earlier step of the same question, in this branch or a live sibling, that the new step
-repeats (stage 1), then for each block sealed during the new step the nearest sealed block of those
+looks for an earlier step of the same question (this branch's, its earlier tree steps', or a
+sibling's, live or finished) that the new step repeats (stage 1), then for each block sealed during the new step the nearest sealed block of those
 candidate steps by KV distance (stage 2, PAT threshold). An admitted block is *shared*:
 
-- the source block becomes a physical `tree.Block` (copied once out of its row, its slots leave that
-  row's tail, the row points at it), unless it already is one;
+- the source block becomes a physical `tree.Block` unless it already is one: copied once out of its
+  row's tail (the slots leave the tail, the row points at it), or, for a node outside the decode,
+  moved out of the node's KV (`KVTree.seal_own`), so it is held once either way;
 - the new block's slots leave the current row's tail and the row points at the same block
   (`Batch.point_at`): from the next forward on its attention reads the block through the batch's
   block pool, in the one product all rows of the pool share. No copy per reader.
@@ -21,9 +22,9 @@ every later token's position comes from the node's token count, not from its KV 
 
 Off the hot path: the filter runs only between decode steps, only when a step closes and only on
 sealed blocks; its time is counted (`reasoncache_filter_s`) so a benchmark can set it against
-decode time. Sources are rows still in the batch (or blocks already shared); a finished row that
-left the batch is no longer a source, and ancestors (shared prefixes, earlier tree steps) are never
-rewritten. `mode="lexical"` (stage 1 without stage 2, the paper's "only Cos" ablation) and
+decode time. Sources are the generated KV of branches decoded in this run while their nodes live;
+what a node's readers attend to never changes (a source's KV only moves into a block), and prompts
+and other KV decoded before the run are never touched. `mode="lexical"` (stage 1 without stage 2, the paper's "only Cos" ablation) and
 `mode="random"` (the paper's random-sharing baseline) run in the same code path.
 """
 
@@ -337,11 +338,15 @@ class ReasonCache(Acceleration):
 
     # ------------------------------------------------------------------ blocks
     def _available(self, present: dict[int, tuple[int, Row]], node: int, start: int) -> bool:
-        """Whether a block can be a source: already a shared block, or still in a live row's tail."""
+        """Whether a block can be a source: already a shared block, in a present row's tail, or in
+        the KV of a node outside the decode (an earlier tree step, a finished branch)."""
         branch = self.branches.get(node)
         if branch is None:
             return False
-        return start in branch.shared or node in present
+        if start in branch.shared or node in present:
+            return True
+        seg = self.tree.find(node)
+        return seg is not None and branch.slot(start) + self.cfg.block_tokens <= seg.kv_tokens
 
     def _block_kv(self, at: StepEnd, node: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A block's keys and values `[L, H, d, D]` (a transient stack of per-layer views)."""
@@ -349,6 +354,15 @@ class ReasonCache(Acceleration):
         block = branch.shared.get(start)
         if block is not None:
             return torch.stack(block.keys), torch.stack(block.values)
+        if node not in at.present:  # held in its node, outside the decode
+            seg = self.tree.find(node)
+            assert seg is not None and seg.keys is not None and seg.values is not None
+            first = branch.slot(start)
+            last = first + self.cfg.block_tokens
+            return (
+                torch.stack([t[:, first:last] for t in seg.keys]),
+                torch.stack([t[:, first:last] for t in seg.values]),
+            )
         pos, row = at.present[node]
         first = row.tail_start + branch.slot(start)
         last = first + self.cfg.block_tokens
@@ -373,10 +387,15 @@ class ReasonCache(Acceleration):
         source = self.branches[src_node]
         block = source.shared.get(src_start)
         if block is None:
-            src_pos, src_row = at.present[src_node]
             slot = source.slot(src_start)
-            block = batch.seal(self.tree, src_pos, src_row, slot, self.cfg.block_tokens)
-            batch.point_at(self.tree, src_pos, src_row, slot, src_start, block)
+            if src_node in at.present:
+                src_pos, src_row = at.present[src_node]
+                block = batch.seal(self.tree, src_pos, src_row, slot, self.cfg.block_tokens)
+                batch.point_at(self.tree, src_pos, src_row, slot, src_start, block)
+            else:  # its readers (if any) see the same KV, now through the block
+                seg = self.tree.find(src_node)
+                assert seg is not None
+                block = self.tree.seal_own(seg, slot, src_start, self.cfg.block_tokens)
             source.shared[src_start] = block
             source.sealed_tokens += block.tokens
         batch.point_at(self.tree, at.pos, at.row, branch.slot(block_start), block_start, block)

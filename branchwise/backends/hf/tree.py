@@ -406,6 +406,23 @@ class KVTree:
         seg.blocks.append((start, block))
         seg.exact = False
 
+    def seal_own(self, seg: Segment, slot: int, logical: int, n: int) -> Block:
+        """Move a held node's own KV slots `slot .. slot + n` into a new block that it references.
+
+        How a node outside the running batch (an earlier tree step, a branch that finished) becomes
+        a sharing source: its bytes move from the node to the block, under the same owner, so
+        nothing is held twice; what its readers attend to is unchanged, now read through the block.
+        """
+        assert seg.keys is not None and seg.values is not None
+        keys = [t[:, slot : slot + n].clone() for t in seg.keys]
+        values = [t[:, slot : slot + n].clone() for t in seg.values]
+        rest_k = [torch.cat([t[:, :slot], t[:, slot + n :]], dim=1) for t in seg.keys]
+        rest_v = [torch.cat([t[:, :slot], t[:, slot + n :]], dim=1) for t in seg.values]
+        self.set_kv(seg, rest_k, rest_v)
+        block = self.seal_block(keys, values, seg.owner)
+        self.ref_block(seg, logical, block)
+        return block
+
     def _unref_blocks(self, seg: Segment) -> None:
         for _, block in seg.blocks:
             block.refs -= 1

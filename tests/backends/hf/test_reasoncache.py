@@ -66,6 +66,22 @@ def test_ref_count_never_goes_negative() -> None:
         tree.release(a.id)
 
 
+def test_seal_own_moves_a_nodes_slots_into_a_block_it_references() -> None:
+    tree = KVTree()
+    run = Ledger()
+    seg = tree.add(None, False, list(range(6)), run)
+    keys, values = _kv(tokens=6)
+    tree.set_kv(seg, keys, values)
+    seg.n_computed = 6
+    held = run.held
+    block = tree.seal_own(seg, 2, 2, 3)
+    assert run.held == held and tree.total.held == held  # moved, not copied
+    assert seg.kv_tokens == 3 and seg.blocks == [(2, block)] and block.refs == 1
+    assert torch.equal(block.keys[1], keys[1][:, 2:5]) and torch.equal(seg.values[0][:, 2:], values[0][:, 5:])
+    tree.release(seg.id)
+    assert run.held == 0 and tree.blocks_live == 0
+
+
 def test_a_node_with_shared_blocks_is_never_split() -> None:
     tree = KVTree()
     run = Ledger()
@@ -233,6 +249,29 @@ def test_shared_prefix_blocks_are_never_rewritten(backend: HFBackend) -> None:
     # children and grandchildren read their ancestors' blocks through the pool
     grand = session.fork(kids[0], 2)
     session.extend(grand, DecodeParams(max_tokens=4, temperature=0.0))
+    session.release(grand + kids + [root])
+    assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks_live == 0
+
+
+def test_an_earlier_tree_step_is_a_source_and_its_readers_see_the_same_kv(backend: HFBackend) -> None:
+    """Grandchildren may share blocks of their parent step (a node outside their decode): its KV
+    moves into blocks, and what a reader of that step attends to stays the same."""
+    cfg = ReasonCacheConfig(block_tokens=2, mode="random", random_rate=0.0, seed=3)
+    session = backend.session(share="exact", accel=Accel(reasoncache=cfg))
+    plugin = _every_token_ends_a_step(session, backend)
+    root = session.prefill(backend.encode("A question with two steps."))
+    kids = session.fork(root, 2)
+    session.extend(kids, DecodeParams(max_tokens=12, temperature=1.0, seed=0))
+    parent = backend.tree.get(kids[0])
+    assert not parent.blocks
+    plugin.cfg = cfg.model_copy(update={"random_rate": 1.0})  # share from the second step on
+    probe = backend.encode(" then")
+    before = session.score_next([kids[0]], probe, [1, 2, 3])
+    grand = session.fork(kids[0], 2)
+    session.extend(grand, DecodeParams(max_tokens=12, temperature=1.0, seed=1))
+    assert parent.blocks, "no block of the parent step became a source"
+    after = session.score_next([kids[0]], probe, [1, 2, 3])
+    torch.testing.assert_close(torch.tensor(after), torch.tensor(before), atol=1e-5, rtol=1e-5)
     session.release(grand + kids + [root])
     assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks_live == 0
 

@@ -163,7 +163,9 @@ class SkipKVConfig(_Config):
     Every `interval` decode steps a branch above budget drops the tokens with the lowest Eq. 6 score
     (σ·attention importance − (1−σ)·key redundancy − sentence redundancy λ). Prompt and ancestor KV
     (shared with other branches) is never evicted. `sigma=1, redundancy=False, sentence_scoring=False`
-    is the attention-only (H2O/SnapKV-style) baseline; `sentence_scoring=False` alone is R-KV.
+    is the attention-only (H2O/SnapKV-style) baseline; `sentence_scoring=False` alone is R-KV;
+    `window == budget` keeps the newest tokens only (StreamingLLM: the prompt, never evicted, plays
+    its attention sinks).
     """
 
     budget: int = Field(..., ge=2, le=10_000_000, description="KV tokens a branch's generated part may keep")
@@ -180,8 +182,8 @@ class SkipKVConfig(_Config):
 
     @model_validator(mode="after")
     def _check(self) -> SkipKVConfig:
-        if self.window >= self.budget:
-            raise ValueError(f"window={self.window} must be below budget={self.budget}")
+        if self.window > self.budget:
+            raise ValueError(f"window={self.window} must not exceed budget={self.budget}")
         if self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel={self.pool_kernel} must be odd (1-255)")
         return self
@@ -190,6 +192,18 @@ class SkipKVConfig(_Config):
     def attention_only(cls, budget: int, **kwargs: object) -> SkipKVConfig:
         """H2O/SnapKV-style baseline: evict by windowed attention importance alone."""
         return cls(budget=budget, sigma=1.0, redundancy=False, sentence_scoring=False, **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def streaming(cls, budget: int, **kwargs: object) -> SkipKVConfig:
+        """StreamingLLM-style baseline: keep the newest `budget` generated tokens, score nothing."""
+        return cls(
+            budget=budget, window=budget, sigma=1.0, redundancy=False, sentence_scoring=False, **kwargs
+        )  # type: ignore[arg-type]
+
+    @property
+    def recency_only(self) -> bool:
+        """Whether the window fills the budget, so no token is ever chosen by its score."""
+        return self.window >= self.budget
 
     @classmethod
     def rkv(cls, budget: int, **kwargs: object) -> SkipKVConfig:

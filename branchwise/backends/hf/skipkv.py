@@ -306,16 +306,9 @@ class SkipKV(Acceleration):
         keys = [torch.cat([p[0][layer] for p in pieces], dim=1) for layer in range(len(ctx.tail_k))]
         sizes = [int(p[0][0].shape[1]) for p in pieces]
         total = sum(sizes)
-        scale = self.parts.head_dim**-0.5
-        importance = torch.stack(
-            [
-                token_importance(w[pos], k, scale, cfg.pool_kernel)
-                for w, k in zip(window.windows, keys, strict=True)
-            ]
-        )
-        redundancy = torch.stack([key_redundancy(k) for k in keys]) if cfg.redundancy else None
-        evictable = torch.zeros(total, dtype=torch.bool, device=importance.device)
-        penalty = torch.zeros(total, device=importance.device) if cfg.sentence_scoring else None
+        device = keys[0].device
+        evictable = torch.zeros(total, dtype=torch.bool, device=device)
+        penalty = torch.zeros(total, device=device) if cfg.sentence_scoring else None
         offset = 0
         for (_, start, tracker), size in zip(pieces, sizes, strict=True):
             evictable[offset + start : offset + size] = True
@@ -323,7 +316,18 @@ class SkipKV(Acceleration):
                 lam = sentence_redundancy(tracker.sentence_vectors(), cfg.tau)
                 penalty[offset + start : offset + size] = tracker.sentence_penalty(lam).to(penalty.device)
             offset += size
-        scores = eviction_scores(importance, redundancy, penalty, cfg.sigma)
+        if cfg.recency_only:  # the window is the whole budget: no score decides anything
+            scores = torch.zeros(total, device=device)
+        else:
+            scale = self.parts.head_dim**-0.5
+            importance = torch.stack(
+                [
+                    token_importance(w[pos], k, scale, cfg.pool_kernel)
+                    for w, k in zip(window.windows, keys, strict=True)
+                ]
+            )
+            redundancy = torch.stack([key_redundancy(k) for k in keys]) if cfg.redundancy else None
+            scores = eviction_scores(importance, redundancy, penalty, cfg.sigma)
         keep = select_keep(
             scores, cfg.budget, evictable=evictable, protected=newest_mask(evictable, cfg.window)
         )

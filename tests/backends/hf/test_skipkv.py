@@ -92,6 +92,23 @@ def test_positions_after_eviction_match_masked_reference(tiny_llama_dir, masked_
     backend.release([root, kid])
 
 
+def test_streaming_preset_keeps_exactly_the_newest_tokens(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    backend.accel = Accel(skipkv=SkipKVConfig.streaming(6, interval=12, query_window=4))
+    root, (kid,) = _extend(backend, 1, 13)
+    skip = backend.acceleration(SkipKV)
+    assert isinstance(skip, SkipKV)
+    state = skip.state(kid)
+    assert state is not None
+    assert list(state.tracker.positions) == list(range(6, 12))  # 12 fed, the oldest 6 evicted
+    backend.release([root, kid])
+
+
+def test_window_above_budget_is_rejected_naming_both() -> None:
+    with pytest.raises(ValueError, match=r"window=9 must not exceed budget=8"):
+        SkipKVConfig(budget=8, window=9)
+
+
 def test_steering_changes_the_residual_only_at_delimiters(tiny_llama_dir) -> None:
     backend = HFBackend(tiny_llama_dir)
     parts = backend.parts

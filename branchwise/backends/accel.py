@@ -110,6 +110,19 @@ class RiverConfig(_Config):
     block output) is taken at every row's newest token (decode) or averaged over each row's fed tokens
     (prefill, sequence level). When it reaches `threshold` for every row of the batch, the remaining
     layers run on their quantized copies, which write K/V into the backbone's own cache slots.
+
+    The LM head (`head`) is the largest single matrix, and its error goes straight into the logits.
+    Measured on the embedded model (the exact backbone hidden states of `benchmarks/river.py`'s
+    decodes, head alone): the per-row 8-bit head flips the next token on 1.6 % of them (KL 1.1e-3,
+    about two thirds of a whole exit's KL), half from its weights and half from its kernel's bf16
+    output (logits near 30 are rounded to steps of 0.125, so close top-2 pairs tie or swap); a 4-bit
+    head flips 7-9 %. 'refined' recomputes the quantized head's top `head_top_k` logits from the
+    backbone's head (a gather of k rows): the next token is then the backbone's whenever its true
+    top token is among those k (all of them from k = 2 there; KL 7e-5 at k = 16), for a small fraction
+    of the quantized head's cost. 'backbone' is exact given the hidden state but reads the full-
+    precision head every step, which costs a large part of the exit's saving on a small model whose
+    head is a large share of its weights. What is left of the river's error after the head comes
+    from its layers (`bits`, `group_size`) and from how early tokens exit (`threshold`).
     """
 
     threshold: float = Field(
@@ -127,6 +140,19 @@ class RiverConfig(_Config):
         "state almost completely, so testing them gains nothing)",
     )
     bits: Literal[4, 8] = Field(8, description="weight bits of the river layers")
+    head: Literal["refined", "quantized", "backbone"] = Field(
+        "refined",
+        description="the LM head of exited tokens: 'quantized' = a `bits`-bit weight-only copy of the "
+        "backbone's head; 'refined' = that copy picks `head_top_k` candidates per row and their logits are "
+        "recomputed from the backbone's head; 'backbone' = the backbone's head itself (see the class "
+        "docstring for the trade-off)",
+    )
+    head_top_k: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="with head='refined': the candidates per row whose logits are recomputed in full precision",
+    )
     group_size: int = Field(
         64, ge=8, le=8192, description="weights per quantization group of the 4-bit kernel (8-bit is per row)"
     )

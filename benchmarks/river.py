@@ -1,6 +1,7 @@
 """River-LLM (§5, Table 3, Fig. 7): tokens/s and fidelity of the exit river, in one run.
 
-Conditions, on the same reasoning-gym problems, greedy, batch size 1 as in the paper's Table 3:
+Conditions, on the same reasoning-gym problems, greedy, batch size 1 as in the paper's Table 3
+(`--batch 8`: eight problems decoded together; River exits a forward only when every row passes):
 - `backbone`: River off (the full-precision model, same decode loop);
 - `full_quant`: every token leaves after the entry layer (threshold −1): all later layers run
   quantized — the "fully quantized model" of §5.3 except for the layers up to the entry layer;
@@ -36,27 +37,32 @@ PAPER = {
 
 
 def decode_all(
-    backend: HFBackend, prompts: list[list[int]], max_tokens: int
+    backend: HFBackend, prompts: list[list[int]], max_tokens: int, batch: int = 1
 ) -> tuple[list[list[int]], list[str], float, dict[str, float]]:
-    """Greedy-decode each prompt alone; return tokens, texts, decode seconds and River counters.
+    """Greedy-decode the prompts `batch` at a time (one decode batch of different problems); return
+    tokens, texts, decode seconds and River counters.
 
-    The prompt is prefilled (with one token) before the clock starts, so tokens/s is decode speed.
+    The prompts are prefilled (with one token) before the clock starts, so tokens/s is decode speed.
+    Rows that finish early leave the batch, so the last steps of a group may run fewer rows.
     """
     tokens, texts, seconds = [], [], 0.0
     backend.reset_stats()
-    for prompt in prompts:
-        root = backend.prefill(prompt)
-        (kid,) = backend.fork(root, 1)
-        first = backend.extend([kid], DecodeParams(temperature=0.0, max_tokens=1))[0]
+    for start_at in range(0, len(prompts), batch):
+        roots = [backend.prefill(prompt) for prompt in prompts[start_at : start_at + batch]]
+        kids = [backend.fork(root, 1)[0] for root in roots]
+        firsts = backend.extend(kids, DecodeParams(temperature=0.0, max_tokens=1))
+        going = [kid for kid, first in zip(kids, firsts, strict=True) if first.finish_reason == "length"]
         sync(backend)
         t0 = time.perf_counter()
-        rest = backend.extend([kid], DecodeParams(temperature=0.0, max_tokens=max_tokens - 1))[0]
+        rests = backend.extend(going, DecodeParams(temperature=0.0, max_tokens=max_tokens - 1))
         sync(backend)
         seconds += time.perf_counter() - t0
-        ids = first.token_ids + rest.token_ids if first.finish_reason == "length" else first.token_ids
-        tokens.append(ids)
-        texts.append(backend.decode(ids))
-        backend.release([root, kid])
+        rest_of = dict(zip(going, rests, strict=True))
+        for kid, first in zip(kids, firsts, strict=True):
+            ids = first.token_ids + (rest_of[kid].token_ids if kid in rest_of else [])
+            tokens.append(ids)
+            texts.append(backend.decode(ids))
+        backend.release([*roots, *kids])
     return tokens, texts, seconds, dict(backend.kv_stats().extra)
 
 
@@ -71,7 +77,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = BenchParser(__doc__, {"tasks": "gsm_symbolic", "problems": 2, "max_tokens": 24})
+    parser = BenchParser(__doc__, {"tasks": "gsm_symbolic", "problems": 2, "max_tokens": 24, "batch": 2})
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (bf16 on cuda)")
     parser.add_argument("--tasks", default="gsm_symbolic,basic_arithmetic")
     parser.add_argument("--problems", "-N", type=int, default=6, help="per task")
@@ -79,15 +85,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--thresholds", default="0.95,0.97", help="two (or more) exit thresholds")
     parser.add_argument("--entry-layer", type=int, default=None, help="default: RiverConfig's")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=8)
+    parser.add_argument("--group-size", type=int, default=None, help="4-bit groups; default: RiverConfig's")
+    parser.add_argument(
+        "--head", default=None, choices=("refined", "quantized", "backbone"), help="default: RiverConfig's"
+    )
+    parser.add_argument("--head-top-k", type=int, default=None, help="default: RiverConfig's")
+    parser.add_argument(
+        "--batch", type=int, default=1, help="problems decoded together in one batch (the paper's Table 3: 1)"
+    )
     parser.add_argument("--kernel", default="auto", choices=("auto", "dynamic_int8", "weight_only"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     thresholds = [float(t) for t in args.thresholds.split(",")]
     bench = start("river", args, device=args.device)
     backend = bench.backend
-    base = RiverConfig(bits=args.bits, kernel=args.kernel)
-    if args.entry_layer is not None:
-        base = base.model_copy(update={"entry_layer": args.entry_layer})
+    chosen = {
+        "entry_layer": args.entry_layer,
+        "group_size": args.group_size,
+        "head": args.head,
+        "head_top_k": args.head_top_k,
+    }
+    base = RiverConfig(
+        bits=args.bits, kernel=args.kernel, **{k: v for k, v in chosen.items() if v is not None}
+    )
     problems = [p for task in args.tasks.split(",") for p in load_problems(task, args.problems, args.seed)]
     prompts = [backend.chat_prompt([{"role": "user", "content": q}]) for q, _, _ in problems]
     conditions: dict[str, RiverConfig | None] = {
@@ -110,11 +130,13 @@ def main(argv: list[str] | None = None) -> None:
                 "kernel": river.kernel,
                 "execution": river.execution,
                 "quantized_head": river.head is not None,
+                "head": base.head,
                 "seconds": round(river.build_s, 2),
                 "river_bytes": river.nbytes,
             }
-        decode_all(backend, prompts[:1], 4)  # warm-up (first-call allocations, kernel selection)
-        tokens, texts, seconds, extra = decode_all(backend, prompts, args.max_tokens)
+        # warm-up (first-call allocations, kernel selection)
+        decode_all(backend, prompts[: args.batch], 4, args.batch)
+        tokens, texts, seconds, extra = decode_all(backend, prompts, args.max_tokens, args.batch)
         answers = [extract_answer(t) for t in texts]
         correct = [
             float(ds.score_answer(a, e) >= 1.0) for a, (_, e, ds) in zip(answers, problems, strict=True)
@@ -139,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                 statistics.fmean(float(a == b) for a, b in zip(answers, reference_answers, strict=True)), 3
             )
             backend.accel = Accel(river=cfg.model_copy(update={"audit": True}))
-            _, _, _, audited = decode_all(backend, prompts, args.max_tokens)
+            _, _, _, audited = decode_all(backend, prompts, args.max_tokens, args.batch)
             rows = audited.get("river_audit_rows", 0.0)
             row["audit"] = {  # over the exited forwards' last tokens; the others ran the whole backbone
                 "exited_tokens": int(rows),
@@ -153,7 +175,13 @@ def main(argv: list[str] | None = None) -> None:
             row["speedup_vs_backbone"] = round(row["tokens_per_s"] / backbone_speed, 3)
     bench.emit(
         {"river_build": build, "conditions": results, "paper": PAPER},
-        config={"entry_layer": base.entry_layer, "n_layers": backend.parts.n_layers},
+        config={
+            "entry_layer": base.entry_layer,
+            "group_size": base.group_size,
+            "head": base.head,
+            "head_top_k": base.head_top_k,
+            "n_layers": backend.parts.n_layers,
+        },
     )
 
 

@@ -290,6 +290,7 @@ def test_river_quick() -> None:
     assert conds["full_quant"]["exit_rate"] == 1.0
     assert conds["full_quant"]["mean_backbone_layers_per_token"] == out["config"]["entry_layer"] + 1
     assert out["river_build"]["river_bytes"] > 0
+    assert out["config"]["batch"] == 2 and out["config"]["head"] == out["river_build"]["head"] == "refined"
 
 
 @pytest.mark.slow

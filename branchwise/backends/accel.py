@@ -110,6 +110,24 @@ class RiverConfig(_Config):
     block output) is taken at every row's newest token (decode) or averaged over each row's fed tokens
     (prefill, sequence level). When it reaches `threshold` for every row of the batch, the remaining
     layers run on their quantized copies, which write K/V into the backbone's own cache slots.
+
+    The LM head (`head`) is the largest single matrix, and its error goes straight into the logits.
+    Measured on the embedded model with `benchmarks/river.py`'s audit (greedy decodes, every exited
+    token against the backbone's own logits): with the per-row 8-bit head, next-token match 0.984,
+    KL 1.7e-3; 'refined' (k = 16) 0.9915, KL 6.8e-4; 'backbone' 0.9915, KL 6.1e-4, the same tokens
+    as 'refined'. On the backbone's exact hidden states the 8-bit head alone flips 1.6 % of next
+    tokens, half from its weights and half from its kernel's bf16 output (logits near 30 are rounded
+    to steps of 0.125, so close top-2 pairs tie or swap); refining from k = 2 on flips none. A 4-bit
+    head alone flips 7-9 %. 'refined' recomputes only k rows of the head, so it keeps the quantized
+    head's saving; 'backbone' is exact given the hidden state but reads the full-precision head
+    (4x the bytes of the 8-bit copy) on every exited token, which costs much of the exit's gain on a
+    model whose head is a large share of its weights. What the river loses after that comes from its
+    layers (`bits`, `group_size`), not from how early tokens exit: thresholds 0.95 and 0.97 and exits
+    after the entry layer alone measure the same match there. Read group-size results on the embedded
+    model with care: its checkpoint was dequantized from low-bit groups of 32 (each layer weight
+    holds at most 16 values per 32, the embedding is exactly an int8 grid per 32), so grids aligned
+    with those groups (4 bits at `group_size=32`, an 8-bit head in groups of 32) measure near-lossless
+    there, which says nothing about other models; the defaults are not tuned to it.
     """
 
     threshold: float = Field(
@@ -127,6 +145,19 @@ class RiverConfig(_Config):
         "state almost completely, so testing them gains nothing)",
     )
     bits: Literal[4, 8] = Field(8, description="weight bits of the river layers")
+    head: Literal["refined", "quantized", "backbone"] = Field(
+        "refined",
+        description="the LM head of exited tokens: 'quantized' = a `bits`-bit weight-only copy of the "
+        "backbone's head; 'refined' = that copy picks `head_top_k` candidates per row and their logits are "
+        "recomputed from the backbone's head; 'backbone' = the backbone's head itself (see the class "
+        "docstring for the trade-off)",
+    )
+    head_top_k: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="with head='refined': the candidates per row whose logits are recomputed in full precision",
+    )
     group_size: int = Field(
         64, ge=8, le=8192, description="weights per quantization group of the 4-bit kernel (8-bit is per row)"
     )

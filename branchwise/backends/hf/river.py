@@ -15,7 +15,9 @@ fed tokens (sequence level), decode sees one token per row (token level).
 
 The `River` plug-in tests the exit after each backbone layer (`after_layer`) and, once the batch
 exits, switches the rest of the forward's layer stack to the river, and the LM head to its
-quantized copy (where a fused kernel runs it: the fp32 head is the largest single read per step).
+quantized copy (where a fused kernel runs it: the fp32 head is the largest single read per step),
+by default refined: the quantized head's top candidates get their logits from the backbone's head
+(`RiverConfig.head`).
 The quantized layer copies and their kernels are `river_quant.py`.
 """
 
@@ -75,7 +77,13 @@ def weights_key(cfg: RiverConfig, parts: DecoderParts, device: torch.device) -> 
     dtype = next(parts.layers.parameters()).dtype
     kernel = resolve_kernel(cfg.kernel, cfg.bits, device, dtype)
     # the group size only shapes the 4-bit weight-only kernel; 8 bits (either kernel) is per row
-    return (cfg.entry_layer, cfg.bits, kernel, cfg.group_size if cfg.bits == 4 else None)
+    group = cfg.group_size if cfg.bits == 4 else None
+    return (cfg.entry_layer, cfg.bits, kernel, group, cfg.head, head_top_k(cfg))
+
+
+def head_top_k(cfg: RiverConfig) -> int | None:
+    """How many top logits the river's head recomputes from the backbone's (None: not refined)."""
+    return cfg.head_top_k if cfg.head == "refined" else None
 
 
 @dataclass
@@ -90,7 +98,8 @@ class RiverPath:
     device: torch.device
     layers: list[nn.Module | None] = field(init=False)
     head: nn.Module | None = field(init=False)
-    """The quantized LM head exited tokens use (None: the backbone's, no fused kernel for it)."""
+    """The LM head exited tokens use: quantized, or quantized and refined (`RiverConfig.head`);
+    None: the backbone's (asked for, or no fused kernel for a quantized one)."""
     kernel: str = field(init=False)
     nbytes: int = field(init=False)
     build_s: float = field(init=False)
@@ -107,8 +116,17 @@ class RiverPath:
             self.kernel,
             self.device,
         )
-        self.head = quantize_head(
-            self.parts.head, self.cfg.bits, self.cfg.group_size, self.kernel, self.device
+        self.head = (
+            None
+            if self.cfg.head == "backbone"
+            else quantize_head(
+                self.parts.head,
+                self.cfg.bits,
+                self.cfg.group_size,
+                self.kernel,
+                self.device,
+                refine_top_k=head_top_k(self.cfg),
+            )
         )
         self.build_s = time.perf_counter() - start
         self.nbytes = river_bytes([*self.layers, self.head])

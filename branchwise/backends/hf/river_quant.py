@@ -449,29 +449,78 @@ def build_river(
     return river
 
 
+class RefinedHead(nn.Module):
+    """A quantized LM head whose `top_k` highest logits per row are recomputed from the exact head.
+
+    Why: the head's error goes straight into the logits, and the next token is decided among a few
+    top candidates. The quantized head (the full vocabulary read at low bit width) picks them; their
+    logits are then recomputed from the backbone's head rows (k rows, a gather), so the top of the
+    distribution is the backbone's given the same hidden state, whenever its true top token is among
+    the k. The other logits stay quantized. The backbone's head is only read, not owned: it is no
+    submodule, so it is neither counted in the river's bytes nor duplicated (a tied embedding stays
+    tied).
+    """
+
+    def __init__(self, quantized: nn.Module, exact: nn.Linear, top_k: int) -> None:
+        super().__init__()
+        if top_k < 1:
+            raise ValueError(f"top_k={top_k} must be >= 1")
+        self.quantized = quantized
+        self._exact = (exact,)  # a tuple keeps nn.Module from registering it as a submodule
+        self.top_k = min(top_k, exact.out_features)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the quantized head runs on a fused kernel (see `WeightOnlyLinear.fused`)."""
+        return bool(getattr(self.quantized, "fused", False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        exact = self._exact[0]
+        y = self.quantized(x)
+        idx = y.topk(self.top_k, dim=-1).indices  # [..., k]
+        rows = exact.weight[idx]  # [..., k, d], in the backbone's dtype
+        z = (rows @ x.to(rows.dtype).unsqueeze(-1)).squeeze(-1)
+        if exact.bias is not None:
+            z = z + exact.bias[idx]
+        return y.scatter(-1, idx, z.to(y.dtype))
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}"
+
+
 def quantize_head(
-    head: nn.Module, bits: int, group_size: int, kernel: str, device: torch.device
+    head: nn.Module,
+    bits: int,
+    group_size: int,
+    kernel: str,
+    device: torch.device,
+    refine_top_k: int | None = None,
 ) -> nn.Module | None:
     """The LM head as a weight-only quantized Linear for the river, or None (keep the backbone's).
 
     Why: after an exit the fp32 head (vocab × hidden: 49k × 576 on the embedded model, 113 MB read
     per decode step) costs more than all the river layers together. Quantized only where a fused
     kernel runs it (a dequantize-per-call head would be slower than the fp one); the head is only
-    read, so a head tied to the embeddings stays intact.
+    read, so a head tied to the embeddings stays intact. `refine_top_k`: wrap the quantized head in
+    a `RefinedHead` that recomputes that many top logits per row from `head`.
     """
     if not isinstance(head, nn.Linear):
         return None
     if kernel == "torchao":
-        return _torchao_quantize(head, bits, group_size)  # type: ignore[return-value]
-    if kernel != "weight_only":
+        quantized: nn.Module = _torchao_quantize(head, bits, group_size)
+    elif kernel != "weight_only":
         return None
-    out_f, in_f = head.weight.shape
-    fused = (
-        int8_cpu_kernel_ok(bits, in_f, device)
-        if bits == 8
-        else int4_cpu_kernel_ok(bits, min(group_size, in_f), in_f, out_f, device)
-    )
-    return WeightOnlyLinear.from_linear(head, bits, group_size, fused=True).eval() if fused else None
+    else:
+        out_f, in_f = head.weight.shape
+        fused = (
+            int8_cpu_kernel_ok(bits, in_f, device)
+            if bits == 8
+            else int4_cpu_kernel_ok(bits, min(group_size, in_f), in_f, out_f, device)
+        )
+        if not fused:
+            return None
+        quantized = WeightOnlyLinear.from_linear(head, bits, group_size, fused=True).eval()
+    return quantized if refine_top_k is None else RefinedHead(quantized, head, refine_top_k).eval()
 
 
 def _dynamic_linear_bytes(mod: nn.Module) -> int:

@@ -17,10 +17,12 @@ from torch import nn
 
 from branchwise.backends.hf.river import exit_fidelity, transition_similarity
 from branchwise.backends.hf.river_quant import (
+    RefinedHead,
     WeightOnlyLinear,
     build_river,
     int4_cpu_kernel_ok,
     int8_cpu_kernel_ok,
+    quantize_head,
     quantize_layer,
     resolve_kernel,
     river_bytes,
@@ -455,6 +457,47 @@ def test_exit_fidelity() -> None:
     assert math.isclose(float(kl[0]), float(expected), rel_tol=1e-4)
 
 
+# --- the river's LM head ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_refined_head_gives_the_backbone_heads_top_logits(bits: int, bias: bool) -> None:
+    """The top-k logits are the full-precision head's, the rest the quantized head's."""
+    lin = _linear(128, 512, bias=bias)
+    quantized = quantize_head(lin, bits, 64, "weight_only", CPU)
+    refined = quantize_head(lin, bits, 64, "weight_only", CPU, refine_top_k=8)
+    if quantized is None:
+        pytest.skip("torch lacks the fused CPU kernel for this head")
+    assert isinstance(refined, RefinedHead) and refined.fused
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 128)  # [batch, tokens, hidden]: any leading shape
+    with torch.no_grad():
+        want, approx, got = lin(x), quantized(x), refined(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    top = approx.topk(8, dim=-1).indices
+    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), atol=1e-5, rtol=1e-5)
+    rest = torch.ones_like(got, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(got[rest], approx[rest])
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # the backbone's head is read, never copied or counted
+    assert river_bytes([refined]) == river_bytes([quantized])
+    assert not any(p is lin.weight for p in refined.parameters())
+
+
+def test_refined_head_k_beyond_the_vocabulary_is_the_full_head() -> None:
+    lin = _linear(64, 32, bias=False)
+    refined = quantize_head(lin, 8, 64, "weight_only", CPU, refine_top_k=100)
+    if refined is None:
+        pytest.skip("torch lacks the fused CPU int8 kernel")
+    assert isinstance(refined, RefinedHead) and refined.top_k == 32
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(refined(x), lin(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="top_k=0"):
+        RefinedHead(refined.quantized, lin, 0)
+
+
 # --- RiverPath (what the backend's layer loop asks) --------------------------------------------
 
 
@@ -470,7 +513,8 @@ def test_river_path_exit_rule_and_rebuild_check(tiny_llama: Tiny) -> None:
     assert [path.may_exit(i) for i in range(3)] == [True, True, False]  # never after the last layer
     assert path.layers[0] is None and path.layers[2] is not None
     assert path.nbytes == river_bytes([*path.layers, path.head]) > river_bytes(path.layers) > 0  # head too
-    assert path.head is not None and path.head.fused  # the LM head runs quantized after an exit
+    assert isinstance(path.head, RefinedHead)  # the default head: quantized, top logits recomputed
+    assert path.head.fused  # the LM head runs quantized after an exit
     h = torch.randn(2, 3, 64)
     assert path.passes(h, h + 0.01, torch.tensor([3, 1]))
     assert not path.passes(h, -h, torch.tensor([3, 1]))
@@ -483,6 +527,56 @@ def test_river_path_exit_rule_and_rebuild_check(tiny_llama: Tiny) -> None:
     assert not path.same_weights(cfg.model_copy(update={"bits": 4}))
     path4 = RiverPath(decoder_parts(model), cfg.model_copy(update={"bits": 4}), CPU)
     assert not path4.same_weights(path4.cfg.model_copy(update={"group_size": 64}))
+    # the head is part of the build; the top-k only where the head is refined
+    assert not path.same_weights(cfg.model_copy(update={"head": "quantized"}))
+    assert not path.same_weights(cfg.model_copy(update={"head_top_k": 4}))
+    quantized = cfg.model_copy(update={"head": "quantized"})
+    assert RiverPath(decoder_parts(model), quantized, CPU).same_weights(
+        quantized.model_copy(update={"head_top_k": 4})
+    )
+
+
+@pytest.mark.parametrize("head", ["refined", "quantized", "backbone"])
+def test_river_path_head_follows_the_config(tiny_llama: Tiny, head: str) -> None:
+    """'backbone' builds no head (the forward keeps the model's fp32 one); the others a fused copy."""
+    from branchwise.backends.accel import RiverConfig
+    from branchwise.backends.hf.arch import decoder_parts
+    from branchwise.backends.hf.river import RiverPath
+
+    model, _ = tiny_llama
+    path = RiverPath(decoder_parts(model), RiverConfig(entry_layer=0, head=head), CPU)  # type: ignore[arg-type]
+    if head == "backbone":
+        assert path.head is None
+        assert path.nbytes == river_bytes(path.layers)
+    else:
+        assert path.head is not None and path.head.fused
+        assert isinstance(path.head, RefinedHead) == (head == "refined")
+        # the refined head reads the backbone's head, it does not hold a copy of it
+        assert (
+            path.nbytes
+            == river_bytes([*path.layers, path.head])
+            < river_bytes(path.layers) + sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
+        )
+
+
+@pytest.mark.parametrize(
+    ("update", "field", "allowed"),
+    [
+        ({"head": "fp16"}, "head", "'refined', 'quantized' or 'backbone'"),
+        ({"head_top_k": 0}, "head_top_k", "greater than or equal to 1"),
+        ({"head_top_k": 4097}, "head_top_k", "less than or equal to 4096"),
+    ],
+)
+def test_river_config_head_fields_are_validated(update: dict[str, object], field: str, allowed: str) -> None:
+    from pydantic import ValidationError
+
+    from branchwise.backends.accel import RiverConfig
+
+    with pytest.raises(ValidationError) as err:
+        RiverConfig(**update)  # type: ignore[arg-type]
+    (error,) = err.value.errors()
+    assert error["loc"] == (field,)
+    assert field in str(err.value) and allowed in str(err.value)
 
 
 def test_auto_kernel_picks_torchao_on_cuda_only_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:

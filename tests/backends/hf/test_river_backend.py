@@ -8,6 +8,7 @@ import torch
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RiverConfig
 from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.river import River
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import beam_search
 
@@ -74,6 +75,42 @@ def test_exited_tokens_leave_a_complete_cache(tiny_llama_dir, kernel: str) -> No
             assert own.min() > 0.99, own.min()
             assert (own - other).min() > 0.05, (own - other).min()
     backend.release([root, kid])
+
+
+@pytest.mark.parametrize("head", ["refined", "quantized", "backbone"])
+def test_tokens_that_do_not_exit_get_the_backbones_logits(tiny_arch_dir, head: str) -> None:
+    """Whatever the river's head, a forward that stays on the backbone uses the backbone's head."""
+    backend = HFBackend(tiny_arch_dir)
+    root = backend.prefill(backend.encode(PROMPT))
+    (kid,) = backend.fork(root, 1)
+    (plain,) = backend.extend([kid], GREEDY)
+    backend.release([root, kid])
+    backend.accel = Accel(river=RiverConfig(threshold=1.0, entry_layer=0, head=head))  # type: ignore[arg-type]
+    root = backend.prefill(backend.encode(PROMPT))
+    (kid,) = backend.fork(root, 1)
+    (river,) = backend.extend([kid], GREEDY)
+    assert backend.kv_stats().extra.get("river_exits", 0) == 0
+    assert river.token_ids == plain.token_ids
+    assert river.logprobs == pytest.approx(plain.logprobs, abs=1e-6)
+    assert river.top1_probs == pytest.approx(plain.top1_probs, abs=1e-6)
+    backend.release([root, kid])
+
+
+def test_backbone_head_runs_the_models_head_after_an_exit(tiny_llama_dir) -> None:
+    """head='backbone': exited tokens' logits come from the model's own head on the river's state."""
+    backend = HFBackend(tiny_llama_dir)
+    backend.accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, head="backbone"))
+    plugin = backend.acceleration(River)
+    assert plugin is not None and plugin.path.head is None
+    calls = []
+    hook = backend.parts.head.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        _, nodes = _decode(backend, n=1)
+    finally:
+        hook.remove()
+    stats = backend.kv_stats().extra
+    assert stats["river_exits"] > 0 and len(calls) >= stats["river_forwards"]
+    backend.release(nodes)
 
 
 def test_river_composes_with_prefix_sharing(tiny_llama_dir) -> None:

@@ -20,54 +20,12 @@ from branchwise.backends.base import DecodeParams, FinishReason, Generation
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.hooks import Acceleration, overrides
 from branchwise.backends.hf.sampling import pick_tokens
+from branchwise.backends.text import Detokenize, TextTail, finish_text
 
-Detokenize = Callable[[Sequence[int]], str]
+__all__ = ["StopCheck", "TextTail", "decode", "finish_text"]
+
 ForwardFn = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 CaptureFn = Callable[[int, Row], None]
-
-
-class TextTail:
-    """Incremental detokenization of one row's output.
-
-    The text of the tokens since `_prefix` is decoded with and without the newest tokens and the
-    difference appended, so multi-token characters (a UTF-8 sequence split over byte tokens) are
-    appended only once complete (the decode no longer ends in U+FFFD). The same scheme as the
-    incremental detokenizers of vLLM and TGI; per step it decodes a handful of tokens.
-    """
-
-    def __init__(self, detokenize: Detokenize) -> None:
-        self._detokenize = detokenize
-        self.ids: list[int] = []
-        self.text = ""
-        self._prefix = 0
-        self._read = 0
-
-    def push(self, token: int) -> None:
-        self.ids.append(token)
-        before = self._detokenize(self.ids[self._prefix : self._read])
-        after = self._detokenize(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
-            self._prefix, self._read = self._read, len(self.ids)
-
-
-def finish_text(text: str, params: DecodeParams) -> tuple[str, FinishReason | None]:
-    """Apply the stop rules to a row's full text: (text to keep, why it ended or None).
-
-    A stop string cuts the text before it; the step delimiter ends a step after it (kept), but not
-    a delimiter the text starts with (leading whitespace is not a step).
-    """
-    for stop in params.stop:
-        cut = text.find(stop)
-        if cut >= 0:
-            return text[:cut], "stop"
-    delim = params.step_delimiter
-    if delim:
-        body = len(text) - len(text.lstrip())
-        at = text.find(delim, body + 1) if body < len(text) else -1
-        if at >= 0:
-            return text[: at + len(delim)], "delimiter"
-    return text, None
 
 
 class StopCheck:

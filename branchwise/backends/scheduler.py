@@ -68,7 +68,8 @@ class BatchStats:
 
     ``extend_calls`` counts backend `extend` calls made for requests; ``requests`` the requests
     they served; ``rows`` the branches decoded (a request with ``n`` samples is ``n`` rows);
-    ``rejected`` the requests refused because the queue was full; ``cancelled`` those dropped.
+    ``rejected`` the requests refused because the queue was full; ``cancelled`` those their caller
+    cancelled before they were answered (waiting, or mid-decode).
     """
 
     extend_calls: int = 0
@@ -244,14 +245,14 @@ class Scheduler:
         """Cancel `job`: a waiting job is removed from the queue and fails with `Cancelled`; one
         being decoded has its branches stopped at the next step (see the module docstring)."""
         with self._cv:
-            if job.done.is_set():
+            if job.cancelled or job.done.is_set():
                 return
             job.cancelled = True
+            self.stats.cancelled += 1
             try:
                 self._queue.remove(job)
             except ValueError:
                 return  # taken by the worker: its router stops the job's branches
-            self.stats.cancelled += 1
         job.error = Cancelled("the request was cancelled before it was decoded")
         job._finish()
 
@@ -336,7 +337,6 @@ class Scheduler:
         for job in jobs:
             if job.cancelled:
                 job.error = Cancelled("the request was cancelled before it was decoded")
-                self.stats.cancelled += 1
                 job._finish()
         if not live:
             return
@@ -359,7 +359,7 @@ class Scheduler:
             for job in live:
                 job.batch_requests, job.batch_rows = len(live), rows
             if self._listens:
-                gens = backend.extend(children, live[0].params, on_step=_Router(self, live, spans))
+                gens = backend.extend(children, live[0].params, on_step=_Router(live, spans))
             else:
                 gens = backend.extend(children, live[0].params)
             for job, (a, b) in zip(live, spans, strict=True):
@@ -420,8 +420,7 @@ class _Router:
     without a listener costs a dictionary lookup per branch.
     """
 
-    def __init__(self, scheduler: Scheduler, jobs: list[Job], spans: list[tuple[int, int]]) -> None:
-        self.scheduler = scheduler
+    def __init__(self, jobs: list[Job], spans: list[tuple[int, int]]) -> None:
         self.jobs = list(zip(jobs, spans, strict=True))
         self.owner = [(job, i - a) for job, (a, b) in self.jobs for i in range(a, b)]
         self.ended: dict[Job, list[Generation | None]] = {job: [None] * job.n for job in jobs}
@@ -464,8 +463,6 @@ class _Router:
         for job, (a, b) in self.jobs:
             if job.cancelled and not job.done.is_set():
                 job.error = Cancelled("the request was cancelled while it was decoded")
-                with self.scheduler._cv:
-                    self.scheduler.stats.cancelled += 1
                 job._finish()
                 drop = [*(drop or []), *range(a, b)]
         return drop

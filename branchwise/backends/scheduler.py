@@ -358,13 +358,7 @@ class Scheduler:
             rows = len(children)
             for job in live:
                 job.batch_requests, job.batch_rows = len(live), rows
-            if self._listens:
-                gens = backend.extend(children, live[0].params, on_step=_Router(live, spans))
-            else:
-                gens = backend.extend(children, live[0].params)
-            for job, (a, b) in zip(live, spans, strict=True):
-                if not job.done.is_set():
-                    job.generations = gens[a:b]
+            # counted before the call: a job answered mid-call (`_Router`) finds itself counted
             st = self.stats
             st.extend_calls += 1
             st.requests += len(live)
@@ -372,6 +366,13 @@ class Scheduler:
             st.max_requests_per_call = max(st.max_requests_per_call, len(live))
             st.max_rows_per_call = max(st.max_rows_per_call, rows)
             st.histogram[len(live)] = st.histogram.get(len(live), 0) + 1
+            if self._listens:
+                gens = backend.extend(children, live[0].params, on_step=_Router(live, spans))
+            else:
+                gens = backend.extend(children, live[0].params)
+            for job, (a, b) in zip(live, spans, strict=True):
+                if not job.done.is_set():
+                    job.generations = gens[a:b]
         except BaseException as exc:  # delivered to every waiting caller, never lost in the worker
             for job in live:
                 if not job.done.is_set():
@@ -414,7 +415,7 @@ def _takes_on_step(backend: Backend) -> bool:
 
 class _Router:
     """One `extend`'s step listener: hands each job its branches' steps, answers a job once all its
-    branches have ended, and stops the branches of jobs cancelled meanwhile.
+    branches have ended while others still decode, and stops the branches of jobs cancelled meanwhile.
 
     Runs on the worker thread between decode steps. Per step it walks the step's rows once; a job
     without a listener costs a dictionary lookup per branch.
@@ -425,6 +426,7 @@ class _Router:
         self.owner = [(job, i - a) for job, (a, b) in self.jobs for i in range(a, b)]
         self.ended: dict[Job, list[Generation | None]] = {job: [None] * job.n for job in jobs}
         self.left = {job: job.n for job in jobs}
+        self.rows_left = len(self.owner)
 
     def __call__(self, step: DecodeStep) -> list[int] | None:
         owner = self.owner
@@ -438,6 +440,7 @@ class _Router:
             job, i = owner[row]
             self.ended[job][i] = gen
             self.left[job] -= 1
+            self.rows_left -= 1
             if job.on_step is not None and not job.done.is_set():
                 steps.setdefault(job, DecodeStep({}, {})).finished[i] = gen
             if not self.left[job]:
@@ -451,6 +454,8 @@ class _Router:
             except Exception:  # a consumer's bug must not stop everyone's decoding
                 log.exception("a job's step listener failed; it hears no more steps")
                 job.on_step = None
+        if not self.rows_left:  # the call ends now: answer with the others, once released
+            answered = []
         for job in answered:
             if not job.done.is_set() and not job.cancelled:
                 job.generations = [g for g in self.ended[job] if g is not None]
@@ -464,5 +469,7 @@ class _Router:
             if job.cancelled and not job.done.is_set():
                 job.error = Cancelled("the request was cancelled while it was decoded")
                 job._finish()
+                self.rows_left -= self.left[job]  # its rows stop now, unreported
+                self.left[job] = 0
                 drop = [*(drop or []), *range(a, b)]
         return drop

@@ -589,3 +589,6 @@ def test_serve_load_benchmark_runs(embedded_dir: Path) -> None:
     assert out["requests"] == 4 and out["throughput_rps"]["serial"] > 0
     burst = out["overload"]
     assert burst["other"] == 0 and burst["ok"] + burst["rejected_429"] == burst["sent"]
+    rss = out["rss_mb"]
+    assert {"start", "after_warmup", "after_serial", "end", "peak"} <= set(rss)
+    assert len(rss["after_concurrent"]) == 1 and rss["peak"] >= rss["start"] > 0

@@ -6,10 +6,20 @@ Starts `branchwise serve` (the embedded model, or `--model`) as a subprocess on 
 2. concurrent: `--clients` clients each send `--requests` chat requests (n samples, short answers)
    back to back; the scheduler batches whatever is queued into shared decode passes;
 3. overload: a burst of `--burst` simultaneous requests against a queue bounded at
-   `--max-queued-rows` branches: the excess must get 429 (never an error or unbounded memory),
-   and the server's resident memory is read before and after.
+   `--max-queued-rows` branches: the excess must get 429 (never an error or unbounded memory).
+The concurrent phase runs `--rounds` times (the same requests again), so memory can be watched for
+growth once the server has seen its workload.
+
+Server memory (``rss_mb``): the server process's resident set, read at start (model loaded, no
+request yet), after the warm-up request, after the serial phase, after each concurrent round and at
+the end, plus the peak of readings every 50 ms. The jump at warm-up is mostly the weights: they are
+memory-mapped, so their pages count only once the first forward has read them. Growth after
+warm-up is expected up to the prefix cache's byte budget (prompts and answers kept for reuse, 1 GiB
+by default) and the allocator's high water mark of the biggest batch; rounds that keep adding
+memory beyond that would be a leak.
+
 Prints one JSON object (last line): errors, p50/p99 latency, throughput of both phases and their
-ratio (goal >= 4x), the scheduler's batching histogram, and the overload outcome.
+ratio (goal >= 4x), the scheduler's batching histogram, the overload outcome and ``rss_mb``.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +54,15 @@ def _free_port() -> int:
 
 
 def _rss_mb(pid: int) -> float | None:
-    """Resident memory of the server process (Linux /proc); None elsewhere."""
+    """Resident memory of the server process: psutil where installed, else Linux's /proc."""
+    try:
+        import psutil
+
+        return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+    except ImportError:
+        pass
+    except Exception:  # the process is gone
+        return None
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
@@ -51,6 +70,44 @@ def _rss_mb(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+class RssWatch:
+    """Named readings of a process's resident memory, plus the peak of readings every `every_s`."""
+
+    def __init__(self, pid: int, every_s: float = 0.05) -> None:
+        self.pid = pid
+        self.marks: dict[str, Any] = {}
+        self.peak: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, args=(every_s,), daemon=True)
+
+    def _read(self) -> float | None:
+        mb = _rss_mb(self.pid)
+        if mb is not None and (self.peak is None or mb > self.peak):
+            self.peak = mb
+        return mb
+
+    def _poll(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self._read()
+
+    def start(self) -> RssWatch:
+        self.mark("start")
+        self._thread.start()
+        return self
+
+    def mark(self, name: str) -> None:
+        mb = self._read()
+        if isinstance(self.marks.get(name), list):
+            self.marks[name].append(mb)
+        else:
+            self.marks[name] = mb
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(5)
+        return {**self.marks, "peak": self.peak}
 
 
 def _start(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
@@ -94,22 +151,29 @@ async def _send(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, f
     return r.status_code, time.perf_counter() - t0
 
 
-async def _phases(args: argparse.Namespace, base: str) -> dict[str, Any]:
+async def _phases(args: argparse.Namespace, base: str, rss: RssWatch) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=args.burst + args.clients + 8)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
         await _send(client, _body(0, args))  # warm-up
+        rss.mark("after_warmup")
         t0 = time.perf_counter()
         serial = [await _send(client, _body(i, args)) for i in range(args.serial)]
         serial_s = time.perf_counter() - t0
+        rss.mark("after_serial")
 
         async def one_client(c: int) -> list[tuple[int, float]]:
             return [await _send(client, _body(c * args.requests + k, args)) for k in range(args.requests)]
 
+        rss.marks["after_concurrent"] = []
+        per_client: list[list[tuple[int, float]]] = []
         t0 = time.perf_counter()
-        per_client = await asyncio.gather(*(one_client(c) for c in range(args.clients)))
+        for _ in range(args.rounds):
+            per_client += await asyncio.gather(*(one_client(c) for c in range(args.clients)))
+            rss.mark("after_concurrent")
         concurrent_s = time.perf_counter() - t0
         batching = (await client.get("/health")).json()["batching"]
         burst = await asyncio.gather(*(_send(client, _body(i, args)) for i in range(args.burst)))
+        rss.mark("end")
     results = [r for rows in per_client for r in rows]
     latencies = sorted(lat for _, lat in results)
     total = len(results)
@@ -137,9 +201,10 @@ async def _phases(args: argparse.Namespace, base: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = BenchParser(__doc__, {"clients": 8, "requests": 2, "serial": 4})
+    parser = BenchParser(__doc__, {"clients": 8, "requests": 2, "serial": 4, "rounds": 2})
     parser.add_argument("--clients", type=int, default=64, help="concurrent clients")
     parser.add_argument("--requests", type=int, default=20, help="requests per client, back to back")
+    parser.add_argument("--rounds", type=int, default=1, help="times the concurrent phase runs")
     parser.add_argument("--serial", type=int, default=32, help="requests of the one-at-a-time baseline")
     parser.add_argument("--n", type=int, default=4, help="samples per request")
     parser.add_argument("--max-tokens", type=int, default=8, help="tokens per answer (short answers)")
@@ -156,14 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     port = _free_port()
     proc = _start(args, port)
+    rss = RssWatch(proc.pid).start()
     try:
-        rss_before = _rss_mb(proc.pid)
-        out = asyncio.run(_phases(args, f"http://127.0.0.1:{port}"))
-        rss_after = _rss_mb(proc.pid)
+        out = asyncio.run(_phases(args, f"http://127.0.0.1:{port}", rss))
     finally:
+        out_rss = rss.stop()
         proc.terminate()
         proc.wait(120)
-    out["overload"].update(rss_mb_before=rss_before, rss_mb_after=rss_after)
+    out["rss_mb"] = out_rss
     # `_common.Bench.emit`'s envelope; the model runs in the server process, so its device is the
     # one this machine offers and its dtype the server's "auto"
     envelope = {

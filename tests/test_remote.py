@@ -110,6 +110,21 @@ def test_tree_ops_keep_the_protocol(served: str) -> None:
         remote.tokens(root)
 
 
+def test_extend_tells_a_listener_each_request_whole(served: str) -> None:
+    """Remote replies are not streamed: a listener hears of each request once, when it is answered."""
+    remote = RemoteBackend(served)
+    a = remote.prefill(remote.encode("The answer is"))
+    b = remote.prefill(remote.encode("Count to five:"))
+    kids = remote.fork(a, 2)
+    steps = []
+    gens = remote.extend([kids[0], b, kids[1]], DecodeParams(max_tokens=4), on_step=steps.append)
+    assert sorted(sorted(s.finished) for s in steps) == [[0, 2], [1]]  # one step per request
+    for step in steps:
+        assert step.tokens == {i: g.token_ids for i, g in step.finished.items()}
+        assert all(g is gens[i] for i, g in step.finished.items())
+    remote.release([a, b, *kids])
+
+
 def test_accelerations_that_need_the_model_raise_clearly(served: str) -> None:
     remote = RemoteBackend(served)
     with pytest.raises(UnsupportedOnRemote, match="River"):

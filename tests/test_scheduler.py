@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from branchwise.backends.base import DecodeParams, Generation
+from branchwise.backends.base import DecodeParams, DecodeStep, Generation
 from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFull, Scheduler
 
 GREEDY = DecodeParams(max_tokens=4)
@@ -93,3 +93,105 @@ def test_bounded_queue_and_cancellation() -> None:
     assert [7, 7] not in backend.prompts.values()  # the cancelled request was never prefilled
     with pytest.raises(RuntimeError, match="closed"):
         scheduler.enqueue(Job([1], 1, GREEDY))
+
+
+class SteppingBackend(RecordingBackend):
+    """Decodes ``len(prompt)`` tokens per branch, one per step, telling `on_step` after each step
+    and stopping the rows it gives back (as the local backend's decode loop does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled_at: dict[int, int] = {}  # node -> tokens it had when it was stopped
+
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step=None) -> list[Generation]:
+        self.in_extend.set()
+        assert self.gate.wait(30)
+        self.extends.append(len(nodes))
+        outs: list[list[int]] = [[] for _ in nodes]
+        gens: list[Generation | None] = [None] * len(nodes)
+        alive = set(range(len(nodes)))
+
+        def gen(i: int, reason: str) -> Generation:
+            return Generation(nodes[i], outs[i], str(len(outs[i])), [1.0] * len(outs[i]), [0.0], reason)
+
+        while alive:
+            tokens, finished = {}, {}
+            for i in sorted(alive):
+                outs[i].append(len(outs[i]) + 1)
+                tokens[i] = outs[i][-1:]
+                if len(outs[i]) == len(self.prompts[nodes[i]]):
+                    gens[i] = finished[i] = gen(i, "eos")
+            alive -= set(finished)
+            for i in (on_step(DecodeStep(tokens, finished)) if on_step else None) or []:
+                if i in alive:
+                    alive.discard(i)
+                    gens[i] = gen(i, "cancelled")
+                    self.cancelled_at[nodes[i]] = len(outs[i])
+        return [g for g in gens if g is not None]
+
+
+def test_steps_reach_their_job_and_a_job_is_answered_when_its_branches_end() -> None:
+    backend = SteppingBackend()
+    backend.gate.clear()
+    scheduler = Scheduler(backend, window_s=0.0)  # type: ignore[arg-type]
+    blocker = scheduler.enqueue(Job([9], 1, GREEDY))  # the next jobs queue up and share one batch
+    assert backend.in_extend.wait(30)
+    heard: dict[str, list[tuple[dict[int, list[int]], list[int]]]] = {"short": [], "long": []}
+    short_done_at: list[bool] = []
+
+    def listen(name: str):
+        def on_step(step: DecodeStep) -> None:
+            heard[name].append((step.tokens, sorted(step.finished)))
+            if name == "long":
+                short_done_at.append(short.done.is_set())
+
+        return on_step
+
+    short = scheduler.enqueue(Job([1, 2], 2, GREEDY, on_step=listen("short")))
+    long = scheduler.enqueue(Job([1, 2, 3, 4], 1, GREEDY, on_step=listen("long")))
+    backend.gate.set()
+    blocker.result()
+    assert [g.token_ids for g in short.result()] == [[1, 2], [1, 2]]
+    assert long.result()[0].token_ids == [1, 2, 3, 4]
+    assert backend.extends == [1, 3]  # one decode for both jobs
+    # each job hears its own branches, by its own indices, step by step
+    assert heard["short"] == [({0: [1], 1: [1]}, []), ({0: [2], 1: [2]}, [0, 1])]
+    assert heard["long"] == [({0: [t]}, [0] if t == 4 else []) for t in (1, 2, 3, 4)]
+    # the short job was answered at its last step (after that step's listeners), while the long
+    # one still decoded
+    assert short_done_at == [False, False, True, True]
+    assert backend.live == set()
+    scheduler.close(timeout=10)
+
+
+def test_a_job_cancelled_mid_batch_stops_its_branches_at_the_next_step() -> None:
+    backend = SteppingBackend()
+    scheduler = Scheduler(backend, window_s=0.0)  # type: ignore[arg-type]
+
+    def leave_after_two(step: DecodeStep) -> None:
+        if step.tokens.get(0) == [2]:
+            scheduler.cancel(quitter)  # as the server does when its client disconnects
+
+    quitter = Job([5] * 10, 2, GREEDY, on_step=leave_after_two)
+    scheduler.enqueue(quitter)
+    with pytest.raises(Cancelled, match="while it was decoded"):
+        quitter.result()
+    stayer = scheduler.submit(Job([5] * 3, 1, GREEDY))
+    assert stayer[0].token_ids == [1, 2, 3]
+    assert sorted(backend.cancelled_at.values()) == [2, 2]  # 2 of 10 tokens, then stopped
+    assert scheduler.stats.cancelled == 1
+    assert backend.live == set()
+    scheduler.close(timeout=10)
+
+
+def test_a_failing_step_listener_does_not_stop_the_batch() -> None:
+    backend = SteppingBackend()
+    scheduler = Scheduler(backend, window_s=0.0)  # type: ignore[arg-type]
+
+    def broken(step: DecodeStep) -> None:
+        raise RuntimeError("consumer bug")
+
+    assert [g.token_ids for g in scheduler.submit(Job([1, 2, 3], 2, GREEDY, on_step=broken))] == [
+        [1, 2, 3]
+    ] * 2
+    scheduler.close(timeout=10)

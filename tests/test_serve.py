@@ -26,7 +26,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from branchwise.backends.base import DecodeParams, Generation  # noqa: E402
+from branchwise.backends.base import DecodeParams, DecodeStep, Generation  # noqa: E402
 from branchwise.serve import create_app  # noqa: E402
 from branchwise.serve.runner import serve_in_thread  # noqa: E402
 
@@ -142,6 +142,42 @@ def test_streaming_yields_the_non_streamed_text(client: Any, n: int) -> None:
         for c in chunk.choices:
             text_streamed[c.index] = text_streamed.get(c.index, "") + c.text
     assert text_streamed == {c.index: c.text for c in text_whole.choices}
+
+
+def _stream_chat(client: Any, **kwargs: Any) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """Each choice's content deltas and finish reason, read with the OpenAI client's stream."""
+    deltas: dict[int, list[str]] = {}
+    finish: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            if c.delta.content:
+                deltas.setdefault(c.index, []).append(c.delta.content)
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    return deltas, finish
+
+
+def test_streaming_cuts_at_stop_strings_like_the_whole_reply(client: Any) -> None:
+    """Stop strings taken from the model's own output: the streamed deltas never show text the
+    stop cuts, so they add up to the non-streamed (cut) text exactly, for n=2, chat and text."""
+    kwargs: dict[str, Any] = {"model": "tiny", "max_tokens": 24, "temperature": 0}
+    free = client.chat.completions.create(messages=MSGS, extra_body={"min_tokens": 24}, **kwargs)
+    free = free.choices[0].message.content
+    stops = [free[12:15], free[18:20]]  # one occurs mid-answer (an earlier one may come first)
+    kwargs.update(n=2, stop=stops)
+    whole = client.chat.completions.create(messages=MSGS, **kwargs)
+    assert whole.choices[0].finish_reason == "stop" and len(whole.choices[0].message.content) <= 12
+    deltas, finish = _stream_chat(client, messages=MSGS, **kwargs)
+    assert {i: "".join(d) for i, d in deltas.items()} == {c.index: c.message.content for c in whole.choices}
+    assert finish == {0: "stop", 1: "stop"}
+    assert all(len(d) > 1 for d in deltas.values())  # several chunks, not one at the end
+
+    text_whole = client.completions.create(prompt="What is", **kwargs)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt="What is", stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in text_whole.choices}
 
 
 def test_models_health_and_tokenize(served: str, tiny_backend: Any) -> None:
@@ -372,6 +408,108 @@ def test_a_disconnected_client_is_never_prefilled(gated: tuple[str, GatedBackend
 
 
 # --------------------------------------------------------------------------------------------------
+# Streaming as tokens are decoded (a fake backend that steps under the test's control)
+# --------------------------------------------------------------------------------------------------
+
+ANSWER = "Hello, streaming world"
+
+
+class SteppingBackend(GatedBackend):
+    """Decodes ANSWER, one character per step, telling `on_step` after each step; after the first
+    step it waits until the test opens `gate`. Rows `on_step` gives back stop at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoded = threading.Event()
+        self.stopped_at: dict[int, int] = {}  # row -> tokens it had when it was stopped
+
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
+        self.in_extend.set()
+        outs: list[list[int]] = [[] for _ in nodes]
+        reasons: dict[int, str] = {}
+        alive = set(range(len(nodes)))
+        for k, ch in enumerate(ANSWER):
+            for i in alive:
+                outs[i].append(ord(ch))
+            if k == len(ANSWER) - 1:
+                reasons.update((i, "eos") for i in alive)
+            finished = {i: self._gen(nodes[i], outs[i], "eos") for i in alive if i in reasons}
+            drop = on_step(DecodeStep({i: outs[i][-1:] for i in alive}, finished)) if on_step else None
+            alive -= set(reasons)
+            for i in drop or []:
+                if i in alive:
+                    alive.discard(i)
+                    reasons[i] = "cancelled"
+                    self.stopped_at[i] = len(outs[i])
+            if k == 0:
+                assert self.gate.wait(30), "the test never opened the gate"
+            if not alive:
+                break
+        self.decoded.set()
+        return [self._gen(n, out, reasons[i]) for i, (n, out) in enumerate(zip(nodes, outs, strict=True))]
+
+    def _gen(self, node: int, out: list[int], reason: str) -> Generation:
+        return Generation(node, out, self.decode(out), [0.5] * len(out), [-0.7] * len(out), reason)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def stepping() -> Iterator[tuple[str, SteppingBackend, Any]]:
+    backend = SteppingBackend()
+    app = create_app(backend, window_s=0.0)
+    try:
+        with serve_in_thread(app) as url:
+            yield url, backend, app.state.scheduler
+    finally:
+        backend.gate.set()
+
+
+def _events(lines: Iterator[str]) -> Iterator[Any]:
+    import json
+
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line.removeprefix("data: "))
+
+
+def test_stream_sends_tokens_while_the_batch_still_decodes(
+    stepping: tuple[str, SteppingBackend, Any],
+) -> None:
+    url, backend, _ = stepping
+    body = {"messages": MSGS, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as r:
+        events = _events(r.iter_lines())
+        first = next(e for e in events if e["choices"] and e["choices"][0]["delta"].get("content"))
+        # the backend is still held in its first step: this chunk cannot have waited for the end
+        assert first["choices"][0]["delta"]["content"] == "H" and not backend.decoded.is_set()
+        backend.gate.set()
+        rest = [first, *events]
+    content = [
+        (e["choices"][0]["index"], e["choices"][0]["delta"].get("content")) for e in rest if e["choices"]
+    ]
+    content = [(i, c) for i, c in content if c]
+    assert {i: "".join(c for j, c in content if j == i) for i in (0, 1)} == {0: ANSWER, 1: ANSWER}
+    assert [i for i, _ in content[:4]] == [0, 1, 0, 1]  # the choices interleave, step by step
+    finishes = [e["choices"][0] for e in rest if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert [(c["index"], c["finish_reason"]) for c in finishes] == [(0, "stop"), (1, "stop")]
+    assert rest[-1]["usage"]["completion_tokens"] == 2 * len(ANSWER)
+
+
+def test_a_client_leaving_mid_stream_stops_its_branches(stepping: tuple[str, SteppingBackend, Any]) -> None:
+    url, backend, scheduler = stepping
+    body = {"prompt": "go", "n": 2, "stream": True, "max_tokens": 100}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        first = next(e for e in _events(r.iter_lines()) if e["choices"][0]["text"])
+        assert first["choices"][0]["text"] == "H"
+    # the connection is closed while the backend still sits in its first step
+    wait_until(lambda: scheduler.stats.cancelled == 1, "the server cancels the stream's job")
+    backend.gate.set()
+    assert backend.decoded.wait(30)
+    assert backend.stopped_at == {0: 2, 1: 2}  # stopped at the next step, not after len(ANSWER)
+    wait_until(lambda: not backend.prompts, "the branches are released")
+    assert scheduler.idle()
+
+
+# --------------------------------------------------------------------------------------------------
 # SIGTERM drains (the real `branchwise serve` process)
 # --------------------------------------------------------------------------------------------------
 
@@ -451,3 +589,6 @@ def test_serve_load_benchmark_runs(embedded_dir: Path) -> None:
     assert out["requests"] == 4 and out["throughput_rps"]["serial"] > 0
     burst = out["overload"]
     assert burst["other"] == 0 and burst["ok"] + burst["rejected_429"] == burst["sent"]
+    rss = out["rss_mb"]
+    assert {"start", "after_warmup", "after_serial", "end", "peak"} <= set(rss)
+    assert len(rss["after_concurrent"]) == 1 and rss["peak"] >= rss["start"] > 0

@@ -16,7 +16,7 @@ that has live children is frozen (its KV is shared), so growing it raises.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from branchwise.backends.accel import Accel
 
 NodeId = int
-FinishReason = Literal["eos", "stop", "delimiter", "length", "confident"]
+FinishReason = Literal["eos", "stop", "delimiter", "length", "confident", "cancelled"]
+"""Why a branch ended; "cancelled": an `extend` listener stopped it (its consumer went away)."""
 ShareMode = Literal["none", "exact"]
 
 
@@ -63,6 +64,29 @@ class Generation:
     def confidence(self) -> float:
         """Mean top-1 probability (RKSC Eq. 3); 0 for an empty generation."""
         return sum(self.top1_probs) / len(self.top1_probs) if self.top1_probs else 0.0
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """What one step of an `extend` produced, for its optional ``on_step`` listener.
+
+    Rows are positions in the ``nodes`` given to `extend` (a `Scheduler` job's listener gets its
+    own branch indices instead). ``tokens`` holds each row's tokens since the previous step: one per
+    step on the local backend; a whole generation at once where the backend cannot do better (a
+    remote server). ``finished`` holds the rows that ended now, with their final `Generation` (the
+    same object `extend` returns; its text is cut by the stop rules). Every row that ends is
+    reported once, after its last tokens, except rows the listener itself stopped.
+    """
+
+    tokens: dict[int, list[int]]
+    finished: dict[int, Generation]
+
+
+StepListener = Callable[[DecodeStep], Collection[int] | None]
+"""`extend`'s ``on_step``: called on the decoding thread after each step, so it must return at once
+(hand the step to another thread or an event loop; never wait on a network). It returns the rows
+nobody wants any more, which the backend stops as soon as it can (finish reason "cancelled"), or
+None. Without a listener a backend does no per-step work for one."""
 
 
 @dataclass
@@ -150,8 +174,14 @@ class Backend(Protocol):
         """Add fixed tokens (a hint, a judge question) to each node; computed lazily."""
         ...
 
-    def extend(self, nodes: Sequence[NodeId], params: DecodeParams) -> list[Generation]:
-        """Decode every node in one batch until EOS, a stop string, the step delimiter or max_tokens."""
+    def extend(
+        self, nodes: Sequence[NodeId], params: DecodeParams, on_step: StepListener | None = None
+    ) -> list[Generation]:
+        """Decode every node in one batch until EOS, a stop string, the step delimiter or max_tokens.
+
+        `on_step` (optional) sees each step's tokens and finished rows as they are produced (see
+        `StepListener`); a caller that streams text reads them, a caller that does not passes none.
+        """
         ...
 
     def score_next(

@@ -34,14 +34,23 @@ import copy
 import math
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import tenacity
 
 from branchwise.backends.accel import Accel
-from branchwise.backends.base import DecodeParams, FinishReason, Generation, KVStats, NodeId, ShareMode
+from branchwise.backends.base import (
+    DecodeParams,
+    DecodeStep,
+    FinishReason,
+    Generation,
+    KVStats,
+    NodeId,
+    ShareMode,
+    StepListener,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -352,8 +361,15 @@ class RemoteBackend:
             for node, ids in zip(nodes, token_ids, strict=True):
                 self._growable(node).tokens.extend(ids)
 
-    def extend(self, nodes: Sequence[NodeId], params: DecodeParams) -> list[Generation]:
-        """One completion request per distinct token sequence (``n`` = nodes holding it), in parallel."""
+    def extend(
+        self, nodes: Sequence[NodeId], params: DecodeParams, on_step: StepListener | None = None
+    ) -> list[Generation]:
+        """One completion request per distinct token sequence (``n`` = nodes holding it), in parallel.
+
+        `on_step` hears of each request's generations, whole, as soon as that request is answered
+        (the replies are not streamed token by token); rows it gives back are not stopped (a sent
+        request runs to its end on the server).
+        """
         with self._lock:
             held = [self._growable(n) for n in nodes]
             if len(set(nodes)) != len(nodes):
@@ -361,20 +377,28 @@ class RemoteBackend:
             groups: dict[tuple[int, ...], list[int]] = {}
             for node, rec in zip(nodes, held, strict=True):
                 groups.setdefault(tuple(rec.tokens), []).append(node)
-        replies = list(
-            self._pool.map(lambda item: self._complete(list(item[0]), len(item[1]), params), groups.items())
-        )
-        out: dict[int, Generation] = {}
-        with self._lock:
-            for (prompt, members), gens in zip(groups.items(), replies, strict=True):
+        futures = {
+            self._pool.submit(self._complete, list(prompt), len(members), params): members
+            for prompt, members in groups.items()
+        }
+        replies: dict[int, Generation] = {}
+        row = {node: i for i, node in enumerate(nodes)}
+        for future in as_completed(futures):
+            for node, gen in zip(futures[future], future.result(), strict=True):
+                gen.node = node
+                replies[node] = gen
+            if on_step is not None:
+                done = {row[node]: replies[node] for node in futures[future]}
+                on_step(DecodeStep({i: list(g.token_ids) for i, g in done.items()}, done))
+        with self._lock:  # the tree grows only once every request succeeded
+            for prompt, members in groups.items():
                 self._stats.tokens_computed += len(prompt)
-                for node, gen in zip(members, gens, strict=True):
-                    gen.node = node
+                for node in members:
+                    gen = replies[node]
                     self._nodes[node].tokens.extend(gen.token_ids)
                     self._stats.tokens_computed += len(gen.token_ids)
-                    out[node] = gen
                 self._stats.forward_calls += 1
-        return [out[n] for n in nodes]
+        return [replies[n] for n in nodes]
 
     def score_next(
         self, nodes: Sequence[NodeId], suffix: Sequence[int], candidates: Sequence[int]

@@ -13,8 +13,14 @@ call. The scheduler owns that problem once, generic over the `Backend` protocol:
   greedy decoding the batched tokens equal the serial ones (the backend's batched decode is exact);
 * **bounded memory**: with ``max_queued_rows`` set, `enqueue` raises `QueueFull` instead of letting
   the queue (and, later, the KV of its branches) grow without limit; a server turns that into 429;
+* **streaming and early answers**: where the backend's `extend` takes an ``on_step`` listener, the
+  worker routes each decode step to the jobs it belongs to: a job's own ``on_step`` sees its
+  branches' tokens as they are produced (the server's streaming), and a job whose branches have
+  all ended is answered then, not when the longest branch of its batch ends;
 * **cancellation**: a request cancelled while it waits is dropped before it is prefilled (a client
-  that went away costs nothing); one cancelled mid-batch has its branches released with the batch.
+  that went away costs nothing); one cancelled mid-batch has its branches stopped at the next
+  decode step (they stop taking batch rows and compute) and released with the batch. A backend
+  whose `extend` takes no listener decodes them to the end of the batch instead.
 
 Seeded sampling and batching: the backend seeds one generator per `extend` call, so two seeded
 requests decoded in one batch would share a random stream and differ from their serial results. A
@@ -25,6 +31,7 @@ request that samples (temperature > 0) with a seed is therefore decoded in its o
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -33,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode
+from branchwise.backends.base import Backend, DecodeParams, DecodeStep, Generation, ShareMode
 
 __all__ = ["BatchStats", "Cancelled", "InvalidPrompt", "Job", "QueueFull", "Scheduler"]
 
@@ -52,7 +59,7 @@ class InvalidPrompt(ValueError):
 
 
 class Cancelled(RuntimeError):
-    """The request was cancelled (its caller went away) before it was decoded."""
+    """The request was cancelled (its caller went away) before or while it was decoded."""
 
 
 @dataclass
@@ -61,7 +68,8 @@ class BatchStats:
 
     ``extend_calls`` counts backend `extend` calls made for requests; ``requests`` the requests
     they served; ``rows`` the branches decoded (a request with ``n`` samples is ``n`` rows);
-    ``rejected`` the requests refused because the queue was full; ``cancelled`` those dropped.
+    ``rejected`` the requests refused because the queue was full; ``cancelled`` those their caller
+    cancelled before they were answered (waiting, or mid-decode).
     """
 
     extend_calls: int = 0
@@ -102,14 +110,17 @@ class Job:
     """One request: ``n`` samples of ``prompt`` decoded with ``params``.
 
     ``share=None`` leaves the KV sharing of the ``n`` samples to the backend's default.
-    ``on_done`` (optional) is called from the worker thread once the job has a result or an error;
-    the asyncio bridge of `Scheduler.submit_async` uses it to wake the event loop.
+    ``on_step`` (optional) is called from the worker thread after each decode step that concerns
+    the job, with its branch indices (0..n-1) as rows; like any `extend` listener it must return at
+    once. ``on_done`` (optional) is called from the worker thread once the job has a result or an
+    error; the asyncio bridge of `Scheduler.submit_async` uses it to wake the event loop.
     """
 
     prompt: list[int]
     n: int
     params: DecodeParams
     share: ShareMode | None = None
+    on_step: Callable[[DecodeStep], None] | None = None
     on_done: Callable[[Job], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     generations: list[Generation] | None = None
@@ -133,6 +144,8 @@ class Job:
         return self.generations
 
     def _finish(self) -> None:
+        if self.done.is_set():  # answered early (see `_Router`); the batch's end changes nothing
+            return
         self.done.set()
         if self.on_done is not None:
             self.on_done(self)
@@ -183,6 +196,7 @@ class Scheduler:
         self._running = 0
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._listens = _takes_on_step(backend)
 
     # ------------------------------------------------------------------ callers
     def enqueue(self, job: Job) -> Job:
@@ -228,14 +242,17 @@ class Scheduler:
         return job.result()
 
     def cancel(self, job: Job) -> None:
-        """Cancel `job`: a waiting job is removed from the queue and fails with `Cancelled`."""
+        """Cancel `job`: a waiting job is removed from the queue and fails with `Cancelled`; one
+        being decoded has its branches stopped at the next step (see the module docstring)."""
         with self._cv:
+            if job.cancelled or job.done.is_set():
+                return
             job.cancelled = True
+            self.stats.cancelled += 1
             try:
                 self._queue.remove(job)
             except ValueError:
-                return  # already taken by the worker (or finished): its batch releases its branches
-            self.stats.cancelled += 1
+                return  # taken by the worker: its router stops the job's branches
         job.error = Cancelled("the request was cancelled before it was decoded")
         job._finish()
 
@@ -320,7 +337,6 @@ class Scheduler:
         for job in jobs:
             if job.cancelled:
                 job.error = Cancelled("the request was cancelled before it was decoded")
-                self.stats.cancelled += 1
                 job._finish()
         if not live:
             return
@@ -339,11 +355,10 @@ class Scheduler:
                 children.extend(kids)
             if not live:
                 return
-            gens = backend.extend(children, live[0].params)
             rows = len(children)
-            for job, (a, b) in zip(live, spans, strict=True):
-                job.generations = gens[a:b]
+            for job in live:
                 job.batch_requests, job.batch_rows = len(live), rows
+            # counted before the call: a job answered mid-call (`_Router`) finds itself counted
             st = self.stats
             st.extend_calls += 1
             st.requests += len(live)
@@ -351,9 +366,17 @@ class Scheduler:
             st.max_requests_per_call = max(st.max_requests_per_call, len(live))
             st.max_rows_per_call = max(st.max_rows_per_call, rows)
             st.histogram[len(live)] = st.histogram.get(len(live), 0) + 1
+            if self._listens:
+                gens = backend.extend(children, live[0].params, on_step=_Router(live, spans))
+            else:
+                gens = backend.extend(children, live[0].params)
+            for job, (a, b) in zip(live, spans, strict=True):
+                if not job.done.is_set():
+                    job.generations = gens[a:b]
         except BaseException as exc:  # delivered to every waiting caller, never lost in the worker
             for job in live:
-                job.error = exc
+                if not job.done.is_set():
+                    job.error = exc
         finally:
             if children:
                 try:
@@ -379,3 +402,74 @@ class Scheduler:
         finally:
             # the children keep the root's KV alive; releasing it now frees it with them
             backend.release([root])
+
+
+def _takes_on_step(backend: Backend) -> bool:
+    """Whether the backend's `extend` takes an ``on_step`` listener (older backends do not)."""
+    try:
+        params = inspect.signature(backend.extend).parameters
+    except (TypeError, ValueError):
+        return False
+    return "on_step" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+class _Router:
+    """One `extend`'s step listener: hands each job its branches' steps, answers a job once all its
+    branches have ended while others still decode, and stops the branches of jobs cancelled meanwhile.
+
+    Runs on the worker thread between decode steps. Per step it walks the step's rows once; a job
+    without a listener costs a dictionary lookup per branch.
+    """
+
+    def __init__(self, jobs: list[Job], spans: list[tuple[int, int]]) -> None:
+        self.jobs = list(zip(jobs, spans, strict=True))
+        self.owner = [(job, i - a) for job, (a, b) in self.jobs for i in range(a, b)]
+        self.ended: dict[Job, list[Generation | None]] = {job: [None] * job.n for job in jobs}
+        self.left = {job: job.n for job in jobs}
+        self.rows_left = len(self.owner)
+
+    def __call__(self, step: DecodeStep) -> list[int] | None:
+        owner = self.owner
+        steps: dict[Job, DecodeStep] = {}
+        for row, tokens in step.tokens.items():
+            job, i = owner[row]
+            if job.on_step is not None and not job.done.is_set():
+                steps.setdefault(job, DecodeStep({}, {})).tokens[i] = tokens
+        answered = []
+        for row, gen in step.finished.items():
+            job, i = owner[row]
+            self.ended[job][i] = gen
+            self.left[job] -= 1
+            self.rows_left -= 1
+            if job.on_step is not None and not job.done.is_set():
+                steps.setdefault(job, DecodeStep({}, {})).finished[i] = gen
+            if not self.left[job]:
+                answered.append(job)
+        for job, own in steps.items():
+            listener = job.on_step
+            if listener is None:
+                continue
+            try:
+                listener(own)
+            except Exception:  # a consumer's bug must not stop everyone's decoding
+                log.exception("a job's step listener failed; it hears no more steps")
+                job.on_step = None
+        if not self.rows_left:  # the call ends now: answer with the others, once released
+            answered = []
+        for job in answered:
+            if not job.done.is_set() and not job.cancelled:
+                job.generations = [g for g in self.ended[job] if g is not None]
+                job._finish()
+        return self._drop()
+
+    def _drop(self) -> list[int] | None:
+        """The rows of jobs cancelled since the last step (those jobs fail with `Cancelled` now)."""
+        drop: list[int] | None = None
+        for job, (a, b) in self.jobs:
+            if job.cancelled and not job.done.is_set():
+                job.error = Cancelled("the request was cancelled while it was decoded")
+                job._finish()
+                self.rows_left -= self.left[job]  # its rows stop now, unreported
+                self.left[job] = 0
+                drop = [*(drop or []), *range(a, b)]
+        return drop

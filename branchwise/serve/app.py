@@ -13,9 +13,21 @@ a full queue is a 429 with ``Retry-After`` (memory stays bounded: the queue neve
 is prefilled (see `Scheduler.cancel`); on shutdown (SIGTERM, via uvicorn) in-flight requests finish
 before the process exits.
 
-Streaming is server-sent events in OpenAI's chunk format, cut at token boundaries; the chunks are
-sent once the request's batch has decoded (the backend's `extend` returns whole generations), so
-the streamed text always equals the non-streamed one but the first token arrives with the last.
+Streaming is server-sent events in OpenAI's chunk format, sent as the tokens are decoded: the
+scheduler hands each decode step of a request's branches to the request (`Job.on_step`, on the
+decoding thread), which only queues it for the event loop (`_StepFeed`), so a slow client never
+holds up the batch; the loop turns tokens into text (`TextStream`) and sends the chunks. Why text
+is held back at times: a stop string cuts itself and what follows out of the final text, so the
+last ``len(longest stop) - 1`` characters wait until no stop string can begin in them, and a
+character split over several tokens waits for its last token. Hence the streamed deltas,
+concatenated, equal the non-streamed text exactly. With ``n > 1`` the choices' chunks interleave
+(each names its ``index``); a choice's last chunk carries its ``finish_reason`` as soon as that
+branch ends, and the response ends (optionally with a usage chunk, then ``[DONE]``) once all of its
+branches have, even while other requests of its batch still decode. A backend that cannot report
+steps (its `extend` takes no ``on_step``) streams each choice whole once its batch has decoded.
+
+A client that disconnects mid-stream cancels its request: its branches stop at the next decode step
+(they no longer take rows of the batch) and their KV is released when the batch ends.
 """
 
 from __future__ import annotations
@@ -26,16 +38,19 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.background import BackgroundTask
 
-from branchwise.backends.base import Backend, Generation, ShareMode
+from branchwise.backends.base import Backend, DecodeStep, Generation, ShareMode
 from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFull, Scheduler
+from branchwise.backends.text import TextStream
 from branchwise.serve.protocol import BranchwiseOptions, ChatRequest, CompletionRequest
 
 __all__ = ["create_app"]
@@ -105,6 +120,118 @@ def _vocab_size(backend: Backend) -> int:
     return len(tokenizer)
 
 
+async def _until(
+    task: asyncio.Future[Any], request: Request, cancel: asyncio.Future[Any] | None = None
+) -> None:
+    """Wait for `task`, or for the client to go away: then cancel `cancel` (default `task`; the
+    scheduler drops its job or stops its branches) and raise `CancelledError`."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        (cancel or task).cancel()
+        raise asyncio.CancelledError
+
+
+def _outcome(work: asyncio.Future[list[Generation]]) -> list[Generation]:
+    """A finished job's generations, or its error as the HTTP error it becomes."""
+    try:
+        return work.result()
+    except QueueFull as err:
+        raise RequestError(429, str(err), headers={"Retry-After": "1"}) from None
+    except InvalidPrompt as err:
+        raise RequestError(400, f"prompt: {err}", param="prompt") from None
+    except Cancelled as err:  # pragma: no cover - only a disconnected client's job is cancelled
+        raise RequestError(503, str(err)) from None
+
+
+class _StepFeed:
+    """One streamed request's decode steps, handed from the scheduler's worker to the event loop.
+
+    The worker only appends to a deque and, unless a wake-up is pending already, schedules one
+    (`call_soon_threadsafe`): it never waits for the client, and a consumer that falls behind finds
+    several steps at once (at most the request's own tokens: memory stays bounded by max_tokens).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._steps: deque[DecodeStep] = deque()
+        self._ready = asyncio.Event()
+        self._wake_pending = False
+
+    def push(self, step: DecodeStep) -> None:
+        """On the worker thread: queue `step` and make sure the loop will look."""
+        self._steps.append(step)
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    def wake(self) -> None:
+        """On the loop: look again (the job has ended)."""
+        self._ready.set()
+
+    async def wait(self) -> None:
+        await self._ready.wait()
+
+    def drain(self) -> list[DecodeStep]:
+        """On the loop: every step queued so far (a push after this schedules a new wake-up)."""
+        self._wake_pending = False
+        self._ready.clear()
+        steps = []
+        while self._steps:
+            steps.append(self._steps.popleft())
+        return steps
+
+
+class _Stream:
+    """A request being streamed: its job, the task awaiting it, and the steps it produces."""
+
+    def __init__(self, job: Job, work: asyncio.Future[list[Generation]], feed: _StepFeed) -> None:
+        self.job, self.work, self.feed = job, work, feed
+
+    async def choices(self, backend: Backend) -> AsyncIterator[tuple[int, str, Generation | None]]:
+        """(choice index, text delta, the choice's `Generation` once it has ended), as decoded.
+
+        The deltas of a choice, concatenated, are its final text. Leaving early (the client went
+        away) cancels the job, which stops its branches.
+        """
+        n = self.job.n
+        texts = [TextStream(backend.decode, self.job.params) for _ in range(n)]
+        ended = [False] * n
+        try:
+            while True:
+                last = self.work.done()  # every step was queued before the job ended
+                for step in self.feed.drain():
+                    for i, tokens in step.tokens.items():
+                        if not ended[i] and (delta := texts[i].push(tokens)):
+                            yield i, delta, None
+                    for i, gen in step.finished.items():
+                        if not ended[i]:
+                            ended[i] = True
+                            yield i, texts[i].finish(gen.text), gen
+                if last:
+                    break
+                await self.feed.wait()
+            for i, gen in enumerate(_outcome(self.work)):  # choices no step reported as ended
+                if not ended[i]:
+                    ended[i] = True
+                    yield i, texts[i].finish(gen.text), gen
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Cancel the job unless it has ended (the client left): the scheduler stops its branches."""
+        if not self.work.done():
+            self.work.cancel()
+
+    async def close(self) -> None:
+        """Run after the response: a response task cancelled by a disconnect may leave the
+        generators above suspended rather than closed, so their `finally` cannot be relied on."""
+        self.cancel()
+
+
 class _Server:
     """Request handling over one backend and its scheduler (kept apart from the routes for tests)."""
 
@@ -127,32 +254,43 @@ class _Server:
         self.draining = False
 
     # ------------------------------------------------------------------ plain completions
-    async def decode(
-        self, req: ChatRequest | CompletionRequest, prompt: list[int], request: Request
-    ) -> list[Generation]:
-        """Queue the request's ``n`` samples and wait for them, or for the client to go away."""
+    def _job(self, req: ChatRequest | CompletionRequest, prompt: list[int]) -> Job:
         if self.draining:
             raise RequestError(503, "the server is shutting down")
         opts = req.branchwise or BranchwiseOptions()
         share = opts.share or self.share
-        job = Job(prompt=prompt, n=req.n, params=req.decode_params(req.token_budget()), share=share)
+        return Job(prompt=prompt, n=req.n, params=req.decode_params(req.token_budget()), share=share)
+
+    async def decode(
+        self, req: ChatRequest | CompletionRequest, prompt: list[int], request: Request
+    ) -> list[Generation]:
+        """Queue the request's ``n`` samples and wait for them, or for the client to go away."""
+        job = self._job(req, prompt)
         work = asyncio.ensure_future(self.scheduler.submit_async(job))
-        gone = asyncio.ensure_future(_disconnected(request))
+        await _until(work, request)
+        return _outcome(work)
+
+    async def stream(
+        self, req: ChatRequest | CompletionRequest, prompt: list[int], request: Request
+    ) -> _Stream:
+        """Queue the request with a step listener; return once its first tokens (or its end) are in.
+
+        Waiting for them before answering keeps errors found on the way (a full queue, a prompt the
+        backend refuses) proper HTTP errors instead of failures inside a 200 stream.
+        """
+        job = self._job(req, prompt)
+        feed = _StepFeed(asyncio.get_running_loop())
+        job.on_step = feed.push
+        work = asyncio.ensure_future(self.scheduler.submit_async(job))
+        work.add_done_callback(lambda _: feed.wake())
+        ready = asyncio.ensure_future(feed.wait())
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await _until(ready, request, cancel=work)
         finally:
-            gone.cancel()
-        if not work.done():  # the client left: drop its job (or let its batch release its branches)
-            work.cancel()
-            raise asyncio.CancelledError
-        try:
-            return work.result()
-        except QueueFull as err:
-            raise RequestError(429, str(err), headers={"Retry-After": "1"}) from None
-        except InvalidPrompt as err:
-            raise RequestError(400, f"prompt: {err}", param="prompt") from None
-        except Cancelled as err:  # pragma: no cover - only a disconnected client's job is cancelled
-            raise RequestError(503, str(err)) from None
+            ready.cancel()
+        if work.done():
+            _outcome(work)  # raises the request's error, if any
+        return _Stream(job, work, feed)
 
     def top_logprobs(self, prompt: list[int], gen: Generation, k: int) -> list[list[tuple[int, float]]]:
         """The k most likely tokens at each generated position (temperature 1, like the chosen ones).
@@ -291,21 +429,15 @@ def _details(g: Generation) -> dict[str, Any]:
     }
 
 
-def _deltas(backend: Backend, g: Generation) -> Iterator[str]:
-    """The choice's text in token-sized pieces whose concatenation is exactly ``g.text``."""
-    sent = ""
-    for i in range(1, len(g.token_ids) + 1):
-        prefix = backend.decode(g.token_ids[:i])
-        if len(prefix) > len(sent) and g.text.startswith(prefix):
-            yield prefix[len(sent) :]
-            sent = prefix
-    if len(g.text) > len(sent):
-        yield g.text[len(sent) :]
-
-
-def _sse(chunks: Iterator[dict[str, Any]]) -> Iterator[str]:
-    for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n"
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as err:  # the status line has gone out: say it in the stream (as vLLM does)
+        log.exception("a streamed request failed")
+        message = err.message if isinstance(err, RequestError) else f"{type(err).__name__}: {err}"
+        error = {"message": message, "type": "server_error", "param": None, "code": None}
+        yield f"data: {json.dumps({'error': error})}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -385,23 +517,33 @@ def create_app(
                     "branchwise": extra,
                 }
             )
-        gens = await server.decode(req, prompt, request)
-        usage = _usage(len(prompt), sum(len(g.token_ids) for g in gens))
         if req.stream:
+            stream = await server.stream(req, prompt, request)
             include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-            def chunks() -> Iterator[dict[str, Any]]:
+            async def chunks() -> AsyncIterator[dict[str, Any]]:
                 base = {**head, "object": "chat.completion.chunk"}
-                for i, g in enumerate(gens):
-                    yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]}
-                    for piece in _deltas(backend, g):
-                        yield {**base, "choices": [{"index": i, "delta": {"content": piece}}]}
-                    finish = _FINISH[g.finish_reason]
-                    yield {**base, "choices": [{"index": i, "delta": {}, "finish_reason": finish}]}
-                if include_usage:
-                    yield {**base, "choices": [], "usage": usage}
 
-            return StreamingResponse(_sse(chunks()), media_type="text/event-stream")
+                def chunk(i: int, delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
+                    return {**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish}]}
+
+                for i in range(req.n):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+                used = 0
+                async for i, text, g in stream.choices(backend):
+                    if text:
+                        yield chunk(i, {"content": text})
+                    if g is not None:
+                        used += len(g.token_ids)
+                        yield chunk(i, {}, _FINISH[g.finish_reason])
+                if include_usage:
+                    yield {**base, "choices": [], "usage": _usage(len(prompt), used)}
+
+            return StreamingResponse(
+                _sse(chunks()), media_type="text/event-stream", background=BackgroundTask(stream.close)
+            )
+        gens = await server.decode(req, prompt, request)
+        usage = _usage(len(prompt), sum(len(g.token_ids) for g in gens))
         k = req.top_logprobs or 0
         tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
         choices = []
@@ -447,26 +589,36 @@ def create_app(
         candidates = None
         if opts is not None and opts.score_candidates is not None:
             candidates = await asyncio.to_thread(server.candidate_logprobs, prompt, opts.score_candidates)
-        gens = await server.decode(req, prompt, request)
-        usage = _usage(len(prompt), sum(len(g.token_ids) for g in gens))
         echo = (prompt_text if prompt_text is not None else backend.decode(prompt)) if req.echo else ""
         if req.stream:
+            stream = await server.stream(req, prompt, request)
             include_usage = req.stream_options is not None and req.stream_options.include_usage
 
-            def chunks() -> Iterator[dict[str, Any]]:
+            async def chunks() -> AsyncIterator[dict[str, Any]]:
                 base = {**head, "object": "text_completion"}
-                for i, g in enumerate(gens):
-                    for j, piece in enumerate(_deltas(backend, g)):
-                        text = echo + piece if j == 0 else piece
-                        yield {**base, "choices": [{"index": i, "text": text, "finish_reason": None}]}
-                    yield {
-                        **base,
-                        "choices": [{"index": i, "text": "", "finish_reason": _FINISH[g.finish_reason]}],
-                    }
-                if include_usage:
-                    yield {**base, "choices": [], "usage": usage}
 
-            return StreamingResponse(_sse(chunks()), media_type="text/event-stream")
+                def chunk(i: int, text: str, finish: str | None = None) -> dict[str, Any]:
+                    return {**base, "choices": [{"index": i, "text": text, "finish_reason": finish}]}
+
+                echoed: set[int] = set()
+                used = 0
+                async for i, text, g in stream.choices(backend):
+                    if i not in echoed:  # the echoed prompt leads each choice's first chunk
+                        echoed.add(i)
+                        text = echo + text
+                    if text:
+                        yield chunk(i, text)
+                    if g is not None:
+                        used += len(g.token_ids)
+                        yield chunk(i, "", _FINISH[g.finish_reason])
+                if include_usage:
+                    yield {**base, "choices": [], "usage": _usage(len(prompt), used)}
+
+            return StreamingResponse(
+                _sse(chunks()), media_type="text/event-stream", background=BackgroundTask(stream.close)
+            )
+        gens = await server.decode(req, prompt, request)
+        usage = _usage(len(prompt), sum(len(g.token_ids) for g in gens))
         k = req.logprobs or 0
         tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
         choices = []

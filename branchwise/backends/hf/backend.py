@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from branchwise.backends.accel import Accel
-from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode
+from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode, StepListener
 from branchwise.backends.hf.arch import decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
@@ -245,8 +245,10 @@ class HFBackend:
     def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
         self._default.append(nodes, token_ids)
 
-    def extend(self, nodes: Sequence[NodeId], params: DecodeParams) -> list[Generation]:
-        return self._default.extend(nodes, params)
+    def extend(
+        self, nodes: Sequence[NodeId], params: DecodeParams, on_step: StepListener | None = None
+    ) -> list[Generation]:
+        return self._default.extend(nodes, params, on_step)
 
     def score_next(
         self,

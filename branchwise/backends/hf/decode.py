@@ -8,6 +8,10 @@ its node) are passed in, so this loop reads as what it is.
 Stop checks are incremental: each row keeps a running detokenization (`TextTail`) that decodes only
 the last few tokens per step, instead of re-decoding the row's whole output every step (quadratic
 in the output length). A row's final text is one full decode, cut by the same rules as always.
+
+Streaming: an optional `on_step` listener is handed each step's new tokens and the rows that ended
+(their final `Generation`), and may name rows to stop (their consumer left). It is one `if` per
+step when absent; the listener does the detokenizing for its own consumers, off this thread.
 """
 
 from __future__ import annotations
@@ -16,58 +20,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from branchwise.backends.base import DecodeParams, FinishReason, Generation
+from branchwise.backends.base import DecodeParams, DecodeStep, FinishReason, Generation, StepListener
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.hooks import Acceleration, overrides
 from branchwise.backends.hf.sampling import pick_tokens
+from branchwise.backends.text import Detokenize, TextTail, finish_text
 
-Detokenize = Callable[[Sequence[int]], str]
+__all__ = ["StopCheck", "TextTail", "decode", "finish_text"]
+
 ForwardFn = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 CaptureFn = Callable[[int, Row], None]
-
-
-class TextTail:
-    """Incremental detokenization of one row's output.
-
-    The text of the tokens since `_prefix` is decoded with and without the newest tokens and the
-    difference appended, so multi-token characters (a UTF-8 sequence split over byte tokens) are
-    appended only once complete (the decode no longer ends in U+FFFD). The same scheme as the
-    incremental detokenizers of vLLM and TGI; per step it decodes a handful of tokens.
-    """
-
-    def __init__(self, detokenize: Detokenize) -> None:
-        self._detokenize = detokenize
-        self.ids: list[int] = []
-        self.text = ""
-        self._prefix = 0
-        self._read = 0
-
-    def push(self, token: int) -> None:
-        self.ids.append(token)
-        before = self._detokenize(self.ids[self._prefix : self._read])
-        after = self._detokenize(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
-            self._prefix, self._read = self._read, len(self.ids)
-
-
-def finish_text(text: str, params: DecodeParams) -> tuple[str, FinishReason | None]:
-    """Apply the stop rules to a row's full text: (text to keep, why it ended or None).
-
-    A stop string cuts the text before it; the step delimiter ends a step after it (kept), but not
-    a delimiter the text starts with (leading whitespace is not a step).
-    """
-    for stop in params.stop:
-        cut = text.find(stop)
-        if cut >= 0:
-            return text[:cut], "stop"
-    delim = params.step_delimiter
-    if delim:
-        body = len(text) - len(text.lstrip())
-        at = text.find(delim, body + 1) if body < len(text) else -1
-        if at >= 0:
-            return text[: at + len(delim)], "delimiter"
-    return text, None
 
 
 class StopCheck:
@@ -115,8 +77,13 @@ def decode(
     eos_ids: set[int],
     detokenize: Detokenize,
     device: torch.device,
+    on_step: StepListener | None = None,
 ) -> list[Generation]:
-    """Decode every row of `batch` from `logits` (the distribution after each row's last token)."""
+    """Decode every row of `batch` from `logits` (the distribution after each row's last token).
+
+    `on_step` (see `StepListener`) is told each step's tokens and finished rows; rows it returns
+    stop at once. Without it, the loop does no per-step work for it.
+    """
     rows = batch.rows
     ctx = batch.ctx
     gen = None
@@ -129,6 +96,8 @@ def decode(
     for hook in overrides(hooks, "begin_decode"):
         hook.begin_decode(batch)
     present = list(range(len(rows)))  # batch position -> row index
+    stepping = present  # rows that append a token this step
+    ended: dict[int, Generation] = {}  # rows already reported to `on_step`
     for step in range(params.max_tokens):
         if step < params.min_tokens and eos_ids:
             logits = logits.clone()
@@ -154,6 +123,8 @@ def decode(
                         stops.settle(rows[ri])
                     alive = []
                     break
+        if on_step is not None:
+            alive = _report(on_step, rows, stepping, alive, ended, stops)
         if not alive:
             break
         dead = len(present) - len(alive)
@@ -171,23 +142,54 @@ def decode(
         batch.advance(present, feeds)
         for hook in after_step:
             hook.after_step(batch, [rows[ri] for ri in present], feeds, step)
+        stepping = alive
     for hook in overrides(hooks, "end_decode"):
         hook.end_decode(batch, [rows[ri] for ri in present])
     for pos, ri in enumerate(present):
         if not rows[ri].captured:
             capture(pos, rows[ri])
     results = []
-    for r in rows:
+    for ri, r in enumerate(rows):
         # the last sampled token was not fed; its KV is computed on the node's next use
         r.seg.last_logits = None
-        results.append(
-            Generation(
-                node=r.seg.id,
-                token_ids=r.out,
-                text=r.text,
-                top1_probs=r.top1,
-                logprobs=r.logprobs,
-                finish_reason=r.finish or "length",
-            )
-        )
+        results.append(ended.get(ri) or _generation(r))
     return results
+
+
+def _generation(r: Row) -> Generation:
+    return Generation(
+        node=r.seg.id,
+        token_ids=r.out,
+        text=r.text,
+        top1_probs=r.top1,
+        logprobs=r.logprobs,
+        finish_reason=r.finish or "length",
+    )
+
+
+def _report(
+    on_step: StepListener,
+    rows: Sequence[Row],
+    stepping: Sequence[int],
+    alive: list[int],
+    ended: dict[int, Generation],
+    stops: StopCheck,
+) -> list[int]:
+    """Tell `on_step` what this step's rows appended and which ended; stop the rows it gives back.
+
+    Returns the rows still alive. A finished row's `Generation` is made once, here, and is the one
+    `decode` returns (its token list no longer grows).
+    """
+    finished = {}
+    for ri in stepping:
+        if rows[ri].finish is not None:
+            finished[ri] = ended[ri] = _generation(rows[ri])
+    drop = on_step(DecodeStep(tokens={ri: rows[ri].out[-1:] for ri in stepping}, finished=finished))
+    if not drop:
+        return alive
+    for ri in drop:
+        r = rows[ri]
+        if r.finish is None:
+            r.finish = "cancelled"
+            stops.settle(r)
+    return [ri for ri in alive if rows[ri].finish is None]

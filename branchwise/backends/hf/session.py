@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from branchwise.backends.accel import Accel
-from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode
+from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode, StepListener
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import Batch, Broadcast, Row
 from branchwise.backends.hf.decode import decode
@@ -262,7 +262,9 @@ class Session:
                 seg.tokens.extend(self.engine.check_ids(ids, "token_ids"))
             self.stats.cache_evictions += self.tree.evictions - evictions
 
-    def extend(self, nodes: Sequence[NodeId], params: DecodeParams) -> list[Generation]:
+    def extend(
+        self, nodes: Sequence[NodeId], params: DecodeParams, on_step: StepListener | None = None
+    ) -> list[Generation]:
         with self.engine.lock:
             evictions = self.tree.evictions
             segs = [self.tree.growable(n) for n in nodes]
@@ -271,7 +273,7 @@ class Session:
                 raise ValueError("nodes must be distinct; fork a node to decode it several times")
             if not segs:
                 return []
-            return self._run(segs, params)
+            return self._run(segs, params, on_step=on_step)
 
     def score_next(
         self,
@@ -441,11 +443,16 @@ class Session:
         return capture
 
     def _run(
-        self, segs: Sequence[Segment], params: DecodeParams | None, observers: Sequence[Acceleration] = ()
+        self,
+        segs: Sequence[Segment],
+        params: DecodeParams | None,
+        observers: Sequence[Acceleration] = (),
+        on_step: StepListener | None = None,
     ) -> list[Generation]:
         """Compute pending tokens of `segs` and, with `params`, decode them as one batch.
 
-        `observers` watch the pending-token forward (they must not exit rows: their KV is kept).
+        `observers` watch the pending-token forward (they must not exit rows: their KV is kept);
+        `on_step` is told each decode step's tokens (`Backend.extend`).
         """
         self._materialize_ancestors(segs)
         if not self.exact_kv:
@@ -495,6 +502,7 @@ class Session:
                 eos_ids=self.engine.eos_ids,
                 detokenize=self.engine.decode,
                 device=self.device,
+                on_step=on_step,
             )
         for plugin in overrides(self.plugins, "after_batch"):
             plugin.after_batch(batch, params is not None)

@@ -16,9 +16,9 @@ branches (self-consistency) under
     blocks (so the AMSR is matched, as the paper matches it);
   - `attention_only`, `rkv` and `window`: SkipKV's eviction baselines (H2O/SnapKV-style attention
     scores, R-KV, and a StreamingLLM-style recency window) at the same memory saving: one
-    per-branch budget b with Σ max(0, len − b) = AMSR_reasoncache · Σ len over the dense
-    branches' lengths (what evicting every branch down to b saves), compressed every few tokens
-    so a branch never overshoots b by much.
+    per-branch budget b whose eviction removes AMSR_reasoncache · Σ len of the dense branches'
+    generated KV, with the eviction's schedule simulated on those lengths (checked every few
+    tokens, cut down to b), so the budget is one at which the baselines do evict that much.
 Each reports AMSR (generated KV tokens not held / dense), agreement of the voted answer with dense,
 voted accuracy, tokens/s and the filter's time as a share of the run.
 
@@ -29,7 +29,8 @@ repeat a step (stage 1 passed about 10 % of the blocks on gsm_symbolic), so the 
 mean length hold. Dense fits that many branches at once; ReasonCache fits budget / ((1 − AMSR) ·
 per-branch KV), rounded down (its AMSR measured above, so this is the mean fit, not a worst case).
 Both then decode `--budget-waves` waves of their width per problem (`--budget-problems`), timed in
-this run; `branches_per_s` and its ratio are the throughput at equal memory.
+this run; `branches_per_s` and its ratio are the throughput at equal memory. When the AMSR is too
+small to fit one more branch (`extra_branches` 0) the ratio measures only the speed difference.
 
 A step search (`--tree-questions` questions, beam search width 4) runs dense and ReasonCache through
 the Reasoner, for AMSR and agreement under a tree strategy too.
@@ -99,18 +100,30 @@ def summarise(
     return out
 
 
+def eviction_interval(budget: int) -> int:
+    """The eviction baselines' compression interval for `budget`: a quarter of it, within 4..16."""
+    return max(4, min(16, budget // 4))
+
+
+def evicted_at(lengths: Sequence[int], budget: int) -> int:
+    """Tokens SkipKV-style eviction removes from branches of `lengths` generated tokens under
+    `budget`: a branch is checked every `eviction_interval(budget)` fed tokens (its last sampled
+    token is never fed) and cut down to the budget when it holds more."""
+    every = eviction_interval(budget)
+    return sum(max(0, ((n - 1) // every) * every - budget) for n in lengths)
+
+
 def matched_budget(lengths: Sequence[int], saving: float) -> int:
-    """The smallest per-branch budget b whose eviction (every branch cut down to b tokens) saves at
-    most `saving` of the branches' total KV: eviction at the memory saving of another method."""
-    total = sum(lengths)
-    lo, hi = 2, max(2, *lengths)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if sum(max(0, n - mid) for n in lengths) <= saving * total:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    """The per-branch budget whose eviction removes the share of the branches' generated KV closest
+    to `saving` (the larger budget on a tie): eviction at the memory saving of another method.
+
+    The eviction's schedule is simulated (`evicted_at`), not assumed continuous: a budget a few
+    tokens under the longest branch evicts nothing when no check falls after it."""
+    total = max(1, sum(lengths))
+    return min(
+        range(2, max(3, *lengths) + 1),
+        key=lambda b: (abs(evicted_at(lengths, b) / total - saving), -b),
+    )
 
 
 def waves(
@@ -177,6 +190,7 @@ def main() -> None:
             "warmup_problems": 4,
             "budget_problems": 1,
             "budget_waves": 1,
+            "budget_branches": 8,
             "tree_questions": 1,
             "tree_step_tokens": 32,
         },
@@ -197,8 +211,13 @@ def main() -> None:
     parser.add_argument(
         "--warmup-problems", type=int, default=2, help="held-out problems per task for PAT's warm-up"
     )
-    parser.add_argument("--budget-branches", type=int, default=8, help="dense branches the KV budget holds")
-    parser.add_argument("--budget-problems", type=int, default=2, help="problems of the fixed-budget run")
+    parser.add_argument(
+        "--budget-branches",
+        type=int,
+        default=24,
+        help="dense branches the KV budget holds (at an AMSR of a few %%, fewer than ~20 fit no extra branch)",
+    )
+    parser.add_argument("--budget-problems", type=int, default=1, help="problems of the fixed-budget run")
     parser.add_argument("--budget-waves", type=int, default=2, help="waves of full width per problem there")
     parser.add_argument("--tree-questions", type=int, default=2, help="questions of the beam-search run")
     parser.add_argument("--tree-step-tokens", type=int, default=64, help="tokens per beam step")
@@ -249,7 +268,7 @@ def main() -> None:
     )
     budget = matched_budget(dense["lengths"], rc["amsr"])
     window = min(8, budget - 1)
-    interval = max(4, min(16, budget // 4))
+    interval = eviction_interval(budget)
     for name, cfg in (
         ("attention_only", SkipKVConfig.attention_only(budget, interval=interval, window=window)),
         ("rkv", SkipKVConfig.rkv(budget, interval=interval, window=window)),
@@ -272,6 +291,7 @@ def main() -> None:
         "budget_bytes_note": "the KV of --budget-branches dense branches of mean length",
         "dense": {"branches_at_once": dense_width, "branches_per_s": round(dense_rate, 4)},
         "reasoncache": {"branches_at_once": rc_width, "branches_per_s": round(rc_rate, 4)},
+        "extra_branches": rc_width - dense_width,
         "throughput_ratio": round(rc_rate / dense_rate, 3),
     }
     bench.log("beam search")

@@ -327,17 +327,33 @@ def test_ets_vs_rebase_quick() -> None:
         assert ratios["accuracy_delta_points"] == pytest.approx(ets["accuracy"] - reb["accuracy"], abs=0.01)
 
 
-def _ets_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """benchmarks/ets_vs_rebase.py as a module (its `main` takes argv), imported as its script runs:
-    with its folder on the path."""
+def _script(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module, imported as its script runs: with its folder on the path."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "ets_vs_rebase_script", ROOT / "benchmarks" / "ets_vs_rebase.py"
-    )
+    spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _ets_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/ets_vs_rebase.py (its `main` takes argv)."""
+    return _script(monkeypatch, "ets_vs_rebase")
+
+
+def test_reasoncache_matched_budget_evicts_the_saving_on_the_eviction_schedule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A budget just under the longest branch evicts nothing when no check falls after it (the bug
+    that left the eviction baselines at 0 evictions); the matched budget evicts the asked share."""
+    script = _script(monkeypatch, "reasoncache")
+    lengths = [138, 160, 150, 120, 160, 140, 130, 155]
+    assert script.evicted_at(lengths, 145) == 0  # checks at 144 at most: nothing above 145
+    for saving in (0.02, 0.05, 0.1, 0.3):
+        budget = script.matched_budget(lengths, saving)
+        assert script.evicted_at(lengths, budget) / sum(lengths) == pytest.approx(saving, abs=0.01)
+    assert script.matched_budget(lengths, 0.0) == max(lengths)
 
 
 def test_ets_benchmark_stops_without_a_solver(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,7 +390,11 @@ def test_reasoncache_quick() -> None:
     rc = methods["reasoncache"]
     assert rc["blocks_sealed"] > 0 and rc["stage2_blocks"] <= rc["stage1_blocks"] <= rc["blocks_sealed"]
     assert rc["blocks_reused"] == rc["stage2_blocks"] and (rc["amsr"] > 0) == (rc["blocks_reused"] > 0)
+    if rc["amsr"] >= 0.02:  # matched memory: the eviction baselines evict too
+        for name in ("attention_only", "rkv", "window"):
+            assert methods[name]["evicted_tokens"] > 0, name
     fixed = out["fixed_kv_budget"]
+    assert fixed["extra_branches"] == fixed["reasoncache"]["branches_at_once"] - fixed["dense"]["branches_at_once"]
     assert fixed["reasoncache"]["branches_at_once"] >= fixed["dense"]["branches_at_once"]
     assert fixed["throughput_ratio"] == ratio(
         fixed["reasoncache"]["branches_per_s"], fixed["dense"]["branches_per_s"]

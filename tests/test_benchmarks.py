@@ -394,7 +394,10 @@ def test_reasoncache_quick() -> None:
         for name in ("attention_only", "rkv", "window"):
             assert methods[name]["evicted_tokens"] > 0, name
     fixed = out["fixed_kv_budget"]
-    assert fixed["extra_branches"] == fixed["reasoncache"]["branches_at_once"] - fixed["dense"]["branches_at_once"]
+    assert (
+        fixed["extra_branches"]
+        == fixed["reasoncache"]["branches_at_once"] - fixed["dense"]["branches_at_once"]
+    )
     assert fixed["reasoncache"]["branches_at_once"] >= fixed["dense"]["branches_at_once"]
     assert fixed["throughput_ratio"] == ratio(
         fixed["reasoncache"]["branches_per_s"], fixed["dense"]["branches_per_s"]

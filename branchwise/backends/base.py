@@ -88,6 +88,15 @@ StepListener = Callable[[DecodeStep], Collection[int] | None]
 nobody wants any more, which the backend stops as soon as it can (finish reason "cancelled"), or
 None. Without a listener a backend does no per-step work for one."""
 
+Admit = Callable[[int], Sequence[NodeId]]
+"""The optional ``admit`` argument of an `extend` that takes new rows while it decodes (continuous
+batching; the local backend's does, `Scheduler` checks the signature): called on the decoding thread at
+each step boundary with the number of rows still decoding; returns nodes to decode from the next
+step on in the same call, or nothing. Admitted rows are numbered after the rows before them (in
+`DecodeStep`s and in the list `extend` returns) and decode with the call's parameters, each up to
+its own ``max_tokens``. Like a listener it must return at once; it may make the nodes it returns
+(prefill and fork on this thread), and must not hand in a node twice."""
+
 
 @dataclass
 class KVStats:

@@ -17,6 +17,11 @@ call. The scheduler owns that problem once, generic over the `Backend` protocol:
   worker routes each decode step to the jobs it belongs to: a job's own ``on_step`` sees its
   branches' tokens as they are produced (the server's streaming), and a job whose branches have
   all ended is answered then, not when the longest branch of its batch ends;
+* **continuous batching**: where the backend's `extend` takes ``admit`` (the local backend), a
+  request that queues while a batch decodes joins it at the next step boundary (same decoding
+  parameters, within `max_rows`) instead of waiting for the batch's longest branch: its prompt is
+  prefilled and its rows decode beside the others from then on. Rows that end leave room for the
+  next ones, so the decode batch stays full under a steady load;
 * **cancellation**: a request cancelled while it waits is dropped before it is prefilled (a client
   that went away costs nothing); one cancelled mid-batch has its branches stopped at the next
   decode step (they stop taking batch rows and compute) and released with the batch. A backend
@@ -69,7 +74,8 @@ class BatchStats:
     ``extend_calls`` counts backend `extend` calls made for requests; ``requests`` the requests
     they served; ``rows`` the branches decoded (a request with ``n`` samples is ``n`` rows);
     ``rejected`` the requests refused because the queue was full; ``cancelled`` those their caller
-    cancelled before they were answered (waiting, or mid-decode).
+    cancelled before they were answered (waiting, or mid-decode); ``admitted`` those that joined an
+    `extend` already decoding (continuous batching; they count in that call's requests and rows).
     """
 
     extend_calls: int = 0
@@ -78,6 +84,7 @@ class BatchStats:
     max_requests_per_call: int = 0
     max_rows_per_call: int = 0
     rejected: int = 0
+    admitted: int = 0
     cancelled: int = 0
     histogram: dict[int, int] = field(default_factory=dict)
     """requests per `extend` call -> how many calls had that many"""
@@ -100,6 +107,7 @@ class BatchStats:
             "max_requests_per_call": self.max_requests_per_call,
             "max_rows_per_call": self.max_rows_per_call,
             "rejected": self.rejected,
+            "admitted": self.admitted,
             "cancelled": self.cancelled,
             "histogram": dict(sorted(self.histogram.items())),
         }
@@ -166,6 +174,8 @@ class Scheduler:
         max_queued_rows: `enqueue` raises `QueueFull` when the waiting branches would exceed this
             (None: unbounded, for in-process callers that block anyway).
         batch_seeded: co-batch seeded sampling requests (see the module docstring).
+        continuous: let queued requests join a running decode at a step boundary where the backend's
+            `extend` takes ``admit`` (the local backend does); False waits for the batch to end.
     """
 
     def __init__(
@@ -177,6 +187,7 @@ class Scheduler:
         window_s: float = 0.01,
         max_queued_rows: int | None = None,
         batch_seeded: bool = False,
+        continuous: bool = True,
         name: str = "branchwise-scheduler",
     ) -> None:
         if max_rows < 1 or max_requests < 1:
@@ -189,6 +200,7 @@ class Scheduler:
         self.window_s = window_s
         self.max_queued_rows = max_queued_rows
         self.batch_seeded = batch_seeded
+        self.continuous = continuous
         self.name = name
         self.stats = BatchStats()
         self._cv = threading.Condition()
@@ -196,7 +208,8 @@ class Scheduler:
         self._running = 0
         self._worker: threading.Thread | None = None
         self._closed = False
-        self._listens = _takes_on_step(backend)
+        self._listens = _extend_takes(backend, "on_step")
+        self._admits = continuous and self._listens and _extend_takes(backend, "admit")
 
     # ------------------------------------------------------------------ callers
     def enqueue(self, job: Job) -> Job:
@@ -331,7 +344,8 @@ class Scheduler:
                     self._cv.notify_all()
 
     def _run_group(self, jobs: list[Job]) -> None:
-        """Prefill each prompt once, fork it n times and decode all branches in ONE `extend`."""
+        """Prefill each prompt once, fork it n times and decode all branches in ONE `extend`; with
+        continuous batching, compatible requests that queue meanwhile join that `extend`."""
         backend = self.backend
         live = [job for job in jobs if not job.cancelled]
         for job in jobs:
@@ -340,51 +354,56 @@ class Scheduler:
                 job._finish()
         if not live:
             return
-        children: list[int] = []
-        spans: list[tuple[int, int]] = []
+        router = _Router(self, live[0].group_key(self.batch_seeded))
         try:
-            for job in list(live):
-                try:
-                    kids = self._fork_prompt(job)
-                except ValueError as exc:  # this prompt alone is bad: fail it, decode the others
-                    job.error = InvalidPrompt(str(exc))
-                    job._finish()
-                    live.remove(job)
-                    continue
-                spans.append((len(children), len(children) + len(kids)))
-                children.extend(kids)
-            if not live:
-                return
-            rows = len(children)
             for job in live:
-                job.batch_requests, job.batch_rows = len(live), rows
-            # counted before the call: a job answered mid-call (`_Router`) finds itself counted
-            st = self.stats
-            st.extend_calls += 1
-            st.requests += len(live)
-            st.rows += rows
-            st.max_requests_per_call = max(st.max_requests_per_call, len(live))
-            st.max_rows_per_call = max(st.max_rows_per_call, rows)
-            st.histogram[len(live)] = st.histogram.get(len(live), 0) + 1
-            if self._listens:
-                gens = backend.extend(children, live[0].params, on_step=_Router(live, spans))
+                router.join(job)
+            if not router.jobs:
+                return
+            self.stats.extend_calls += 1
+            params = live[0].params
+            if self._admits:
+                gens = backend.extend(list(router.children), params, on_step=router, admit=router.admit)
+            elif self._listens:
+                gens = backend.extend(list(router.children), params, on_step=router)
             else:
-                gens = backend.extend(children, live[0].params)
-            for job, (a, b) in zip(live, spans, strict=True):
+                gens = backend.extend(list(router.children), params)
+            for job, (a, b) in router.jobs:
                 if not job.done.is_set():
                     job.generations = gens[a:b]
         except BaseException as exc:  # delivered to every waiting caller, never lost in the worker
-            for job in live:
+            for job, _ in router.jobs:
                 if not job.done.is_set():
                     job.error = exc
         finally:
-            if children:
+            st = self.stats
+            if router.jobs:  # the call's final size, admitted requests included
+                st.max_requests_per_call = max(st.max_requests_per_call, len(router.jobs))
+                st.max_rows_per_call = max(st.max_rows_per_call, len(router.children))
+                st.histogram[len(router.jobs)] = st.histogram.get(len(router.jobs), 0) + 1
+            if router.children:
                 try:
-                    backend.release(children)
+                    backend.release(router.children)
                 except Exception:  # pragma: no cover - release of nodes the failure already freed
                     log.debug("release after a failed batch", exc_info=True)
-            for job in live:
+            for job, _ in router.jobs:
                 job._finish()
+
+    def _admit(self, key: tuple[Any, ...], room: int) -> list[Job]:
+        """Take queued jobs that may join a running decode of group `key`, at most `room` rows.
+
+        Strictly first come, first served: taking stops at the first job that does not fit or has
+        other decoding parameters, so the running decode then drains and that job is served next
+        (a steady stream of compatible requests never starves an incompatible one)."""
+        taken: list[Job] = []
+        with self._cv:
+            while self._queue and len(taken) < self.max_requests:
+                job = self._queue[0]
+                if job.n > room or job.group_key(self.batch_seeded) != key:
+                    break
+                taken.append(self._queue.popleft())
+                room -= job.n
+        return taken
 
     def _fork_prompt(self, job: Job) -> list[int]:
         """Prefill the job's whole prompt (a backend with a prefix cache reuses what it holds) and
@@ -404,29 +423,73 @@ class Scheduler:
             backend.release([root])
 
 
-def _takes_on_step(backend: Backend) -> bool:
-    """Whether the backend's `extend` takes an ``on_step`` listener (older backends do not)."""
+def _extend_takes(backend: Backend, name: str) -> bool:
+    """Whether the backend's `extend` takes the argument `name`: ``on_step`` (older backends do not;
+    ``**kwargs`` counts) or ``admit`` (named explicitly: only a backend that admits rows says so)."""
     try:
         params = inspect.signature(backend.extend).parameters
     except (TypeError, ValueError):
         return False
-    return "on_step" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if name in params:
+        return True
+    return name == "on_step" and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class _Router:
     """One `extend`'s step listener: hands each job its branches' steps, answers a job once all its
-    branches have ended while others still decode, and stops the branches of jobs cancelled meanwhile.
+    branches have ended while others still decode, stops the branches of jobs cancelled meanwhile,
+    and (continuous batching) admits queued jobs into the running decode.
 
     Runs on the worker thread between decode steps. Per step it walks the step's rows once; a job
     without a listener costs a dictionary lookup per branch.
     """
 
-    def __init__(self, jobs: list[Job], spans: list[tuple[int, int]]) -> None:
-        self.jobs = list(zip(jobs, spans, strict=True))
-        self.owner = [(job, i - a) for job, (a, b) in self.jobs for i in range(a, b)]
-        self.ended: dict[Job, list[Generation | None]] = {job: [None] * job.n for job in jobs}
-        self.left = {job: job.n for job in jobs}
-        self.rows_left = len(self.owner)
+    def __init__(self, scheduler: Scheduler, key: tuple[Any, ...]) -> None:
+        self.scheduler = scheduler
+        self.key = key
+        self.jobs: list[tuple[Job, tuple[int, int]]] = []
+        self.children: list[int] = []
+        self.owner: list[tuple[Job, int]] = []
+        self.ended: dict[Job, list[Generation | None]] = {}
+        self.left: dict[Job, int] = {}
+        self.rows_left = 0
+
+    def join(self, job: Job) -> bool:
+        """Prefill and fork `job`'s prompt; its branches become the call's next rows. A prompt the
+        backend refuses fails that job alone (`InvalidPrompt`)."""
+        try:
+            kids = self.scheduler._fork_prompt(job)
+        except ValueError as exc:
+            job.error = InvalidPrompt(str(exc))
+            job._finish()
+            return False
+        a = len(self.children)
+        self.children.extend(kids)
+        self.jobs.append((job, (a, a + len(kids))))
+        self.owner.extend((job, i) for i in range(len(kids)))
+        self.ended[job] = [None] * job.n
+        self.left[job] = job.n
+        self.rows_left += job.n
+        st = self.scheduler.stats
+        st.requests += 1  # counted before decoding: a job answered mid-call finds itself counted
+        st.rows += job.n
+        job.batch_requests, job.batch_rows = len(self.jobs), len(self.children)
+        return True
+
+    def admit(self, alive: int) -> list[int]:
+        """`extend`'s ``admit``: queued jobs of this group that fit beside the `alive` rows."""
+        sched = self.scheduler
+        room = sched.max_rows - alive
+        if room < 1:
+            return []
+        before = len(self.children)
+        for job in sched._admit(self.key, room):
+            if job.cancelled:
+                job.error = Cancelled("the request was cancelled before it was decoded")
+                job._finish()
+            elif self.join(job):
+                sched.stats.admitted += 1
+        return self.children[before:]
 
     def __call__(self, step: DecodeStep) -> list[int] | None:
         owner = self.owner

@@ -27,7 +27,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from branchwise.backends.accel import Accel
-from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode, StepListener
+from branchwise.backends.base import (
+    Admit,
+    DecodeParams,
+    Generation,
+    KVStats,
+    NodeId,
+    ShareMode,
+    StepListener,
+)
 from branchwise.backends.hf.arch import decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
@@ -246,9 +254,13 @@ class HFBackend:
         self._default.append(nodes, token_ids)
 
     def extend(
-        self, nodes: Sequence[NodeId], params: DecodeParams, on_step: StepListener | None = None
+        self,
+        nodes: Sequence[NodeId],
+        params: DecodeParams,
+        on_step: StepListener | None = None,
+        admit: Admit | None = None,
     ) -> list[Generation]:
-        return self._default.extend(nodes, params, on_step)
+        return self._default.extend(nodes, params, on_step, admit)
 
     def score_next(
         self,

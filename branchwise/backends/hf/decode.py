@@ -12,43 +12,63 @@ in the output length). A row's final text is one full decode, cut by the same ru
 Streaming: an optional `on_step` listener is handed each step's new tokens and the rows that ended
 (their final `Generation`), and may name rows to stop (their consumer left). It is one `if` per
 step when absent; the listener does the detokenizing for its own consumers, off this thread.
+
+Continuous batching: an optional `admit` callback (`Admit`) is asked at each step boundary for new
+nodes to decode in the same call. When it hands some in, this loop stops there as if the batch had
+ended for now (rows' KV captured into their nodes, their sampled-but-unfed token left pending) and
+the session assembles one batch of the rows still decoding and the new ones; `DecodeRun` carries
+each row's tokens, stop state and index across those batches, so a row's result does not depend
+on when others joined (beyond the batch composition every batched decode already has).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from branchwise.backends.base import DecodeParams, DecodeStep, FinishReason, Generation, StepListener
+from branchwise.backends.base import (
+    Admit,
+    DecodeParams,
+    DecodeStep,
+    FinishReason,
+    Generation,
+    NodeId,
+    StepListener,
+)
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.hooks import Acceleration, overrides
 from branchwise.backends.hf.sampling import pick_tokens
+from branchwise.backends.hf.tree import Segment
 from branchwise.backends.text import Detokenize, TextTail, finish_text
 
-__all__ = ["StopCheck", "TextTail", "decode", "finish_text"]
+__all__ = ["DecodeRun", "StopCheck", "TextTail", "decode", "finish_text"]
 
 ForwardFn = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 CaptureFn = Callable[[int, Row], None]
 
 
 class StopCheck:
-    """Per-row stop detection for one `extend` call (see the module docstring)."""
+    """Per-row stop detection for one `extend` call (see the module docstring); rows are known by
+    their segment, so a row keeps its running text when continuous batching re-assembles the batch."""
 
-    def __init__(self, params: DecodeParams, eos_ids: set[int], detokenize: Detokenize, n_rows: int) -> None:
+    def __init__(self, params: DecodeParams, eos_ids: set[int], detokenize: Detokenize) -> None:
         self.params = params
         self.eos_ids = eos_ids
         self._detokenize = detokenize
-        self._tails = [TextTail(detokenize) for _ in range(n_rows)]
+        self._tails: dict[int, TextTail] = {}
         self._watch = bool(params.stop or params.step_delimiter)
 
-    def check(self, ri: int, row: Row, last_step: bool) -> FinishReason | None:
-        """Row `ri` just appended a token: say whether (and why) it is done, and set its text then."""
+    def check(self, row: Row) -> FinishReason | None:
+        """The row just appended a token: say whether (and why) it is done, and set its text then."""
         if row.out[-1] in self.eos_ids:
             row.text = self._detokenize(row.out)
             return "eos"
         if self._watch:
-            tail = self._tails[ri]
+            tail = self._tails.get(row.seg.id)
+            if tail is None:
+                tail = self._tails[row.seg.id] = TextTail(self._detokenize)
             tail.push(row.out[-1])
             if finish_text(tail.text, self.params)[1] is not None:
                 # confirm on the full text, exactly the rule the final text is cut by
@@ -56,7 +76,7 @@ class StopCheck:
                 if reason is not None:
                     row.text = text
                     return reason
-        if last_step:
+        if len(row.out) >= self.params.max_tokens:
             row.text = self._detokenize(row.out)
             return "length"
         return None
@@ -66,43 +86,98 @@ class StopCheck:
         row.text = self._detokenize(row.out)
 
 
+@dataclass(eq=False)
+class DecodeRun:
+    """One `extend` call's decoding state, kept across the batches continuous batching assembles.
+
+    `rows` maps a row's segment to its index in the call (the nodes given to `extend` first, then
+    admitted ones in the order they joined): the index its `DecodeStep`s and its `Generation` use.
+    A row still decoding when the batch is re-assembled leaves its `Row` (tokens, log-probs) in
+    `carried`; the next batch's row for the same segment takes it over.
+    """
+
+    params: DecodeParams
+    stops: StopCheck
+    generator: torch.Generator | None
+    on_step: StepListener | None = None
+    admit: Admit | None = None
+    rows: dict[int, int] = field(default_factory=dict)
+    carried: dict[int, Row] = field(default_factory=dict)
+    results: dict[int, Generation] = field(default_factory=dict)
+    step: int = 0
+    """Decode steps so far, over every batch of the call (what step hooks are told)."""
+
+    @classmethod
+    def start(
+        cls,
+        params: DecodeParams,
+        segs: Sequence[Segment],
+        *,
+        eos_ids: set[int],
+        detokenize: Detokenize,
+        device: torch.device,
+        on_step: StepListener | None = None,
+        admit: Admit | None = None,
+    ) -> DecodeRun:
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=device).manual_seed(params.seed)
+        run = cls(params, StopCheck(params, eos_ids, detokenize), gen, on_step, admit)
+        run.join(segs)
+        return run
+
+    def join(self, segs: Sequence[Segment]) -> None:
+        """Number `segs` after the rows already in the call."""
+        for seg in segs:
+            self.rows[seg.id] = len(self.rows)
+
+    def generations(self) -> list[Generation]:
+        """Every row's `Generation`, in row order."""
+        return [self.results[i] for i in range(len(self.rows))]
+
+
 def decode(
     batch: Batch,
     logits: torch.Tensor,
-    params: DecodeParams,
+    run: DecodeRun,
     *,
     forward: ForwardFn,
     capture: CaptureFn,
     hooks: Sequence[Acceleration],
-    eos_ids: set[int],
-    detokenize: Detokenize,
     device: torch.device,
-    on_step: StepListener | None = None,
-) -> list[Generation]:
-    """Decode every row of `batch` from `logits` (the distribution after each row's last token).
+) -> list[NodeId]:
+    """Decode the rows of `batch` from `logits` (the distribution after each row's last token).
 
-    `on_step` (see `StepListener`) is told each step's tokens and finished rows; rows it returns
+    Returns the nodes `run.admit` handed in (continuous batching): the loop then stops at that step
+    boundary with every row's KV captured, rows still decoding in `run.carried`, and the caller
+    assembles a new batch of those rows and the new nodes. Returns [] once every row has ended
+    (each row's `Generation` is in `run.results`).
+
+    `run.on_step` (see `StepListener`) is told each step's tokens and finished rows; rows it returns
     stop at once. Without it, the loop does no per-step work for it.
     """
+    params, stops = run.params, run.stops
     rows = batch.rows
+    for r in rows:
+        old = run.carried.pop(r.seg.id, None)
+        if old is not None:
+            r.out, r.top1, r.logprobs = old.out, old.top1, old.logprobs
     ctx = batch.ctx
-    gen = None
-    if params.seed is not None:
-        gen = torch.Generator(device=device).manual_seed(params.seed)
-    stops = StopCheck(params, eos_ids, detokenize, len(rows))
     stoppers = overrides(hooks, "stop_reason")
     before_step = overrides(hooks, "before_step")
     after_step = overrides(hooks, "after_step")
     for hook in overrides(hooks, "begin_decode"):
         hook.begin_decode(batch)
+    eos = torch.tensor(sorted(run.stops.eos_ids), device=device, dtype=torch.long)
     present = list(range(len(rows)))  # batch position -> row index
     stepping = present  # rows that append a token this step
-    ended: dict[int, Generation] = {}  # rows already reported to `on_step`
-    for step in range(params.max_tokens):
-        if step < params.min_tokens and eos_ids:
+    admitted: list[NodeId] = []
+    while True:
+        early = [pos for pos, ri in enumerate(present) if len(rows[ri].out) < params.min_tokens]
+        if early and eos.numel():
             logits = logits.clone()
-            logits[:, list(eos_ids)] = float("-inf")
-        tokens, top1, chosen = pick_tokens(logits, params.temperature, params.top_p, gen)
+            logits[torch.tensor(early, device=device).unsqueeze(1), eos] = float("-inf")
+        tokens, top1, chosen = pick_tokens(logits, params.temperature, params.top_p, run.generator)
         tok_list, top1_list, lp_list = tokens.tolist(), top1.tolist(), chosen.tolist()
         for pos, ri in enumerate(present):
             r = rows[ri]
@@ -112,21 +187,27 @@ def decode(
             r.seg.tokens.append(tok_list[pos])
             r.top1.append(top1_list[pos])
             r.logprobs.append(lp_list[pos])
-            r.finish = stops.check(ri, r, last_step=step == params.max_tokens - 1)
+            r.finish = stops.check(r)
         alive = [ri for ri in present if rows[ri].finish is None]
         if alive:
             for hook in stoppers:
-                reason = hook.stop_reason(rows, step)
+                reason = hook.stop_reason(rows, run.step)
                 if reason is not None:
                     for ri in alive:
                         rows[ri].finish = reason
                         stops.settle(rows[ri])
                     alive = []
                     break
-        if on_step is not None:
-            alive = _report(on_step, rows, stepping, alive, ended, stops)
+        if run.on_step is not None:
+            alive = _report(run, rows, stepping, alive)
+        step = run.step
+        run.step += 1
         if not alive:
             break
+        if run.admit is not None:
+            admitted = list(run.admit(len(alive)))
+            if admitted:
+                break
         dead = len(present) - len(alive)
         if dead and dead * 4 >= len(present):  # compact: finished rows leave the batch
             for pos, ri in enumerate(present):
@@ -148,12 +229,14 @@ def decode(
     for pos, ri in enumerate(present):
         if not rows[ri].captured:
             capture(pos, rows[ri])
-    results = []
-    for ri, r in enumerate(rows):
+    for r in rows:
         # the last sampled token was not fed; its KV is computed on the node's next use
         r.seg.last_logits = None
-        results.append(ended.get(ri) or _generation(r))
-    return results
+        if r.finish is None:
+            run.carried[r.seg.id] = r
+        else:
+            run.results.setdefault(run.rows[r.seg.id], _generation(r))
+    return admitted
 
 
 def _generation(r: Row) -> Generation:
@@ -167,29 +250,30 @@ def _generation(r: Row) -> Generation:
     )
 
 
-def _report(
-    on_step: StepListener,
-    rows: Sequence[Row],
-    stepping: Sequence[int],
-    alive: list[int],
-    ended: dict[int, Generation],
-    stops: StopCheck,
-) -> list[int]:
-    """Tell `on_step` what this step's rows appended and which ended; stop the rows it gives back.
+def _report(run: DecodeRun, rows: Sequence[Row], stepping: Sequence[int], alive: list[int]) -> list[int]:
+    """Tell `run.on_step` what this step's rows appended and which ended; stop the rows it gives back.
 
     Returns the rows still alive. A finished row's `Generation` is made once, here, and is the one
-    `decode` returns (its token list no longer grows).
+    `extend` returns (its token list no longer grows).
     """
+    assert run.on_step is not None
     finished = {}
     for ri in stepping:
-        if rows[ri].finish is not None:
-            finished[ri] = ended[ri] = _generation(rows[ri])
-    drop = on_step(DecodeStep(tokens={ri: rows[ri].out[-1:] for ri in stepping}, finished=finished))
+        r = rows[ri]
+        if r.finish is not None:
+            index = run.rows[r.seg.id]
+            finished[index] = run.results[index] = _generation(r)
+    step = DecodeStep(
+        tokens={run.rows[rows[ri].seg.id]: rows[ri].out[-1:] for ri in stepping}, finished=finished
+    )
+    drop = run.on_step(step)
     if not drop:
         return alive
-    for ri in drop:
-        r = rows[ri]
-        if r.finish is None:
+    by_index = {run.rows[rows[ri].seg.id]: ri for ri in alive}
+    for index in drop:
+        ri = by_index.get(index)
+        if ri is not None:
+            r = rows[ri]
             r.finish = "cancelled"
-            stops.settle(r)
+            run.stops.settle(r)
     return [ri for ri in alive if rows[ri].finish is None]

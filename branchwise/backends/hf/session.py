@@ -24,10 +24,18 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from branchwise.backends.accel import Accel
-from branchwise.backends.base import DecodeParams, Generation, KVStats, NodeId, ShareMode, StepListener
+from branchwise.backends.base import (
+    Admit,
+    DecodeParams,
+    Generation,
+    KVStats,
+    NodeId,
+    ShareMode,
+    StepListener,
+)
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import Batch, Broadcast, Row
-from branchwise.backends.hf.decode import decode
+from branchwise.backends.hf.decode import DecodeRun, decode
 from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, overrides
 from branchwise.backends.hf.plugins import Builds, EntropyTrace, build_plugins, layer_trace
 from branchwise.backends.hf.runner import Runner
@@ -263,7 +271,11 @@ class Session:
             self.stats.cache_evictions += self.tree.evictions - evictions
 
     def extend(
-        self, nodes: Sequence[NodeId], params: DecodeParams, on_step: StepListener | None = None
+        self,
+        nodes: Sequence[NodeId],
+        params: DecodeParams,
+        on_step: StepListener | None = None,
+        admit: Admit | None = None,
     ) -> list[Generation]:
         with self.engine.lock:
             evictions = self.tree.evictions
@@ -273,7 +285,7 @@ class Session:
                 raise ValueError("nodes must be distinct; fork a node to decode it several times")
             if not segs:
                 return []
-            return self._run(segs, params, on_step=on_step)
+            return self._run(segs, params, on_step=on_step, admit=admit)
 
     def score_next(
         self,
@@ -448,12 +460,55 @@ class Session:
         params: DecodeParams | None,
         observers: Sequence[Acceleration] = (),
         on_step: StepListener | None = None,
+        admit: Admit | None = None,
     ) -> list[Generation]:
         """Compute pending tokens of `segs` and, with `params`, decode them as one batch.
 
         `observers` watch the pending-token forward (they must not exit rows: their KV is kept);
-        `on_step` is told each decode step's tokens (`Backend.extend`).
+        `on_step` is told each decode step's tokens (`Backend.extend`). With `admit`, nodes it hands
+        in between steps join the decode: the batch is re-assembled from the rows still decoding
+        and the new ones (`decode.DecodeRun` keeps each row's state across batches).
         """
+        if params is None:
+            self._batch(segs, None, observers)
+            return []
+        run = DecodeRun.start(
+            params,
+            segs,
+            eos_ids=self.engine.eos_ids,
+            detokenize=self.engine.decode,
+            device=self.device,
+            on_step=on_step,
+            admit=admit,
+        )
+        while segs:
+            batch, start = self._batch(segs, params, observers)
+            admitted = decode(
+                batch,
+                start,
+                run,
+                forward=lambda step_feeds, batch=batch: self._forward(batch, step_feeds),
+                capture=self._capture(batch),
+                hooks=self.plugins,
+                device=self.device,
+            )
+            for plugin in overrides(self.plugins, "after_batch"):
+                plugin.after_batch(batch, True)
+            if not admitted:
+                break
+            joined = [self.tree.growable(n) for n in admitted]
+            run.join(joined)
+            segs = [r.seg for r in batch.rows if r.finish is None] + joined
+            observers = ()
+            self.stats.bump("admitted_rows", len(joined))
+        return run.generations()
+
+    def _batch(
+        self, segs: Sequence[Segment], params: DecodeParams | None, observers: Sequence[Acceleration]
+    ) -> tuple[Batch, torch.Tensor]:
+        """Compute the pending tokens of `segs` (ancestors first) and assemble their batch; returns it
+        with each row's next-token logits. Without `params` the rows' KV goes back into their nodes
+        at once (a prefill)."""
         self._materialize_ancestors(segs)
         if not self.exact_kv:
             for seg in segs:
@@ -467,7 +522,7 @@ class Session:
         ):
             # a mixed batch would push dummy tokens through every row for the longest pending run
             # (e.g. ASKS: reused branches have nothing to prefill, rejected ones a whole prompt)
-            self._run(pending, None, observers)
+            self._batch(pending, None, observers)
         batch = self._assemble(segs, 0 if params is None else min(params.max_tokens, 128))
         feeds = batch.feeds
         logits = None
@@ -485,25 +540,11 @@ class Session:
                 source = r.seg if r.seg.n_computed else r.seg.parent
                 assert source is not None and source.last_logits is not None
                 start.append(source.last_logits)
-        capture = self._capture(batch)
         if params is None:
+            capture = self._capture(batch)
             for i, r in enumerate(batch.rows):
                 capture(i, r)
                 r.seg.last_logits = start[i].detach().clone()
-            generations: list[Generation] = []
-        else:
-            generations = decode(
-                batch,
-                torch.stack(start),
-                params,
-                forward=lambda step_feeds: self._forward(batch, step_feeds),
-                capture=capture,
-                hooks=self.plugins,
-                eos_ids=self.engine.eos_ids,
-                detokenize=self.engine.decode,
-                device=self.device,
-                on_step=on_step,
-            )
-        for plugin in overrides(self.plugins, "after_batch"):
-            plugin.after_batch(batch, params is not None)
-        return generations
+            for plugin in overrides(self.plugins, "after_batch"):
+                plugin.after_batch(batch, False)
+        return batch, torch.stack(start)

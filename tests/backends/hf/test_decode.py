@@ -131,3 +131,89 @@ def test_on_step_stops_the_rows_it_returns_and_leaves_the_others_exact(tiny_hf) 
     assert seen == [[0, 1, 2]] * 3 + [[0, 2]] * 7
     for row in (0, 2):
         assert gens[row].token_ids == plain[row].token_ids and gens[row].finish_reason == "length"
+
+
+def _greedy_alone(backend, prompt: str, n: int, params: DecodeParams) -> list[list[int]]:
+    root = backend.prefill(backend.encode(prompt))
+    kids = backend.fork(root, n)
+    backend.release([root])
+    try:
+        return [g.token_ids for g in backend.extend(kids, params)]
+    finally:
+        backend.release(kids)
+
+
+def test_admitted_rows_join_a_running_decode_and_decode_as_they_would_alone(tiny_hf) -> None:
+    """Continuous batching: nodes handed in by `admit` at step 3 become rows 2-3 of the same call,
+    decode their own `max_tokens` (so they end 3 steps after the others), and every row's greedy
+    tokens equal its tokens decoded alone."""
+    params = DecodeParams(max_tokens=10, min_tokens=10)
+    first, late = "What is 12 + 7?", "Name a prime number."
+    alone_first = _greedy_alone(tiny_hf, first, 2, params)
+    alone_late = _greedy_alone(tiny_hf, late, 2, params)
+    kids = _kids(tiny_hf, 2)
+    made: list[int] = []
+    asked: list[int] = []
+    steps: list[tuple[list[int], list[int]]] = []
+
+    def admit(alive: int) -> list[int]:
+        asked.append(alive)
+        if len(asked) != 3:
+            return []
+        root = tiny_hf.prefill(tiny_hf.encode(late))
+        made.extend(tiny_hf.fork(root, 2))
+        tiny_hf.release([root])
+        return made
+
+    def listen(step):
+        steps.append((sorted(step.tokens), sorted(step.finished)))
+
+    before = tiny_hf.kv_stats().extra.get("admitted_rows", 0.0)
+    try:
+        gens = tiny_hf.extend(kids, params, on_step=listen, admit=admit)
+    finally:
+        tiny_hf.release(kids + made)
+    assert len(gens) == 4 and [g.node for g in gens] == kids + made
+    assert [g.token_ids for g in gens] == alone_first + alone_late
+    assert all(g.finish_reason == "length" and len(g.token_ids) == 10 for g in gens)
+    assert asked[:4] == [2, 2, 2, 4]  # asked at every step boundary with the rows still decoding
+    assert steps[:3] == [([0, 1], [])] * 3 and steps[3] == ([0, 1, 2, 3], [])
+    assert steps[9] == ([0, 1, 2, 3], [0, 1]) and steps[-1] == ([2, 3], [2, 3]) and len(steps) == 13
+    assert tiny_hf.kv_stats().extra["admitted_rows"] - before == 2
+
+
+def test_admission_keeps_each_rows_own_stop_state(tiny_hf) -> None:
+    """Rows carried into the re-assembled batch keep their running text and step count: admitted at
+    every step boundary, rows still stop where they stop without admission (a stop string, or
+    max_tokens counted from their own first token)."""
+    root = tiny_hf.prefill(tiny_hf.encode("What is 12 + 7?"))
+    kids = tiny_hf.fork(root, 4)
+    tiny_hf.release([root])
+    try:
+        free = tiny_hf.extend(kids, DecodeParams(max_tokens=12, min_tokens=12))
+    finally:
+        tiny_hf.release(kids)
+    # a stop string the greedy text reaches after a few tokens, so it spans admission points
+    text = free[0].text
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].strip())
+    params = DecodeParams(max_tokens=12, stop=[stop])
+    plain = _greedy_alone(tiny_hf, "What is 12 + 7?", 2, params)
+    kids = _kids(tiny_hf, 2)
+    made: list[int] = []
+
+    def admit(alive: int) -> list[int]:
+        if len(made) >= 6:
+            return []
+        root = tiny_hf.prefill(tiny_hf.encode(f"Name {len(made)} primes."))
+        new = tiny_hf.fork(root, 1)
+        tiny_hf.release([root])
+        made.extend(new)
+        return new
+
+    try:
+        gens = tiny_hf.extend(kids, params, admit=admit)
+    finally:
+        tiny_hf.release(kids + made)
+    assert gens[0].finish_reason == "stop" and len(gens[0].token_ids) > 1
+    assert [g.token_ids for g in gens[:2]] == plain
+    assert len(gens) == 8 and all(len(g.token_ids) <= 12 for g in gens)

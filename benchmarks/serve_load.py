@@ -4,7 +4,9 @@ Starts `branchwise serve` (the embedded model, or `--model`) as a subprocess on 
 1. serial: a sample of the requests sent one at a time (the no-batching baseline, measured first so
    the model is warm for both phases);
 2. concurrent: `--clients` clients each send `--requests` chat requests (n samples, short answers)
-   back to back; the scheduler batches whatever is queued into shared decode passes;
+   back to back; the scheduler batches whatever is queued into shared decode passes, and with
+   continuous batching (the server's default; `--no-continuous` for the batch-at-a-time baseline)
+   a request arriving mid-batch joins the running decode at its next step;
 3. overload: a burst of `--burst` simultaneous requests against a queue bounded at
    `--max-queued-rows` branches: the excess must get 429 (never an error or unbounded memory).
 The concurrent phase runs `--rounds` times (the same requests again), so memory can be watched for
@@ -113,6 +115,7 @@ class RssWatch:
 def _start(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "branchwise", "serve", "--port", str(port)]
     cmd += ["--max-queued-rows", str(args.max_queued_rows), "--max-batch-rows", str(args.max_batch_rows)]
+    cmd += ["--continuous" if args.continuous else "--no-continuous"]
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -211,6 +214,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch-rows", type=int, default=256, help="branches per decode pass")
     parser.add_argument("--max-queued-rows", type=int, default=None, help="queue bound (default clients*n)")
     parser.add_argument("--burst", type=int, default=None, help="overload burst (default 4x the queue)")
+    parser.add_argument(
+        "--continuous",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the server's continuous batching (--no-continuous: a request waits for the running batch)",
+    )
     args = parser.parse_args(argv)
     args.max_queued_rows = args.max_queued_rows or args.clients * args.n
     args.burst = args.burst or 4 * args.max_queued_rows // args.n

@@ -450,6 +450,7 @@ def create_app(
     max_batch_requests: int = 64,
     max_queued_rows: int = 1024,
     window_s: float = 0.01,
+    continuous: bool = True,
     max_strategy_queue: int = 16,
     drain_timeout_s: float = 30.0,
 ) -> FastAPI:
@@ -459,6 +460,7 @@ def create_app(
         model_name: the id `/v1/models` lists; default: the backend's model name.
         share: KV sharing of a request's ``n`` samples unless its ``branchwise.share`` says otherwise.
         max_batch_rows, max_batch_requests, window_s: the scheduler's batch bounds (`Scheduler`).
+        continuous: requests join a running decode (`Scheduler`'s continuous batching).
         max_queued_rows: branches (sum of ``n``) that may wait; beyond, requests get 429.
         max_strategy_queue: strategy runs that may wait for the strategy slot; beyond, 429.
         drain_timeout_s: on shutdown, how long queued requests may take to finish.
@@ -469,6 +471,7 @@ def create_app(
         max_requests=max_batch_requests,
         window_s=window_s,
         max_queued_rows=max_queued_rows,
+        continuous=continuous,
         name="branchwise-serve-scheduler",
     )
     name = model_name or str(getattr(backend, "model_name", backend.name))

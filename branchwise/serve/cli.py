@@ -30,6 +30,13 @@ def serve_command(
     batch_window_ms: Annotated[
         float, ranged("How long the scheduler waits for more requests before a batch.", 0.0, 1000.0)
     ] = 10.0,
+    continuous: Annotated[
+        bool,
+        typer.Option(
+            help="Continuous batching: requests join a running decode at the next step instead of "
+            "waiting for its batch to end."
+        ),
+    ] = True,
     max_strategy_queue: Annotated[
         int, ranged("Strategy runs (branchwise.strategy) that may wait; beyond, HTTP 429.", 1, 100_000)
     ] = 16,
@@ -58,6 +65,7 @@ def serve_command(
         max_batch_rows=max_batch_rows,
         max_queued_rows=max_queued_rows,
         window_s=batch_window_ms / 1000,
+        continuous=continuous,
         max_strategy_queue=max_strategy_queue,
         drain_timeout_s=drain_timeout,
     )

@@ -228,7 +228,9 @@ def test_a_request_queued_mid_decode_joins_it_and_decodes_as_it_would_alone(tiny
 
 
 def test_continuous_false_waits_for_the_batch_to_end(tiny_backend) -> None:
+    assert Scheduler(tiny_backend).admits and not Scheduler(RecordingBackend()).admits  # no `admit`
     sched = Scheduler(tiny_backend, window_s=0.0, continuous=False)
+    assert not sched.admits
     params = DecodeParams(max_tokens=4, min_tokens=4)
     prompt = tiny_backend.encode("What is 12 + 7?")
     late: list[Job] = []

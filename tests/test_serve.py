@@ -185,6 +185,7 @@ def test_models_health_and_tokenize(served: str, tiny_backend: Any) -> None:
     assert [m["id"] for m in models["data"]] == ["tiny"]
     health = httpx.get(f"{served}/health").json()
     assert health["status"] == "ok" and health["queued_rows"] == 0
+    assert health["batching"]["continuous"] is True  # the local backend admits into a running decode
     tokens = httpx.post(f"{served}/tokenize", json={"messages": MSGS}).json()["tokens"]
     assert tokens == tiny_backend.chat_prompt(MSGS)
     text = httpx.post(f"{served}/detokenize", json={"tokens": tokens[:5]}).json()["prompt"]

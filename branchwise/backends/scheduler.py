@@ -211,6 +211,12 @@ class Scheduler:
         self._listens = _extend_takes(backend, "on_step")
         self._admits = continuous and self._listens and _extend_takes(backend, "admit")
 
+    @property
+    def admits(self) -> bool:
+        """Whether requests join a running decode: `continuous` and the backend's `extend` takes
+        ``admit`` (a remote backend does not; its batches run one at a time)."""
+        return self._admits
+
     # ------------------------------------------------------------------ callers
     def enqueue(self, job: Job) -> Job:
         """Queue `job` without waiting; raises `QueueFull` or, once closed, `RuntimeError`."""
@@ -435,6 +441,10 @@ def _extend_takes(backend: Backend, name: str) -> bool:
     return name == "on_step" and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
+ADMIT_EVERY = 4
+"""Steps a few waiting requests may wait to join a running decode together (`_Router.admit`)."""
+
+
 class _Router:
     """One `extend`'s step listener: hands each job its branches' steps, answers a job once all its
     branches have ended while others still decode, stops the branches of jobs cancelled meanwhile,
@@ -453,6 +463,8 @@ class _Router:
         self.ended: dict[Job, list[Generation | None]] = {}
         self.left: dict[Job, int] = {}
         self.rows_left = 0
+        self.steps = 0
+        self.admitted_at = 0
 
     def join(self, job: Job) -> bool:
         """Prefill and fork `job`'s prompt; its branches become the call's next rows. A prompt the
@@ -477,11 +489,20 @@ class _Router:
         return True
 
     def admit(self, alive: int) -> list[int]:
-        """`extend`'s ``admit``: queued jobs of this group that fit beside the `alive` rows."""
+        """`extend`'s ``admit``: queued jobs of this group that fit beside the `alive` rows.
+
+        Admitting re-assembles the batch (about one copy of its rows' own KV), so a few newcomers
+        beside many decoding rows wait up to `ADMIT_EVERY` steps to come in together; a batch that
+        has shrunk to four times the waiting rows or less takes them at once."""
         sched = self.scheduler
+        self.steps += 1
         room = sched.max_rows - alive
         if room < 1:
             return []
+        waiting = sched.queued_rows()
+        if not waiting or (waiting * 4 < alive and self.steps - self.admitted_at < ADMIT_EVERY):
+            return []
+        self.admitted_at = self.steps
         before = len(self.children)
         for job in sched._admit(self.key, room):
             if job.cancelled:

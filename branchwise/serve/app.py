@@ -667,7 +667,7 @@ def create_app(
             "model": name,
             "queued_rows": scheduler.queued_rows(),
             "busy": not scheduler.idle(),
-            "batching": scheduler.stats.as_dict(),
+            "batching": {**scheduler.stats.as_dict(), "continuous": scheduler.admits},
         }
 
     @app.post("/tokenize")

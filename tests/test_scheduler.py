@@ -243,3 +243,60 @@ def test_continuous_false_waits_for_the_batch_to_end(tiny_backend) -> None:
     late[0].result()
     sched.close(5)
     assert sched.stats.admitted == 0 and sched.stats.extend_calls == 2
+
+
+class ReleaseLog:
+    """The tiny local backend, recording each `release` and whether an `extend` was running."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.calls: list[tuple[list[int], bool]] = []
+        self.decoding = False
+        self.first: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def extend(
+        self,
+        nodes: Sequence[int],
+        params: DecodeParams,
+        on_step: object = None,
+        admit: object = None,
+    ) -> list[Generation]:
+        self.first = self.first or list(nodes)
+        self.decoding = True
+        try:
+            return self.inner.extend(nodes, params, on_step, admit)
+        finally:
+            self.decoding = False
+
+    def release(self, nodes: Sequence[int]) -> None:
+        self.calls.append((list(nodes), self.decoding))
+        self.inner.release(nodes)
+
+
+def test_an_answered_request_frees_its_kv_while_the_call_goes_on(tiny_backend) -> None:
+    """Under continuous batching one `extend` can run as long as requests keep coming: a request's
+    nodes are released at the first step after the batch was re-assembled without its rows, not when
+    the call ends (else the KV of every answered request piles up), and never twice."""
+    backend = ReleaseLog(tiny_backend)
+    sched = Scheduler(backend, window_s=0.0)
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+    prompt = tiny_backend.encode("What is 12 + 7?")
+    late: list[Job] = []
+
+    def first_steps(step: DecodeStep) -> None:
+        # B joins at the first step; when A ends, C joins and the batch is re-assembled without A
+        if not late or step.finished:
+            late.append(sched.enqueue(Job(prompt, 1, params)))
+
+    sched.enqueue(Job(prompt, 1, params, on_step=first_steps)).result()
+    for job in late:
+        job.result()
+    sched.close(5)
+    a = backend.first[0]
+    during = [nodes for nodes, decoding in backend.calls if decoding and a in nodes]
+    assert during == [[a]]  # released mid-call, alone
+    released = [n for nodes, _ in backend.calls for n in nodes]
+    assert len(released) == len(set(released)) and sched.stats.admitted == 2

@@ -389,7 +389,7 @@ class Scheduler:
                 st.histogram[len(router.jobs)] = st.histogram.get(len(router.jobs), 0) + 1
             if router.children:
                 try:
-                    backend.release(router.children)
+                    backend.release(router.unreleased())
                 except Exception:  # pragma: no cover - release of nodes the failure already freed
                     log.debug("release after a failed batch", exc_info=True)
             for job, _ in router.jobs:
@@ -465,6 +465,12 @@ class _Router:
         self.rows_left = 0
         self.steps = 0
         self.admitted_at = 0
+        self.finished: list[Job] = []
+        """Jobs whose rows all ended (answered or cancelled), in order."""
+        self.retiring = 0
+        """`finished[:retiring]` had ended when the batch was last re-assembled: none of their rows
+        is in the batch now, so their nodes can be released before the call ends."""
+        self.released: set[int] = set()
 
     def join(self, job: Job) -> bool:
         """Prefill and fork `job`'s prompt; its branches become the call's next rows. A prompt the
@@ -496,6 +502,7 @@ class _Router:
         has shrunk to four times the waiting rows or less takes them at once."""
         sched = self.scheduler
         self.steps += 1
+        self._release_retired()
         room = sched.max_rows - alive
         if room < 1:
             return []
@@ -503,6 +510,8 @@ class _Router:
         if not waiting or (waiting * 4 < alive and self.steps - self.admitted_at < ADMIT_EVERY):
             return []
         self.admitted_at = self.steps
+        # the batch is re-assembled from the rows still decoding: the jobs that ended by now leave it
+        self.retiring = len(self.finished)
         before = len(self.children)
         for job in sched._admit(self.key, room):
             if job.cancelled:
@@ -511,6 +520,27 @@ class _Router:
             elif self.join(job):
                 sched.stats.admitted += 1
         return self.children[before:]
+
+    def _release_retired(self) -> None:
+        """Release the nodes of jobs that ended before the last re-assembly (continuous batching).
+
+        Without this a call that keeps admitting would hold every answered request's KV until it
+        ends, which under a steady load is never. A job's rows leave the batch only when it is
+        re-assembled (before that, a finished row may still be copied back into its node), so its
+        nodes are released at the first step boundary after that."""
+        if not self.retiring:
+            return
+        spans = dict(self.jobs)
+        nodes = [n for job in self.finished[: self.retiring] for n in self.children[slice(*spans[job])]]
+        del self.finished[: self.retiring]
+        self.retiring = 0
+        if nodes:
+            self.scheduler.backend.release(nodes)
+            self.released.update(nodes)
+
+    def unreleased(self) -> list[int]:
+        """The call's nodes not released yet (the rest go when the call ends)."""
+        return [n for n in self.children if n not in self.released]
 
     def __call__(self, step: DecodeStep) -> list[int] | None:
         owner = self.owner
@@ -529,6 +559,7 @@ class _Router:
                 steps.setdefault(job, DecodeStep({}, {})).finished[i] = gen
             if not self.left[job]:
                 answered.append(job)
+                self.finished.append(job)
         for job, own in steps.items():
             listener = job.on_step
             if listener is None:
@@ -555,5 +586,6 @@ class _Router:
                 job._finish()
                 self.rows_left -= self.left[job]  # its rows stop now, unreported
                 self.left[job] = 0
+                self.finished.append(job)
                 drop = [*(drop or []), *range(a, b)]
         return drop

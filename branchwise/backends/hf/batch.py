@@ -341,17 +341,32 @@ class Batch:
         dtype: torch.dtype,
         device: torch.device,
         broadcast: Broadcast = "cascade",
+        copy_tokens: int = 0,
     ) -> Batch:
         """Rows for `segs`: each row's own KV in its tail (with `extra` free slots), ancestors shared.
 
         With `broadcast="copy"` (the RKSC notebook's `repeat_interleave(...).clone()`, kept as a
         baseline) every row gets its own copy of its ancestors' KV in front of its tail instead.
+        Under "cascade", the top of a row's path is copied too while it holds at most
+        `copy_tokens` tokens (an ancestor is copied when its whole path, root to its end, does): a
+        shared segment costs one more attention call per layer, which for a few tokens costs more
+        than reading them once per row (many requests with short prompts in one decode batch), and
+        the bound on the path, not on each segment, keeps a prompt the prefix cache split into
+        many short segments shared.
         """
         rows = [Row(seg=s, kv_len=s.kv_tokens, computed=s.n_computed) for s in segs]
         b = len(rows)
-        copy_mode = broadcast == "copy"
-        for r in rows:
-            chain = list(reversed(r.seg.kv_ancestors())) if copy_mode else []
+        decided: dict[int, bool] = {}
+
+        def copied(anc: Segment) -> bool:
+            if broadcast == "copy":
+                return True
+            if anc.id not in decided:
+                decided[anc.id] = anc.position <= copy_tokens
+            return decided[anc.id]
+
+        chains = [[a for a in reversed(r.seg.kv_ancestors()) if copied(a)] for r in rows]
+        for r, chain in zip(rows, chains, strict=True):
             r.tail_start = sum(a.kv_tokens for a in chain)
         lens = [r.tail_start + r.kv_len for r in rows]
         cap = max(n + len(r.seg.pending) for n, r in zip(lens, rows, strict=True)) + extra
@@ -359,10 +374,9 @@ class Batch:
         # zeros, not empty: masked slots still enter the products (0 * NaN garbage would be NaN)
         tail_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(parts.n_layers)]
         tail_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(parts.n_layers)]
-        for i, r in enumerate(rows):
-            pieces = (list(reversed(r.seg.kv_ancestors())) if copy_mode else []) + [r.seg]
+        for i, (r, chain) in enumerate(zip(rows, chains, strict=True)):
             at = 0
-            for piece in pieces:
+            for piece in [*chain, r.seg]:
                 n = r.kv_len if piece is r.seg else piece.kv_tokens
                 if n:
                     assert piece.keys is not None and piece.values is not None
@@ -372,8 +386,9 @@ class Batch:
                 at += n
         groups: dict[int, tuple[Segment, list[int]]] = {}
         for i, r in enumerate(rows):
-            for anc in [] if copy_mode else r.seg.kv_ancestors():
-                groups.setdefault(anc.id, (anc, []))[1].append(i)
+            for anc in r.seg.kv_ancestors():
+                if not copied(anc):
+                    groups.setdefault(anc.id, (anc, []))[1].append(i)
         shared = [
             SharedSegment(
                 anc.keys or [],

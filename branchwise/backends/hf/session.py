@@ -42,6 +42,13 @@ from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
 
 SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
+COPY_TOKENS = 64
+COPY_MIN_SEGMENTS = 8
+"""In a batch reading more than `COPY_MIN_SEGMENTS` ancestors, those whose path holds at most
+`COPY_TOKENS` tokens are read from copies in each row's tail instead of as shared segments (one
+attention call per layer each). Measured on the 2-core CPU: 128 rows of 32 requests with ~50-token
+prompts decode about 10 % faster copied. A batch of few segments keeps them shared (the copies would
+only cost memory there), and a long prefix always stays shared."""
 A = TypeVar("A", bound=Acceleration)
 
 
@@ -430,7 +437,15 @@ class Session:
 
     def _assemble(self, segs: Sequence[Segment], extra: int) -> Batch:
         engine = self.engine
-        batch = Batch.assemble(segs, extra, self.parts, engine.dtype, self.device, engine.broadcast)
+        # many short ancestors (many requests' prompts) are copied into the rows' tails
+        # (`Batch.assemble`); with an acceleration on, every ancestor stays a shared segment, the
+        # layout its hooks observe
+        copy_tokens = 0
+        if not self.plugins and len({a.id for s in segs for a in s.kv_ancestors()}) > COPY_MIN_SEGMENTS:
+            copy_tokens = COPY_TOKENS
+        batch = Batch.assemble(
+            segs, extra, self.parts, engine.dtype, self.device, engine.broadcast, copy_tokens
+        )
         for plugin in overrides(self.plugins, "on_batch"):
             plugin.on_batch(batch)
         return batch

@@ -80,3 +80,57 @@ def test_reasoner_leaves_the_backend_settings_alone(backend: HFBackend) -> None:
     backend.accel = Accel(cgee=CGEEConfig(level1=False))
     Reasoner(self_consistency(n=2, max_tokens=3), backend=backend, accel=Accel()).run("x")
     assert backend.accel == Accel(cgee=CGEEConfig(level1=False))
+
+
+def test_short_ancestors_are_copied_into_tails_and_long_ones_stay_shared(
+    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without accelerations, in a batch of many segments, an ancestor whose path holds at most
+    `COPY_TOKENS` tokens is read from each row's tail (no shared segment, one attention call fewer
+    per layer), a longer one stays shared; with an acceleration every ancestor stays shared, and so
+    it does in a batch of few segments. Greedy tokens are the same either way."""
+    from branchwise.backends.base import DecodeParams
+    from branchwise.backends.hf import session as session_module
+    from branchwise.backends.hf.session import COPY_TOKENS
+
+    few = backend.session()
+    root = few.prefill(backend.encode("Count to five:"))
+    kids = few.fork(root, 3)
+    few.release([root])
+    segs = [few.tree.get(k) for k in kids]
+    few._materialize_ancestors(segs)
+    assert len(few._assemble(segs, 0).ctx.shared) == 1  # one segment: shared, as always
+    few.release(kids)
+    monkeypatch.setattr(session_module, "COPY_MIN_SEGMENTS", 0)  # a one-prompt batch counts as many
+
+    session = backend.session()
+    short = backend.encode("What is 12 + 7?")
+    long = (short * (COPY_TOKENS // len(short) + 2))[: COPY_TOKENS + 8]
+    layouts = {}
+    for name, prompt in (("short", short), ("long", long)):
+        root = session.prefill(prompt)
+        kids = session.fork(root, 3)
+        session.release([root])
+        segs = [session.tree.get(k) for k in kids]
+        session._materialize_ancestors(segs)
+        batch = session._assemble(segs, 0)
+        layouts[name] = ([s.key for s in batch.ctx.shared], [r.tail_start for r in batch.rows])
+        session.release(kids)
+    assert layouts["short"] == ([], [len(short)] * 3)
+    # the prefix cache split the long prompt after the cached short one: that head is copied, the
+    # segment whose path exceeds the bound is shared
+    assert len(layouts["long"][0]) == 1 and layouts["long"][1] == [len(short)] * 3
+    params = DecodeParams(max_tokens=6)
+    tokens = {}
+    for name, accel in (("copied", Accel()), ("shared", Accel(cgee=CGEEConfig()))):
+        run = backend.session(accel=accel)
+        root = run.prefill(short)
+        kids = run.fork(root, 2)
+        run.release([root])
+        if name == "shared":
+            segs = [run.tree.get(k) for k in kids]
+            run._materialize_ancestors(segs)
+            assert len(run._assemble(segs, 0).ctx.shared) == 1
+        tokens[name] = [g.token_ids for g in run.extend(kids, params)]
+        run.release(kids)
+    assert tokens["copied"] == tokens["shared"]

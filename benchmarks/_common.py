@@ -126,7 +126,13 @@ class Bench:
 
 
 def start(name: str, args: argparse.Namespace, **backend_options: Any) -> Bench:
-    """Pin the threads, then load the backend (`--model`, plus `backend_options`) and start the clock."""
+    """Pin the threads, then load the backend (`--model`, plus `backend_options`) and start the clock.
+
+    The prefix cache across requests is off unless a benchmark asks for it (`cache_bytes=...`): a
+    benchmark times the same prompt several times, and with the cache on every repeat after the
+    first would skip its prompt in the exact-sharing arms only (a session with an acceleration, or
+    with `share="none"`, never reads the cache), so their ratios would measure the cache."""
+    backend_options.setdefault("cache_bytes", 0)
     set_threads(args.threads)
     started = time.perf_counter()
     return Bench(name, args, HFBackend(args.model, **backend_options), started)

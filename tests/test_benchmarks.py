@@ -10,6 +10,7 @@ embedded model and, when no CGEE calibration is saved yet, fit one on 3 held-out
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -333,6 +334,7 @@ def _script(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"{name}_script", ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -402,3 +404,14 @@ def test_reasoncache_quick() -> None:
     assert fixed["throughput_ratio"] == ratio(
         fixed["reasoncache"]["branches_per_s"], fixed["dense"]["branches_per_s"]
     )
+
+
+def test_benchmarks_run_without_the_prefix_cache_unless_they_ask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed repeats of one prompt would hit the cache in the exact-sharing arms only."""
+    common = _script(monkeypatch, "_common")
+    made: list[dict[str, Any]] = []
+    monkeypatch.setattr(common, "HFBackend", lambda model, **options: made.append(options) or model)
+    args = argparse.Namespace(model=None, threads=None)
+    common.start("x", args)
+    common.start("x", args, cache_bytes=1 << 20)
+    assert made == [{"cache_bytes": 0}, {"cache_bytes": 1 << 20}]

@@ -151,6 +151,11 @@ class Job:
         assert self.generations is not None
         return self.generations
 
+    def _fail(self, error: BaseException) -> None:
+        """Answer the job with `error` (a refused prompt, a cancellation)."""
+        self.error = error
+        self._finish()
+
     def _finish(self) -> None:
         if self.done.is_set():  # answered early (see `_Router`); the batch's end changes nothing
             return
@@ -272,8 +277,7 @@ class Scheduler:
                 self._queue.remove(job)
             except ValueError:
                 return  # taken by the worker: its router stops the job's branches
-        job.error = Cancelled("the request was cancelled before it was decoded")
-        job._finish()
+        job._fail(Cancelled("the request was cancelled before it was decoded"))
 
     def queued_rows(self) -> int:
         """Branches waiting in the queue now (not counting the batch being decoded)."""
@@ -353,32 +357,25 @@ class Scheduler:
         """Prefill each prompt once, fork it n times and decode all branches in ONE `extend`; with
         continuous batching, compatible requests that queue meanwhile join that `extend`."""
         backend = self.backend
-        live = [job for job in jobs if not job.cancelled]
-        for job in jobs:
-            if job.cancelled:
-                job.error = Cancelled("the request was cancelled before it was decoded")
-                job._finish()
-        if not live:
-            return
-        router = _Router(self, live[0].group_key(self.batch_seeded))
+        router = _Router(self, jobs[0].group_key(self.batch_seeded))
         try:
-            for job in live:
+            for job in jobs:
                 router.join(job)
             if not router.jobs:
                 return
             self.stats.extend_calls += 1
-            params = live[0].params
+            params = jobs[0].params  # a group's jobs share their decoding parameters
             if self._admits:
                 gens = backend.extend(list(router.children), params, on_step=router, admit=router.admit)
             elif self._listens:
                 gens = backend.extend(list(router.children), params, on_step=router)
             else:
                 gens = backend.extend(list(router.children), params)
-            for job, (a, b) in router.jobs:
+            for job, (a, b) in router.jobs.items():
                 if not job.done.is_set():
                     job.generations = gens[a:b]
         except BaseException as exc:  # delivered to every waiting caller, never lost in the worker
-            for job, _ in router.jobs:
+            for job in router.jobs:
                 if not job.done.is_set():
                     job.error = exc
         finally:
@@ -392,7 +389,7 @@ class Scheduler:
                     backend.release(router.unreleased())
                 except Exception:  # pragma: no cover - release of nodes the failure already freed
                     log.debug("release after a failed batch", exc_info=True)
-            for job, _ in router.jobs:
+            for job in router.jobs:
                 job._finish()
 
     def _admit(self, key: tuple[Any, ...], room: int) -> list[Job]:
@@ -457,7 +454,8 @@ class _Router:
     def __init__(self, scheduler: Scheduler, key: tuple[Any, ...]) -> None:
         self.scheduler = scheduler
         self.key = key
-        self.jobs: list[tuple[Job, tuple[int, int]]] = []
+        self.jobs: dict[Job, tuple[int, int]] = {}
+        """Each joined job's rows in the call (start, end), in joining order."""
         self.children: list[int] = []
         self.owner: list[tuple[Job, int]] = []
         self.ended: dict[Job, list[Generation | None]] = {}
@@ -473,17 +471,20 @@ class _Router:
         self.released: set[int] = set()
 
     def join(self, job: Job) -> bool:
-        """Prefill and fork `job`'s prompt; its branches become the call's next rows. A prompt the
-        backend refuses fails that job alone (`InvalidPrompt`)."""
+        """Prefill and fork `job`'s prompt; its branches become the call's next rows. A job cancelled
+        meanwhile fails with `Cancelled`, a prompt the backend refuses fails that job alone
+        (`InvalidPrompt`); the call goes on without it."""
+        if job.cancelled:
+            job._fail(Cancelled("the request was cancelled before it was decoded"))
+            return False
         try:
             kids = self.scheduler._fork_prompt(job)
         except ValueError as exc:
-            job.error = InvalidPrompt(str(exc))
-            job._finish()
+            job._fail(InvalidPrompt(str(exc)))
             return False
         a = len(self.children)
         self.children.extend(kids)
-        self.jobs.append((job, (a, a + len(kids))))
+        self.jobs[job] = (a, a + len(kids))
         self.owner.extend((job, i) for i in range(len(kids)))
         self.ended[job] = [None] * job.n
         self.left[job] = job.n
@@ -514,10 +515,7 @@ class _Router:
         self.retiring = len(self.finished)
         before = len(self.children)
         for job in sched._admit(self.key, room):
-            if job.cancelled:
-                job.error = Cancelled("the request was cancelled before it was decoded")
-                job._finish()
-            elif self.join(job):
+            if self.join(job):
                 sched.stats.admitted += 1
         return self.children[before:]
 
@@ -530,8 +528,7 @@ class _Router:
         nodes are released at the first step boundary after that."""
         if not self.retiring:
             return
-        spans = dict(self.jobs)
-        nodes = [n for job in self.finished[: self.retiring] for n in self.children[slice(*spans[job])]]
+        nodes = [n for job in self.finished[: self.retiring] for n in self.children[slice(*self.jobs[job])]]
         del self.finished[: self.retiring]
         self.retiring = 0
         if nodes:
@@ -580,10 +577,9 @@ class _Router:
     def _drop(self) -> list[int] | None:
         """The rows of jobs cancelled since the last step (those jobs fail with `Cancelled` now)."""
         drop: list[int] | None = None
-        for job, (a, b) in self.jobs:
+        for job, (a, b) in self.jobs.items():
             if job.cancelled and not job.done.is_set():
-                job.error = Cancelled("the request was cancelled while it was decoded")
-                job._finish()
+                job._fail(Cancelled("the request was cancelled while it was decoded"))
                 self.rows_left -= self.left[job]  # its rows stop now, unreported
                 self.left[job] = 0
                 self.finished.append(job)

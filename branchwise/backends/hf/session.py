@@ -500,7 +500,7 @@ class Session:
             batch, start = self._batch(segs, params, observers)
             admitted = decode(
                 batch,
-                start,
+                torch.stack(start),
                 run,
                 forward=lambda step_feeds, batch=batch: self._forward(batch, step_feeds),
                 capture=self._capture(batch),
@@ -520,10 +520,10 @@ class Session:
 
     def _batch(
         self, segs: Sequence[Segment], params: DecodeParams | None, observers: Sequence[Acceleration]
-    ) -> tuple[Batch, torch.Tensor]:
+    ) -> tuple[Batch, list[torch.Tensor]]:
         """Compute the pending tokens of `segs` (ancestors first) and assemble their batch; returns it
         with each row's next-token logits. Without `params` the rows' KV goes back into their nodes
-        at once (a prefill)."""
+        at once (a prefill), each with its logits."""
         self._materialize_ancestors(segs)
         if not self.exact_kv:
             for seg in segs:
@@ -562,4 +562,4 @@ class Session:
                 r.seg.last_logits = start[i].detach().clone()
             for plugin in overrides(self.plugins, "after_batch"):
                 plugin.after_batch(batch, False)
-        return batch, torch.stack(start)
+        return batch, start

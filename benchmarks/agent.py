@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, help="cache budget when on")
     args = parser.parse_args(argv)
 
-    bench = start("agent", args, cache_bytes=0)
+    bench = start("agent", args)  # cache off; each arm sets its budget
     backend = bench.backend
     Agent(backend, n=1, max_tokens=4, max_iters=1)("Warm up.")  # allocator, kernels
     arms: dict[str, Any] = {}

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES, help="cache budget when on")
     args = parser.parse_args(argv)
 
-    bench = start("prefix_cache", args, cache_bytes=0)
+    bench = start("prefix_cache", args)  # cache off; each arm sets its budget
     backend = bench.backend
     request(backend, backend.encode(DOC), DecodeParams(max_tokens=2))  # warm-up
     results = {

@@ -10,7 +10,7 @@ need none of them (and tests asserting that a module does not pull in torch) sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,58 @@ import pytest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """`--backend-device` / `--backend-dtype`: what `HFBackend(device="auto", dtype="auto")` resolves
+    to in this run, so the whole suite runs on a chosen device without each test naming it.
+
+    The dtype defaults to float32 on every device: the suite's fidelity tests demand token equality,
+    which holds in fp32 on CPU and CUDA alike. bf16 is tested where it is meant, by the tests that
+    ask for it (`test_fidelity.py`: agreement up to near-ties). `--backend-dtype auto` gives the
+    backend's own choice (bf16 on CUDA), e.g. to see which exact-equality tests bf16 would flip.
+    """
+    parser.addoption(
+        "--backend-device", default=None, help="device 'auto' resolves to (default: cuda if present)"
+    )
+    parser.addoption("--backend-dtype", default="float32", help="dtype 'auto' resolves to (default: float32)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu`-marked tests cleanly where CUDA is absent (torch is imported only if any exist)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is false)")
+    for item in gpu:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def backend_defaults(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Apply `--backend-device` / `--backend-dtype` to every backend built with 'auto'."""
+    device = request.config.getoption("--backend-device")
+    dtype = request.config.getoption("--backend-dtype")
+    dtype = None if dtype == "auto" else dtype
+    if device is None and dtype is None:
+        yield
+        return
+    from branchwise.backends.hf import backend as module
+
+    resolve_device, resolve_dtype = module.resolve_device, module.resolve_dtype
+    with pytest.MonkeyPatch.context() as patch:
+        if device is not None:
+            patch.setattr(module, "resolve_device", lambda d: resolve_device(device if d == "auto" else d))
+        if dtype is not None:
+            patch.setattr(
+                module, "resolve_dtype", lambda d, dev: resolve_dtype(dtype if d == "auto" else d, dev)
+            )
+        yield
+
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -289,12 +341,14 @@ def masked_reference() -> Callable[..., Any]:
         import torch
 
         n = len(seq)
-        mask = torch.tril(torch.ones(n, n, dtype=torch.bool))
+        mask = torch.tril(torch.ones(n, n, dtype=torch.bool, device=backend.device))
         for q in range(first_blind, n):
             mask[q, evicted] = False
-        bias = torch.zeros(1, 1, n, n).masked_fill(~mask, float("-inf"))
+        bias = torch.zeros(1, 1, n, n, device=backend.device).masked_fill(~mask, float("-inf"))
         with torch.inference_mode():
-            logits = backend.model(torch.tensor([seq]), attention_mask=bias).logits[0, -1]
-        return torch.softmax(logits.float(), -1)[candidates]
+            logits = backend.model(torch.tensor([seq], device=backend.device), attention_mask=bias).logits[
+                0, -1
+            ]
+        return torch.softmax(logits.float(), -1)[candidates].cpu()
 
     return reference

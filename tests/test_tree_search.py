@@ -478,8 +478,9 @@ def test_embed_nodes_matches_a_full_forward(backend: HFBackend, tiny_llama_dir: 
     assert after.live_nodes == before.live_nodes
     assert after.bytes_held == before.bytes_held + 3 * backend.kv_token_bytes
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    reference.to(backend.device)
     for kid, state in zip(kids, states, strict=True):
-        ids = torch.tensor([backend.tokens(kid) + probe])
+        ids = torch.tensor([backend.tokens(kid) + probe], device=backend.device)
         with torch.inference_mode():
             hidden = reference(input_ids=ids, output_hidden_states=True).hidden_states[-1][0, -1]
         torch.testing.assert_close(state, hidden, atol=1e-4, rtol=1e-4)

@@ -148,7 +148,8 @@ class SkipKV(Acceleration):
     `skipkv_evicted_tokens` (counted at every compression step), `skipkv_ancestor_evicted_tokens`
     (of those, the ones in exclusive ancestor steps), `skipkv_branch_kv_max` (the most generated KV a
     branch held right after a compression: at most `budget`) and `skipkv_branch_kv_peak` (the most it
-    held at any step: at most `budget + interval` unless the branch's steps are shared)."""
+    held after any step: at most `budget + interval + 1`, also when a pruned sibling leaves a shared
+    step to this branch alone)."""
 
     name = "skipkv"
 
@@ -228,7 +229,8 @@ class SkipKV(Acceleration):
         self, batch: Batch, rows: Sequence[Row], feeds: Sequence[Sequence[int]], step: int
     ) -> None:
         """Track the tokens just fed; compress each row above budget once `interval` more tokens
-        were generated on its path since its last check (the count survives `extend` calls)."""
+        were generated on its path since its last check (the count survives `extend` calls), or at
+        once when it holds more than `budget + interval`."""
         self._steer = None
         hidden = batch.ctx.last_hidden
         assert hidden is not None
@@ -239,7 +241,11 @@ class SkipKV(Acceleration):
                 state.tracker.append(fed, hidden=hidden[pos : pos + 1])
                 state.generated += len(fed)
             held = self._held(batch, r)
-            if r.finish is None and state.generated - state.checked >= self.cfg.interval:
+            due = state.generated - state.checked >= self.cfg.interval
+            # a step only this branch reads now (its sibling released) joins what it holds at once:
+            # compress then, not at the next interval, so the bound below holds for every tree
+            over = held > self.cfg.budget + self.cfg.interval
+            if r.finish is None and (due or over):
                 state.checked = state.generated
                 if held > self.cfg.budget:
                     compressions += 1

@@ -127,7 +127,7 @@ def test_score_next_does_not_grow_node(backend: HFBackend) -> None:
     assert len(probs) == 2 and all(0.0 <= p <= 1.0 for row in probs for p in row)
     assert [backend.tokens(k) for k in kids] == before
     # the judge pass over shared KV equals a from-scratch forward of the full sequence
-    full = torch.tensor([before[0] + backend.encode(" Yes or no?")])
+    full = torch.tensor([before[0] + backend.encode(" Yes or no?")], device=backend.device)
     with torch.inference_mode():
         ref = torch.softmax(backend.model(full).logits[0, -1].float(), -1)[[5, 6]].tolist()
     assert probs[0] == pytest.approx(ref, abs=1e-5)

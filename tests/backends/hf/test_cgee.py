@@ -66,7 +66,7 @@ def test_level2_exit_uses_the_normed_logit_lens(tiny_llama_dir) -> None:
     assert stats["verify_exits"] == 3 and stats["verify_layers"] == 6
     # reference: layer-2 hidden state of the full sequence, through the final norm and the LM head
     for kid, p in zip(kids, probs, strict=True):
-        ids = torch.tensor([backend.tokens(kid) + suffix])
+        ids = torch.tensor([backend.tokens(kid) + suffix], device=backend.device)
         with torch.inference_mode():
             hidden = backend.model(ids, output_hidden_states=True).hidden_states[2][0, -1]
             logits = backend.model.lm_head(backend.model.model.norm(hidden))

@@ -55,7 +55,7 @@ def test_exited_tokens_leave_a_complete_cache(tiny_llama_dir, kernel: str) -> No
     assert sum(s.kv_tokens for s in segs) == len(path)
     keys = [torch.cat([s.keys[layer] for s in segs], dim=1) for layer in range(backend.parts.n_layers)]
     with torch.inference_mode():
-        ref = backend.model(torch.tensor([path]), use_cache=True).past_key_values
+        ref = backend.model(torch.tensor([path], device=backend.device), use_cache=True).past_key_values
     for layer in range(backend.parts.n_layers):
         got, want = keys[layer], ref.layers[layer].keys[0]
         assert got.shape == want.shape and torch.isfinite(got).all()

@@ -80,7 +80,7 @@ def test_positions_after_eviction_match_masked_reference(tiny_llama_dir, masked_
     suffix = backend.encode(" next?")
     got = backend.score_next([kid], suffix, list(range(8)))[0]
     # which 4 own tokens went: compare stored keys with a full recompute's keys to locate the gap
-    full = torch.tensor([path[:-1]])
+    full = torch.tensor([path[:-1]], device=backend.device)
     with torch.inference_mode():
         out = backend.model(full, use_cache=True)
     ref_keys = out.past_key_values.layers[0].keys[0][:, len(prompt) :]  # [H_kv, 11, D]

@@ -114,9 +114,9 @@ def test_steering_changes_the_residual_only_at_delimiters(tiny_llama_dir) -> Non
     parts = backend.parts
     layer = 1
     d = parts.embed.embedding_dim
-    vector = torch.randn(d)
+    vector = torch.randn(d, dtype=backend.dtype, device=backend.device)
     ids = backend.encode("One.\nTwo)\n\nThree: four\nfive")
-    delims = torch.zeros(parts.embed.num_embeddings, dtype=torch.bool)
+    delims = torch.zeros(parts.embed.num_embeddings, dtype=torch.bool, device=backend.device)
     text_of = [backend.tokenizer.decode([i]) for i in ids]
     from branchwise.backends.hf.skipkv_policy import is_delimiter_text
 
@@ -126,7 +126,7 @@ def test_steering_changes_the_residual_only_at_delimiters(tiny_llama_dir) -> Non
     captured: list[torch.Tensor] = []
     hook = parts.layers[layer].register_forward_pre_hook(lambda _m, args: captured.append(args[0].clone()))
     try:
-        for steer in (None, Steering(layer, vector, delims, torch.tensor([1.5]))):
+        for steer in (None, Steering(layer, vector, delims, torch.tensor([1.5], device=backend.device))):
             seg = backend.tree.add(None, False, list(ids), backend.tree.total)
             batch = Batch.assemble([seg], 0, parts, backend.dtype, backend.device)
             backend.engine.runner.forward(batch.ctx, [ids], [] if steer is None else [steer])
@@ -203,9 +203,9 @@ def test_delimiter_states_split_execution_from_reflection(tiny_llama_dir) -> Non
     execution, other = delimiter_states(backend, prompt, response, 1, ("Wait",))
     assert (len(execution), len(other)) == (2, 1)
     with torch.inference_mode():
-        states = backend.model(torch.tensor([prompt + response]), output_hidden_states=True).hidden_states[1][
-            0
-        ]
+        states = backend.model(
+            torch.tensor([prompt + response], device=backend.device), output_hidden_states=True
+        ).hidden_states[1][0]
     last = len(prompt) + len(response) - 1  # the final "\n" closes "The answer is 5."
     torch.testing.assert_close(execution[-1], states[last].float())
 
@@ -233,3 +233,25 @@ def test_budget_holds_across_tree_steps(tiny_llama_dir, strategy: str) -> None:
     assert stats["skipkv_branch_kv_max"] <= cfg.budget  # right after every compression
     assert stats["skipkv_branch_kv_peak"] <= cfg.budget + cfg.interval + 1
     assert not any(note.startswith("skipkv") for note in result.notes)
+
+
+def test_a_step_left_to_one_branch_is_compressed_at_once(tiny_llama_dir) -> None:
+    """A shared step is no branch's own; when its other child is released, it joins what the last
+    child holds. That child is compressed at its next step, not `interval` tokens later, so the
+    branch never holds more than `budget + interval + 1` generated tokens."""
+    backend = HFBackend(tiny_llama_dir)
+    cfg = SkipKVConfig(budget=4, interval=10, window=2, query_window=4)
+    backend.accel = Accel(skipkv=cfg)
+    nine = DecodeParams(max_tokens=9, min_tokens=9)
+    root = backend.prefill(backend.encode(PROMPT))
+    (step,) = backend.fork(root, 1)
+    backend.extend([step], nine)  # 9 < interval: no check yet, the step keeps all 9
+    kids = backend.fork(step, 2)
+    backend.extend(kids, nine)  # each child checks at 10 generated (holding 1 of its own), then not
+    assert backend.kv_stats().extra.get("skipkv_compressions", 0) == 0
+    backend.release([kids[1]])
+    backend.extend([kids[0]], DecodeParams(max_tokens=2, min_tokens=2))
+    stats = backend.kv_stats().extra
+    assert stats["skipkv_compressions"] == 1 and stats["skipkv_ancestor_evicted_tokens"] > 0
+    assert stats["skipkv_branch_kv_peak"] <= cfg.budget + cfg.interval + 1
+    backend.release([root, step, kids[0]])

@@ -29,7 +29,8 @@ THREADS_HELP = (
 
 
 class BenchParser(argparse.ArgumentParser):
-    """The command line of a benchmark: `--model`, `--threads` and `--quick` first, then its own.
+    """The command line of a benchmark: `--model`, `--device`, `--dtype`, `--threads` and `--quick`
+    first, then its own.
 
     `--quick` replaces options with the script's `quick` settings after parsing, and its help lists
     them, so what a smoke run does is stated once.
@@ -40,6 +41,12 @@ class BenchParser(argparse.ArgumentParser):
         self.quick = quick
         self.add_argument(
             "--model", default=None, help="hub id or local path; default: embedded SmolLM2-135M"
+        )
+        self.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
+        self.add_argument(
+            "--dtype",
+            default="auto",
+            help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16",
         )
         self.add_argument(
             "--threads",
@@ -86,10 +93,23 @@ def sync(backend: HFBackend) -> None:
 
 
 def machine() -> dict[str, Any]:
+    """Where the figures come from: library versions, CPU threads and the GPU (name, memory, CUDA)."""
+    import transformers
+
+    gpu = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {
+            "name": props.name,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}",
+            "cuda": torch.version.cuda,
+        }
     return {
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda": gpu,
         "python": platform.python_version(),
     }
 
@@ -126,13 +146,16 @@ class Bench:
 
 
 def start(name: str, args: argparse.Namespace, **backend_options: Any) -> Bench:
-    """Pin the threads, then load the backend (`--model`, plus `backend_options`) and start the clock.
+    """Pin the threads, then load the backend (`--model`, `--device`, `--dtype`, plus
+    `backend_options`) and start the clock.
 
     The prefix cache across requests is off unless a benchmark asks for it (`cache_bytes=...`): a
     benchmark times the same prompt several times, and with the cache on every repeat after the
     first would skip its prompt in the exact-sharing arms only (a session with an acceleration, or
     with `share="none"`, never reads the cache), so their ratios would measure the cache."""
     backend_options.setdefault("cache_bytes", 0)
+    backend_options.setdefault("device", args.device)
+    backend_options.setdefault("dtype", args.dtype)
     set_threads(args.threads)
     started = time.perf_counter()
     return Bench(name, args, HFBackend(args.model, **backend_options), started)

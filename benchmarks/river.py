@@ -78,7 +78,6 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = BenchParser(__doc__, {"tasks": "gsm_symbolic", "problems": 2, "max_tokens": 24, "batch": 2})
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (bf16 on cuda)")
     parser.add_argument("--tasks", default="gsm_symbolic,basic_arithmetic")
     parser.add_argument("--problems", "-N", type=int, default=6, help="per task")
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     thresholds = [float(t) for t in args.thresholds.split(",")]
-    bench = start("river", args, device=args.device)
+    bench = start("river", args)
     backend = bench.backend
     chosen = {
         "entry_layer": args.entry_layer,

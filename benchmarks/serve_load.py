@@ -43,8 +43,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
-import torch
 from _common import BenchParser, machine, set_threads
+
+from branchwise.backends.hf.backend import resolve_device, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,6 +117,7 @@ def _start(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "branchwise", "serve", "--port", str(port)]
     cmd += ["--max-queued-rows", str(args.max_queued_rows), "--max-batch-rows", str(args.max_batch_rows)]
     cmd += ["--continuous" if args.continuous else "--no-continuous"]
+    cmd += ["--device", args.device, "--dtype", args.dtype]
     if args.model:
         cmd += ["--model", args.model]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -238,13 +240,14 @@ def main(argv: list[str] | None = None) -> None:
         proc.terminate()
         proc.wait(120)
     out["rss_mb"] = out_rss
-    # `_common.Bench.emit`'s envelope; the model runs in the server process, so its device is the
-    # one this machine offers and its dtype the server's "auto"
+    # `_common.Bench.emit`'s envelope; the model runs in the server process, which resolves
+    # --device / --dtype the same way a backend does
+    device = resolve_device(args.device)
     envelope = {
         "benchmark": "serve_load",
         "model": args.model or "embedded",
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "dtype": "auto",
+        "device": device.type,
+        "dtype": str(resolve_dtype(args.dtype, device)).removeprefix("torch."),
         "config": {k: v for k, v in vars(args).items() if k != "model"},
         **out,
         "seconds": round(time.perf_counter() - started, 1),

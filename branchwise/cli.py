@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from branchwise.backends.base import Backend
     from branchwise.backends.hf import HFBackend
 
-from branchwise.cli_params import one_line, ranged
+from branchwise.cli_params import DeviceOption, DtypeOption, one_line, ranged
 from branchwise.strategies import MAX_SEED, PREBUILT, Strategy
 
 app = typer.Typer(
@@ -124,14 +124,23 @@ def _load_strategy(
         raise typer.BadParameter(str(err), param_hint="--strategy") from None
 
 
-def _load_backend(model: str | None) -> HFBackend:
-    """Load the model, turning "no such model" into a usage error that names ``--model``."""
+def _load_backend(model: str | None, device: str = "auto", dtype: str = "auto") -> HFBackend:
+    """Load the model, turning "no such model" (or device, or dtype) into a usage error naming the option."""
     from branchwise.backends.hf import HFBackend
+    from branchwise.backends.hf.backend import resolve_device, resolve_dtype
     from branchwise.backends.hf.embedded import EmbeddedModelMissing
 
-    with console.status(f"loading {model or 'the embedded model'}…"):
+    try:
+        dev = resolve_device(device)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--device") from None
+    try:
+        resolve_dtype(dtype, dev)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--dtype") from None
+    with console.status(f"loading {model or 'the embedded model'} ({device}, {dtype})…"):
         try:
-            return HFBackend(model)
+            return HFBackend(model, device=device, dtype=dtype)
         except EmbeddedModelMissing as err:
             raise typer.BadParameter(str(err), param_hint="--model") from None
         except (OSError, ValueError) as err:
@@ -184,6 +193,8 @@ def run(
     model: Annotated[
         str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
     ] = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     endpoint: Annotated[
         str | None,
         typer.Option(
@@ -253,7 +264,7 @@ def run(
         )
     except ValidationError as err:
         raise typer.BadParameter(f"these accelerations cannot run together: {one_line(err)}") from None
-    backend = _remote_backend(endpoint, model, accel) if endpoint else _load_backend(model)
+    backend = _remote_backend(endpoint, model, accel) if endpoint else _load_backend(model, device, dtype)
     reasoner = Reasoner(strat, backend=backend, share=share.value, accel=accel)
     if variant:
         results = [reasoner.run(q, variants=variant) for q in questions]
@@ -346,6 +357,8 @@ def calibrate(
     model: Annotated[
         str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
     ] = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     task: Annotated[str, typer.Option(help="reasoning-gym task for held-out questions.")] = "gsm_symbolic",
     problems: Annotated[int, ranged("held-out problems (paper: 30).", 1, 10000)] = 30,
     n: Annotated[int, ranged("branches per problem.", 2, 4096)] = 8,
@@ -358,7 +371,7 @@ def calibrate(
     from branchwise.reasoners.calibrate import calibrate_cgee
 
     questions = _gym_questions(task, problems, seed)
-    backend = _load_backend(model)
+    backend = _load_backend(model, device, dtype)
     calibration = calibrate_cgee(backend, questions, n=n, max_tokens=max_tokens)
     console.print_json(json.dumps(calibration.__dict__))
 
@@ -376,6 +389,8 @@ def steering_build(
     model: Annotated[
         str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
     ] = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     task: Annotated[str, typer.Option(help="reasoning-gym task the traces are sampled on.")] = "gsm_symbolic",
     problems: Annotated[int, ranged("questions (paper: 1,000 MATH train).", 1, 100000)] = 16,
     samples: Annotated[int, ranged("traces sampled per question.", 1, 4096)] = 4,
@@ -394,7 +409,7 @@ def steering_build(
     from branchwise.reasoners.steering import build_steering
 
     questions = _gym_questions(task, problems, seed)
-    backend = _load_backend(model)
+    backend = _load_backend(model, device, dtype)
     try:
         vector = build_steering(
             backend, questions, layer=layer, samples=samples, max_tokens=max_tokens, save=out is None

@@ -8,13 +8,18 @@ their bounds from :func:`ranged`, which checks in a callback and writes the rang
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from branchwise.strategies.errors import describe_validation_error as one_line
 
-__all__ = ["one_line", "ranged"]  # one_line: a pydantic error on one line, for usage errors
+__all__ = [
+    "DeviceOption",
+    "DtypeOption",
+    "one_line",
+    "ranged",
+]  # one_line: a pydantic error on one line, for usage errors
 
 N = TypeVar("N", int, float)
 
@@ -29,3 +34,14 @@ def ranged(help: str, lo: N, hi: N | None = None, **option: Any) -> Any:
         return value
 
     return typer.Option(help=f"{help} [{allowed}]", callback=check, **option)
+
+
+DeviceOption = Annotated[
+    str, typer.Option(help="Device to run on: auto (cuda when present, else cpu), cpu, cuda or cuda:N.")
+]
+DtypeOption = Annotated[
+    str,
+    typer.Option(
+        help="Weights' number format: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16."
+    ),
+]

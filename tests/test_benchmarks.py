@@ -192,7 +192,10 @@ def test_prefix_sharing_quick() -> None:
     # sharing holds the prefix once and computes it once, and changes no greedy token
     assert kv["exact"] < kv["none"]
     assert out["tokens_computed"]["exact"] < out["tokens_computed"]["none"]
-    assert all(out["greedy_tokens_match"].values()), out["greedy_tokens_match"]
+    # fp32 on this machine: identical, not merely up to ties
+    assert all(a["identical"] and a["match_up_to_ties"] for a in out["greedy_agreement"].values()), out[
+        "greedy_agreement"
+    ]
 
 
 @pytest.mark.slow

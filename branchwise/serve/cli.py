@@ -6,13 +6,15 @@ from typing import Annotated
 
 import typer
 
-from branchwise.cli_params import ranged
+from branchwise.cli_params import DeviceOption, DtypeOption, ranged
 
 
 def serve_command(
     model: Annotated[
         str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
     ] = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 exposes it to the network).")] = (
         "127.0.0.1"
     ),
@@ -57,7 +59,7 @@ def serve_command(
 
     if share not in ("exact", "none"):
         raise typer.BadParameter(f"{share!r} is not one of 'exact', 'none'", param_hint="--share")
-    backend = _load_backend(model)
+    backend = _load_backend(model, device, dtype)
     app = create_app(
         backend,
         model_name=served_model_name or model,

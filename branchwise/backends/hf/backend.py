@@ -54,11 +54,27 @@ model's KV in fp32, a long conversation or a few-shot prompt many times over).""
 __all__ = ["SHARE_MODES", "HFBackend", "resolve_device", "resolve_dtype"]
 
 
-def resolve_device(device: str) -> torch.device:
-    """'auto' picks CUDA when present, else CPU; anything else is passed to torch."""
+def resolve_device(device: str | torch.device) -> torch.device:
+    """'auto' picks CUDA when present, else CPU; anything else must name a device this machine has.
+
+    Checked before the weights load, so `device="cuda"` on a CPU-only machine fails at once with
+    the reason instead of after minutes of loading, deep inside torch."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not one of 'auto', 'cpu', 'cuda', 'cuda:N'") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(
+                f"device={device!r}: this machine has no CUDA device (torch.cuda.is_available() is "
+                f"false; torch {torch.__version__}); use 'cpu' or 'auto'"
+            )
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device={device!r}: CUDA device indices here are 0..{count - 1}")
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

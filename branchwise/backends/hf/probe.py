@@ -24,6 +24,8 @@ import math
 import time
 from collections.abc import Callable
 
+import torch
+
 from branchwise.backends.accel import ProbeConfig
 from branchwise.backends.hf.hooks import Acceleration, Host
 from branchwise.backends.hf.tree import Segment
@@ -125,8 +127,19 @@ class Probe(Acceleration):
             plain.compute([plain.tree.get(k) for k in kids])
             plain.release(kids)
 
+        def synced(fn: Callable[[], None]) -> Callable[[], None]:
+            """Wait for the device's queued kernels, so the clock times the work and not its launch."""
+            if host.device.type != "cuda":
+                return fn
+
+            def run() -> None:
+                fn()
+                torch.cuda.synchronize(host.device)
+
+            return run
+
         try:
-            self.probe.decide(len(path), n, recompute, prefix, shared_suffix)
+            self.probe.decide(len(path), n, synced(recompute), synced(prefix), synced(shared_suffix))
         finally:
             plain.release([seg.id for seg in ready])
 

@@ -414,7 +414,74 @@ def test_benchmarks_run_without_the_prefix_cache_unless_they_ask(monkeypatch: py
     common = _script(monkeypatch, "_common")
     made: list[dict[str, Any]] = []
     monkeypatch.setattr(common, "HFBackend", lambda model, **options: made.append(options) or model)
-    args = argparse.Namespace(model=None, threads=None)
+    args = argparse.Namespace(model=None, threads=None, device="auto", dtype="bfloat16")
     common.start("x", args)
     common.start("x", args, cache_bytes=1 << 20)
-    assert made == [{"cache_bytes": 0}, {"cache_bytes": 1 << 20}]
+    options = {"device": "auto", "dtype": "bfloat16"}
+    assert made == [{"cache_bytes": 0, **options}, {"cache_bytes": 1 << 20, **options}]
+
+
+@pytest.mark.slow
+def test_decode_quick(embedded_dir: Path) -> None:
+    out = run_quick("decode.py")
+    assert [row["batch"] for row in out["rows"]] == out["config"]["batches"]
+    for row in out["rows"]:
+        ours, hf = row["branchwise"], row["hf_generate"]
+        assert row["speedup_vs_hf_generate"] == ratio(ours["tokens_per_s"], hf["tokens_per_s"])
+        # tokens/s is B rows over the time per step; bandwidth is bytes per step over that time
+        assert ours["tokens_per_s"] == pytest.approx(row["batch"] * 1000 / ours["ms_per_step"], rel=1e-2)
+        assert ours["fraction_of_peak"] is None  # no GPU here and no --peak-gbps given
+        assert row["greedy_tokens_identical"] is True  # fp32: the same tokens as generate()
+    assert 0 < out["weight_bytes_per_step"] <= 4 * out["parameters"]
+
+
+def test_run_all_profiles_name_real_scripts_and_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    run_all = _script(monkeypatch, "run_all")
+    for name, runs in run_all.PROFILES.items():
+        assert len({r.id for r in runs}) == len(runs), f"duplicate run ids in {name}"
+        for r in runs:
+            source = (ROOT / "benchmarks" / f"{r.script}.py").read_text()
+            for option in (a for a in r.args if a.startswith("--")):
+                assert f'"{option}"' in source or option == "--quick", (r.id, option)
+    assert {r.script for r in run_all.PROFILES["quick"]} == set(run_all.SCRIPTS)
+
+
+def test_run_all_table_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`run` appends a line per run and skips ids that already succeeded; `table` shows headline
+    figures (ratios, agreement), the device and versions, and failures with their error."""
+    run_all = _script(monkeypatch, "run_all")
+    out = tmp_path / "results.jsonl"
+    result = {
+        "benchmark": "decode",
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "config": {"speedup_ignored": 1.0},
+        "rows": [{"batch": 1, "speedup_vs_hf_generate": 1.25, "latency_s": 3.0}],
+        "greedy_agreement": {"exact_vs_none": {"match_up_to_ties": True}},
+        "seconds": 12.5,
+        "machine": {"torch": "2.x", "transformers": "5.x", "threads": 16, "cuda": {"name": "NVIDIA H100"}},
+    }
+    out.write_text(
+        json.dumps({"id": "decode", "ok": True, "result": result})
+        + "\n"
+        + json.dumps({"id": "river", "ok": False, "error": "Traceback\nValueError: no CUDA"})
+        + "\n"
+    )
+    calls: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_: Any) -> Any:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout=json.dumps(result) + "\n", stderr="")
+
+    monkeypatch.setattr(run_all.subprocess, "run", fake_run)
+    code = run_all.main(["run", "--profile", "quick", "--out", str(out), "--only", "decode", "river"])
+    assert code == 0
+    assert [Path(c[1]).name for c in calls] == ["river.py"]  # decode succeeded already
+    assert calls[0][2:] == ["--quick", "--device", "auto", "--dtype", "auto"]
+    text = run_all.table([out])
+    assert "| decode | NVIDIA H100 | bfloat16 | 2.x | 5.x | 12.5 |" in text
+    assert "rows[0].speedup_vs_hf_generate 1.25" in text and "match_up_to_ties yes" in text
+    assert "speedup_ignored" not in text and "latency_s" not in text
+    assert "| river | cpu" not in text and text.count("| river |") == 1  # the rerun replaced the failure
+    with pytest.raises(SystemExit, match="no run"):
+        run_all.main(["run", "--out", str(out), "--only", "nope"])

@@ -1,0 +1,178 @@
+"""Decode efficiency: tokens/s of branchwise's decode loop against `model.generate()`, and the memory
+bandwidth that implies.
+
+B independent prompts of equal length (no shared prefix: this measures the decode engine, not
+sharing) decode `--tokens` greedy tokens each, B = each of `--batches`. Prefill is excluded the same
+way on both sides: the time of a 1-token decode from the same prompts is subtracted from the time of
+a `--tokens` decode, so tokens/s = B·(tokens − 1) / (t_tokens − t_1).
+
+Bandwidth. A decode step streams every weight the step uses once (all parameters except an untied
+input embedding, of which only B rows are read) plus the KV each row attends to. So
+bytes/step = weight bytes + B · mean context · KV bytes/token, and achieved GB/s = bytes/step ×
+steps/s. `--peak-gbps` (default: the datasheet figure of a known GPU, else none) turns that into the
+fraction of peak; at B = 1 that fraction is how close the loop is to the memory roofline.
+
+`--random-config 1b` replaces the model with a randomly initialised ~1.2B Llama (TinyLlama's shape
+with the embedded tokenizer's vocabulary), built in-process: what a 1B-class checkpoint costs per
+token without downloading one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+from _common import Bench, BenchParser, set_threads, sync
+from prefix_sharing import PASSAGE, exact_tokens
+
+from branchwise.backends import DecodeParams
+from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.backend import resolve_device, resolve_dtype
+from branchwise.backends.hf.embedded import embedded_model_dir
+
+PEAK_GBPS = {  # HBM bandwidth from the vendors' datasheets, by a substring of the device name
+    "H200": 4800.0,
+    "H100 SXM": 3350.0,
+    "H100 80GB HBM3": 3350.0,
+    "H100 PCIe": 2000.0,
+    "H100 NVL": 3900.0,
+    "A100-SXM4-80GB": 2039.0,
+    "A100-SXM4-40GB": 1555.0,
+    "A100 80GB PCIe": 1935.0,
+    "L40S": 864.0,
+    "A10G": 600.0,
+    "L4": 300.0,
+}
+
+RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
+    # TinyLlama-1.1B's shape; the vocabulary is the embedded tokenizer's (so ~1.2B parameters)
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def random_backend(name: str, device: torch.device, dtype: torch.dtype) -> HFBackend:
+    """A randomly initialised Llama of `RANDOM_CONFIGS[name]` with the embedded model's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=8192,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **RANDOM_CONFIGS[name],
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.config._name_or_path = f"random-llama-{name}"
+    return HFBackend.from_model(model, tokenizer, cache_bytes=0)
+
+
+def peak_gbps(given: float | None) -> float | None:
+    if given is not None or not torch.cuda.is_available():
+        return given
+    name = torch.cuda.get_device_name(0)
+    return next((gbps for key, gbps in PEAK_GBPS.items() if key in name), None)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads of the weights: all parameters but an untied input embedding."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    tied = any(p is embed for p in model.get_output_embeddings().parameters())
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = BenchParser(__doc__, {"batches": [1, 2], "tokens": 8, "prompt": 32, "repeats": 1})
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="rows decoded together")
+    parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per row")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per row")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median) after one warm-up")
+    parser.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS), default=None)
+    parser.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth to compare with")
+    args = parser.parse_args(argv)
+    if args.tokens < 2:
+        parser.error(f"--tokens must be at least 2 (got {args.tokens}): one token is the subtracted prefill")
+
+    set_threads(args.threads)
+    started = time.perf_counter()
+    if args.random_config:
+        device = resolve_device(args.device)
+        backend = random_backend(args.random_config, device, resolve_dtype(args.dtype, device))
+    else:
+        backend = HFBackend(args.model, device=args.device, dtype=args.dtype, cache_bytes=0)
+    bench = Bench("decode", args, backend, started)
+    passage = exact_tokens(backend, PASSAGE, args.prompt + max(args.batches))
+
+    def timed(fn: Any, prompts: list[list[int]], tokens: int) -> float:
+        """Median seconds of `fn(prompts, tokens)` over `--repeats` runs after a warm-up run."""
+        times = []
+        for i in range(args.repeats + 1):
+            sync(backend)
+            t0 = time.perf_counter()
+            fn(prompts, tokens)
+            sync(backend)
+            if i:  # the first run warms up
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def ours(prompts: list[list[int]], tokens: int) -> list[list[int]]:
+        roots = [backend.prefill(p) for p in prompts]
+        gens = backend.extend(roots, DecodeParams(max_tokens=tokens, min_tokens=tokens))
+        backend.release(roots)
+        return [g.token_ids for g in gens]
+
+    def generate(prompts: list[list[int]], tokens: int) -> list[list[int]]:
+        return backend.hf_generate(prompts, tokens, exact_length=True)  # type: ignore[return-value]
+
+    weights = weight_bytes(backend.model)
+    peak = peak_gbps(args.peak_gbps)
+    rows = []
+    for b in args.batches:
+        prompts = [passage[i : i + args.prompt] for i in range(b)]  # equal lengths, all different
+        bench.log(f"B={b}")
+        result: dict[str, Any] = {"batch": b}
+        for name, fn in (("branchwise", ours), ("hf_generate", generate)):
+            t_full = timed(fn, prompts, args.tokens)
+            t_one = timed(fn, prompts, 1)
+            steps_per_s = (args.tokens - 1) / (t_full - t_one)
+            context = args.prompt + args.tokens / 2
+            step_bytes = weights + b * context * backend.kv_token_bytes
+            gbps = step_bytes * steps_per_s / 1e9
+            result[name] = {
+                "tokens_per_s": round(b * steps_per_s, 2),
+                "ms_per_step": round(1000 / steps_per_s, 3),
+                "achieved_gbps": round(gbps, 2),
+                "fraction_of_peak": None if peak is None else round(gbps / peak, 4),
+            }
+        result["speedup_vs_hf_generate"] = round(
+            result["branchwise"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"], 3
+        )
+        result["greedy_tokens_identical"] = ours(prompts, args.tokens) == generate(prompts, args.tokens)
+        rows.append(result)
+    bench.emit(
+        {
+            "parameters": sum(p.numel() for p in backend.model.parameters()),
+            "weight_bytes_per_step": weights,
+            "kv_bytes_per_token": backend.kv_token_bytes,
+            "peak_gbps": peak,
+            "rows": rows,
+        },
+        config={"model_source": args.random_config or "checkpoint"},
+    )
+
+
+if __name__ == "__main__":
+    main()

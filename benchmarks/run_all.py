@@ -1,0 +1,234 @@
+"""Run a profile of benchmarks and keep their results; render results as a Markdown table.
+
+    python benchmarks/run_all.py run --profile full --device cuda --out results-h100.jsonl
+    python benchmarks/run_all.py table results-h100.jsonl results-cpu.jsonl > benchmarks/RESULTS.md
+
+`run` starts each benchmark of the profile as its own process (a crash or a timeout loses that run
+only), and appends one line per run to `--out`: its id, command line, exit status and the JSON the
+script printed. It resumes: a run whose id already succeeded in `--out` is skipped, so a long
+profile can be spread over several sittings (or machines with a time limit per command). `--only`
+picks runs by id.
+
+`table` reads such files and prints one row per run: the device (GPU name, or CPU threads), dtype,
+torch and transformers versions, wall seconds, and the run's headline figures: every numeric or
+boolean leaf of its JSON whose name says it is a ratio, speed-up, agreement or accuracy.
+
+Profiles. `quick`: every benchmark's `--quick` smoke settings (minutes on a CPU). `full`: the
+settings of the papers' tables and of the GPU checklist (prefix sharing at B = 8/32/64 and a 4k
+prefix, RKSC Tables 1-2 and verify isolation, ETS vs REBASE at widths 64 and 256, SkipKV, River,
+ReasonCache, decode at B = 1/8 on the model and on a random ~1B Llama); hours on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Run:
+    """One benchmark invocation: an id unique in its profile, the script and its own options."""
+
+    id: str
+    script: str
+    args: list[str] = field(default_factory=list)
+
+
+SCRIPTS = [
+    "prefix_sharing",
+    "rksc_table1",
+    "rksc_table2",
+    "rksc_verify",
+    "rksc_asks",
+    "rksc_rsbcm",
+    "rksc_prefix_sweep",
+    "ets_vs_rebase",
+    "skipkv",
+    "river",
+    "reasoncache",
+    "batch",
+    "prefix_cache",
+    "agent",
+    "decode",
+    "serve_load",
+]
+
+PROFILES: dict[str, list[Run]] = {
+    "quick": [Run(name, name, ["--quick"]) for name in SCRIPTS],
+    "full": [
+        Run("prefix_sharing", "prefix_sharing"),
+        Run("prefix_sharing-B32", "prefix_sharing", ["--branches", "32"]),
+        Run("prefix_sharing-B64", "prefix_sharing", ["--branches", "64"]),
+        Run("prefix_sharing-4k", "prefix_sharing", ["--prefix", "4096"]),
+        Run("prefix_sharing-4k-B64", "prefix_sharing", ["--prefix", "4096", "--branches", "64"]),
+        Run("rksc_table1", "rksc_table1"),
+        Run("rksc_table2", "rksc_table2"),
+        Run("rksc_verify", "rksc_verify"),
+        Run("rksc_asks", "rksc_asks"),
+        Run("rksc_rsbcm", "rksc_rsbcm"),
+        Run("rksc_prefix_sweep", "rksc_prefix_sweep"),
+        Run("ets_vs_rebase-64-256", "ets_vs_rebase", ["--widths", "64", "256"]),
+        Run("skipkv", "skipkv"),
+        Run("river", "river"),
+        Run("reasoncache", "reasoncache"),
+        Run("batch", "batch"),
+        Run("prefix_cache", "prefix_cache"),
+        Run("agent", "agent"),
+        Run("decode", "decode"),
+        Run("decode-random-1b", "decode", ["--random-config", "1b"]),
+        Run("serve_load", "serve_load"),
+    ],
+}
+
+HEADLINE = re.compile(
+    r"speedup|ratio|reduction|agreement|accuracy|match|identical|amsr|fraction|tokens_per_s"
+)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    runs = PROFILES[args.profile]
+    if args.only:
+        unknown = sorted(set(args.only) - {r.id for r in runs})
+        if unknown:
+            raise SystemExit(
+                f"--only: no run {unknown} in profile {args.profile!r}; ids: {[r.id for r in runs]}"
+            )
+        runs = [r for r in runs if r.id in args.only]
+    out = Path(args.out)
+    done = {entry["id"] for entry in read_results([out]) if entry.get("ok")} if out.exists() else set()
+    common = ["--device", args.device, "--dtype", args.dtype]
+    if args.threads is not None:
+        common += ["--threads", str(args.threads)]
+    failed = 0
+    for run in runs:
+        if run.id in done:
+            print(f"[run_all] {run.id}: done already in {out}", file=sys.stderr)
+            continue
+        argv = [sys.executable, str(HERE / f"{run.script}.py"), *run.args, *common]
+        print(f"[run_all] {run.id}: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        entry: dict[str, Any] = {"id": run.id, "argv": argv[1:]}
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, cwd=HERE.parent)
+            entry["returncode"] = proc.returncode
+            lines = proc.stdout.strip().splitlines()
+            entry["ok"] = proc.returncode == 0 and bool(lines)
+            if entry["ok"]:
+                entry["result"] = json.loads(lines[-1])
+            else:
+                entry["error"] = proc.stderr[-3000:]
+        except subprocess.TimeoutExpired:
+            entry.update(ok=False, error=f"timed out after {args.timeout} s")
+        entry["wall_s"] = round(time.perf_counter() - started, 1)
+        failed += not entry["ok"]
+        with out.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        print(
+            f"[run_all] {run.id}: {'ok' if entry['ok'] else 'FAILED'} in {entry['wall_s']} s", file=sys.stderr
+        )
+    return 1 if failed else 0
+
+
+def read_results(paths: list[Path]) -> list[dict[str, Any]]:
+    """The entries of results files, the last one of each id per file winning (a rerun replaces)."""
+    entries: list[dict[str, Any]] = []
+    for path in paths:
+        latest: dict[str, dict[str, Any]] = {}
+        for line in path.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                latest[entry["id"]] = entry
+        entries.extend(latest.values())
+    return entries
+
+
+def headlines(result: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Numeric and boolean leaves whose name matches `HEADLINE` (config and machine excluded)."""
+    out: dict[str, Any] = {}
+    for key, value in result.items():
+        if key in ("config", "machine") and not prefix:
+            continue
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(headlines(value, name + "."))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, item in enumerate(value):
+                out.update(headlines(item, f"{name}[{i}]."))
+        elif isinstance(value, bool | int | float) and HEADLINE.search(name):
+            out[name] = value
+    return out
+
+
+def device_of(result: dict[str, Any]) -> str:
+    gpu = result.get("machine", {}).get("cuda")
+    if result.get("device") == "cuda" and isinstance(gpu, dict):
+        return str(gpu.get("name"))
+    return f"cpu ×{result.get('machine', {}).get('threads', '?')}"
+
+
+def table(paths: list[Path]) -> str:
+    """The Markdown table of every run in `paths` (failed runs listed with their error's last line)."""
+    rows = [
+        "| run | device | dtype | torch | transformers | seconds | headline figures |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for entry in read_results(paths):
+        if not entry.get("ok"):
+            last = (entry.get("error") or "").strip().splitlines()[-1:] or ["?"]
+            rows.append(f"| {entry['id']} | | | | | | FAILED: {last[0][:200]} |")
+            continue
+        res = entry["result"]
+        machine = res.get("machine", {})
+        figures = ", ".join(f"{k} {_fmt(v)}" for k, v in headlines(res).items())
+        rows.append(
+            f"| {entry['id']} | {device_of(res)} | {res.get('dtype')} | {machine.get('torch')} | "
+            f"{machine.get('transformers', '?')} | {res.get('seconds')} | {figures} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a profile, appending to --out (resumes)")
+    run.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    run.add_argument("--out", required=True, help="JSON-lines file to append to (and resume from)")
+    run.add_argument("--only", nargs="+", default=None, help="run ids to run (default: the whole profile)")
+    run.add_argument("--device", default="auto", help="passed to every benchmark")
+    run.add_argument("--dtype", default="auto", help="passed to every benchmark")
+    run.add_argument("--threads", type=int, default=None, help="passed to every benchmark")
+    run.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before it is stopped")
+    show = sub.add_parser("table", help="print the Markdown table of results files")
+    show.add_argument("paths", nargs="+", type=Path)
+    sub.add_parser("list", help="print every profile's run ids and command lines")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run_profile(args)
+    if args.command == "table":
+        print(table(args.paths), end="")
+        return 0
+    for name, runs in PROFILES.items():
+        for r in runs:
+            print(f"{name}\t{r.id}\t{r.script}.py {' '.join(r.args)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

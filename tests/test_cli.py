@@ -186,6 +186,11 @@ BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
         "--model: '/nonexistent/model' is neither a local model folder",
     ),
     (["run", "q", "--bogus"], "No such option: --bogus"),
+    (["run", "q", "--device", "gpu"], "--device: device='gpu' is not one of 'auto', 'cpu', 'cuda', 'cuda:N'"),
+    (["run", "q", "--device", "cuda:99"], "--device: device='cuda:99': "),  # no CUDA, or no 100th GPU
+    (["run", "q", "--dtype", "fp8"], "--dtype: dtype='fp8' is not one of 'auto', 'float32'"),
+    (["calibrate", "--dtype", "int4"], "--dtype: dtype='int4' is not one of"),
+    (["steering", "build", "--device", "tpu"], "--device: device='tpu' is not one of"),
     (["strategy", "show", "nope"], "'nope' is neither a prebuilt strategy"),
     (
         ["strategy", "show", "best-of-n", "--format", "xml"],

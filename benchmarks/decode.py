@@ -31,6 +31,7 @@ from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.backend import resolve_device, resolve_dtype
 from branchwise.backends.hf.embedded import embedded_model_dir
+from branchwise.backends.hf.fidelity import greedy_agreement
 
 PEAK_GBPS = {  # HBM bandwidth from the vendors' datasheets, by a substring of the device name
     "H200": 4800.0,
@@ -160,7 +161,10 @@ def main(argv: list[str] | None = None) -> None:
         result["speedup_vs_hf_generate"] = round(
             result["branchwise"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"], 3
         )
-        result["greedy_tokens_identical"] = ours(prompts, args.tokens) == generate(prompts, args.tokens)
+        agreement = greedy_agreement(
+            backend.model, prompts, generate(prompts, args.tokens), ours(prompts, args.tokens)
+        )
+        result["greedy_agreement_vs_hf_generate"] = agreement.as_dict()
         rows.append(result)
     bench.emit(
         {

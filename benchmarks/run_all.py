@@ -10,8 +10,9 @@ profile can be spread over several sittings (or machines with a time limit per c
 picks runs by id.
 
 `table` reads such files and prints one row per run: the device (GPU name, or CPU threads), dtype,
-torch and transformers versions, wall seconds, and the run's headline figures: every numeric or
-boolean leaf of its JSON whose name says it is a ratio, speed-up, agreement or accuracy.
+torch and transformers versions, wall seconds, and the run's headline figures (`HEADLINES`: the
+ratios against the baselines and the fidelity figures of each benchmark; the whole JSON stays in
+the results file).
 
 Profiles. `quick`: every benchmark's `--quick` smoke settings (minutes on a CPU). `full`: the
 settings of the papers' tables and of the GPU checklist (prefix sharing at B = 8/32/64 and a 4k
@@ -22,6 +23,7 @@ ReasonCache, decode at B = 1/8 on the model and on a random ~1B Llama); hours on
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import re
 import subprocess
@@ -89,9 +91,66 @@ PROFILES: dict[str, list[Run]] = {
     ],
 }
 
-HEADLINE = re.compile(
-    r"speedup|ratio|reduction|agreement|accuracy|match|identical|amsr|fraction|tokens_per_s"
-)
+HEADLINES: dict[str, list[str]] = {
+    # per benchmark, the figures its table row shows (fnmatch patterns over the flattened JSON keys)
+    "prefix_sharing": [
+        "speedup_exact_vs_none",
+        "speedup_exact_vs_hf_generate",
+        "speedup_cascade_vs_copy_broadcast",
+        "kv_ratio_exact_vs_none",
+        "greedy_agreement.*.match_up_to_ties",
+        "greedy_agreement.*.rows_differing",
+    ],
+    "rksc_table1": [
+        "speedup_vs_nokv.*.ratio_of_means",
+        "speedup_vs_kv.kv+cgee.ratio_of_means",
+        "verify_skip_rate.kv+cgee",
+        "decision_flips_vs_kv.kv+cgee",
+    ],
+    "rksc_table2": [
+        "overall.speedup_vs_nokv.*.ratio_of_means",
+        "overall.speedup_vs_kv.kv+cgee.ratio_of_means",
+        "overall.cgee_skip_rate.kv+cgee",
+        "overall.table3.kv+cgee.error_rate",
+    ],
+    "rksc_verify": ["verify_speedup", "mean_exit_layer", "decision_flips", "live_exits_match_replay"],
+    "rksc_asks": ["conditions.*.speedup_vs_nokv", "conditions.*.answer_agreement_vs_nokv"],
+    "rksc_rsbcm": ["observed_evictions", "answer_agreement_vs_no_eviction", "overhead_ms_per_problem"],
+    "rksc_prefix_sweep": ["sweep.*.speedup.ratio_of_means"],
+    "ets_vs_rebase": [
+        "per_width.*.ets_vs_rebase.kv_reduction",
+        "per_width.*.ets_vs_rebase.peak_kv_reduction",
+        "per_width.*.ets_vs_rebase.accuracy_delta_points",
+    ],
+    "skipkv": [
+        "budgets.*.methods.skipkv.peak_kv_ratio_vs_fullkv",
+        "budgets.*.methods.skipkv.agreement_with_fullkv",
+        "budgets.*.methods.skipkv.throughput_vs_fullkv",
+    ],
+    "river": [
+        "conditions.*.speedup_vs_backbone",
+        "conditions.*.token_agreement_vs_backbone",
+        "conditions.*.mean_backbone_layers_per_token",
+    ],
+    "reasoncache": [
+        "methods.*.amsr",
+        "methods.reasoncache.agreement_with_dense",
+        "fixed_kv_budget.throughput_ratio",
+    ],
+    "batch": ["speedup_batch_vs_serial", "same_tokens"],
+    "prefix_cache": ["*.speedup", "*.computed_ratio", "*.tokens_identical"],
+    "agent": ["tokens_computed_ratio", "latency_ratio", "trajectories_identical"],
+    "decode": [
+        "rows.*.branchwise.tokens_per_s",
+        "rows.*.hf_generate.tokens_per_s",
+        "rows.*.speedup_vs_hf_generate",
+        "rows.*.branchwise.fraction_of_peak",
+        "rows.*.greedy_agreement_vs_hf_generate.match_up_to_ties",
+    ],
+    "serve_load": ["speedup_concurrent_vs_serial", "throughput_rps.concurrent", "latency_ms.p99", "errors"],
+}
+FALLBACK = re.compile(r"speedup|ratio|reduction|agreement|accuracy")
+"""For a benchmark without `HEADLINES`: leaves whose name says they are a ratio or a quality."""
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -151,21 +210,30 @@ def read_results(paths: list[Path]) -> list[dict[str, Any]]:
     return entries
 
 
-def headlines(result: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Numeric and boolean leaves whose name matches `HEADLINE` (config and machine excluded)."""
+def flatten(result: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Numeric and boolean leaves by dotted key (list items by index); config and machine left out."""
     out: dict[str, Any] = {}
     for key, value in result.items():
         if key in ("config", "machine") and not prefix:
             continue
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(headlines(value, name + "."))
+            out.update(flatten(value, name + "."))
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             for i, item in enumerate(value):
-                out.update(headlines(item, f"{name}[{i}]."))
-        elif isinstance(value, bool | int | float) and HEADLINE.search(name):
+                out.update(flatten(item, f"{name}.{i}."))
+        elif isinstance(value, bool | int | float):
             out[name] = value
     return out
+
+
+def headlines(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures of `result` its table row shows (`HEADLINES`, else `FALLBACK`)."""
+    leaves = flatten(result)
+    patterns = HEADLINES.get(result.get("benchmark", ""))
+    if patterns is None:
+        return {k: v for k, v in leaves.items() if FALLBACK.search(k)}
+    return {k: v for k, v in leaves.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
 
 
 def device_of(result: dict[str, Any]) -> str:

@@ -108,7 +108,7 @@ def test_cli_run_on_embedded_model() -> None:
 
 def test_prefix_sharing_benchmark_quick() -> None:
     proc = subprocess.run(
-        [sys.executable, "benchmarks/prefix_sharing.py", "--quick"],
+        [sys.executable, "benchmarks/prefix_sharing.py", "--quick", "--dtype", "float32"],
         capture_output=True,
         text=True,
         cwd=ROOT,

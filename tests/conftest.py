@@ -327,6 +327,25 @@ def embedded_dir() -> Path:
 
 
 @pytest.fixture
+def branch_tokens() -> Callable[..., list[list[int]]]:
+    """`branch_tokens(backend, prompt, hints, share, params)`: fork `prompt` into one branch per
+    hint under `share`, append each hint, decode `params`, release; the branches' new tokens."""
+
+    def run(
+        backend: Any, prompt: list[int], hints: list[list[int]], share: str, params: Any
+    ) -> list[list[int]]:
+        root = backend.prefill(prompt)
+        kids = backend.fork(root, len(hints), share=share)
+        backend.release([root])
+        backend.append(kids, hints)
+        gens = backend.extend(kids, params)
+        backend.release(kids)
+        return [g.token_ids for g in gens]
+
+    return run
+
+
+@pytest.fixture
 def masked_reference() -> Callable[..., Any]:
     """Reference next-token probabilities after KV eviction, from a full-model forward.
 

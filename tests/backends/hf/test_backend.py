@@ -21,34 +21,22 @@ def backend(request: pytest.FixtureRequest, tiny_model_dir) -> HFBackend:
     return HFBackend(tiny_model_dir(request.param))
 
 
-def _branch_tokens(
-    backend: HFBackend, prompt: list[int], hints: list[list[int]], share: str
-) -> list[list[int]]:
-    root = backend.prefill(prompt)
-    kids = backend.fork(root, len(hints), share=share)
-    backend.release([root])
-    backend.append(kids, hints)
-    gens = backend.extend(kids, GREEDY)
-    backend.release(kids)
-    return [g.token_ids for g in gens]
-
-
 @pytest.mark.parametrize("b", [1, 8])
-def test_greedy_fidelity_exact_none_generate(backend: HFBackend, b: int) -> None:
+def test_greedy_fidelity_exact_none_generate(backend: HFBackend, b: int, branch_tokens) -> None:
     """share='exact' == share='none' == model.generate(), token for token, B=1 and B=8."""
     for text in PROMPTS:
         prompt = backend.encode(text)
         hints = [backend.encode(" hint" * (i % 3)) for i in range(b)]  # unequal suffix lengths, some empty
-        exact = _branch_tokens(backend, prompt, hints, "exact")
-        none = _branch_tokens(backend, prompt, hints, "none")
+        exact = branch_tokens(backend, prompt, hints, "exact", GREEDY)
+        none = branch_tokens(backend, prompt, hints, "none", GREEDY)
         generate = [backend.hf_generate([prompt + h], GREEDY.max_tokens, exact_length=True)[0] for h in hints]
         assert exact == none
         assert exact == generate
 
 
-def test_self_consistency_branches_identical_prompts(backend: HFBackend) -> None:
+def test_self_consistency_branches_identical_prompts(backend: HFBackend, branch_tokens) -> None:
     prompt = backend.encode(PROMPTS[0])
-    out = _branch_tokens(backend, prompt, [[] for _ in range(8)], "exact")
+    out = branch_tokens(backend, prompt, [[] for _ in range(8)], "exact", GREEDY)
     ref = backend.hf_generate([prompt], GREEDY.max_tokens, exact_length=True)[0]
     assert all(o == ref for o in out)
 
@@ -199,13 +187,13 @@ def test_cascade_attention_matches_concatenated_keys() -> None:
     torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
 
 
-def test_copy_broadcast_baseline_matches(tiny_llama_dir: Path) -> None:
+def test_copy_broadcast_baseline_matches(tiny_llama_dir: Path, branch_tokens) -> None:
     """broadcast='copy' (per-row prefix copies, the RKSC notebook's path) gives the same tokens."""
     backend = HFBackend(tiny_llama_dir)
     prompt = backend.encode(PROMPTS[0])
     hints = [backend.encode(" hint" * (i % 3)) for i in range(4)]
-    cascade = _branch_tokens(backend, prompt, hints, "exact")
+    cascade = branch_tokens(backend, prompt, hints, "exact", GREEDY)
     backend.broadcast = "copy"
-    assert _branch_tokens(backend, prompt, hints, "exact") == cascade
+    assert branch_tokens(backend, prompt, hints, "exact", GREEDY) == cascade
     with pytest.raises(ValueError, match="broadcast"):
         HFBackend(tiny_llama_dir, broadcast="fuzzy")  # type: ignore[arg-type]

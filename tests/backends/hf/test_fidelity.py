@@ -21,16 +21,6 @@ PROMPTS = ["What is 12 + 7?", "Name three colours.", "Count to five:", "The quic
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _branches(backend: HFBackend, prompt: list[int], hints: list[list[int]], share: str) -> list[list[int]]:
-    root = backend.prefill(prompt)
-    kids = backend.fork(root, len(hints), share=share)
-    backend.release([root])
-    backend.append(kids, hints)
-    gens = backend.extend(kids, GREEDY)
-    backend.release(kids)
-    return [g.token_ids for g in gens]
-
-
 def _judge_logits(backend: HFBackend, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return backend.model(torch.tensor([ids], device=backend.device)).logits[0, -1].float()
@@ -75,15 +65,15 @@ def test_a_shorter_decode_never_matches(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_exact_none_generate_match_up_to_ties(tiny_arch_dir: Path, device: str) -> None:
+def test_bf16_exact_none_generate_match_up_to_ties(tiny_arch_dir: Path, device: str, branch_tokens) -> None:
     """bf16: share='exact' vs share='none' vs model.generate(), B=8 branches with unequal hints."""
     backend = HFBackend(tiny_arch_dir, dtype="bfloat16", device=device)
     for text in PROMPTS:
         prompt = backend.encode(text)
         hints = [backend.encode(" hint" * (i % 3)) for i in range(8)]
         prompts = [prompt + h for h in hints]
-        exact = _branches(backend, prompt, hints, "exact")
-        none = _branches(backend, prompt, hints, "none")
+        exact = branch_tokens(backend, prompt, hints, "exact", GREEDY)
+        none = branch_tokens(backend, prompt, hints, "none", GREEDY)
         generate = [backend.hf_generate([p], GREEDY.max_tokens, exact_length=True)[0] for p in prompts]
         for ref, cand in ((none, exact), (generate, exact), (generate, none)):
             verdict = greedy_agreement(backend.model, prompts, ref, cand)
@@ -92,14 +82,16 @@ def test_bf16_exact_none_generate_match_up_to_ties(tiny_arch_dir: Path, device: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_embedded_prefix_sharing_matches_up_to_ties(embedded_dir: Path, device: str) -> None:
+def test_bf16_embedded_prefix_sharing_matches_up_to_ties(
+    embedded_dir: Path, device: str, branch_tokens
+) -> None:
     """The embedded model in bf16: 8 branches over a shared 200-token prefix, exact vs none vs generate."""
     backend = HFBackend(embedded_dir, dtype="bfloat16", device=device, cache_bytes=0)
     prompt = backend.encode("A farmer keeps careful records of every field and every harvest. " * 14)
     hints = [backend.encode(f" Hint {i}: think about field {i}.") for i in range(8)]
     prompts = [prompt + h for h in hints]
-    exact = _branches(backend, prompt, hints, "exact")
-    none = _branches(backend, prompt, hints, "none")
+    exact = branch_tokens(backend, prompt, hints, "exact", GREEDY)
+    none = branch_tokens(backend, prompt, hints, "none", GREEDY)
     generate = [backend.hf_generate([p], GREEDY.max_tokens, exact_length=True)[0] for p in prompts]
     for ref, cand in ((none, exact), (generate, exact)):
         verdict = greedy_agreement(backend.model, prompts, ref, cand)

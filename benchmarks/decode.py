@@ -19,13 +19,13 @@ token without downloading one.
 
 from __future__ import annotations
 
-import statistics
 import time
+from functools import partial
 from typing import Any
 
 import torch
-from _common import Bench, BenchParser, set_threads, sync
-from prefix_sharing import PASSAGE, exact_tokens
+from _common import Bench, BenchParser, set_threads
+from prefix_sharing import PASSAGE, exact_tokens, median_time
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
@@ -117,18 +117,6 @@ def main(argv: list[str] | None = None) -> None:
     bench = Bench("decode", args, backend, started)
     passage = exact_tokens(backend, PASSAGE, args.prompt + max(args.batches))
 
-    def timed(fn: Any, prompts: list[list[int]], tokens: int) -> float:
-        """Median seconds of `fn(prompts, tokens)` over `--repeats` runs after a warm-up run."""
-        times = []
-        for i in range(args.repeats + 1):
-            sync(backend)
-            t0 = time.perf_counter()
-            fn(prompts, tokens)
-            sync(backend)
-            if i:  # the first run warms up
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
     def ours(prompts: list[list[int]], tokens: int) -> list[list[int]]:
         roots = [backend.prefill(p) for p in prompts]
         gens = backend.extend(roots, DecodeParams(max_tokens=tokens, min_tokens=tokens))
@@ -145,9 +133,11 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [passage[i : i + args.prompt] for i in range(b)]  # equal lengths, all different
         bench.log(f"B={b}")
         result: dict[str, Any] = {"batch": b}
+        tokens: dict[str, list[list[int]]] = {}
         for name, fn in (("branchwise", ours), ("hf_generate", generate)):
-            t_full = timed(fn, prompts, args.tokens)
-            t_one = timed(fn, prompts, 1)
+            # both return token lists, which waits for the device's queued work
+            t_full, tokens[name] = median_time(partial(fn, prompts, args.tokens), args.repeats)
+            t_one, _ = median_time(partial(fn, prompts, 1), args.repeats)
             steps_per_s = (args.tokens - 1) / (t_full - t_one)
             context = args.prompt + args.tokens / 2
             step_bytes = weights + b * context * backend.kv_token_bytes
@@ -161,9 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         result["speedup_vs_hf_generate"] = round(
             result["branchwise"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"], 3
         )
-        agreement = greedy_agreement(
-            backend.model, prompts, generate(prompts, args.tokens), ours(prompts, args.tokens)
-        )
+        agreement = greedy_agreement(backend.model, prompts, tokens["hf_generate"], tokens["branchwise"])
         result["greedy_agreement_vs_hf_generate"] = agreement.as_dict()
         rows.append(result)
     bench.emit(

@@ -14,12 +14,8 @@ import typer
 
 from branchwise.strategies.errors import describe_validation_error as one_line
 
-__all__ = [
-    "DeviceOption",
-    "DtypeOption",
-    "one_line",
-    "ranged",
-]  # one_line: a pydantic error on one line, for usage errors
+# one_line: a pydantic error on one line, for usage errors
+__all__ = ["DeviceOption", "DtypeOption", "one_line", "ranged"]
 
 N = TypeVar("N", int, float)
 

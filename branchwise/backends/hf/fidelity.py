@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from branchwise.backends.hf.tree import common_prefix
+
 ULPS = 4
 """Default tie tolerance in units of the dtype's machine epsilon, relative to the largest logit."""
 
@@ -103,8 +105,7 @@ def greedy_agreement(
             f"prompts ({len(prompts)}), reference ({len(reference)}) and candidate ({len(candidate)}) "
             "must have one entry per row"
         )
-    dtype = next(model.parameters()).dtype
-    tol = default_rel_tol(dtype) if rel_tol is None else rel_tol
+    tol = default_rel_tol(model.dtype) if rel_tol is None else rel_tol
     rows = [
         _row(model, list(p), list(r), list(c), tol)
         for p, r, c in zip(prompts, reference, candidate, strict=True)
@@ -115,14 +116,13 @@ def greedy_agreement(
 def _row(
     model: PreTrainedModel, prompt: list[int], ref: list[int], cand: list[int], tol: float
 ) -> RowAgreement:
-    at = next((i for i, (a, b) in enumerate(zip(ref, cand, strict=False)) if a != b), None)
-    if at is None:
-        if len(ref) == len(cand):
-            return RowAgreement(None, None, None)
+    at = common_prefix(ref, cand)
+    if at == len(ref) == len(cand):
+        return RowAgreement(None, None, None)
+    if at == min(len(ref), len(cand)):
         # one stopped where the other went on: a length difference is a difference, never a tie
-        return RowAgreement(min(len(ref), len(cand)), float("inf"), 0.0)
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt + ref[:at]], device=device)
+        return RowAgreement(at, float("inf"), 0.0)
+    ids = torch.tensor([prompt + ref[:at]], device=model.device)
     with torch.inference_mode():
         logits = model(ids).logits[0, -1].float()
     margin = (logits[ref[at]] - logits[cand[at]]).item()

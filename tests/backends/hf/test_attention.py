@@ -45,6 +45,11 @@ LAYOUTS = [
 ]
 
 
+def _placed(t: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """`t` on `device`; floating tensors also in `dtype` (masks and indices keep theirs)."""
+    return t.to(device, dtype) if t.is_floating_point() else t.to(device)
+
+
 @pytest.mark.parametrize("device,dtype,tol", LAYOUTS)
 @pytest.mark.parametrize("weights", [False, True], ids=["fused", "explicit"])
 @pytest.mark.parametrize(
@@ -66,7 +71,7 @@ def test_cascade_matches_concatenated_keys(
         return torch.randn(*shape).to(dtype).float()
 
     def on(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, dtype) if t.is_floating_point() else t.to(device)
+        return _placed(t, device, dtype)
 
     segments = [SharedSegment([randn(h_kv, 11, d)], [randn(h_kv, 11, d)], None)]
     if subset:
@@ -108,7 +113,7 @@ def test_fused_attention_returns_lse(device: str, dtype: torch.dtype, tol: float
     mask[..., 0] = True
 
     def on(*ts: torch.Tensor) -> list[torch.Tensor]:
-        return [t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in ts]
+        return [_placed(t, device, dtype) for t in ts]
 
     out, lse = fused_attention(*on(q, k, v), 0.3, mask=on(mask)[0])
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (2, 3, 5)

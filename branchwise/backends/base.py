@@ -16,18 +16,22 @@ that has live children is frozen (its KV is shared), so growing it raises.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from branchwise.constraints import Constraint
+
 if TYPE_CHECKING:
     from branchwise.backends.accel import Accel
 
 NodeId = int
-FinishReason = Literal["eos", "stop", "delimiter", "length", "confident", "cancelled"]
-"""Why a branch ended; "cancelled": an `extend` listener stopped it (its consumer went away)."""
+FinishReason = Literal["eos", "stop", "delimiter", "length", "confident", "cancelled", "grammar"]
+"""Why a branch ended; "cancelled": an `extend` listener stopped it (its consumer went away);
+"grammar": its constraint admitted no further token (the text so far is kept, its KV released as
+any other row's)."""
 ShareMode = Literal["none", "exact"]
 
 
@@ -45,6 +49,9 @@ class DecodeParams(BaseModel):
         None, description="end of one reasoning step; kept in the text, finish_reason='delimiter'"
     )
     seed: int | None = Field(None, ge=0, description="seed of the sampler for this call")
+    constraint: Constraint | None = Field(
+        None, description="what every row's output must look like (JSON Schema, regex, tool calls, ...)"
+    )
 
 
 @dataclass
@@ -163,8 +170,15 @@ class Backend(Protocol):
         """Detokenize."""
         ...
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of a chat conversation with the generation prompt appended."""
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a chat conversation with the generation prompt appended.
+
+        Messages are OpenAI-shaped (assistant ``tool_calls`` and ``tool`` results allowed); `tools`
+        (normalized OpenAI function tools) are shown to the model in its own template's tool format
+        where it has one, else in the documented fallback prompt (`branchwise.toolcalls`).
+        """
         ...
 
     def prefill(self, token_ids: Sequence[int]) -> NodeId:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -252,8 +252,10 @@ class HFBackend:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.engine.decode(token_ids)
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self.engine.chat_prompt(messages)
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        return self.engine.chat_prompt(messages, tools)
 
     def prefill(self, token_ids: Sequence[int]) -> NodeId:
         return self._default.prefill(token_ids)

@@ -16,9 +16,9 @@ layers, and `decode.decode` samples until every row stops; rows' KV goes back in
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -40,6 +40,7 @@ from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, overrides
 from branchwise.backends.hf.plugins import Builds, EntropyTrace, build_plugins, layer_trace
 from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
+from branchwise.toolcalls import render_messages, template_has_tools
 
 SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
 COPY_TOKENS = 64
@@ -86,10 +87,16 @@ class Engine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            return self.encode("\n".join(m["content"] for m in messages) + "\n")
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        template = getattr(self.tokenizer, "chat_template", None)
+        native = template_has_tools(template)
+        rendered = render_messages(messages, tools, native=native)
+        if not template:
+            return self.encode("\n".join(m["content"] for m in rendered) + "\n")
+        extra = {"tools": list(tools)} if tools and native else {}
+        text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **extra)
         return self.encode(text)
 
     def check_ids(self, ids: Sequence[int], name: str) -> list[int]:
@@ -151,8 +158,10 @@ class Session:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.engine.decode(token_ids)
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self.engine.chat_prompt(messages)
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        return self.engine.chat_prompt(messages, tools)
 
     # ------------------------------------------------------------------ tree ops
     def prefill(self, token_ids: Sequence[int]) -> NodeId:

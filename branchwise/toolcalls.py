@@ -1,0 +1,318 @@
+"""Tool calls as text: OpenAI tool definitions, the prompt that shows them to a model, the
+``<tool_call>`` blocks a model writes, and the canonical form votes compare.
+
+Why one module (no torch): the server, the LangChain and DSPy adapters and the reasoner's votes
+over actions all turn OpenAI-shaped tools and messages into a prompt and a reply back into calls;
+doing it once keeps the text a model is shown and the text that is parsed in one format.
+
+The format is the Hermes one that Qwen2/2.5/3 and many fine-tunes are trained on::
+
+    <tool_call>
+    {"name": "add", "arguments": {"a": 2, "b": 3}}
+    </tool_call>
+
+A chat template that renders ``tools`` itself (it mentions ``<tool_call>``) is used as it is; for
+any other template the tools are described in a system message (`tool_prompt`) and earlier calls
+and tool results are written into the conversation as the same blocks (`render_messages`), so
+every model is asked the same way and the grammar (`Constraint.of_tools`) forces the same format.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jsonschema
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "ToolCall",
+    "canonical_arguments",
+    "check_json_schema",
+    "normalize_tool_choice",
+    "normalize_tools",
+    "parse_tool_calls",
+    "render_messages",
+    "template_has_tools",
+    "tool_names",
+    "tool_prompt",
+    "valid_arguments",
+]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_BLOCK = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+def _canon(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _canon(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canon(v) for v in value]
+    return value
+
+
+def canonical_arguments(arguments: Mapping[str, Any]) -> str:
+    """Arguments as canonical JSON: sorted keys, no spaces, 2.0 written as 2 (votes compare these)."""
+    return json.dumps(_canon(dict(arguments)), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+class ToolCall(BaseModel):
+    """One call a model asked for: the tool's name and its arguments (already parsed JSON)."""
+
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    name: str
+    arguments: dict[str, Any]
+
+    def canonical(self) -> str:
+        """What two calls must share to count as the same action: name + canonical arguments."""
+        return f"{self.name}({canonical_arguments(self.arguments)})"
+
+    def openai(self) -> dict[str, Any]:
+        """The call in OpenAI's chat-completion shape (arguments as a JSON string)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+        }
+
+
+def check_json_schema(schema: Any, field: str) -> dict[str, Any]:
+    """`schema` as a dict, or a ValueError naming `field` when it is not a valid JSON Schema."""
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        schema = schema.model_json_schema()
+    if not isinstance(schema, Mapping):
+        raise ValueError(f"{field}: a JSON Schema is an object, got {type(schema).__name__}")
+    schema = dict(schema)
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as err:
+        where = "/".join(str(p) for p in err.path)
+        raise ValueError(
+            f"{field}: not a valid JSON Schema ({err.message}{' at ' + where if where else ''})"
+        ) from None
+    return schema
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]]:
+    """OpenAI function tools (``{"type": "function", "function": {...}}``, or the bare function
+    object) in one shape, each checked: a name of 1-64 letters, digits, ``_.-``, unique, and
+    parameters that are a valid JSON Schema object. Errors name ``tools[i]...``."""
+    if isinstance(tools, Mapping) or not isinstance(tools, Sequence) or isinstance(tools, str):
+        raise ValueError("tools: expected a list of tools")
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if isinstance(tool, BaseModel):
+            tool = tool.model_dump(exclude_none=True)
+        if not isinstance(tool, Mapping):
+            raise ValueError(f"{where}: expected an object, got {type(tool).__name__}")
+        if "function" in tool:
+            if tool.get("type", "function") != "function":
+                raise ValueError(
+                    f"{where}.type: only 'function' tools are supported, got {tool.get('type')!r}"
+                )
+            fn, where = tool["function"], f"{where}.function"
+            if not isinstance(fn, Mapping):
+                raise ValueError(f"{where}: expected an object")
+        else:
+            fn = tool
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"{where}.name: 1-64 characters of letters, digits, '_', '.', '-'; got {name!r}")
+        if name in seen:
+            raise ValueError(f"{where}.name: {name!r} is defined twice")
+        seen.add(name)
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        params = check_json_schema(params, f"{where}.parameters")
+        if params.get("type", "object") != "object":
+            raise ValueError(
+                f"{where}.parameters.type: a tool's arguments are an object, got {params.get('type')!r}"
+            )
+        entry: dict[str, Any] = {"name": name, "parameters": params}
+        if fn.get("description"):
+            entry["description"] = str(fn["description"])
+        if fn.get("strict") is not None:
+            entry["strict"] = bool(fn["strict"])
+        out.append({"type": "function", "function": entry})
+    if not out:
+        raise ValueError("tools: must not be empty (leave the field out for no tools)")
+    return out
+
+
+def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [t["function"]["name"] for t in tools]
+
+
+def normalize_tool_choice(choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
+    """``auto`` / ``none`` / ``required`` / a tool's name, from OpenAI's string or
+    ``{"type": "function", "function": {"name": ...}}`` (LangChain's ``"any"`` means required)."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, bool):
+        return "required" if choice else "auto"
+    names = tool_names(tools)
+    if isinstance(choice, Mapping):
+        fn = choice.get("function") if isinstance(choice.get("function"), Mapping) else choice
+        choice = fn.get("name")
+        if not isinstance(choice, str):
+            raise ValueError("tool_choice: expected {'type': 'function', 'function': {'name': ...}}")
+        if choice not in names:
+            raise ValueError(f"tool_choice: no tool named {choice!r}; tools are {names}")
+        return choice
+    if not isinstance(choice, str):
+        raise ValueError(f"tool_choice: expected a string or an object, got {type(choice).__name__}")
+    if choice == "any":
+        return "required"
+    if choice in ("auto", "none", "required") or choice in names:
+        return choice
+    raise ValueError(
+        f"tool_choice: expected 'auto', 'none', 'required' or a tool's name {names}, got {choice!r}"
+    )
+
+
+def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
+    """Split a reply into its prose and its ``<tool_call>`` blocks.
+
+    A block counts as a call when its body is a JSON object with a ``name`` (of one of `tools`, when
+    given) and object ``arguments`` (or ``parameters``); anything else stays in the prose, as the
+    model wrote it. The prose is stripped.
+    """
+    names = set(tool_names(tools)) if tools else None
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last = 0
+    for m in _BLOCK.finditer(text):
+        try:
+            body = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(body, dict):
+            continue
+        name, args = body.get("name"), body.get("arguments", body.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                continue
+        if (
+            not isinstance(name, str)
+            or not isinstance(args, dict)
+            or (names is not None and name not in names)
+        ):
+            continue
+        kept.append(text[last : m.start()])
+        last = m.end()
+        calls.append(ToolCall(name=name, arguments=args))
+    kept.append(text[last:])
+    return "".join(kept).strip(), calls
+
+
+def valid_arguments(call: ToolCall, tools: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether `call` names one of `tools` and its arguments follow that tool's schema."""
+    for tool in tools:
+        fn = tool["function"]
+        if fn["name"] == call.name:
+            return jsonschema.validators.validator_for(fn["parameters"])(fn["parameters"]).is_valid(
+                call.arguments
+            )
+    return False
+
+
+def tool_prompt(tools: Sequence[Mapping[str, Any]], tool_choice: str = "auto") -> str:
+    """The system text that shows `tools` to a model whose chat template has no tool format."""
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    if tool_choice == "auto":
+        when = "When a function helps answer, call it; otherwise answer directly."
+    elif tool_choice == "required":
+        when = "You must call one of the functions."
+    else:
+        when = f"You must call the function {tool_choice}."
+    return (
+        "You can call functions. Their signatures, as JSON Schema, are inside <tools></tools>:\n"
+        f"<tools>\n{listing}\n</tools>\n{when} To call a function, write:\n"
+        '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>\n'
+        "Function results come back inside <tool_response></tool_response>."
+    )
+
+
+def _arguments(call: Mapping[str, Any], where: str) -> tuple[str, dict[str, Any]]:
+    fn = call.get("function", call)
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where}.function.name: a tool call needs a name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{where}.function.arguments: not valid JSON ({err.msg} at char {err.pos})"
+            ) from None
+    if not isinstance(args, Mapping):
+        raise ValueError(f"{where}.function.arguments: must be a JSON object")
+    return fn["name"], dict(args)
+
+
+def template_has_tools(template: str | None) -> bool:
+    """Whether a chat template renders ``tools`` itself in the Hermes ``<tool_call>`` format."""
+    return bool(template) and "tools" in template and "<tool_call>" in template
+
+
+def render_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    *,
+    native: bool,
+    tool_choice: str = "auto",
+) -> list[dict[str, Any]]:
+    """OpenAI-shaped chat messages (assistant ``tool_calls``, ``tool`` results) as a chat template
+    takes them.
+
+    `native`: the template renders tools and tool messages itself; arguments become objects (what
+    such templates expect). Otherwise the tools go into the system message (`tool_prompt`), calls
+    into the assistant's text as ``<tool_call>`` blocks and results into user turns as
+    ``<tool_response>`` blocks. Arguments that are not valid JSON raise a ValueError naming
+    ``messages[i].tool_calls[j].function.arguments``.
+    """
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content") or ""
+        calls = m.get("tool_calls") or []
+        parsed = [_arguments(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]
+        if native:
+            entry: dict[str, Any] = {"role": role, "content": content}
+            if parsed:
+                entry["tool_calls"] = [
+                    {"type": "function", "function": {"name": n, "arguments": a}} for n, a in parsed
+                ]
+            if role == "tool" and m.get("name"):
+                entry["name"] = m["name"]
+            out.append(entry)
+        elif role == "tool":
+            text = f"<tool_response>\n{content}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_response>"):
+                out[-1]["content"] += "\n" + text  # several results of one turn read as one message
+            else:
+                out.append({"role": "user", "content": text})
+        else:
+            blocks = [
+                "<tool_call>\n"
+                + json.dumps({"name": n, "arguments": a}, ensure_ascii=False)
+                + "\n</tool_call>"
+                for n, a in parsed
+            ]
+            out.append(
+                {"role": role, "content": "\n".join([content, *blocks]).strip() if blocks else content}
+            )
+    if tools and not native:
+        prompt = tool_prompt(tools, tool_choice)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out

@@ -43,6 +43,7 @@ from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.hooks import Acceleration
 from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.session import SHARE_MODES, Engine, Session, check_share
+from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=Acceleration)
@@ -277,8 +278,9 @@ class HFBackend:
         params: DecodeParams,
         on_step: StepListener | None = None,
         admit: Admit | None = None,
+        constraints: Sequence[Constraint | None] | None = None,
     ) -> list[Generation]:
-        return self._default.extend(nodes, params, on_step, admit)
+        return self._default.extend(nodes, params, on_step, admit, constraints)
 
     def score_next(
         self,

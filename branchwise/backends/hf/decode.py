@@ -38,10 +38,12 @@ from branchwise.backends.base import (
     StepListener,
 )
 from branchwise.backends.hf.batch import Batch, Row
+from branchwise.backends.hf.grammar import Grammars, RowGrammars
 from branchwise.backends.hf.hooks import Acceleration, overrides
 from branchwise.backends.hf.sampling import pick_tokens
 from branchwise.backends.hf.tree import Segment
 from branchwise.backends.text import Detokenize, TextTail, finish_text
+from branchwise.constraints import Constraint
 
 __all__ = ["DecodeRun", "StopCheck", "TextTail", "decode", "finish_text"]
 
@@ -106,6 +108,8 @@ class DecodeRun:
     results: dict[int, Generation] = field(default_factory=dict)
     step: int = 0
     """Decode steps so far, over every batch of the call (what step hooks are told)."""
+    grammar: RowGrammars | None = None
+    """The constrained rows' matchers (`grammar.py`); None when the call has no constraint at all."""
 
     @classmethod
     def start(
@@ -118,18 +122,30 @@ class DecodeRun:
         device: torch.device,
         on_step: StepListener | None = None,
         admit: Admit | None = None,
+        grammars: Grammars | None = None,
+        constraints: Sequence[Constraint | None] | None = None,
     ) -> DecodeRun:
+        """`constraints` (one per node of `segs`) override `params.constraint` row by row; rows
+        admitted later follow `params.constraint`. `grammars` compiles them (needed when any is set)."""
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device).manual_seed(params.seed)
         run = cls(params, StopCheck(params, eos_ids, detokenize), gen, on_step, admit)
-        run.join(segs)
+        if params.constraint is not None or (constraints and any(c is not None for c in constraints)):
+            if grammars is None:
+                raise ValueError("constraint: this backend was built without a grammar engine")
+            run.grammar = RowGrammars(grammars)
+        run.join(segs, constraints)
         return run
 
-    def join(self, segs: Sequence[Segment]) -> None:
-        """Number `segs` after the rows already in the call."""
-        for seg in segs:
+    def join(self, segs: Sequence[Segment], constraints: Sequence[Constraint | None] | None = None) -> None:
+        """Number `segs` after the rows already in the call (and constrain them: see `start`)."""
+        if constraints is not None and len(constraints) != len(segs):
+            raise ValueError(f"constraints has {len(constraints)} entries for {len(segs)} nodes")
+        for i, seg in enumerate(segs):
             self.rows[seg.id] = len(self.rows)
+            if self.grammar is not None:
+                self.grammar.attach(seg.id, self.params.constraint if constraints is None else constraints[i])
 
     def generations(self) -> list[Generation]:
         """Every row's `Generation`, in row order."""
@@ -172,24 +188,39 @@ def decode(
     present = list(range(len(rows)))  # batch position -> row index
     stepping = present  # rows that append a token this step
     admitted: list[NodeId] = []
+    grammar = run.grammar
     while True:
         early = [pos for pos, ri in enumerate(present) if len(rows[ri].out) < params.min_tokens]
         if early and eos.numel():
             logits = logits.clone()
             logits[torch.tensor(early, device=device).unsqueeze(1), eos] = float("-inf")
-        tokens, top1, chosen = pick_tokens(logits, params.temperature, params.top_p, run.generator)
+        allowed, stuck = logits, set()
+        if grammar:  # the sampling-stage mask; statistics stay the model's own distribution
+            allowed, stuck = grammar.mask(logits, [rows[ri].seg.id for ri in present])
+        tokens, top1, chosen = pick_tokens(logits, params.temperature, params.top_p, run.generator, allowed)
         tok_list, top1_list, lp_list = tokens.tolist(), top1.tolist(), chosen.tolist()
         for pos, ri in enumerate(present):
             r = rows[ri]
             if r.finish is not None:
+                continue
+            if pos in stuck:  # its grammar admits no token: it ends without one
+                r.finish = "grammar"
+                stops.settle(r)
                 continue
             r.out.append(tok_list[pos])
             r.seg.tokens.append(tok_list[pos])
             r.top1.append(top1_list[pos])
             r.logprobs.append(lp_list[pos])
             r.finish = stops.check(r)
+            if grammar and not grammar.accept(r.seg.id, tok_list[pos]) and r.finish is None:
+                r.finish = "grammar"
+                stops.settle(r)
         alive = [ri for ri in present if rows[ri].finish is None]
-        if alive:
+        if grammar:
+            for ri in present:
+                if rows[ri].finish is not None:
+                    grammar.drop(rows[ri].seg.id)
+        if alive and (not grammar or grammar.complete([rows[ri].seg.id for ri in alive])):
             for hook in stoppers:
                 reason = hook.stop_reason(rows, run.step)
                 if reason is not None:
@@ -199,7 +230,12 @@ def decode(
                     alive = []
                     break
         if run.on_step is not None:
-            alive = _report(run, rows, stepping, alive)
+            alive = _report(
+                run,
+                rows,
+                [ri for ri in stepping if present.index(ri) not in stuck] if stuck else stepping,
+                alive,
+            )
         step = run.step
         run.step += 1
         if not alive:

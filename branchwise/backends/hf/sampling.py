@@ -11,15 +11,22 @@ import torch
 
 
 def pick_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Choose one token per row.
 
+    `allowed` (optional): the same logits with the tokens a row may not take at -inf (a grammar's
+    mask); the choice is made from it, the statistics from `logits`, the model's own distribution.
     Returns `(tokens [B], top1_prob [B], chosen_logprob [B])`.
     """
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
+    raw = logits.float()
+    logp = torch.log_softmax(raw, dim=-1)
     top1 = logp.max(dim=-1).values.exp()
+    logits = raw if allowed is None or allowed is logits else allowed.float()
     if temperature == 0.0:
         tokens = logits.argmax(dim=-1)
     else:

@@ -36,10 +36,12 @@ from branchwise.backends.base import (
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import Batch, Broadcast, Row
 from branchwise.backends.hf.decode import DecodeRun, decode
+from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, overrides
 from branchwise.backends.hf.plugins import Builds, EntropyTrace, build_plugins, layer_trace
 from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
+from branchwise.constraints import Constraint
 from branchwise.toolcalls import render_messages, template_has_tools
 
 SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
@@ -77,9 +79,16 @@ class Engine:
     lock: threading.RLock = field(default_factory=threading.RLock)
     builds: Builds = field(default_factory=Builds)
     runner: Runner = field(init=False)
+    grammars: Grammars = field(init=False)
 
     def __post_init__(self) -> None:
         self.runner = Runner(self.parts, self.pad_id, self.device)
+        vocab = (
+            int(self.parts.head.weight.shape[0])
+            if hasattr(self.parts.head, "weight")
+            else len(self.tokenizer)
+        )
+        self.grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -96,7 +105,9 @@ class Engine:
         if not template:
             return self.encode("\n".join(m["content"] for m in rendered) + "\n")
         extra = {"tools": list(tools)} if tools and native else {}
-        text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **extra)
+        text = self.tokenizer.apply_chat_template(
+            rendered, add_generation_prompt=True, tokenize=False, **extra
+        )
         return self.encode(text)
 
     def check_ids(self, ids: Sequence[int], name: str) -> list[int]:
@@ -292,7 +303,12 @@ class Session:
         params: DecodeParams,
         on_step: StepListener | None = None,
         admit: Admit | None = None,
+        constraints: Sequence[Constraint | None] | None = None,
     ) -> list[Generation]:
+        """`Backend.extend`; `constraints` (one per node, optional) constrain rows one by one in place
+        of `params.constraint`, so one batch may mix constrained and free rows."""
+        for c in {params.constraint, *(constraints or ())} - {None}:
+            self.engine.grammars.compile(c)  # type: ignore[arg-type]  # refuse a bad one before any work
         with self.engine.lock:
             evictions = self.tree.evictions
             segs = [self.tree.growable(n) for n in nodes]
@@ -301,7 +317,7 @@ class Session:
                 raise ValueError("nodes must be distinct; fork a node to decode it several times")
             if not segs:
                 return []
-            return self._run(segs, params, on_step=on_step, admit=admit)
+            return self._run(segs, params, on_step=on_step, admit=admit, constraints=constraints)
 
     def score_next(
         self,
@@ -485,6 +501,7 @@ class Session:
         observers: Sequence[Acceleration] = (),
         on_step: StepListener | None = None,
         admit: Admit | None = None,
+        constraints: Sequence[Constraint | None] | None = None,
     ) -> list[Generation]:
         """Compute pending tokens of `segs` and, with `params`, decode them as one batch.
 
@@ -504,6 +521,8 @@ class Session:
             device=self.device,
             on_step=on_step,
             admit=admit,
+            grammars=self.engine.grammars,
+            constraints=constraints,
         )
         while segs:
             batch, start = self._batch(segs, params, observers)

@@ -1,0 +1,214 @@
+"""Constrained decoding: a `Constraint` compiled to a grammar, and a per-row token mask in the decode
+loop's sampling stage.
+
+Why xgrammar: it is the grammar engine vLLM and SGLang ship (so a schema that works there works
+here), it compiles JSON Schema (with OpenAI's ``strict``), regexes, EBNF and *structural tags* — the
+last one is what tool calling under ``tool_choice="auto"`` needs: free text until the model opens a
+``<tool_call>`` block, then the block's body forced to be a call of one of the tools with arguments
+valid under its schema (`_tool_calls_tag`, in the Hermes format `branchwise.toolcalls` prompts
+with). Its CPU wheel computes a row's mask in microseconds from a vocabulary table built
+once per tokenizer, and its matchers `fork`, which a shared-prefix batch needs. llguidance
+(Guidance's engine, also fast) has no tool-call formats of its own and no matcher fork.
+
+Layout: `Grammars` (one per engine) owns the compiler and caches each constraint's compiled grammar
+by its canonical key, so a schema compiles once per backend however many requests use it.
+`RowGrammars` (one per `extend` call) keeps one matcher per constrained row; `mask` narrows each
+constrained row's logits to the tokens its grammar allows (rows without a constraint are left
+alone, so a batch may mix both), `accept` advances a row's matcher by the token sampled. A row whose
+grammar allows no token at some step ends with finish reason "grammar" (other rows go on). The mask
+acts on whatever logits the step produced, so River's exited tokens and CGEE's gate see it like any
+other token; CGEE's early stop waits until every constrained row's output is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+from xgrammar import structural_tag as st
+
+from branchwise.constraints import Constraint
+
+__all__ = ["ConstraintError", "GrammarStats", "Grammars", "RowGrammars"]
+
+_OPEN = "<tool_call>"
+
+
+def _tool_calls_tag(c: Constraint) -> st.StructuralTag:
+    """The Hermes blocks of `branchwise.toolcalls` as an xgrammar structural tag.
+
+    ``required`` / a named tool: one or more blocks (one with ``parallel_tool_calls=False``) and
+    nothing else; ``auto``: any text without the opening tag, then optionally the blocks. Nothing may
+    follow the last block, so a reply is prose *or* prose that ends in calls, never calls buried in
+    the middle of an answer (what a parser of the reply could not tell from an example).
+    """
+    tools = [t["function"] for t in c.tools]
+    if c.tool_choice not in ("auto", "required"):
+        tools = [fn for fn in tools if fn["name"] == c.tool_choice]
+    tags = [
+        st.TagFormat(
+            begin=f'{_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
+            content=st.JSONSchemaFormat(json_schema=fn["parameters"]),
+            end="}\n</tool_call>",
+        )
+        for fn in tools
+    ]
+    # a newline may follow each block: the next block, or the end (a separator that forced another
+    # block would trap a model that just ends its line into repeating its call)
+    one = tags[0] if len(tags) == 1 else st.OrFormat(elements=tags)
+    item = st.SequenceFormat(elements=[one, st.OptionalFormat(content=st.ConstStringFormat(value="\n"))])
+    calls = st.PlusFormat(content=item) if c.parallel_tool_calls else item
+    if c.tool_choice != "auto":
+        return st.StructuralTag(format=calls)
+    prose = st.AnyTextFormat(excludes=[_OPEN])
+    return st.StructuralTag(format=st.SequenceFormat(elements=[prose, st.OptionalFormat(content=calls)]))
+
+
+class ConstraintError(ValueError):
+    """The grammar library refused a constraint (a schema feature it cannot compile); the message
+    names the constraint's field."""
+
+
+@dataclass
+class GrammarStats:
+    """Compiles and cache hits of one backend's grammars, and the time compiling took."""
+
+    compiled: int = 0
+    cache_hits: int = 0
+    compile_s: float = 0.0
+    last_compile_s: float = 0.0
+
+
+@dataclass(eq=False)
+class Grammars:
+    """The engine's grammar compiler and its cache of compiled constraints (see the module docstring)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    vocab_size: int
+    eos_ids: set[int]
+    stats: GrammarStats = field(default_factory=GrammarStats)
+    _compiler: xgr.GrammarCompiler | None = None
+    _cache: dict[str, xgr.CompiledGrammar] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.eos_ids)
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        return self._compiler
+
+    def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
+        """The constraint's compiled grammar, compiled on first use and cached by its canonical key."""
+        key = constraint.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self.stats.cache_hits += 1
+                return hit
+            start = time.perf_counter()
+            compiled = _compile(self.compiler(), constraint)
+            took = time.perf_counter() - start
+            self.stats.compiled += 1
+            self.stats.compile_s += took
+            self.stats.last_compile_s = took
+            self._cache[key] = compiled
+            return compiled
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+
+def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGrammar:
+    field_name = {
+        "json_schema": "json_schema",
+        "regex": "pattern",
+        "choice": "choices",
+        "tool_calls": "tools",
+    }
+    try:
+        if c.kind == "json_schema":
+            return compiler.compile_json_schema(json.dumps(c.json_schema), strict_mode=c.strict)
+        if c.kind == "json_object":
+            return compiler.compile_json_schema(json.dumps({"type": "object"}), strict_mode=False)
+        if c.kind == "regex":
+            assert c.pattern is not None
+            return compiler.compile_regex(c.pattern)
+        if c.kind == "choice":
+            rule = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in c.choices)
+            return compiler.compile_grammar(f"root ::= {rule}")
+        return compiler.compile_structural_tag(_tool_calls_tag(c))
+    except (RuntimeError, ValueError, TypeError) as err:
+        where = field_name.get(c.kind, "constraint")
+        raise ConstraintError(
+            f"{where}: the grammar engine cannot compile this {c.kind} constraint ({err})"
+        ) from None
+
+
+class RowGrammars:
+    """One matcher per constrained row of one `extend` call, keyed by the row's segment id."""
+
+    def __init__(self, grammars: Grammars) -> None:
+        self.grammars = grammars
+        self._matchers: dict[int, xgr.GrammarMatcher] = {}
+        self._bitmask: torch.Tensor | None = None
+
+    def attach(self, seg_id: int, constraint: Constraint | None) -> None:
+        """Constrain the row of segment `seg_id` from its next token on (None: leave it free)."""
+        if constraint is not None and seg_id not in self._matchers:
+            self._matchers[seg_id] = xgr.GrammarMatcher(self.grammars.compile(constraint))
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def mask(self, logits: torch.Tensor, seg_ids: Sequence[int]) -> tuple[torch.Tensor, set[int]]:
+        """Logits (float32, a copy) with each constrained row narrowed to its grammar's tokens, and the
+        batch positions whose grammar allows no token now (their logits are left as they were)."""
+        rows = [(pos, self._matchers[s]) for pos, s in enumerate(seg_ids) if s in self._matchers]
+        if not rows:
+            return logits, set()
+        vocab = logits.shape[-1]
+        if (
+            self._bitmask is None
+            or self._bitmask.shape[0] < len(seg_ids)
+            or self._bitmask.shape[1] * 32 < vocab
+        ):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(seg_ids), 8), self.grammars.vocab_size)
+        bitmask = self._bitmask
+        masked = logits.float().clone()
+        dead: set[int] = set()
+        positions = []
+        for pos, matcher in rows:
+            if matcher.is_terminated():
+                dead.add(pos)
+                continue
+            matcher.fill_next_token_bitmask(bitmask, pos)
+            positions.append(pos)
+        if positions:
+            on_device = bitmask[: len(seg_ids)].to(masked.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(masked, on_device, vocab_size=vocab, indices=positions)
+            finite = torch.isfinite(masked[positions]).any(dim=-1).tolist()
+            dead.update(pos for pos, ok in zip(positions, finite, strict=True) if not ok)
+        for pos in dead:
+            masked[pos] = logits[pos].float()
+        return masked, dead
+
+    def accept(self, seg_id: int, token: int) -> bool:
+        """Advance the row's matcher by `token`; False when the grammar refuses it (the row ends)."""
+        matcher = self._matchers.get(seg_id)
+        return matcher is None or matcher.accept_token(token)
+
+    def complete(self, seg_ids: Sequence[int]) -> bool:
+        """Whether every constrained row among `seg_ids` could end here (its output is whole)."""
+        return all(self._matchers[s].is_completed() for s in seg_ids if s in self._matchers)
+
+    def drop(self, seg_id: int) -> None:
+        self._matchers.pop(seg_id, None)

@@ -33,9 +33,11 @@ A client that disconnects mid-stream cancels its request: its branches stop at t
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections import deque
@@ -51,14 +53,24 @@ from starlette.background import BackgroundTask
 from branchwise.backends.base import Backend, DecodeStep, Generation, ShareMode
 from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFull, Scheduler
 from branchwise.backends.text import TextStream
-from branchwise.serve.protocol import BranchwiseOptions, ChatRequest, CompletionRequest
+from branchwise.serve.protocol import BranchwiseOptions, ChatMessage, ChatRequest, CompletionRequest
+from branchwise.serve.replies import (
+    FINISH,
+    ToolCallStream,
+    call_delta,
+    chat_choice_message,
+    chat_logprobs,
+    details,
+    finish_reason,
+    strategy_reply,
+    text_logprobs,
+    tools_of,
+    usage,
+)
 
 __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
-
-_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "confident": "stop", "length": "length"}
-"""Backend finish reasons mapped onto OpenAI's."""
 
 
 class RequestError(Exception):
@@ -95,7 +107,7 @@ def _validation_error(err: ValidationError) -> RequestError:
             loc, msg = msg.split(": ", 1)
         shown = loc and not isinstance(e.get("input"), dict | list) and e["type"] != "missing"
         parts.append(f"{loc or 'body'}: {msg}" + (f" (got {e['input']!r})" if shown else ""))
-        params.append(loc.split(".")[0] if loc else "body")
+        params.append(re.split(r"[.\[]", loc)[0] if loc else "body")
     return RequestError(400, "; ".join(parts), param=params[0] if params else None)
 
 
@@ -388,45 +400,7 @@ def _strategy(opts: BranchwiseOptions, req: ChatRequest | CompletionRequest) -> 
     return strategy
 
 
-def _strategy_reply(result: Any, backend: Backend) -> tuple[str, str, dict[str, Any], int]:
-    """(text, finish_reason, branchwise field, completion tokens) of a strategy run."""
-    chosen = next((b for b in result.branches if b.selected), result.branches[0] if result.branches else None)
-    text = chosen.text if chosen is not None else ""
-    finish = _FINISH.get(chosen.finish_reason, "stop") if chosen is not None else "stop"
-    extra = {
-        "answer": result.answer,
-        "votes": result.votes,
-        "support": result.support,
-        "strategy": result.strategy,
-        "kv_stats": result.kv_stats,
-        "timings": result.timings,
-        "branches": [
-            {"text": b.text, "answer": b.answer, "scores": b.scores, "selected": b.selected}
-            for b in result.branches
-        ],
-    }
-    return text, finish, extra, sum(b.n_tokens for b in result.branches)
-
-
 # ---------------------------------------------------------------------- response shapes
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    # like OpenAI with n > 1: the prompt is counted once
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _details(g: Generation) -> dict[str, Any]:
-    return {
-        "token_ids": g.token_ids,
-        "top1_probs": g.top1_probs,
-        "logprobs": g.logprobs,
-        "finish_reason": g.finish_reason,
-    }
 
 
 async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
@@ -501,25 +475,23 @@ def create_app(
         req: ChatRequest = _parse(ChatRequest, body)
         if req.stream and req.logprobs:
             raise RequestError(400, "logprobs: not supported together with stream", "logprobs")
-        try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        except ValueError as err:
-            raise RequestError(400, str(err), "messages") from None
-        prompt = backend.chat_prompt(messages)
+        messages = _messages(req.messages)
+        prompt = _chat_prompt(backend, messages, req.shown_tools)
         head = meta("chatcmpl")
         if req.branchwise is not None and req.branchwise.strategy is not None:
             result = await server.run_strategy(req, messages)
-            text, finish, extra, used = _strategy_reply(result, backend)
+            text, finish, extra, used = strategy_reply(result)
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
             return JSONResponse(
                 {
                     **head,
                     "object": "chat.completion",
                     "choices": [{**choice, "logprobs": None}],
-                    "usage": _usage(len(prompt), used),
+                    "usage": usage(len(prompt), used),
                     "branchwise": extra,
                 }
             )
+        tools = tools_of(req.constraint)
         if req.stream:
             stream = await server.stream(req, prompt, request)
             include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -527,42 +499,54 @@ def create_app(
             async def chunks() -> AsyncIterator[dict[str, Any]]:
                 base = {**head, "object": "chat.completion.chunk"}
 
-                def chunk(i: int, delta: dict[str, str], finish: str | None = None) -> dict[str, Any]:
+                def chunk(i: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
                     return {**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish}]}
 
                 for i in range(req.n):
                     yield chunk(i, {"role": "assistant", "content": ""})
+                readers = [ToolCallStream(tools) for _ in range(req.n)] if tools is not None else None
                 used = 0
                 async for i, text, g in stream.choices(backend):
-                    if text:
-                        yield chunk(i, {"content": text})
+                    if readers is None:
+                        if text:
+                            yield chunk(i, {"content": text})
+                    else:
+                        reader = readers[i]
+                        events = reader.push(text) + (reader.finish() if g is not None else [])
+                        for kind, value in events:
+                            if kind == "content":
+                                yield chunk(i, {"content": value})
+                            else:
+                                yield chunk(i, call_delta(len(reader.calls) - 1, value))
                     if g is not None:
                         used += len(g.token_ids)
-                        yield chunk(i, {}, _FINISH[g.finish_reason])
+                        calls = readers is not None and bool(readers[i].calls)
+                        yield chunk(i, {}, finish_reason(g, calls))
                 if include_usage:
-                    yield {**base, "choices": [], "usage": _usage(len(prompt), used)}
+                    yield {**base, "choices": [], "usage": usage(len(prompt), used)}
 
             return StreamingResponse(
                 _sse(chunks()), media_type="text/event-stream", background=BackgroundTask(stream.close)
             )
         gens = await server.decode(req, prompt, request)
-        usage = _usage(len(prompt), sum(len(g.token_ids) for g in gens))
+        used = usage(len(prompt), sum(len(g.token_ids) for g in gens))
         k = req.top_logprobs or 0
         tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
         choices = []
         for i, (g, top) in enumerate(zip(gens, tops, strict=True)):
+            message, finish = chat_choice_message(g, req.constraint)
             choice: dict[str, Any] = {
                 "index": i,
-                "message": {"role": "assistant", "content": g.text},
-                "finish_reason": _FINISH[g.finish_reason],
+                "message": message,
+                "finish_reason": finish,
                 "logprobs": None,
             }
             if req.logprobs:
-                choice["logprobs"] = {"content": _chat_logprobs(backend, g, top)}
+                choice["logprobs"] = {"content": chat_logprobs(backend, g, top)}
             if req.branchwise is not None and req.branchwise.details:
-                choice["branchwise"] = _details(g)
+                choice["branchwise"] = details(g)
             choices.append(choice)
-        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage})
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": used})
 
     # ------------------------------------------------------------------ text completions
     async def complete(body: bytes, request: Request) -> Response:
@@ -578,14 +562,14 @@ def create_app(
         if opts is not None and opts.strategy is not None:
             question = prompt_text if prompt_text is not None else backend.decode(prompt)
             result = await server.run_strategy(req, [{"role": "user", "content": question}])
-            text, finish, extra, used = _strategy_reply(result, backend)
+            text, finish, extra, used = strategy_reply(result)
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             return JSONResponse(
                 {
                     **head,
                     "object": "text_completion",
                     "choices": [choice],
-                    "usage": _usage(len(prompt), used),
+                    "usage": usage(len(prompt), used),
                     "branchwise": extra,
                 }
             )
@@ -613,15 +597,15 @@ def create_app(
                         yield chunk(i, text)
                     if g is not None:
                         used += len(g.token_ids)
-                        yield chunk(i, "", _FINISH[g.finish_reason])
+                        yield chunk(i, "", FINISH[g.finish_reason])
                 if include_usage:
-                    yield {**base, "choices": [], "usage": _usage(len(prompt), used)}
+                    yield {**base, "choices": [], "usage": usage(len(prompt), used)}
 
             return StreamingResponse(
                 _sse(chunks()), media_type="text/event-stream", background=BackgroundTask(stream.close)
             )
         gens = await server.decode(req, prompt, request)
-        usage = _usage(len(prompt), sum(len(g.token_ids) for g in gens))
+        counted = usage(len(prompt), sum(len(g.token_ids) for g in gens))
         k = req.logprobs or 0
         tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
         choices = []
@@ -629,17 +613,15 @@ def create_app(
             choice = {
                 "index": i,
                 "text": echo + g.text,
-                "finish_reason": _FINISH[g.finish_reason],
+                "finish_reason": FINISH[g.finish_reason],
                 "logprobs": None,
             }
             if req.logprobs is not None:
-                choice["logprobs"] = _text_logprobs(
-                    backend, g, top, req.return_tokens_as_token_ids, len(echo)
-                )
+                choice["logprobs"] = text_logprobs(backend, g, top, req.return_tokens_as_token_ids, len(echo))
             if opts is not None and opts.details:
-                choice["branchwise"] = _details(g)
+                choice["branchwise"] = details(g)
             choices.append(choice)
-        reply: dict[str, Any] = {**head, "object": "text_completion", "choices": choices, "usage": usage}
+        reply: dict[str, Any] = {**head, "object": "text_completion", "choices": choices, "usage": counted}
         if candidates is not None:
             reply["branchwise"] = {"candidate_logprobs": candidates}
         return JSONResponse(reply)
@@ -672,13 +654,15 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        """vLLM's tokenizer endpoint (text, or chat messages with the generation prompt appended)."""
+        """vLLM's tokenizer endpoint (text, or chat messages, and tools, with the generation prompt
+        appended)."""
 
         async def run(body: bytes, _: Request) -> Response:
             data = _json_object(body)
             if "messages" in data:
-                req = _parse(ChatRequest, json.dumps({"messages": data["messages"]}).encode())
-                tokens = backend.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
+                fields = {k: data[k] for k in ("messages", "tools", "tool_choice") if k in data}
+                req = _parse(ChatRequest, json.dumps(fields).encode())
+                tokens = _chat_prompt(backend, _messages(req.messages), req.shown_tools)
             elif isinstance(data.get("prompt"), str):
                 tokens = backend.encode(data["prompt"])
             else:
@@ -700,6 +684,25 @@ def create_app(
     return app
 
 
+def _messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The request's messages as `Backend.chat_prompt` takes them (OpenAI-shaped dicts)."""
+    try:
+        return [m.as_dict() for m in messages]
+    except ValueError as err:
+        raise RequestError(400, str(err), "messages") from None
+
+
+def _chat_prompt(
+    backend: Backend, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
+    """The prompt's token ids; the tools shown in the model's template or the fallback prompt."""
+    if not tools:
+        return backend.chat_prompt(messages)
+    if "tools" not in inspect.signature(backend.chat_prompt).parameters:  # e.g. RemoteBackend's
+        raise RequestError(400, f"tools: the {backend.name} backend cannot show tools to its model", "tools")
+    return backend.chat_prompt(messages, tools)
+
+
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body or b"{}")
@@ -708,35 +711,3 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RequestError(400, "body: must be a JSON object", "body")
     return data
-
-
-def _chat_logprobs(
-    backend: Backend, g: Generation, top: list[list[tuple[int, float]]] | None
-) -> list[dict[str, Any]]:
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        token = backend.decode([token_id])
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-
-    return [
-        {**entry(t, lp), "top_logprobs": [entry(c, clp) for c, clp in top[i]] if top else []}
-        for i, (t, lp) in enumerate(zip(g.token_ids, g.logprobs, strict=True))
-    ]
-
-
-def _text_logprobs(
-    backend: Backend, g: Generation, top: list[list[tuple[int, float]]] | None, as_ids: bool, offset: int
-) -> dict[str, Any]:
-    def name(token_id: int) -> str:
-        return f"token_id:{token_id}" if as_ids else backend.decode([token_id])
-
-    tokens = [name(t) for t in g.token_ids]
-    offsets = []
-    for t in g.token_ids:
-        offsets.append(offset)
-        offset += len(backend.decode([t]))
-    return {
-        "tokens": tokens,
-        "token_logprobs": g.logprobs,
-        "top_logprobs": [{name(c): lp for c, lp in row} for row in top] if top else None,
-        "text_offset": offsets,
-    }

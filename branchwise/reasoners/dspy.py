@@ -61,7 +61,14 @@ from dspy.utils.exceptions import AdapterParseError
 from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
 from branchwise.reasoners.answers import extract_answer, normalize_answer, register_extractor
-from branchwise.reasoners.dspy_engine import AsyncBranchwiseEngine, BranchwiseEngine, branchwise_lm
+from branchwise.reasoners.dspy_engine import (
+    SUPPORTED_PARAMS,
+    AsyncBranchwiseEngine,
+    BranchwiseEngine,
+    Structured,
+    branchwise_lm,
+    structured,
+)
 
 if TYPE_CHECKING:
     from branchwise.reasoners.result import ReasoningResult
@@ -79,13 +86,22 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length"}
+_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length", "grammar": "stop"}
 """Backend finish reasons mapped onto OpenAI's (a step delimiter only ends a step inside strategies)."""
 
 _NOT_GENERATION = {"cache", "rollout_id", "num_retries", "api_key", "api_base", "base_url"}
 """Keys DSPy may pass that are bookkeeping, never decoding parameters."""
 
 _IGNORED_QUIETLY = {"top_logprobs", "num_generations", "model", "stream", "user", "timeout"}
+
+_STRUCTURED = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
+"""Request fields that become the decode constraint (`structured`), never dropped."""
+
+_REFUSED = {
+    "functions": "use tools= (OpenAI's deprecated functions field is not served)",
+    "function_call": "use tool_choice= (OpenAI's deprecated function_call field is not served)",
+}
+"""Request fields refused with an error: ignoring them would change what the caller asked for."""
 
 
 class _AttrDict(dict):
@@ -135,7 +151,24 @@ class BranchwiseLM(dspy.BaseLM):
         batch_window_s: how long the worker waits for more calls before starting a batch.
         batch_seeded: co-batch seeded sampling calls (see the module docstring).
         **kwargs: further default request parameters (``top_p``, ``stop``, ``seed``, ``n``...).
+
+    Native function calling and structured outputs: the LM declares both to DSPy
+    (`supports_function_calling`, `supports_response_schema`, `supported_params`), so
+    ``dspy.ChatAdapter(use_native_function_calling=True)`` and `dspy.JSONAdapter` pass ``tools``,
+    ``tool_choice``, ``parallel_tool_calls`` and ``response_format`` (a pydantic model class or an
+    OpenAI ``response_format`` object). The tools are shown through the backend's chat template,
+    every choice is decoded under the matching `Constraint`, and the calls come back as the
+    choice's ``message.tool_calls`` with ``finish_reason="tool_calls"`` (DSPy parses them into
+    `dspy.ToolCalls`). Invalid tools or schemas raise a ValueError naming the field.
     """
+
+    supports_function_calling = True
+    supports_response_schema = True
+    supports_reasoning = False
+
+    @property
+    def supported_params(self) -> set[str]:
+        return set(SUPPORTED_PARAMS)
 
     def __init__(
         self,
@@ -197,7 +230,8 @@ class BranchwiseLM(dspy.BaseLM):
         use_cache = bool(merged.get("cache", True)) and bool(self.cache)
         rollout_id = merged.get("rollout_id")
         msgs = self._messages(prompt, messages)
-        n, params, want_logprobs = self._decode_params(merged)
+        plan = self._structured(merged)
+        n, params, want_logprobs = self._decode_params(merged, plan)
         key = None
         cache = getattr(dspy, "cache", None)
         if use_cache and cache is not None:
@@ -209,14 +243,17 @@ class BranchwiseLM(dspy.BaseLM):
                 "params": params.model_dump(mode="json"),
                 "logprobs": want_logprobs,
                 "rollout_id": rollout_id,
+                "tools": plan.tools,
             }
             hit = cache.get(key)
             if hit is not None:
                 return hit
-        prompt_ids = self.backend.chat_prompt(msgs)
+        prompt_ids = (
+            self.backend.chat_prompt(msgs, plan.tools) if plan.tools else self.backend.chat_prompt(msgs)
+        )
         job = Job(prompt=prompt_ids, n=n, params=params, share=self.share)
         gens = self._batcher.submit(job)
-        response = self._response(prompt_ids, gens, want_logprobs, job)
+        response = self._response(prompt_ids, gens, want_logprobs, job, plan)
         if key is not None and cache is not None:
             cache.put(key, response)
         return response
@@ -288,12 +325,15 @@ class BranchwiseLM(dspy.BaseLM):
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _messages(prompt: str | None, messages: list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    def _messages(prompt: str | None, messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """OpenAI-shaped messages as ``chat_prompt`` takes them: text content, plus an assistant's
+        ``tool_calls`` and a tool result's ``tool_call_id`` / ``name`` (DSPy sends them for
+        `dspy.ToolCalls` in a conversation history under native function calling)."""
         if messages is None:
             if prompt is None:
                 raise ValueError("pass prompt= or messages=")
             return [{"role": "user", "content": prompt}]
-        out = []
+        out: list[dict[str, Any]] = []
         for m in messages:
             content = m.get("content")
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
@@ -303,12 +343,31 @@ class BranchwiseLM(dspy.BaseLM):
                 if len(parts) != len(content):
                     raise ValueError("BranchwiseLM accepts text content only (no images, audio or files)")
                 content = "".join(parts)
-            out.append(
-                {"role": str(m.get("role", "user")), "content": "" if content is None else str(content)}
-            )
+            entry: dict[str, Any] = {
+                "role": str(m.get("role", "user")),
+                "content": "" if content is None else str(content),
+            }
+            for extra in ("tool_calls", "tool_call_id", "name"):
+                if m.get(extra):
+                    entry[extra] = m[extra]
+            out.append(entry)
         return out
 
-    def _decode_params(self, merged: dict[str, Any]) -> tuple[int, DecodeParams, bool]:
+    @staticmethod
+    def _structured(merged: dict[str, Any]) -> Structured:
+        refused = sorted(k for k in _REFUSED if merged.get(k) is not None)
+        if refused:
+            raise ValueError(f"{refused[0]}: {_REFUSED[refused[0]]}")
+        return structured(
+            tools=merged.get("tools"),
+            tool_choice=merged.get("tool_choice"),
+            parallel_tool_calls=merged.get("parallel_tool_calls"),
+            response_format=merged.get("response_format"),
+        )
+
+    def _decode_params(
+        self, merged: dict[str, Any], plan: Structured | None = None
+    ) -> tuple[int, DecodeParams, bool]:
         n = merged.get("n")
         n = 1 if n is None else n
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -324,23 +383,38 @@ class BranchwiseLM(dspy.BaseLM):
             min_tokens=int(merged.get("min_tokens") or 0),
             stop=tuple(stop),
             seed=merged.get("seed"),
+            constraint=plan.constraint if plan is not None else None,
         )
         known = {"n", "stop", "max_tokens", "max_completion_tokens", "temperature", "top_p", "min_tokens"}
-        known |= {"seed", "logprobs"} | _NOT_GENERATION | _IGNORED_QUIETLY
+        known |= {"seed", "logprobs"} | _NOT_GENERATION | _IGNORED_QUIETLY | _STRUCTURED
         unknown = sorted(k for k, v in merged.items() if k not in known and v is not None)
         if unknown:
             log.info("BranchwiseLM ignores request parameters it does not support: %s", unknown)
         return n, params, bool(merged.get("logprobs"))
 
     def _response(
-        self, prompt_ids: list[int], gens: Sequence[Generation], want_logprobs: bool, job: Job
+        self,
+        prompt_ids: list[int],
+        gens: Sequence[Generation],
+        want_logprobs: bool,
+        job: Job,
+        plan: Structured | None = None,
     ) -> Any:
+        plan = plan or Structured()
         choices = []
         for i, g in enumerate(gens):
+            content, calls = plan.split(g.text)
+            message: dict[str, Any] = {"role": "assistant", "content": g.text, "tool_calls": None}
+            if calls:  # OpenAI's shape: the prose (None when there is none) and the calls
+                message = {
+                    "role": "assistant",
+                    "content": content or None,
+                    "tool_calls": [c.openai() for c in calls],
+                }
             choice: dict[str, Any] = {
                 "index": i,
-                "message": {"role": "assistant", "content": g.text, "tool_calls": None},
-                "finish_reason": _FINISH.get(g.finish_reason, "stop"),
+                "message": message,
+                "finish_reason": "tool_calls" if calls else _FINISH.get(g.finish_reason, "stop"),
                 "logprobs": None,
             }
             if want_logprobs:
@@ -369,6 +443,8 @@ class BranchwiseLM(dspy.BaseLM):
                     "share": self.share,
                     "batch_requests": job.batch_requests,
                     "batch_rows": job.batch_rows,
+                    "constraint": plan.constraint.kind if plan.constraint is not None else None,
+                    "unenforced": list(plan.unenforced),
                 },
             }
         )

@@ -12,21 +12,205 @@ cache reuses a prompt for candidates 2..n. `branchwise_lm(...)` builds the `dspy
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import dspy
+from pydantic import BaseModel
 
 from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode
 from branchwise.backends.scheduler import Job, Scheduler
+from branchwise.constraints import Constraint, tool_calls_of
+from branchwise.toolcalls import ToolCall, normalize_tools, tool_names
 
-__all__ = ["AsyncBranchwiseEngine", "BranchwiseEngine", "branchwise_lm", "request_messages"]
+__all__ = [
+    "AsyncBranchwiseEngine",
+    "BranchwiseEngine",
+    "Structured",
+    "branchwise_lm",
+    "request_messages",
+    "structured",
+]
 
 log = logging.getLogger(__name__)
 
 
-_LM15_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length"}
+_LM15_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length", "grammar": "stop"}
+
+SUPPORTED_PARAMS = frozenset(
+    {
+        "temperature",
+        "max_tokens",
+        "max_completion_tokens",
+        "top_p",
+        "stop",
+        "seed",
+        "n",
+        "logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+    }
+)
+"""OpenAI request parameters both DSPy plug-ins honour (DSPy's adapters read this through
+``lm.supported_params``: `JSONAdapter` sends ``response_format`` only to an LM that lists it)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Tools and response formats -> one decode constraint
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Structured:
+    """What a request's ``tools`` / ``tool_choice`` / ``response_format`` ask of one generation.
+
+    `constraint` goes into `DecodeParams`; `tools` (normalized OpenAI function tools, or None) go to
+    ``backend.chat_prompt(messages, tools)``; `unenforced` names request fields the constraint could
+    not also enforce (reported in the response and logged, never dropped silently).
+    """
+
+    constraint: Constraint | None = None
+    tools: list[dict[str, Any]] | None = None
+    unenforced: tuple[str, ...] = field(default=())
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The prose and the tool calls of a reply decoded under `constraint`."""
+        return tool_calls_of(text, self.constraint)
+
+
+def _with_field(err: Exception, name: str) -> ValueError:
+    msg = str(err)
+    return ValueError(msg if msg.startswith(name) else f"{name}: {msg}")
+
+
+def response_format_constraint(response_format: Any) -> Constraint | None:
+    """A `Constraint` from any ``response_format`` DSPy sends: a pydantic model class (JSONAdapter's
+    structured outputs on the legacy path), OpenAI's ``{"type": "json_schema", "json_schema":
+    {...}}`` / ``{"type": "json_object"}`` / ``{"type": "text"}`` (None), or lm15's flat
+    ``{"type": "json_schema", "schema": ..., "name": ..., "strict": ...}`` (the engine path).
+    A bad one raises a ValueError that starts with ``response_format``."""
+    if response_format is None:
+        return None
+    try:
+        if isinstance(response_format, type) and issubclass(response_format, BaseModel):
+            return Constraint.of_json_schema(response_format)
+        if (
+            isinstance(response_format, Mapping)
+            and response_format.get("type") == "json_schema"
+            and "json_schema" not in response_format
+            and "schema" in response_format
+        ):  # lm15's Config.response_format: the OpenAI object, flattened
+            spec = {k: v for k, v in response_format.items() if k != "type"}
+            response_format = {"type": "json_schema", "json_schema": spec}
+        return Constraint.from_response_format(response_format)
+    except ValueError as err:
+        raise _with_field(err, "response_format") from None
+
+
+def _trivial(constraint: Constraint) -> bool:
+    """A JSON Schema constraint that asks for nothing: an object schema without properties (what
+    JSONAdapter sends next to ``tools`` when the tool calls are the signature's only output)."""
+    schema = constraint.json_schema or {}
+    return (
+        constraint.kind == "json_schema" and schema.get("type") == "object" and not schema.get("properties")
+    )
+
+
+def structured(
+    *,
+    tools: Any = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
+    response_format: Any = None,
+    allowed: Sequence[str] = (),
+) -> Structured:
+    """Turn a request's tool and output-format fields into one `Structured` plan.
+
+    ``tools`` (OpenAI function tools; ``tool_choice`` ``auto`` / ``required`` / ``none`` / a name /
+    ``{"type": "function", "function": {"name": ...}}``) decode under `Constraint.of_tools`: the
+    model writes prose or ``<tool_call>`` blocks whose bodies are forced to valid calls. `allowed`
+    narrows which tools may be called (lm15's ``ToolChoice.allowed``) while all stay in the prompt.
+    ``response_format`` decodes under its JSON Schema / JSON object constraint. Both at once: one
+    decode carries one constraint, so the tool calls are enforced and ``response_format`` is
+    reported in `Structured.unenforced` (unless it asks for nothing, or ``tool_choice`` forces a call
+    and so leaves no content to format). Invalid input raises a ValueError naming the field
+    (``tools[0].function.parameters: not a valid JSON Schema ...``, ``tool_choice: ...``,
+    ``response_format...``).
+    """
+    format_constraint = response_format_constraint(response_format)
+    if not tools:
+        if tool_choice not in (None, "auto", "none"):
+            raise ValueError(
+                f"tool_choice: {tool_choice!r} asks for a tool call but the request has no tools"
+            )
+        return Structured(constraint=format_constraint)
+    normalized = normalize_tools(tools)
+    callable_tools = normalized
+    if allowed:
+        unknown = sorted(set(allowed) - set(tool_names(normalized)))
+        if unknown:
+            raise ValueError(
+                f"tool_choice.allowed: no tools named {unknown}; tools are {tool_names(normalized)}"
+            )
+        callable_tools = [t for t in normalized if t["function"]["name"] in allowed]
+    try:
+        tool_constraint = Constraint.of_tools(
+            callable_tools,
+            tool_choice,
+            parallel_tool_calls=True if parallel_tool_calls is None else bool(parallel_tool_calls),
+        )
+    except ValueError as err:
+        raise _with_field(err, "tool_choice") from None
+    if tool_constraint is None:  # tool_choice "none": no calls, the tools stay out of the prompt
+        return Structured(constraint=format_constraint)
+    unenforced: tuple[str, ...] = ()
+    if (
+        format_constraint is not None
+        and tool_constraint.tool_choice == "auto"
+        and not _trivial(format_constraint)
+    ):
+        unenforced = ("response_format",)
+        log.warning(
+            "tools with tool_choice='auto' and a response_format in one request: the tool calls are "
+            "enforced, the response_format is not (one decode carries one constraint)"
+        )
+    return Structured(constraint=tool_constraint, tools=normalized, unenforced=unenforced)
+
+
+def _engine_structured(request: Any, lm15: Any) -> Structured:
+    """`structured` for a canonical `dspy.lm15.Request` (FunctionTool, ToolChoice, flat format)."""
+    tools = []
+    for i, tool in enumerate(request.tools):
+        if not isinstance(tool, lm15.FunctionTool):
+            raise lm15.UnsupportedFeatureError(
+                f"tools[{i}]: branchwise calls function tools only; got the built-in tool {tool.name!r}"
+            )
+        fn: dict[str, Any] = {"name": tool.name, "parameters": dict(tool.parameters)}
+        if tool.description:
+            fn["description"] = tool.description
+        tools.append({"type": "function", "function": fn})
+    cfg = request.config
+    choice, allowed, parallel = None, (), None
+    if cfg.tool_choice is not None:
+        mode, allowed, parallel = (
+            cfg.tool_choice.mode,
+            tuple(cfg.tool_choice.allowed),
+            cfg.tool_choice.parallel,
+        )
+        choice = allowed[0] if mode == "required" and len(allowed) == 1 else mode
+    return structured(
+        tools=tools or None,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        response_format=cfg.response_format,
+        allowed=allowed,
+    )
 
 
 def _lm15() -> Any:
@@ -47,24 +231,42 @@ def _part_text(part: Any, lm15: Any) -> str:
         return part.text
     if isinstance(part, lm15.ToolResultPart):  # a tool's output, as text
         return "".join(_part_text(p, lm15) for p in part.content)
-    if isinstance(part, lm15.ToolCallPart):
-        import json
-
-        return json.dumps({"tool": part.name, "input": part.input})
     raise lm15.UnsupportedFeatureError(f"branchwise serves text only; got a {part.type!r} part")
 
 
-def request_messages(request: Any) -> list[dict[str, str]]:
-    """Chat messages (role/content dicts for the tokenizer's template) of a `dspy.lm15.Request`."""
+def request_messages(request: Any) -> list[dict[str, Any]]:
+    """OpenAI-shaped chat messages of a `dspy.lm15.Request` (what ``backend.chat_prompt`` takes):
+    text turns as role/content, an assistant's `ToolCallPart`s as its ``tool_calls``, each
+    `ToolResultPart` as a ``tool`` message answering its call's id."""
     lm15 = _lm15()
-    msgs: list[dict[str, str]] = []
+    msgs: list[dict[str, Any]] = []
     if request.system is not None:
         system = request.system
         text = system if isinstance(system, str) else "".join(_part_text(p, lm15) for p in system)
         msgs.append({"role": "system", "content": text})
     for m in request.messages:
-        role = {"developer": "system", "tool": "user"}.get(m.role, m.role)
-        msgs.append({"role": role, "content": "".join(_part_text(p, lm15) for p in m.parts)})
+        role = {"developer": "system"}.get(m.role, m.role)
+        calls = [p for p in m.parts if isinstance(p, lm15.ToolCallPart)]
+        results = [p for p in m.parts if isinstance(p, lm15.ToolResultPart)]
+        text = "".join(
+            _part_text(p, lm15) for p in m.parts if not isinstance(p, lm15.ToolCallPart | lm15.ToolResultPart)
+        )
+        for r in results:
+            msg = {"role": "tool", "tool_call_id": r.id, "content": _part_text(r, lm15)}
+            msgs.append({**msg, "name": r.name} if r.name else msg)
+        if results and not text:
+            continue
+        entry: dict[str, Any] = {"role": "user" if role == "tool" else role, "content": text}
+        if calls:
+            entry["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.input, ensure_ascii=False)},
+                }
+                for c in calls
+            ]
+        msgs.append(entry)
     return msgs
 
 
@@ -90,7 +292,20 @@ class BranchwiseEngine:
             leaves temperature unset unless it is given one).
         scheduler: a `Scheduler` of your own (e.g. other batching limits); default: the backend's
             shared one.
+
+    Native function calling and structured outputs: the engine declares both to DSPy
+    (`supports_function_calling`, `supports_response_schema`, `supported_params`), so
+    ``dspy.ChatAdapter(use_native_function_calling=True)`` and `dspy.JSONAdapter` send ``tools``,
+    ``tool_choice`` and ``response_format``; the tools are shown through the backend's chat template
+    (``chat_prompt(messages, tools)``), the reply is decoded under the matching `Constraint`, and
+    calls come back as `ToolCallPart`s (``finish_reason="tool_call"``) that DSPy turns into
+    `dspy.ToolCalls`. See `structured` for what a request may combine.
     """
+
+    supports_function_calling = True
+    supports_response_schema = True
+    supports_reasoning = False
+    supported_params = SUPPORTED_PARAMS
 
     def __init__(
         self,
@@ -131,9 +346,9 @@ class BranchwiseEngine:
     # ------------------------------------------------------------------ the Engine contract
     def complete(self, request: Any) -> Any:
         """Answer one canonical request (blocking until its batch has decoded)."""
-        prompt_ids, job, want_logprobs = self._job(request)
+        prompt_ids, job, want_logprobs, plan = self._job(request)
         gens = self.scheduler.submit(job)
-        return self._response(request, prompt_ids, gens[0], job, want_logprobs)
+        return self._response(request, prompt_ids, gens[0], job, want_logprobs, plan)
 
     def stream(self, request: Any) -> Any:
         """The response as stream events (cut at the end: the decode loop has no token callback)."""
@@ -167,7 +382,7 @@ class BranchwiseEngine:
         return self  # `dspy.Module.deepcopy()` must not clone the model
 
     # ------------------------------------------------------------------ helpers
-    def _job(self, request: Any) -> tuple[list[int], Job, bool]:
+    def _job(self, request: Any) -> tuple[list[int], Job, bool, Structured]:
         lm15 = _lm15()
         try:  # DSPy's own check that execution controls stayed out of the request (3.4)
             from dspy.clients.engines.base import validate_request
@@ -177,15 +392,14 @@ class BranchwiseEngine:
             validate_request(request)
         if self._closed:
             raise RuntimeError("the engine is closed")
-        if request.tools:
-            raise lm15.UnsupportedFeatureError(
-                "branchwise does not call tools natively; DSPy's ChatAdapter describes tools in the prompt "
-                "(use_native_function_calling=False, its default)"
-            )
+        try:
+            plan = _engine_structured(request, lm15)
+        except ValueError as exc:
+            raise lm15.InvalidRequestError(str(exc)) from None
         cfg = request.config
         ignored = [
             name
-            for name in ("top_k", "response_format", "frequency_penalty", "presence_penalty", "reasoning")
+            for name in ("top_k", "frequency_penalty", "presence_penalty", "reasoning")
             if getattr(cfg, name) is not None
         ]
         if ignored:
@@ -197,15 +411,28 @@ class BranchwiseEngine:
                 max_tokens=self.max_tokens if cfg.max_tokens is None else int(cfg.max_tokens),
                 stop=tuple(cfg.stop),
                 seed=cfg.seed,
+                constraint=plan.constraint,
             )
         except ValueError as exc:
             raise lm15.InvalidRequestError(str(exc)) from None
-        prompt_ids = self.backend.chat_prompt(request_messages(request))
+        msgs = request_messages(request)
+        try:
+            prompt_ids = (
+                self.backend.chat_prompt(msgs, plan.tools) if plan.tools else self.backend.chat_prompt(msgs)
+            )
+        except ValueError as exc:  # e.g. a tool call in the history whose arguments are not JSON
+            raise lm15.InvalidRequestError(str(exc)) from None
         job = Job(prompt=prompt_ids, n=1, params=params, share=self.share)
-        return prompt_ids, job, cfg.logprobs is not None
+        return prompt_ids, job, cfg.logprobs is not None, plan
 
     def _response(
-        self, request: Any, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool
+        self,
+        request: Any,
+        prompt_ids: list[int],
+        gen: Generation,
+        job: Job,
+        want_logprobs: bool,
+        plan: Structured | None = None,
     ) -> Any:
         lm15 = _lm15()
         logprobs = None
@@ -214,21 +441,32 @@ class BranchwiseEngine:
                 lm15.TokenLogprob(token=self.backend.decode([t]), logprob=float(lp), token_id=int(t))
                 for t, lp in zip(gen.token_ids, gen.logprobs, strict=True)
             )
+        plan = plan or Structured()
+        content, calls = plan.split(gen.text)
+        if calls:
+            parts: list[Any] = [lm15.TextPart(content)] if content else []
+            parts += [lm15.ToolCallPart(id=c.id, name=c.name, input=c.arguments) for c in calls]
+            message = lm15.Message(role="assistant", parts=tuple(parts))
+        else:
+            message = lm15.Message.assistant(gen.text)
+        info: dict[str, Any] = {
+            "finish_reason": gen.finish_reason,
+            "share": self.share,
+            "batch_requests": job.batch_requests,
+            "batch_rows": job.batch_rows,
+        }
+        if plan.constraint is not None:
+            info["constraint"] = plan.constraint.kind
+        if plan.unenforced:
+            info["unenforced"] = list(plan.unenforced)
         return lm15.Response(
             id=f"branchwise-{uuid.uuid4().hex[:16]}",
             model=request.model,
-            message=lm15.Message.assistant(gen.text),
-            finish_reason=_LM15_FINISH.get(gen.finish_reason, "stop"),
+            message=message,
+            finish_reason="tool_call" if calls else _LM15_FINISH.get(gen.finish_reason, "stop"),
             usage=lm15.Usage(input_tokens=len(prompt_ids), output_tokens=len(gen.token_ids)),
             logprobs=logprobs,
-            provider_data={
-                "branchwise": {
-                    "finish_reason": gen.finish_reason,
-                    "share": self.share,
-                    "batch_requests": job.batch_requests,
-                    "batch_rows": job.batch_rows,
-                }
-            },
+            provider_data={"branchwise": info},
         )
 
 
@@ -240,9 +478,9 @@ class AsyncBranchwiseEngine:
         self.sync = sync
 
     async def complete(self, request: Any) -> Any:
-        prompt_ids, job, want_logprobs = self.sync._job(request)
+        prompt_ids, job, want_logprobs, plan = self.sync._job(request)
         gens = await self.sync.scheduler.submit_async(job)
-        return self.sync._response(request, prompt_ids, gens[0], job, want_logprobs)
+        return self.sync._response(request, prompt_ids, gens[0], job, want_logprobs, plan)
 
     async def stream(self, request: Any) -> Any:
         for event in _lm15().response_to_events(await self.complete(request)):

@@ -1,0 +1,329 @@
+"""DSPy native function calling and structured outputs on the local paths (`BranchwiseLM` and
+`BranchwiseEngine`): ``tools`` / ``tool_choice`` / ``response_format`` become the decode constraint,
+tool calls come back in OpenAI's / lm15's shape and DSPy parses them into `dspy.ToolCalls`.
+
+A scripted backend checks the plumbing exactly (what reaches ``chat_prompt`` and `DecodeParams`);
+the tiny random models check the whole path under constrained decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import pytest
+
+dspy = pytest.importorskip("dspy")
+
+import jsonschema  # noqa: E402
+import pydantic  # noqa: E402
+
+from branchwise.backends.base import DecodeParams, Generation  # noqa: E402
+from branchwise.reasoners.dspy import BranchwiseLM, branchwise_lm  # noqa: E402
+from branchwise.reasoners.dspy_engine import request_messages, structured  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Implementing custom LMs:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:Passing OpenAI-style message:DeprecationWarning"),
+]
+
+_needs_engines = pytest.mark.skipif(
+    not hasattr(dspy, "lm15"), reason="DSPy < 3.4 has no engine contract (BranchwiseLM covers it)"
+)
+
+
+def pick(color: Literal["red", "blue"], urgent: bool) -> str:
+    """Pick a color."""
+    return color
+
+
+class PickCall(dspy.Signature):
+    """Call the pick tool."""
+
+    question: str = dspy.InputField()
+    tools: list[dspy.Tool] = dspy.InputField()
+    calls: dspy.ToolCalls = dspy.OutputField()
+
+
+class Verdict(pydantic.BaseModel):
+    ok: bool
+    level: Literal["low", "high"]
+
+
+class Judge(dspy.Signature):
+    """Judge the claim."""
+
+    claim: str = dspy.InputField()
+    verdict: Verdict = dspy.OutputField()
+
+
+def _legacy(backend: Any, **kwargs: Any) -> BranchwiseLM:
+    kwargs.setdefault("cache", False)
+    kwargs.setdefault("max_tokens", 16)
+    return BranchwiseLM(backend=backend, **kwargs)
+
+
+def _engine(backend: Any, **kwargs: Any) -> Any:
+    kwargs.setdefault("cache", False)
+    kwargs.setdefault("max_tokens", 16)
+    return branchwise_lm(backend=backend, **kwargs)
+
+
+LMS = [pytest.param(_legacy, id="legacy"), pytest.param(_engine, id="engine", marks=_needs_engines)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Plumbing, on a scripted backend
+# --------------------------------------------------------------------------------------------------
+
+
+class ScriptedBackend:
+    """Answers every prompt with `reply`; records the tools each prompt showed and each `DecodeParams`."""
+
+    name = model_name = "scripted"
+
+    def __init__(self, reply: str) -> None:
+        self.reply = reply
+        self.lock = threading.Lock()
+        self.prompts: dict[int, list[int]] = {}
+        self.seen: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = []
+        self.params: list[DecodeParams] = []
+        self.next = 0
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[int]:
+        with self.lock:
+            self.seen.append(([dict(m) for m in messages], tools))
+        return [1, 2, 3]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(map(str, ids))
+
+    def prefill(self, ids: Sequence[int]) -> int:
+        with self.lock:
+            self.next += 1
+            self.prompts[self.next] = list(ids)
+            return self.next
+
+    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
+        return [self.prefill(self.prompts[node]) for _ in range(n)]
+
+    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+        with self.lock:
+            self.params.append(params)
+        return [Generation(n, [7, 8], self.reply, [0.9] * 2, [-0.1] * 2, "eos") for n in nodes]
+
+    def release(self, nodes: Sequence[int]) -> None:
+        pass
+
+
+CALL_REPLY = 'Let me pick.\n<tool_call>\n{"name": "pick", "arguments": {"color": "blue", "urgent": true}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("make", LMS)
+@pytest.mark.parametrize("adapter", ["chat", "json"])
+def test_native_function_calling_reaches_the_prompt_and_the_constraint(make: Any, adapter: str) -> None:
+    backend = ScriptedBackend(CALL_REPLY)
+    lm = make(backend)
+    assert lm.supports_function_calling and lm.supports_response_schema
+    assert {"tools", "tool_choice", "response_format"} <= set(lm.supported_params)
+    ad = dspy.ChatAdapter(use_native_function_calling=True) if adapter == "chat" else dspy.JSONAdapter()
+    with dspy.context(lm=lm, adapter=ad):
+        pred = dspy.Predict(PickCall)(question="Which color?", tools=[dspy.Tool(pick)])
+    (call,) = pred.calls.tool_calls
+    assert (call.name, call.args) == ("pick", {"color": "blue", "urgent": True})
+    messages, tools = backend.seen[-1]
+    assert [t["function"]["name"] for t in tools] == ["pick"]
+    constraint = backend.params[-1].constraint
+    assert constraint is not None and constraint.kind == "tool_calls" and constraint.tool_choice == "auto"
+    assert [t["function"]["name"] for t in constraint.tools] == ["pick"]
+    # the tool-call field and the tools input are DSPy's to strip: the prompt only asks the question
+    assert "Which color?" in messages[-1]["content"]
+
+
+def test_legacy_response_is_openai_shaped_with_tool_calls() -> None:
+    lm = _legacy(ScriptedBackend(CALL_REPLY))
+    tools = [dspy.Tool(pick).format_as_litellm_function_call()]
+    resp = lm.forward(prompt="Which color?", tools=tools, tool_choice="required", n=2)
+    assert len(resp.choices) == 2
+    for choice in resp.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Let me pick."
+        (call,) = choice.message.tool_calls
+        assert call["type"] == "function" and call["function"]["name"] == "pick"
+        assert json.loads(call["function"]["arguments"]) == {"color": "blue", "urgent": True}
+    assert resp.branchwise["constraint"] == "tool_calls"
+
+
+@_needs_engines
+def test_engine_response_carries_tool_call_parts() -> None:
+    from dspy.lm15 import Config, FunctionTool, Message, Request, ToolChoice
+
+    lm = _engine(ScriptedBackend(CALL_REPLY))
+    fn = dspy.Tool(pick).format_as_litellm_function_call()["function"]
+    req = Request(
+        model=lm.model,
+        messages=(Message.user("Which color?"),),
+        tools=(FunctionTool(fn["name"], fn["description"], fn["parameters"]),),
+        config=Config(tool_choice=ToolChoice(mode="required", allowed=("pick",))),
+    )
+    resp = lm(request=req)
+    assert resp.finish_reason == "tool_call"
+    kinds = [p.type for p in resp.message.parts]
+    assert kinds == ["text", "tool_call"]
+    assert resp.message.parts[1].name == "pick" and resp.message.parts[1].input["color"] == "blue"
+    assert resp.provider_data["branchwise"]["constraint"] == "tool_calls"
+    assert lm.engine.backend.params[-1].constraint.tool_choice == "pick"
+
+
+@pytest.mark.parametrize("make", LMS)
+def test_json_adapter_sends_the_schema_and_returns_the_typed_value(make: Any) -> None:
+    backend = ScriptedBackend('{"verdict": {"ok": true, "level": "high"}}')
+    with dspy.context(lm=make(backend), adapter=dspy.JSONAdapter()):
+        pred = dspy.Predict(Judge)(claim="The sky is green.")
+    assert pred.verdict == Verdict(ok=True, level="high")
+    constraint = backend.params[-1].constraint
+    assert constraint is not None and constraint.kind == "json_schema"
+    assert constraint.json_schema["required"] == ["verdict"]
+    assert backend.seen[-1][1] is None  # no tools in the prompt
+
+
+def test_response_format_shapes_and_combinations() -> None:
+    tools = [dspy.Tool(pick).format_as_litellm_function_call()]
+    assert structured().constraint is None
+    assert structured(response_format={"type": "text"}).constraint is None
+    assert structured(response_format={"type": "json_object"}).constraint.kind == "json_object"
+    flat = {"type": "json_schema", "name": "V", "schema": Verdict.model_json_schema(), "strict": True}
+    assert structured(response_format=flat).constraint.json_schema["properties"].keys() == {"ok", "level"}
+    assert structured(response_format=Verdict).constraint.kind == "json_schema"
+    # tool_choice none: nothing to call, the tools stay out of the prompt, the format applies
+    plan = structured(tools=tools, tool_choice="none", response_format={"type": "json_object"})
+    assert plan.tools is None and plan.constraint.kind == "json_object"
+    # tools + a format that asks for nothing (JSONAdapter when the calls are the only output)
+    empty = {"type": "object", "properties": {}, "required": [], "additionalProperties": False}
+    plan = structured(tools=tools, response_format={"type": "json_schema", "json_schema": {"schema": empty}})
+    assert plan.constraint.kind == "tool_calls" and plan.unenforced == ()
+    # tools (auto) + a real format: the calls are enforced and the format is reported, not dropped
+    plan = structured(tools=tools, response_format=Verdict)
+    assert plan.constraint.kind == "tool_calls" and plan.unenforced == ("response_format",)
+    plan = structured(tools=tools, tool_choice="required", response_format=Verdict, parallel_tool_calls=False)
+    assert plan.unenforced == () and not plan.constraint.parallel_tool_calls
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nope"}}}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
+            r"response_format\.json_schema\.schema: not a valid JSON Schema",
+        ),
+        ({"response_format": {"type": "yaml"}}, r"response_format\.type"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]},
+            r"tools\[0\]\.function\.parameters: not a valid JSON Schema",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, r"tools\[0\]\.function\.name"),
+        ({"tools": [{"name": "f"}], "tool_choice": "g"}, r"tool_choice: .*'g'"),
+        ({"tool_choice": "required"}, r"tool_choice: .*no tools"),
+        ({"functions": [{"name": "f"}]}, r"functions: use tools="),
+    ],
+)
+def test_bad_tools_and_formats_raise_naming_the_field(kwargs: dict[str, Any], match: str) -> None:
+    backend = ScriptedBackend("")
+    with pytest.raises(ValueError, match=match):
+        _legacy(backend).forward(prompt="hi", **kwargs)
+    assert backend.params == []  # refused before decoding
+
+
+@_needs_engines
+def test_engine_refuses_bad_schemas_and_builtin_tools() -> None:
+    from dspy.lm15 import BuiltinTool, FunctionTool, Message, Request
+
+    backend = ScriptedBackend("")
+    lm = _engine(backend)
+    bad = Request(
+        model=lm.model, messages=(Message.user("hi"),), tools=(FunctionTool("f", None, BAD_SCHEMA),)
+    )
+    with pytest.raises(Exception, match=r"tools\[0\]\.function\.parameters: not a valid JSON Schema"):
+        lm(request=bad)
+    builtin = Request(model=lm.model, messages=(Message.user("hi"),), tools=(BuiltinTool("web_search"),))
+    with pytest.raises(Exception, match=r"tools\[0\]: .*function tools only"):
+        lm(request=builtin)
+    with pytest.raises(Exception, match=r"response_format\.json_schema\.schema: not a valid JSON Schema"):
+        lm("hi", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}})
+    assert backend.params == []
+
+
+@_needs_engines
+def test_engine_history_with_tool_calls_and_results_reads_as_openai_messages() -> None:
+    from dspy.lm15 import Message, Request, TextPart, ToolCallPart, ToolResultPart
+
+    req = Request(
+        model="m",
+        messages=(
+            Message.user("Which color?"),
+            Message(role="assistant", parts=(ToolCallPart(id="c1", name="pick", input={"color": "red"}),)),
+            Message(role="tool", parts=(ToolResultPart(id="c1", content=(TextPart("red"),), name="pick"),)),
+        ),
+    )
+    msgs = request_messages(req)
+    assert msgs[1]["role"] == "assistant" and msgs[1]["content"] == ""
+    assert msgs[1]["tool_calls"][0]["function"] == {"name": "pick", "arguments": '{"color": "red"}'}
+    assert msgs[2] == {"role": "tool", "tool_call_id": "c1", "name": "pick", "content": "red"}
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end on a tiny random model (the grammar makes a random model's output parse)
+# --------------------------------------------------------------------------------------------------
+
+
+def _constrained_decoding_enforced(backend: Any) -> bool:
+    from branchwise.constraints import Constraint
+
+    try:
+        (gen,) = (
+            _legacy(backend, max_tokens=24)
+            .forward(
+                prompt="hi",
+                response_format={"type": "json_schema", "json_schema": {"schema": {"enum": ["yes"]}}},
+            )
+            .choices
+        )
+    except Exception:
+        return False
+    try:
+        Constraint.of_json_schema({"enum": ["yes"]}).parse(gen.message.content)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def constrained_backend(tiny_backend: Any) -> Any:
+    if not _constrained_decoding_enforced(tiny_backend):
+        pytest.skip("the backend does not enforce DecodeParams.constraint yet")
+    return tiny_backend
+
+
+@pytest.mark.parametrize("make", LMS)
+def test_tiny_model_calls_the_tool_with_valid_arguments(constrained_backend: Any, make: Any) -> None:
+    lm = make(constrained_backend, max_tokens=96)
+    tool = dspy.Tool(pick)
+    with dspy.context(lm=lm, adapter=dspy.ChatAdapter(use_native_function_calling=True)):
+        pred = dspy.Predict(PickCall, tool_choice="required")(question="Which color?", tools=[tool])
+    assert isinstance(pred.calls, dspy.ToolCalls) and pred.calls.tool_calls
+    for call in pred.calls.tool_calls:
+        assert call.name == "pick"
+        jsonschema.validate(call.args, tool.format_as_litellm_function_call()["function"]["parameters"])
+
+
+@pytest.mark.parametrize("make", LMS)
+def test_tiny_model_json_adapter_returns_the_typed_value(constrained_backend: Any, make: Any) -> None:
+    lm = make(constrained_backend, max_tokens=96)
+    with dspy.context(lm=lm, adapter=dspy.JSONAdapter()):
+        pred = dspy.Predict(Judge)(claim="The sky is green.")
+    assert isinstance(pred.verdict, Verdict)

@@ -303,3 +303,64 @@ def test_tiny_model_json_adapter_returns_the_typed_value(tiny_backend: Any, make
     with dspy.context(lm=lm, adapter=dspy.JSONAdapter()):
         pred = dspy.Predict(Judge)(claim="The sky is green.")
     assert isinstance(pred.verdict, Verdict)
+
+
+@pytest.mark.parametrize("make", LMS)
+@pytest.mark.parametrize(
+    ("tool_choice", "expected"),
+    [
+        ("auto", "auto"),
+        ("required", "required"),
+        ({"type": "function", "function": {"name": "pick"}}, "pick"),
+        ("none", None),
+    ],
+)
+def test_tool_choice_reaches_the_constraint(make: Any, tool_choice: Any, expected: str | None) -> None:
+    backend = ScriptedBackend(CALL_REPLY)
+    tools = [dspy.Tool(pick).format_as_litellm_function_call()]
+    parallel = {} if tool_choice == "none" else {"parallel_tool_calls": False}  # lm15 refuses the pair
+    make(backend)("Which color?", tools=tools, tool_choice=tool_choice, **parallel)
+    constraint = backend.params[-1].constraint
+    if expected is None:  # no calls: no constraint, and the tools stay out of the prompt
+        assert constraint is None and backend.seen[-1][1] is None
+    else:
+        assert constraint.tool_choice == expected and not constraint.parallel_tool_calls
+
+
+TOOL_HISTORY = [
+    {"role": "user", "content": "Which color?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "pick", "arguments": '{"color": "red"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "name": "pick", "content": "red it is"},
+]
+
+
+@pytest.mark.parametrize("make", LMS)
+def test_a_history_with_tool_calls_and_results_reaches_the_prompt(make: Any) -> None:
+    backend = ScriptedBackend("Red.")
+    tools = [dspy.Tool(pick).format_as_litellm_function_call()]
+    (text,) = make(backend)(messages=TOOL_HISTORY, tools=tools)
+    assert text == "Red."  # no call in the reply: plain text, as DSPy expects
+    messages, _ = backend.seen[-1]
+    assert messages[1]["role"] == "assistant" and messages[1]["tool_calls"][0]["function"]["name"] == "pick"
+    assert json.loads(messages[1]["tool_calls"][0]["function"]["arguments"]) == {"color": "red"}
+    assert {k: messages[2][k] for k in ("role", "tool_call_id", "content")} == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": "red it is",
+    }
+
+
+def test_tiny_model_prompt_shows_the_tools_and_the_history(tiny_backend: Any) -> None:
+    tools = [dspy.Tool(pick).format_as_litellm_function_call()]
+    lm = _legacy(tiny_backend, max_tokens=1)
+    resp = lm.forward(messages=TOOL_HISTORY, tools=tools, tool_choice="none")
+    assert resp.usage.prompt_tokens > 0
+    ids = tiny_backend.chat_prompt(BranchwiseLM._messages(None, TOOL_HISTORY), structured(tools=tools).tools)
+    prompt = tiny_backend.decode(ids)
+    assert '"name": "pick"' in prompt and "<tool_response>\nred it is\n</tool_response>" in prompt

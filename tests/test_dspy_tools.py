@@ -364,3 +364,15 @@ def test_tiny_model_prompt_shows_the_tools_and_the_history(tiny_backend: Any) ->
     ids = tiny_backend.chat_prompt(BranchwiseLM._messages(None, TOOL_HISTORY), structured(tools=tools).tools)
     prompt = tiny_backend.decode(ids)
     assert '"name": "pick"' in prompt and "<tool_response>\nred it is\n</tool_response>" in prompt
+
+
+def test_tiny_model_n_sampled_choices_each_follow_the_schema(tiny_backend: Any) -> None:
+    """BranchwiseLM's n samples fork one prefill: every fork decodes under its own copy of the grammar."""
+    schema = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}}, "required": ["c"]}
+    lm = _legacy(tiny_backend, max_tokens=64)
+    rf = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+    resp = lm.forward(prompt="Pick a color.", response_format=rf, n=3, temperature=1.0, seed=1)
+    assert len(resp.choices) == 3 and resp.branchwise["constraint"] == "json_schema"
+    for choice in resp.choices:
+        assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+        jsonschema.validate(json.loads(choice.message.content), schema)

@@ -8,6 +8,10 @@ DSPy owns the cache, retries, history and the ``n`` fan-out (it sends the ``n`` 
 one-sample requests); every request goes whole through the backend's shared `Scheduler`, so
 concurrent threads and ``asyncio.gather`` merge into shared decode passes, and the backend's prefix
 cache reuses a prompt for candidates 2..n. `branchwise_lm(...)` builds the `dspy.LM`.
+
+`structured` is shared with `BranchwiseLM`: it turns DSPy's ``tools`` / ``tool_choice`` /
+``response_format`` (native function calling, `JSONAdapter`'s structured outputs) into the decode
+`Constraint` and the tools shown in the prompt, so both plug-ins enforce and report them alike.
 """
 
 from __future__ import annotations

@@ -147,8 +147,9 @@ async def _until(
         raise asyncio.CancelledError
 
 
-def _outcome(work: asyncio.Future[list[Generation]]) -> list[Generation]:
-    """A finished job's generations, or its error as the HTTP error it becomes."""
+def _outcome(work: asyncio.Future[list[Generation]], source: str = "constraint") -> list[Generation]:
+    """A finished job's generations, or its error as the HTTP error it becomes (`source`: the
+    request field its constraint came from)."""
     try:
         return work.result()
     except QueueFull as err:
@@ -157,6 +158,12 @@ def _outcome(work: asyncio.Future[list[Generation]]) -> list[Generation]:
         raise RequestError(400, f"prompt: {err}", param="prompt") from None
     except Cancelled as err:  # pragma: no cover - only a disconnected client's job is cancelled
         raise RequestError(503, str(err)) from None
+    except ValueError as err:
+        # the backend's grammar engine refused the request's constraint (a schema feature it cannot
+        # compile; `branchwise.backends.hf.grammar.ConstraintError`, not imported: it needs torch)
+        if not any(c.__name__ == "ConstraintError" for c in type(err).__mro__):
+            raise
+        raise RequestError(400, f"{source}: {err}", source.split(".")[0]) from None
 
 
 class _StepFeed:
@@ -280,7 +287,7 @@ class _Server:
         job = self._job(req, prompt)
         work = asyncio.ensure_future(self.scheduler.submit_async(job))
         await _until(work, request)
-        return _outcome(work)
+        return _outcome(work, req.constraint_field)
 
     async def stream(
         self, req: ChatRequest | CompletionRequest, prompt: list[int], request: Request
@@ -301,7 +308,7 @@ class _Server:
         finally:
             ready.cancel()
         if work.done():
-            _outcome(work)  # raises the request's error, if any
+            _outcome(work, req.constraint_field)  # raises the request's error, if any
         return _Stream(job, work, feed)
 
     def top_logprobs(self, prompt: list[int], gen: Generation, k: int) -> list[list[tuple[int, float]]]:

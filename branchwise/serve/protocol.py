@@ -212,6 +212,11 @@ class _Request(BaseModel):
         """What the reply must look like (from tools, response_format or branchwise.constraint)."""
         return self._constraint
 
+    @property
+    def constraint_field(self) -> str:
+        """The request field the constraint came from (what an error about it names)."""
+        return self._source or "constraint"
+
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
@@ -234,7 +239,7 @@ class _Request(BaseModel):
 
 
 class _Function(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # the SDK's stream accumulator adds parsed_arguments
 
     name: str = Field(min_length=1)
     arguments: str | dict[str, Any] = ""
@@ -256,9 +261,10 @@ class _Function(BaseModel):
 
 
 class MessageToolCall(BaseModel):
-    """A call of an earlier assistant turn, as OpenAI's replies carry it (and clients send it back)."""
+    """A call of an earlier assistant turn, as OpenAI's replies carry it and clients send it back
+    (with what the SDK adds to it, e.g. a streamed call's ``index``: ignored)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
@@ -347,6 +353,11 @@ class ChatRequest(_Request):
             if self.tool_choice is not None:
                 raise ValueError("tool_choice: needs tools")
             return self
+        for i, tool in enumerate(self.tools):
+            if isinstance(tool, dict) and tool.get("type", "function") != "function":
+                raise ValueError(
+                    f"tools[{i}].type: only 'function' tools are supported, got {tool['type']!r}"
+                )
         try:
             constraint = Constraint.of_tools(
                 self.tools,

@@ -145,7 +145,10 @@ def split_reply(text: str, tools: Sequence[dict[str, Any]]) -> tuple[str | None,
 
 
 def finish_reason(g: Generation, has_calls: bool) -> str:
-    return "tool_calls" if has_calls else FINISH[g.finish_reason]
+    """OpenAI's finish reason: ``tool_calls`` when the reply holds calls, unless it was cut by
+    ``max_tokens`` (``length``: whatever followed the last whole call, even a call, is lost)."""
+    reason = FINISH[g.finish_reason]
+    return "tool_calls" if has_calls and reason != "length" else reason
 
 
 def chat_choice_message(g: Generation, constraint: Constraint | None) -> tuple[dict[str, Any], str]:

@@ -1,0 +1,390 @@
+"""`branchwise serve`: tool calling and structured output through the official `openai` client.
+
+The tiny random model writes gibberish, but under the grammar (`DecodeParams.constraint`) its reply
+is a valid call of the tools or JSON valid under the schema: these tests check that the server
+passes the constraint down, reads the calls back out of the text in OpenAI's shapes (whole and
+streamed, the same either way) and renders a tool conversation's history into the next prompt. The
+400 tests need no decoding. `ToolCallStream` is tested on text, without a model.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("xgrammar")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
+
+from branchwise.serve import create_app  # noqa: E402
+from branchwise.serve.replies import ToolCallStream, split_reply  # noqa: E402
+from branchwise.serve.runner import serve_in_thread  # noqa: E402
+from branchwise.toolcalls import normalize_tools  # noqa: E402
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"utc": {"type": "boolean"}},
+            "required": ["utc"],
+            "additionalProperties": False,
+        },
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_llama_dir: Path) -> Any:
+    from branchwise.backends.hf import HFBackend
+
+    return HFBackend(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_backend: Any) -> Iterator[str]:
+    with serve_in_thread(create_app(tiny_backend, model_name="tiny")) as url:
+        yield url
+
+
+@pytest.fixture
+def client(served: str) -> Any:
+    return openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _tool(name: str) -> dict[str, Any]:
+    return next(t for t in (WEATHER, TIME) if t["function"]["name"] == name)
+
+
+def _check_call(call: Any, name: str) -> dict[str, Any]:
+    """The call names `name`, has an id, and its arguments are JSON valid under the tool's schema."""
+    assert call.type == "function" and call.id
+    assert call.function.name == name
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, _tool(name)["function"]["parameters"])
+    return args
+
+
+def _create(client: Any, stream: bool, **kw: Any) -> Any:
+    """A chat completion, streamed or not; a stream is assembled by the openai client's own
+    accumulator (what ``client.chat.completions.stream`` uses), checking the deltas' shape."""
+    if not stream:
+        return client.chat.completions.create(model="tiny", **kw)
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(model="tiny", stream=True, **kw):
+        state.handle_chunk(chunk)
+    try:
+        return state.get_final_completion()
+    except openai.LengthFinishReasonError as err:  # the accumulator's parse step refuses a cut reply
+        return err.completion
+
+
+# --------------------------------------------------------------------------------------------------
+# Tool calls end to end
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_two_turn_tool_conversation(client: Any, tiny_backend: Any, stream: bool) -> None:
+    """call (tool_choice=required) -> the tool's result -> an answer; the history reaches the prompt."""
+    first = _create(
+        client,
+        stream,
+        messages=QUESTION,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=128,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    _check_call(call, call.function.name)
+    assert not choice.message.content  # only the call
+
+    history = [
+        *QUESTION,
+        choice.message,  # sent back as the SDK returned it (refusal/annotations fields and all)
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+    ]
+    second = _create(
+        client, stream, messages=history, tools=[WEATHER, TIME], tool_choice="none", max_tokens=5
+    )
+    answer = second.choices[0]
+    assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+    assert isinstance(answer.message.content, str)
+    # the server's prompt is the backend's rendering of the whole history (tools not shown: "none")
+    rendered = [
+        QUESTION[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        history[2],
+    ]
+    prompt = tiny_backend.chat_prompt(rendered)
+    if not stream:
+        assert second.usage.prompt_tokens == len(prompt)
+    text = tiny_backend.decode(prompt)
+    assert call.function.name in text and '{"temperature": 21}' in text
+
+
+def test_streamed_calls_equal_whole_ones(client: Any, served: str) -> None:
+    """Greedy: the streamed reply, assembled, says what the whole reply says (ids aside)."""
+    kw: dict[str, Any] = {"messages": QUESTION, "tools": [WEATHER, TIME], "tool_choice": "required"}
+    kw["parallel_tool_calls"] = False  # one call, then the grammar ends the reply (no max_tokens cut)
+    kw.update(temperature=0, max_tokens=128, n=2)
+    whole = _create(client, False, **kw)
+    chunks = httpx.post(
+        f"{served}/v1/chat/completions", json={**kw, "stream": True, "model": "tiny"}, timeout=120
+    ).text
+    deltas = [json.loads(line[6:]) for line in chunks.splitlines() if line.startswith("data: {")]
+    for choice in whole.choices:
+        calls = [
+            tc
+            for d in deltas
+            for c in d["choices"]
+            if c["index"] == choice.index
+            for tc in c["delta"].get("tool_calls", ())
+        ]
+        assert [tc["index"] for tc in calls] == list(range(len(calls)))
+        assert [(tc["function"]["name"], tc["function"]["arguments"]) for tc in calls] == [
+            (tc.function.name, tc.function.arguments) for tc in choice.message.tool_calls
+        ]
+        finishes = [c["finish_reason"] for d in deltas for c in d["choices"] if c["index"] == choice.index]
+        assert finishes[-1] == choice.finish_reason == "tool_calls"
+
+
+def test_named_tool_choice_calls_that_tool(client: Any) -> None:
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=QUESTION,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=128,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert isinstance(_check_call(call, "get_time")["utc"], bool)
+
+
+# --------------------------------------------------------------------------------------------------
+# Structured output
+# --------------------------------------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_validates(client: Any) -> None:
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+        temperature=0,
+        max_tokens=128,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_completions_take_response_format(client: Any) -> None:
+    r = client.completions.create(
+        model="tiny",
+        prompt="A person:",
+        temperature=0,
+        max_tokens=128,
+        extra_body={
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+        },
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad requests: a 400 naming the field, before any decoding
+# --------------------------------------------------------------------------------------------------
+
+_CALLED = {
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}],
+}
+
+
+def _history(arguments: str, answers: str = "c1") -> list[dict[str, Any]]:
+    called = json.loads(json.dumps(_CALLED))
+    called["tool_calls"][0]["function"]["arguments"] = arguments
+    return [*QUESTION, called, {"role": "tool", "tool_call_id": answers, "content": "21"}]
+
+
+_BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        ("chat/completions", {"tools": [_BAD_TOOL]}, "tools", "not a valid JSON Schema"),
+        ("chat/completions", {"tools": [{"type": "web_search"}]}, "tools", "function"),
+        (
+            "chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
+            "response_format",
+            "not a valid JSON Schema",
+        ),
+        ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
+        (
+            "chat/completions",
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "no tool named 'nope'",
+        ),
+        ("chat/completions", {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "expected"),
+        ("chat/completions", {"tool_choice": "auto"}, "tool_choice", "needs tools"),
+        ("chat/completions", {"messages": _history("{not json")}, "messages", "not valid JSON"),
+        ("chat/completions", {"messages": _history("[1]")}, "messages", "JSON object"),
+        ("chat/completions", {"messages": _history("{}", answers="c9")}, "messages", "answers no tool call"),
+        (
+            "chat/completions",
+            {"messages": [*QUESTION, {"role": "tool", "content": "21"}]},
+            "messages",
+            "tool_call_id",
+        ),
+        (
+            "chat/completions",
+            {"tools": [WEATHER], "branchwise": {"strategy": "self-consistency"}},
+            "tools",
+            "not yet",
+        ),
+        (
+            "chat/completions",
+            {"tools": [WEATHER], "response_format": {"type": "json_object"}},
+            "tools",
+            "one constraint",
+        ),
+        ("chat/completions", {"presence_penalty": 0.5}, "presence_penalty", "not implemented"),
+        ("chat/completions", {"logit_bias": {"5": 10}}, "logit_bias", "not implemented"),
+        ("chat/completions", {"functions": [WEATHER["function"]]}, "functions", "send tools"),
+        ("chat/completions", {"modalities": ["text", "audio"]}, "modalities", "text only"),
+        ("chat/completions", {"frobnicate": 1}, "frobnicate", "not supported"),
+        ("completions", {"prompt": "x", "tools": [WEATHER]}, "tools", "not supported"),
+        ("completions", {"prompt": "x", "suffix": "!"}, "suffix", "suffix"),
+        ("completions", {"prompt": "x", "best_of": 3}, "best_of", "branchwise.strategy"),
+    ],
+)
+def test_bad_tool_and_format_requests_get_400_naming_the_field(
+    served: str, path: str, body: dict[str, Any], param: str, says: str
+) -> None:
+    if path == "chat/completions":
+        body = {"messages": QUESTION, **body}
+    r = httpx.post(f"{served}/v1/{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+    assert err["message"].startswith(param)
+    assert "Traceback" not in err["message"]
+
+
+def test_harmless_fields_and_no_op_values_are_accepted(client: Any) -> None:
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=QUESTION,
+        max_tokens=2,
+        user="u1",
+        metadata={"k": "v"},
+        store=False,
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        logit_bias={},
+        modalities=["text"],
+        extra_body={"parallel_tool_calls": None},
+    )
+    assert r.choices[0].message.content is not None
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading calls out of text (no model)
+# --------------------------------------------------------------------------------------------------
+
+TOOLS = normalize_tools([WEATHER, TIME])
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("plain text", "plain text", []),
+        (f"Let me look.\n{CALL}\n{CALL}\n", "Let me look.", ["get_weather", "get_weather"]),
+        (CALL, None, ["get_weather"]),
+        (f"{CALL}  and then some ", "and then some ", ["get_weather"]),
+        (
+            'a <tool_call>{"name": "nope", "arguments": {}}</tool_call> b',
+            'a <tool_call>{"name": "nope", "arguments": {}}</tool_call> b',
+            [],
+        ),
+        ('cut <tool_call>\n{"name": ', 'cut <tool_call>\n{"name": ', []),
+        ("< <tool <tool_c", "< <tool <tool_c", []),
+    ],
+)
+def test_tool_call_stream_reads_any_chunking_as_the_whole(
+    text: str, content: str | None, calls: list[str]
+) -> None:
+    whole = split_reply(text, TOOLS)
+    assert whole[0] == content
+    assert [c.name for c in whole[1]] == calls
+    rng = random.Random(0)
+    for _ in range(30):
+        reader, events, i = ToolCallStream(TOOLS), [], 0
+        while i < len(text):
+            k = rng.randint(1, 6)
+            events += reader.push(text[i : i + k])
+            i += k
+        events += reader.finish()
+        streamed = "".join(v for kind, v in events if kind == "content")
+        assert (streamed or None if calls else streamed) == whole[0]
+        assert [v.canonical() for kind, v in events if kind == "call"] == [c.canonical() for c in whole[1]]

@@ -19,19 +19,23 @@ every model is asked the same way and the grammar (`Constraint.of_tools`) forces
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
+import typing
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jsonschema
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 __all__ = [
     "ToolCall",
     "canonical_arguments",
+    "canonical_json",
     "check_json_schema",
+    "function_tool",
     "normalize_tool_choice",
     "normalize_tools",
     "parse_tool_calls",
@@ -56,9 +60,13 @@ def _canon(value: Any) -> Any:
     return value
 
 
+def canonical_json(value: Any) -> str:
+    """A JSON value as canonical text: sorted keys, no spaces, 2.0 written as 2 (votes compare these)."""
+    return json.dumps(_canon(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_arguments(arguments: Mapping[str, Any]) -> str:
-    """Arguments as canonical JSON: sorted keys, no spaces, 2.0 written as 2 (votes compare these)."""
-    return json.dumps(_canon(dict(arguments)), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return canonical_json(dict(arguments))
 
 
 class ToolCall(BaseModel):
@@ -96,6 +104,29 @@ def check_json_schema(schema: Any, field: str) -> dict[str, Any]:
             f"{field}: not a valid JSON Schema ({err.message}{' at ' + where if where else ''})"
         ) from None
     return schema
+
+
+def function_tool(fn: Any) -> dict[str, Any]:
+    """An OpenAI function tool from a Python function (its name, the first paragraph of its
+    docstring, a JSON Schema of its parameters from their type hints) or from a pydantic model class
+    (the arguments are its fields)."""
+    if isinstance(fn, type) and issubclass(fn, BaseModel):
+        name, doc, schema = fn.__name__, fn.__doc__, fn.model_json_schema()
+    else:
+        name, doc = getattr(fn, "__name__", ""), inspect.getdoc(fn)
+        hints = typing.get_type_hints(fn)
+        fields: dict[str, Any] = {}
+        for pname, p in inspect.signature(fn).parameters.items():
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise ValueError(f"tools: {name} takes *{pname}; a tool's arguments must each be named")
+            default = ... if p.default is p.empty else p.default
+            fields[pname] = (hints.get(pname, Any), default)
+        schema = create_model(f"{name}_arguments", **fields).model_json_schema()
+    schema.pop("title", None)
+    entry: dict[str, Any] = {"name": name, "parameters": schema}
+    if doc:
+        entry["description"] = doc.split("\n\n")[0].strip()
+    return {"type": "function", "function": entry}
 
 
 def normalize_tools(tools: Any) -> list[dict[str, Any]]:

@@ -25,7 +25,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -40,6 +40,7 @@ from branchwise.backends.base import (
     SupportsSessions,
     SupportsVerifySkip,
 )
+from branchwise.constraints import Constraint, OutputError
 from branchwise.reasoners.answers import extract_answer, majority_vote
 from branchwise.reasoners.lockstep import Lockstep, run_threads
 from branchwise.reasoners.registry import check_names
@@ -47,6 +48,7 @@ from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
 from branchwise.reasoners.search import kv_size_per_step
 from branchwise.reasoners.state import Leaf, RunState
 from branchwise.reasoners.tree_search import search_select
+from branchwise.reasoners.typed import Typed
 from branchwise.reasoners.verifiers import Candidate, Verifier, default_verifiers
 from branchwise.strategies import (
     ALLOCATING_METHODS,
@@ -85,8 +87,19 @@ class Reasoner:
         accel: Accel | None = None,
         embedder: Embedder | None = None,
         history: Sequence[dict[str, str]] | None = None,
+        tools: Sequence[Any] | None = None,
+        tool_choice: Any = "auto",
+        parallel_tool_calls: bool = True,
+        response_format: Any = None,
     ) -> None:
-        """`embedder` replaces the text embedder of ETS selects with `embedder="minilm"` (any
+        """Typed answers and actions: with `tools` (OpenAI function tools, Python functions or
+        pydantic models) the model is shown them and every answer-generating step decodes under
+        their grammar, so each branch ends in valid calls (or, with `tool_choice="auto"`, prose);
+        with `response_format` (a pydantic model class, a JSON Schema, OpenAI's response_format or
+        a `Constraint`) each branch writes a value of that type. Votes then compare values and
+        canonical calls, and the result carries the winner as `value` / `tool_calls` (see `typed.py`).
+
+        `embedder` replaces the text embedder of ETS selects with `embedder="minilm"` (any
         `Embedder`: texts -> rows); by default the packaged all-MiniLM-L6-v2 is loaded on first use.
 
         `history` is chat turns (role/content dicts) placed between the system prompt and the
@@ -109,6 +122,12 @@ class Reasoner:
         self.accel = accel
         self.embedder = embedder
         self.history = [dict(m) for m in history or []]
+        self.typed = Typed.build(
+            tools=tools,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+            response_format=response_format,
+        )
         bad = [m for m in self.history if set(m) != {"role", "content"}]
         if bad:
             raise ValueError(f"history turns must be role/content dicts; got {bad[0]!r}")
@@ -138,6 +157,14 @@ class Reasoner:
         messages.append({"role": "user", "content": content})
         return messages
 
+    def _tools(self) -> list[dict[str, Any]] | None:
+        return self.typed.tools if self.typed is not None else None
+
+    def _answer_constraint(self, node: GenerateNode) -> Constraint | None:
+        """The reasoner's typed output constrains the steps that write an answer, not the steps of
+        a step search (a reasoning step is prose; the answer it leads to is typed)."""
+        return self.typed.constraint if self.typed is not None and node.until == "answer" else None
+
     def _session(self) -> tuple[Backend, list[str]]:
         """This run's backend view: its own session (this reasoner's share and accel, its own
         statistics) where the backend has sessions, else the backend itself with its counters reset."""
@@ -157,7 +184,7 @@ class Reasoner:
     ) -> ReasoningResult:
         start = time.perf_counter()
         backend, notes = (session, []) if session is not None else self._session()
-        prompt = backend.chat_prompt(messages)
+        prompt = backend.chat_prompt(messages, self._tools())
         root = backend.prefill(prompt)
         record = TreeNode(node=root, parent=None, depth=0, text="", token_ids=list(prompt))
         run = RunState(
@@ -265,7 +292,10 @@ class Reasoner:
             stop=tuple(node.stop),
             step_delimiter=node.step_delimiter if node.until == "step" else None,
             seed=node.seed,
+            constraint=node.response_format or self._answer_constraint(node),
         )
+        if params.constraint is not None and node.until == "answer":
+            run.typed = self.typed if node.response_format is None else Typed(node.response_format)
         allocation, run.allocation = run.allocation, None
         expand: list[tuple[Leaf, int]] = []
         keep: list[Leaf] = []
@@ -282,7 +312,8 @@ class Reasoner:
         for leaf, n in expand:
             if run.variants and leaf.record.parent is None and isinstance(backend, SupportsPromptFork):
                 prompts = [
-                    backend.chat_prompt(self._messages(run.variants[i % len(run.variants)])) for i in range(n)
+                    backend.chat_prompt(self._messages(run.variants[i % len(run.variants)]), self._tools())
+                    for i in range(n)
                 ]
                 kids = backend.fork_prompts(leaf.node, prompts, share=self.share)
             else:
@@ -432,7 +463,10 @@ class Reasoner:
                 voters = done
             elif run.leaves:
                 run.notes.append(f"aggregate {node.id!r}: no branch finished; voted over all of them")
-        answers = [extract_answer(leaf.text, node.extractor) for leaf in voters]
+        if run.typed is not None:  # typed output votes on values and canonical calls
+            answers = [run.typed.key(leaf.text) for leaf in voters]
+        else:
+            answers = [extract_answer(leaf.text, node.extractor) for leaf in voters]
         if node.method == "best_score":
             best = max(range(len(voters)), key=lambda i: voters[i].score or 0.0, default=None)
             run.answer = answers[best] if best is not None else None
@@ -456,17 +490,21 @@ class Reasoner:
             }
         vote = majority_vote(answers, weights)
         run.votes, run.support = dict(vote.counts), vote.support
+        ranked = sorted(vote.counts, key=lambda a: -vote.counts[a])
+        run.runner_up = next((a for a in ranked if a != run.answer), None)
         if node.method == "best_score" and run.answer is not None:
             total = sum(vote.counts.values())
             run.support = vote.counts.get(run.answer, 0.0) / total if total else 0.0
 
     def _result(self, run: RunState, stats: dict[str, float]) -> ReasoningResult:
         run.notes += _accel_notes(run.backend.accel if isinstance(run.backend, Accelerated) else None, stats)
+        key = run.typed.key if run.typed is not None else extract_answer
+        value, calls = self._typed_answer(run)
         branches = [
             Branch(
                 node=leaf.node,
                 text=leaf.text,
-                answer=extract_answer(leaf.text),
+                answer=key(leaf.text),
                 n_tokens=leaf.n_tokens,
                 confidence=sum(leaf.top1) / len(leaf.top1) if leaf.top1 else 0.0,
                 mean_logprob=sum(leaf.logprobs) / len(leaf.logprobs) if leaf.logprobs else 0.0,
@@ -483,6 +521,9 @@ class Reasoner:
             share=self.share,
             votes=run.votes,
             support=run.support,
+            runner_up=run.runner_up,
+            value=value,
+            tool_calls=calls,
             branches=branches,
             tree=list(run.tree.values()),
             timings=run.timings,
@@ -494,6 +535,20 @@ class Reasoner:
             kv_per_step=run.kv_per_step,
             search_steps=run.search,
         )
+
+    def _typed_answer(self, run: RunState) -> tuple[Any, list[Any]]:
+        """The winning branch's typed value and tool calls (None / [] without typed output)."""
+        typed = run.typed
+        if typed is None or not run.winners:
+            return None, []
+        winner = next(leaf for leaf in run.leaves if leaf.node in run.winners)
+        calls = typed.calls(winner.text)
+        try:
+            value = calls if typed.constraint.kind == "tool_calls" else typed.value(winner.text)
+        except (OutputError, ValueError) as err:
+            run.notes.append(f"the winning branch holds no valid typed value ({err})")
+            value = None
+        return value, calls
 
 
 def _accel_notes(accel: Accel | None, stats: dict[str, float]) -> list[str]:

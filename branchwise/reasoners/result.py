@@ -5,7 +5,11 @@ Pydantic models so a result serialises to JSON as-is (eval rows, the CLI's `--js
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, Field
+
+from branchwise.toolcalls import ToolCall
 
 
 class Branch(BaseModel):
@@ -75,6 +79,15 @@ class ReasoningResult(BaseModel):
     share: str
     votes: dict[str, float] = Field(default_factory=dict, description="answer -> weight behind it")
     support: float = Field(0.0, description="share of the vote weight behind the answer")
+    runner_up: str | None = Field(None, description="the answer with the next most weight behind it")
+    value: Any = Field(
+        None,
+        description="typed output (a reasoner with response_format or tools): the winner's value, a "
+        "validated pydantic object, a JSON value, or its list of tool calls",
+    )
+    tool_calls: list[ToolCall] = Field(
+        default_factory=list, description="the winning branch's tool calls (a reasoner with tools)"
+    )
     branches: list[Branch]
     tree: list[TreeNode]
     timings: dict[str, float] = Field(description="seconds per plan op kind, plus 'total'")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from branchwise.backends.base import Backend
 from branchwise.reasoners.result import SearchStep, TreeNode
+from branchwise.reasoners.typed import Typed
 
 
 @dataclass
@@ -49,6 +50,9 @@ class RunState:
     verify_skipped: int = 0
     votes: dict[str, float] = field(default_factory=dict)
     support: float = 0.0
+    runner_up: str | None = None
+    typed: Typed | None = None
+    """The typed output the answer steps decoded under (votes compare its values)."""
     winners: set[int] = field(default_factory=set)
     allocation: dict[int, int | None] | None = None
     """Children per leaf chosen by the last allocating select (None: the generate's own n)."""

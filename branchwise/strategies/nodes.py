@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from branchwise.constraints import Constraint
+
 __all__ = [
     "ALLOCATING_METHODS",
     "MAX_SEED",
@@ -102,6 +104,12 @@ class GenerateNode(_NodeBase):
     until: Literal["answer", "step"] = "answer"
     step_delimiter: str = Field(default="\n\n", min_length=1)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED, description="sampling seed of this node")
+    response_format: Constraint | None = Field(
+        default=None,
+        description="what each continuation must look like: a Constraint, or OpenAI's response_format "
+        "object ({type: json_object} / {type: json_schema, json_schema: {schema: ...}}); the backend "
+        "decodes under its grammar",
+    )
 
     @field_validator("stop")
     @classmethod

@@ -38,6 +38,10 @@ from branchwise.constraints import Constraint
 __all__ = ["ConstraintError", "GrammarStats", "Grammars", "RowGrammars"]
 
 _OPEN = "<tool_call>"
+MAX_WHITESPACE = 20
+"""Longest run of whitespace JSON may hold between two tokens: room for pretty-printing four levels
+deep, but a small model can no longer pad its JSON with whitespace until ``max_tokens`` runs out
+(xgrammar's default is unbounded, and random or small models do exactly that)."""
 
 
 def _tool_calls_tag(c: Constraint) -> st.StructuralTag:
@@ -54,7 +58,7 @@ def _tool_calls_tag(c: Constraint) -> st.StructuralTag:
     tags = [
         st.TagFormat(
             begin=f'{_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
-            content=st.JSONSchemaFormat(json_schema=fn["parameters"]),
+            content=st.JSONSchemaFormat(json_schema=fn["parameters"], max_whitespace_cnt=MAX_WHITESPACE),
             end="}\n</tool_call>",
         )
         for fn in tools
@@ -136,9 +140,13 @@ def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGramma
     }
     try:
         if c.kind == "json_schema":
-            return compiler.compile_json_schema(json.dumps(c.json_schema), strict_mode=c.strict)
+            return compiler.compile_json_schema(
+                json.dumps(c.json_schema), strict_mode=c.strict, max_whitespace_cnt=MAX_WHITESPACE
+            )
         if c.kind == "json_object":
-            return compiler.compile_json_schema(json.dumps({"type": "object"}), strict_mode=False)
+            return compiler.compile_json_schema(
+                json.dumps({"type": "object"}), strict_mode=False, max_whitespace_cnt=MAX_WHITESPACE
+            )
         if c.kind == "regex":
             assert c.pattern is not None
             return compiler.compile_regex(c.pattern)

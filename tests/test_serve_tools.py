@@ -246,6 +246,28 @@ def test_completions_take_response_format(client: Any) -> None:
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
 
 
+def test_branchwise_constraint_takes_any_constraint(served: str) -> None:
+    """The extension field carries what response_format cannot say (here: one of some strings)."""
+    body = {"messages": QUESTION, "n": 2, "max_tokens": 16, "seed": 1}
+    body["branchwise"] = {"constraint": {"kind": "choice", "choices": ["yes", "no"]}}
+    r = httpx.post(f"{served}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert {c["message"]["content"] for c in r.json()["choices"]} <= {"yes", "no"}
+
+
+def test_a_constraint_the_grammar_engine_refuses_is_a_400(served: str) -> None:
+    """Valid for Python's re, but the grammar engine has no lookahead: refused by name, not a 500."""
+    body = {
+        "messages": QUESTION,
+        "max_tokens": 4,
+        "branchwise": {"constraint": {"kind": "regex", "pattern": "(?=a)a"}},
+    }
+    r = httpx.post(f"{served}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "branchwise" and err["message"].startswith("branchwise.constraint: pattern"), err
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad requests: a 400 naming the field, before any decoding
 # --------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from branchwise.toolcalls import (
+    TOOL_CALL_OPEN,
     ToolCall,
     check_json_schema,
     normalize_tool_choice,
@@ -188,6 +189,46 @@ class Constraint(BaseModel):
         raise ValueError(
             f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}"
         )
+
+    def structural_tag(self, max_whitespace: int | None = None) -> dict[str, Any]:
+        """Kind tool_calls as a structural tag (xgrammar's JSON format, which vLLM's
+        ``structured_outputs.structural_tag`` takes too): the Hermes blocks of `branchwise.toolcalls`.
+
+        ``required`` / a named tool: one or more blocks (one with ``parallel_tool_calls=False``) and
+        nothing else; ``auto``: any text without the opening tag, then optionally the blocks. A
+        newline may follow each block, then the next block or the end: nothing may follow the last
+        one, so a reply is prose, or prose that ends in calls. (A separator that forced another block
+        would trap a model that just ends its line into repeating its call.)
+        """
+        if self.kind != "tool_calls":
+            raise ValueError(f"kind: {self.kind!r} has no structural tag; only 'tool_calls' does")
+        fns = [t["function"] for t in self.tools]
+        if self.tool_choice not in ("auto", "required"):
+            fns = [fn for fn in fns if fn["name"] == self.tool_choice]
+        tags = [
+            {
+                "type": "tag",
+                "begin": f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": fn["parameters"],
+                    "max_whitespace_cnt": max_whitespace,
+                },
+                "end": "}\n</tool_call>",
+            }
+            for fn in fns
+        ]
+        one = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        newline = {"type": "optional", "content": {"type": "const_string", "value": "\n"}}
+        item = {"type": "sequence", "elements": [one, newline]}
+        calls = {"type": "plus", "content": item} if self.parallel_tool_calls else item
+        if self.tool_choice != "auto":
+            return {"type": "structural_tag", "format": calls}
+        prose = {"type": "any_text", "excludes": [TOOL_CALL_OPEN]}
+        return {
+            "type": "structural_tag",
+            "format": {"type": "sequence", "elements": [prose, {"type": "optional", "content": calls}]},
+        }
 
     # -- reading the output ------------------------------------------------------------------
 

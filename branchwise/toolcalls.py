@@ -31,6 +31,7 @@ import jsonschema
 from pydantic import BaseModel, Field, create_model
 
 __all__ = [
+    "TOOL_CALL_OPEN",
     "ToolCall",
     "canonical_arguments",
     "canonical_json",
@@ -46,6 +47,7 @@ __all__ = [
     "valid_arguments",
 ]
 
+TOOL_CALL_OPEN = "<tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _BLOCK = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 

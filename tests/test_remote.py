@@ -445,3 +445,39 @@ def test_eval_cli_takes_endpoints(tmp_path: Path, served: str, tiny_llama_dir: P
     assert "2 rows written" in result.output
     bad = CliRunner().invoke(app, [*args, "--endpoint", served, "--endpoint-workers", "0"])
     assert bad.exit_code == 2 and "0 is not in the range 1<=x<=1024" in bad.output
+
+
+# --------------------------------------------------------------------------------------------------
+# Typed answers and tool calls travel to the server
+# --------------------------------------------------------------------------------------------------
+
+
+def test_tool_votes_over_a_remote_backend_equal_the_local_ones(served: str, tiny_backend: Any) -> None:
+    """The tools reach the prompt and the grammar reaches the server (branchwise serve's
+    ``branchwise.constraint``): the remote run's calls and votes are the local run's."""
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    strategy = PREBUILT["self-consistency"](branches=3, temperature=0.0, tokens=300)
+    kwargs = {"tools": [add], "tool_choice": "required", "parallel_tool_calls": False}
+    local = Reasoner(strategy, backend=tiny_backend, **kwargs).run(QUESTION)
+    remote = Reasoner(strategy, backend=RemoteBackend(served), **kwargs).run(QUESTION)
+    assert remote.tool_calls and remote.tool_calls[0].name == "add"
+    assert [b.text for b in remote.branches] == [b.text for b in local.branches]
+    assert remote.answer == local.answer and remote.votes == local.votes
+
+
+def test_constraints_in_vllms_structured_outputs_field() -> None:
+    from branchwise.backends.remote import _structured_outputs
+    from branchwise.constraints import Constraint
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    assert _structured_outputs(Constraint.of_json_schema(schema)) == {"json": schema}
+    assert _structured_outputs(Constraint.of_json_object()) == {"json_object": True}
+    assert _structured_outputs(Constraint.of_regex("[ab]+")) == {"regex": "[ab]+"}
+    assert _structured_outputs(Constraint.of_choice(["a", "b"])) == {"choice": ["a", "b"]}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": schema}}]
+    tag = json.loads(_structured_outputs(Constraint.of_tools(tools, "required"))["structural_tag"])
+    assert tag["type"] == "structural_tag" and "add" in json.dumps(tag)

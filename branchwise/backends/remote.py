@@ -31,9 +31,10 @@ the generation confidence is decisive) needs only generation probabilities, so i
 from __future__ import annotations
 
 import copy
+import json
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,8 @@ from branchwise.backends.base import (
     ShareMode,
     StepListener,
 )
+from branchwise.constraints import Constraint
+from branchwise.toolcalls import render_messages, template_has_tools
 
 if TYPE_CHECKING:
     import httpx
@@ -311,18 +314,31 @@ class RemoteBackend:
         reply = self._post_capability("/detokenize", {"model": self.model_name, "tokens": list(token_ids)})
         return str(reply["prompt"])
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """With a local tokenizer, rendered as the local backend does (`toolcalls.render_messages`);
+        otherwise by the server's ``/tokenize``, which renders ``tools`` with the served template
+        (vLLM's and branchwise's do)."""
         if self.tokenizer is not None:
+            template = getattr(self.tokenizer, "chat_template", None)
+            native = template_has_tools(template)
+            extra = {"tools": list(tools)} if tools and native else {}
             text = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False
+                render_messages(messages, tools, native=native),
+                add_generation_prompt=True,
+                tokenize=False,
+                **extra,
             )
             return self.encode(str(text))
-        body = {
+        body: dict[str, Any] = {
             "model": self.model_name,
-            "messages": list(messages),
+            "messages": [dict(m) for m in messages],
             "add_generation_prompt": True,
             "add_special_tokens": False,
         }
+        if tools:
+            body["tools"] = list(tools)
         return list(self._tokenize(body))
 
     def _tokenize(self, body: dict[str, Any]) -> list[int]:
@@ -487,7 +503,11 @@ class RemoteBackend:
         if self.branchwise_server:
             body["stop"] = list(params.stop) or None
             body["branchwise"] = {"details": True, "step_delimiter": params.step_delimiter}
+            if params.constraint is not None:
+                body["branchwise"]["constraint"] = params.constraint.model_dump(mode="json")
         else:
+            if params.constraint is not None:
+                body["structured_outputs"] = _structured_outputs(params.constraint)
             stops = [*params.stop, *([params.step_delimiter] if params.step_delimiter else [])]
             body.update(stop=stops or None, logprobs=1, return_tokens_as_token_ids=True)
             if params.step_delimiter:
@@ -559,3 +579,18 @@ class RemoteBackend:
             )
         by_id = {int(k.removeprefix("token_id:")): v for k, v in first.items()}
         return [math.exp(by_id[c]) if c in by_id else 0.0 for c in candidates]
+
+
+def _structured_outputs(c: Constraint) -> dict[str, Any]:
+    """A constraint in vLLM's ``structured_outputs`` request field (vLLM's xgrammar backend runs the
+    same grammar this package's local backend does). SGLang reads other field names and would
+    decode unconstrained: point RemoteBackend at vLLM or branchwise serve for constrained decoding."""
+    if c.kind == "json_schema":
+        return {"json": c.json_schema}
+    if c.kind == "json_object":
+        return {"json_object": True}
+    if c.kind == "regex":
+        return {"regex": c.pattern}
+    if c.kind == "choice":
+        return {"choice": list(c.choices)}
+    return {"structural_tag": json.dumps(c.structural_tag())}

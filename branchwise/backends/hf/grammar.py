@@ -5,7 +5,7 @@ Why xgrammar: it is the grammar engine vLLM and SGLang ship (so a schema that wo
 here), it compiles JSON Schema (with OpenAI's ``strict``), regexes, EBNF and *structural tags* — the
 last one is what tool calling under ``tool_choice="auto"`` needs: free text until the model opens a
 ``<tool_call>`` block, then the block's body forced to be a call of one of the tools with arguments
-valid under its schema (`_tool_calls_tag`, in the Hermes format `branchwise.toolcalls` prompts
+valid under its schema (`Constraint.structural_tag`, in the Hermes format `branchwise.toolcalls` prompts
 with). Its CPU wheel computes a row's mask in microseconds from a vocabulary table built
 once per tokenizer, and its matchers `fork`, which a shared-prefix batch needs. llguidance
 (Guidance's engine, also fast) has no tool-call formats of its own and no matcher fork.
@@ -31,47 +31,15 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
-from xgrammar import structural_tag as st
 
 from branchwise.constraints import Constraint
 
 __all__ = ["ConstraintError", "GrammarStats", "Grammars", "RowGrammars"]
 
-_OPEN = "<tool_call>"
 MAX_WHITESPACE = 20
 """Longest run of whitespace JSON may hold between two tokens: room for pretty-printing four levels
 deep, but a small model can no longer pad its JSON with whitespace until ``max_tokens`` runs out
 (xgrammar's default is unbounded, and random or small models do exactly that)."""
-
-
-def _tool_calls_tag(c: Constraint) -> st.StructuralTag:
-    """The Hermes blocks of `branchwise.toolcalls` as an xgrammar structural tag.
-
-    ``required`` / a named tool: one or more blocks (one with ``parallel_tool_calls=False``) and
-    nothing else; ``auto``: any text without the opening tag, then optionally the blocks. Nothing may
-    follow the last block, so a reply is prose *or* prose that ends in calls, never calls buried in
-    the middle of an answer (what a parser of the reply could not tell from an example).
-    """
-    tools = [t["function"] for t in c.tools]
-    if c.tool_choice not in ("auto", "required"):
-        tools = [fn for fn in tools if fn["name"] == c.tool_choice]
-    tags = [
-        st.TagFormat(
-            begin=f'{_OPEN}\n{{"name": {json.dumps(fn["name"])}, "arguments": ',
-            content=st.JSONSchemaFormat(json_schema=fn["parameters"], max_whitespace_cnt=MAX_WHITESPACE),
-            end="}\n</tool_call>",
-        )
-        for fn in tools
-    ]
-    # a newline may follow each block: the next block, or the end (a separator that forced another
-    # block would trap a model that just ends its line into repeating its call)
-    one = tags[0] if len(tags) == 1 else st.OrFormat(elements=tags)
-    item = st.SequenceFormat(elements=[one, st.OptionalFormat(content=st.ConstStringFormat(value="\n"))])
-    calls = st.PlusFormat(content=item) if c.parallel_tool_calls else item
-    if c.tool_choice != "auto":
-        return st.StructuralTag(format=calls)
-    prose = st.AnyTextFormat(excludes=[_OPEN])
-    return st.StructuralTag(format=st.SequenceFormat(elements=[prose, st.OptionalFormat(content=calls)]))
 
 
 class ConstraintError(ValueError):
@@ -153,7 +121,7 @@ def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGramma
         if c.kind == "choice":
             rule = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in c.choices)
             return compiler.compile_grammar(f"root ::= {rule}")
-        return compiler.compile_structural_tag(_tool_calls_tag(c))
+        return compiler.compile_structural_tag(c.structural_tag(MAX_WHITESPACE))
     except (RuntimeError, ValueError, TypeError) as err:
         where = field_name.get(c.kind, "constraint")
         raise ConstraintError(

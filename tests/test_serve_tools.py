@@ -370,11 +370,92 @@ def test_harmless_fields_and_no_op_values_are_accepted(client: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Parallel calls, streamed at once (a fake backend that replies with a fixed text)
+# --------------------------------------------------------------------------------------------------
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+TWO_CALLS = f"Checking.\n{CALL}\n{CALL.replace('Rome', 'Paris')}\n"
+
+
+class ScriptedBackend:
+    """Replies `TWO_CALLS` to every prompt; `extend` takes no ``on_step``, so a stream gets each
+    choice whole (both calls in one piece of text) and records the params it was given."""
+
+    name = model_name = "scripted"
+
+    def __init__(self) -> None:
+        self.next = 0
+        self.params: list[Any] = []
+        self.tools: list[Any] = []
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: Any) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def chat_prompt(self, messages: Any, tools: Any = None) -> list[int]:
+        self.tools.append(tools)
+        return self.encode(messages[-1]["content"] or "?")
+
+    def prefill(self, ids: Any) -> int:
+        self.next += 1
+        return self.next
+
+    def fork(self, node: int, n: int, share: Any = None) -> list[int]:
+        self.next += n
+        return list(range(self.next - n + 1, self.next + 1))
+
+    def extend(self, nodes: Any, params: Any) -> list[Any]:
+        from branchwise.backends.base import Generation
+
+        self.params.append(params)
+        ids = self.encode(TWO_CALLS)
+        return [Generation(n, ids, TWO_CALLS, [0.5] * len(ids), [-0.7] * len(ids), "eos") for n in nodes]
+
+    def release(self, nodes: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[str, ScriptedBackend]]:
+    backend = ScriptedBackend()
+    with serve_in_thread(create_app(backend, window_s=0.0)) as url:
+        yield url, backend
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_parallel_calls_get_their_own_indices(scripted: tuple[str, ScriptedBackend], stream: bool) -> None:
+    url, backend = scripted
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    r = _create(client, stream, messages=QUESTION, tools=[WEATHER, TIME], n=2)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "Checking."
+        calls = choice.message.tool_calls
+        assert [json.loads(c.function.arguments)["city"] for c in calls] == ["Rome", "Paris"]
+        assert len({c.id for c in calls}) == 2
+    (params,) = backend.params
+    assert params.constraint.kind == "tool_calls" and params.constraint.tool_choice == "auto"
+    assert [t["function"]["name"] for t in backend.tools[0]] == ["get_weather", "get_time"]
+
+
+def test_tool_choice_none_shows_no_tools_and_puts_no_constraint(
+    scripted: tuple[str, ScriptedBackend],
+) -> None:
+    url, backend = scripted
+    body = {"messages": QUESTION, "tools": [WEATHER], "tool_choice": "none"}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).json()
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": TWO_CALLS}  # text, as written
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert backend.params[0].constraint is None and backend.tools == [None]
+
+
+# --------------------------------------------------------------------------------------------------
 # Reading calls out of text (no model)
 # --------------------------------------------------------------------------------------------------
 
 TOOLS = normalize_tools([WEATHER, TIME])
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
 
 
 @pytest.mark.parametrize(

@@ -512,6 +512,7 @@ def create_app(
                 for i in range(req.n):
                     yield chunk(i, {"role": "assistant", "content": ""})
                 readers = [ToolCallStream(tools) for _ in range(req.n)] if tools is not None else None
+                sent = [0] * req.n  # calls streamed per choice: the next call's index
                 used = 0
                 async for i, text, g in stream.choices(backend):
                     if readers is None:
@@ -524,7 +525,8 @@ def create_app(
                             if kind == "content":
                                 yield chunk(i, {"content": value})
                             else:
-                                yield chunk(i, call_delta(len(reader.calls) - 1, value))
+                                yield chunk(i, call_delta(sent[i], value))
+                                sent[i] += 1
                     if g is not None:
                         used += len(g.token_ids)
                         calls = readers is not None and bool(readers[i].calls)

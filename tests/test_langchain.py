@@ -2,15 +2,13 @@
 stop, n, usage and metadata), concurrent calls merge into shared decode passes, and `as_runnable`
 makes a whole strategy one LCEL step.
 
-Skipped when langchain-core is not installed (the ``langchain`` extra). langchain-core's standard
-unit tests run too when `langchain_tests` is importable.
+Skipped when langchain-core is not installed (the ``langchain`` extra). langchain-tests' standard
+suites run in `test_langchain_standard.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -20,7 +18,6 @@ pytest.importorskip("langchain_core")
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.prompts import ChatPromptTemplate
 
-from branchwise.backends.base import DecodeParams, Generation
 from branchwise.integrations.langchain import ChatBranchwise, as_runnable
 
 QUESTIONS = [
@@ -140,84 +137,6 @@ def test_as_runnable_is_one_lcel_step(tiny_backend: Any) -> None:
     assert asyncio.run(step.ainvoke("What is 12 + 7?"))["answer"] == out["answer"]
     with pytest.raises(KeyError, match="question"):
         step.invoke({"q": "x"})
-
-
-# --------------------------------------------------------------------------------------------------
-# langchain-core's standard unit tests (where `langchain_tests` is installed)
-# --------------------------------------------------------------------------------------------------
-
-
-class EchoBackend:
-    """A backend that answers instantly (the standard unit tests construct many models)."""
-
-    model_name = "echo"
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.next = 0
-        self.prompts: dict[int, list[int]] = {}
-
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return [ord(c) for c in messages[-1]["content"]][:32] or [32]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def prefill(self, ids: Sequence[int]) -> int:
-        with self.lock:
-            self.next += 1
-            self.prompts[self.next] = list(ids)
-            return self.next
-
-    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
-        return [self.prefill(self.prompts[node]) for _ in range(n)]
-
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
-        out = []
-        for n in nodes:
-            ids = self.prompts[n][: params.max_tokens]
-            out.append(Generation(n, ids, self.decode(ids), [0.9] * len(ids), [-0.1] * len(ids), "eos"))
-        return out
-
-    def release(self, nodes: Sequence[int]) -> None:
-        pass
-
-
-_ECHO = EchoBackend()
-
-try:
-    from langchain_tests.unit_tests import ChatModelUnitTests
-except ImportError:  # langchain-tests is optional: the behaviours above cover the same ground
-    ChatModelUnitTests = None
-
-
-if ChatModelUnitTests is not None:
-
-    class TestChatBranchwiseStandard(ChatModelUnitTests):
-        @property
-        def chat_model_class(self) -> type[ChatBranchwise]:
-            return ChatBranchwise
-
-        @property
-        def chat_model_params(self) -> dict[str, Any]:
-            return {"backend": _ECHO, "model": "echo"}
-
-        @property
-        def has_tool_calling(self) -> bool:
-            return False
-
-        @property
-        def has_structured_output(self) -> bool:
-            return False
-
-        @property
-        def supports_image_inputs(self) -> bool:
-            return False
-
-else:
-
-    def test_standard_unit_tests_need_langchain_tests() -> None:
-        pytest.skip("langchain-tests is not installed (pip install langchain-tests)")
 
 
 def test_integrations_langgraph_snippet_runs(tiny_llama_dir: Any, tmp_path: Any) -> None:

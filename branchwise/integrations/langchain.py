@@ -8,50 +8,81 @@ branchwise strategy as one `Runnable` step.
   Every call submits its whole prompt to the backend's shared `Scheduler`, so ``batch`` (LangChain
   runs it on a thread pool) and ``abatch``/``asyncio.gather`` merge into shared decode passes, the
   ``n`` samples of one call fork one prefill, and a backend's prefix cache sees every prompt.
+* Tool calling: ``bind_tools`` (anything LangChain converts to an OpenAI tool) with ``tool_choice``
+  (``"auto"``, ``"none"``, ``"required"``/``"any"``, a tool's name or OpenAI's dict) shows the tools
+  to the model (its own template's tool format, else branchwise's fallback prompt) and decodes
+  under `Constraint.of_tools`: a ``<tool_call>`` block the model opens is forced to be a valid call
+  of a bound tool, and ``"required"``/a name force one from the first token. The reply's blocks
+  become ``AIMessage.tool_calls`` (the content is the prose around them); ``stream`` yields each
+  call as a ``tool_call_chunk`` once its block closes. Earlier calls (``AIMessage.tool_calls``) and
+  their results (``ToolMessage``) go back to the model as OpenAI-shaped assistant/``tool`` turns.
+* Structured output: ``with_structured_output(schema, method=...)`` for a pydantic class, a
+  TypedDict or a JSON Schema: ``"json_schema"`` (default) decodes under the schema's grammar,
+  ``"function_calling"`` forces a call of the schema as a tool, ``"json_mode"`` forces any JSON
+  object; ``include_raw=True`` returns the message and the parsing error too. A bound
+  ``response_format`` (OpenAI's object) or ``constraint`` (a `Constraint`) does the same by hand.
 * `as_runnable(reasoner)` wraps a `Reasoner` (strategy + backend) as a `Runnable`: one step of an
   LCEL chain (``prompt | as_runnable(reasoner)``) or a LangGraph node, returning the answer with
   its votes, support, the chosen branch's text and the KV statistics.
 
 Install with ``pip install 'branchwise[langchain]'``.
 
-Streaming: the decode loop has no per-token callback, so `stream` yields the reply token by token
-once its batch has decoded (the text equals the non-streamed one), as ``branchwise serve`` does.
+Streaming: `stream` yields the reply token by token once its batch has decoded (the text equals the
+non-streamed one), as ``branchwise serve`` does; with tools bound, text that may open a
+``<tool_call>`` tag is held back until it is known to be prose or a call.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
     ChatMessage,
+    FunctionMessage,
     HumanMessage,
     SystemMessage,
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableLambda
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from branchwise.backends.base import DecodeParams, Generation, ShareMode
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
+from branchwise.constraints import Constraint
+from branchwise.toolcalls import ToolCall, normalize_tool_choice, normalize_tools, parse_tool_calls
 
 if TYPE_CHECKING:
     from branchwise.reasoners.reasoner import Reasoner
 
 __all__ = ["ChatBranchwise", "as_runnable"]
 
-_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length"}
-"""Backend finish reasons in OpenAI's words (what LangChain users read in ``finish_reason``)."""
+_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length", "grammar": "stop"}
+"""Backend finish reasons in OpenAI's words (what LangChain users read in ``finish_reason``); a
+reply holding tool calls finishes with ``"tool_calls"`` unless ``max_tokens`` cut it (``"length"``).
+The backend's own reason is in ``response_metadata["branchwise"]["finish_reason"]``."""
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
-def _content_text(content: Any) -> str:
+def _content_text(content: Any, *, assistant: bool = False) -> str:
+    """The text of a message's content. An assistant's non-text blocks (``tool_use``, reasoning, ...)
+    are dropped: its calls travel in ``tool_calls``. Other roles accept text (and JSON) only."""
     if isinstance(content, str):
         return content
     parts = []
@@ -60,28 +91,61 @@ def _content_text(content: Any) -> str:
             parts.append(part)
         elif isinstance(part, dict) and part.get("type") == "text":
             parts.append(str(part.get("text", "")))
+        elif isinstance(part, dict) and part.get("type") == "json":
+            parts.append(json.dumps(part.get("json"), ensure_ascii=False))
+        elif assistant:
+            continue
         else:
             raise ValueError("ChatBranchwise accepts text content only (no images, audio or files)")
     return "".join(parts)
 
 
-def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as role/content dicts for the tokenizer's chat template."""
-    out = []
-    for m in messages:
+def _call_id(call: Mapping[str, Any], i: int, j: int) -> str:
+    return str(call.get("id") or f"call_{i}_{j}")
+
+
+def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as OpenAI-shaped dicts for `Backend.chat_prompt`: an assistant's tool calls
+    as ``tool_calls`` (arguments as JSON text), a tool's result as role ``tool`` with its
+    ``tool_call_id`` (and the tool's name where known)."""
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # tool_call_id -> tool name, to name results that do not say
+    for i, m in enumerate(messages):
         if isinstance(m, SystemMessage):
-            role = "system"
+            out.append({"role": "system", "content": _content_text(m.content)})
         elif isinstance(m, HumanMessage):
-            role = "user"
+            out.append({"role": "user", "content": _content_text(m.content)})
         elif isinstance(m, AIMessage):
-            role = "assistant"
-        elif isinstance(m, ToolMessage):  # a tool's output, read by the model as user text
-            role = "user"
+            entry: dict[str, Any] = {"role": "assistant", "content": _content_text(m.content, assistant=True)}
+            if m.tool_calls:
+                entry["tool_calls"] = []
+                for j, call in enumerate(m.tool_calls):
+                    cid = _call_id(call, i, j)
+                    names[cid] = call["name"]
+                    entry["tool_calls"].append(
+                        {
+                            "id": cid,
+                            "type": "function",
+                            "function": {
+                                "name": call["name"],
+                                "arguments": json.dumps(call.get("args") or {}, ensure_ascii=False),
+                            },
+                        }
+                    )
+            out.append(entry)
+        elif isinstance(m, ToolMessage):
+            entry = {"role": "tool", "content": _content_text(m.content), "tool_call_id": m.tool_call_id}
+            name = m.name or names.get(m.tool_call_id)
+            if name:
+                entry["name"] = name
+            out.append(entry)
+        elif isinstance(m, FunctionMessage):  # the legacy function-calling result
+            out.append({"role": "tool", "content": _content_text(m.content), "name": m.name})
         elif isinstance(m, ChatMessage):
             role = {"human": "user", "ai": "assistant"}.get(m.role, m.role)
+            out.append({"role": role, "content": _content_text(m.content, assistant=role == "assistant")})
         else:
-            role = "user"
-        out.append({"role": role, "content": _content_text(m.content)})
+            out.append({"role": "user", "content": _content_text(m.content)})
     return out
 
 
@@ -99,6 +163,130 @@ def _clip(pieces: list[str], text: str) -> list[str]:
     return [p for p in out if p]
 
 
+def _lc_tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"name": call.name, "args": call.arguments, "id": call.id, "type": "tool_call"}
+
+
+class _ToolCallSplitter:
+    """Splits a reply, fed piece by piece, into prose and ``<tool_call>`` blocks, as a stream.
+
+    Prose is passed on until a ``<tool_call>`` tag may start; a possible partial tag at the end of
+    what was fed is held back until the next piece tells. A block is held until its
+    ``</tool_call>`` arrives and then becomes one call when it is a valid call of a bound tool (the
+    rules of `parse_tool_calls`), else prose as the model wrote it; an unclosed block at the end is
+    prose too. The prose is stripped of leading and trailing whitespace (whitespace is held until
+    more prose follows), so the concatenated prose and the calls equal what `parse_tool_calls`
+    makes of the whole reply.
+    """
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]]) -> None:
+        self.tools = tools
+        self.buf = ""
+        self.in_block = False
+        self.started = False
+        self.held = ""
+
+    def _text(self, text: str) -> list[str | ToolCall]:
+        if not self.started:
+            text = text.lstrip()
+            if not text:
+                return []
+            self.started = True
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body) :]
+        return [body] if body else []
+
+    def feed(self, piece: str) -> list[str | ToolCall]:
+        """What `piece` completes: prose strings and calls, in order."""
+        self.buf += piece
+        out: list[str | ToolCall] = []
+        while self.buf:
+            if self.in_block:
+                end = self.buf.find(_CLOSE)
+                if end < 0:
+                    break
+                block, self.buf = self.buf[: end + len(_CLOSE)], self.buf[end + len(_CLOSE) :]
+                self.in_block = False
+                prose, calls = parse_tool_calls(block, self.tools)
+                if len(calls) == 1 and not prose:
+                    out.append(calls[0])
+                else:
+                    out += self._text(block)
+                continue
+            start = self.buf.find(_OPEN)
+            if start >= 0:
+                out += self._text(self.buf[:start])
+                self.buf, self.in_block = self.buf[start:], True
+                continue
+            keep = next((k for k in range(len(_OPEN) - 1, 0, -1) if self.buf.endswith(_OPEN[:k])), 0)
+            out += self._text(self.buf[: len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep :]
+            break
+        return out
+
+    def close(self) -> list[str | ToolCall]:
+        """The rest at the end of the reply (an unclosed block or a partial tag: prose)."""
+        rest, self.buf, self.in_block = self.buf, "", False
+        return self._text(rest) if rest else []
+
+    @classmethod
+    def split(cls, text: str, tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[ToolCall]]:
+        """A whole reply's prose and calls (what the streamed pieces add up to)."""
+        splitter = cls(tools)
+        parts = splitter.feed(text) + splitter.close()
+        prose = "".join(p for p in parts if isinstance(p, str))
+        return prose, [p for p in parts if isinstance(p, ToolCall)]
+
+
+def _tools_of(tools: Any) -> list[dict[str, Any]]:
+    """Any tools LangChain accepts (BaseTool, functions, pydantic/TypedDict classes, OpenAI or
+    Anthropic dicts) as normalized OpenAI function tools."""
+    if not isinstance(tools, Sequence) or isinstance(tools, str):  # one tool
+        tools = [tools]
+    return normalize_tools([convert_to_openai_tool(t) for t in tools])
+
+
+class _Request:
+    """What one call asks for: the prompt's messages and tools, and the decode constraint."""
+
+    def __init__(self, kwargs: Mapping[str, Any]) -> None:
+        tools = kwargs.get("tools")
+        self.tools: list[dict[str, Any]] = _tools_of(tools) if tools else []
+        choice = kwargs.get("tool_choice")
+        if choice is not None and not self.tools:
+            raise ValueError("tool_choice: no tools are bound (use bind_tools)")
+        self.tool_choice = normalize_tool_choice(choice, self.tools) if self.tools else "none"
+        constraints = []
+        if self.tools and self.tool_choice != "none":
+            parallel = kwargs.get("parallel_tool_calls")
+            constraints.append(
+                Constraint.of_tools(
+                    self.tools,
+                    self.tool_choice,
+                    parallel_tool_calls=True if parallel is None else bool(parallel),
+                )
+            )
+        response_format = kwargs.get("response_format")
+        if response_format is not None:
+            made = Constraint.from_response_format(response_format)
+            if made is not None:
+                constraints.append(made)
+        if kwargs.get("constraint") is not None:
+            constraints.append(Constraint.model_validate(kwargs["constraint"]))
+        if len(constraints) > 1:
+            raise ValueError(
+                "ChatBranchwise decodes under one constraint per call: bind tools (with a tool_choice "
+                "other than 'none'), a response_format or a constraint, not several"
+            )
+        self.constraint: Constraint | None = constraints[0] if constraints else None
+        self.prompt_tools = self.tools if self.tools and self.tool_choice != "none" else []
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.constraint is not None and self.constraint.kind == "tool_calls"
+
+
 class ChatBranchwise(BaseChatModel):
     """A langchain-core chat model over a local branchwise backend.
 
@@ -107,7 +295,9 @@ class ChatBranchwise(BaseChatModel):
     (with DSPy's `BranchwiseEngine`, other chat models, ...): all of them then batch together.
 
     Call-time keyword arguments (``model.invoke(x, temperature=0.7, n=3)`` or ``.bind(...)``)
-    override the fields of the same name.
+    override the fields of the same name; ``tools``/``tool_choice``/``parallel_tool_calls``
+    (what `bind_tools` binds), ``response_format`` (OpenAI's ``json_object``/``json_schema``
+    object) and ``constraint`` (a `Constraint`) constrain the decoding.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
@@ -177,10 +367,111 @@ class ChatBranchwise(BaseChatModel):
     def _name(self) -> str:
         return self.model_name or str(getattr(self.backend, "model_name", None) or "embedded")
 
+    # ------------------------------------------------------------------ tools and structured output
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool],
+        *,
+        tool_choice: str | dict[str, Any] | bool | None = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind `tools` (anything `convert_to_openai_tool` takes) for the model to call.
+
+        `tool_choice`: ``"auto"`` (default: the model decides; a call it opens is forced to be
+        valid), ``"none"`` (no calls; the tools are not shown), ``"required"`` or ``"any"`` (at least
+        one call), a tool's name or ``{"type": "function", "function": {"name": ...}}`` (a call of
+        that tool), ``True`` (required). `parallel_tool_calls=False` allows one call per reply.
+        `strict` is passed to `convert_to_openai_tool`; arguments always follow the tool's schema.
+        """
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
+        # each tool is checked here (a bad name or schema fails at bind time, not at invoke);
+        # two tools of one name fail when the model is called with them, as with OpenAI
+        normalized = [normalize_tools([t])[0] for t in formatted]
+        if tool_choice is not None:
+            normalize_tool_choice(tool_choice, normalized)
+            kwargs["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            kwargs["parallel_tool_calls"] = parallel_tool_calls
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """A runnable that returns `schema`'s value (a pydantic instance, or a dict for a TypedDict or
+        a JSON Schema) instead of a message.
+
+        `method`: ``"json_schema"`` decodes the reply under the schema's grammar (nothing is added
+        to the prompt: say what you want, as with OpenAI); ``"function_calling"`` shows `schema` as
+        the one tool and forces a call of it (its name and field descriptions are in the prompt);
+        ``"json_mode"`` forces some JSON object (describe the keys in the prompt) and parses it.
+        `include_raw=True` returns ``{"raw": AIMessage, "parsed": value or None, "parsing_error":
+        exception or None}`` instead of raising when the reply does not parse. `strict=False` lets
+        ``json_schema`` objects take properties the schema does not name where it allows them.
+        """
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        if schema is None and method != "json_mode":
+            raise ValueError(f"method={method!r} needs a schema")
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        output_format = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
+        parser: Runnable
+        if method == "function_calling":
+            tool_name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools(
+                [schema],
+                tool_choice=tool_name,
+                parallel_tool_calls=False,
+                strict=strict,
+                ls_structured_output_format=output_format,
+            )
+            parser = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+                if is_pydantic
+                else JsonOutputKeyToolsParser(key_name=tool_name, first_tool_only=True)
+            )
+        elif method in ("json_schema", "json_mode"):
+            if method == "json_schema":
+                json_schema = convert_to_json_schema(schema)
+                response_format: dict[str, Any] = {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": json_schema.get("title", "output"),
+                        "schema": json_schema,
+                        "strict": strict is not False,
+                    },
+                }
+            else:
+                response_format = {"type": "json_object"}
+                if schema is None:
+                    output_format = {"kwargs": {"method": method}, "schema": None}
+            llm = self.bind(response_format=response_format, ls_structured_output_format=output_format)
+            parser = (
+                PydanticOutputParser(pydantic_object=schema)  # type: ignore[arg-type]
+                if is_pydantic
+                else JsonOutputParser()
+            )
+        else:
+            raise ValueError(
+                f"method: expected 'json_schema', 'function_calling' or 'json_mode', got {method!r}"
+            )
+        if not include_raw:
+            return llm | parser
+        parse = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parse.with_fallbacks([fallback], exception_key="parsing_error")
+
     # ------------------------------------------------------------------ generation
     def _job(
         self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[list[int], Job, bool]:
+    ) -> tuple[list[int], Job, bool, _Request]:
         def opt(name: str) -> Any:
             value = kwargs.get(name)
             return getattr(self, name) if value is None else value
@@ -191,22 +482,35 @@ class ChatBranchwise(BaseChatModel):
         stops = stop if stop is not None else kwargs.get("stop", self.stop)
         if isinstance(stops, str):
             stops = [stops]
+        request = _Request(kwargs)
         params = DecodeParams(
             temperature=float(opt("temperature")),
             top_p=float(opt("top_p")),
             max_tokens=int(opt("max_tokens")),
             stop=tuple(stops or ()),
             seed=opt("seed"),
+            constraint=request.constraint,
         )
-        prompt_ids = self.backend.chat_prompt(_chat_messages(messages))
-        return prompt_ids, Job(prompt=prompt_ids, n=n, params=params, share=self.share), bool(opt("logprobs"))
+        chat = _chat_messages(messages)
+        if request.prompt_tools:
+            prompt_ids = self.backend.chat_prompt(chat, tools=request.prompt_tools)
+        else:
+            prompt_ids = self.backend.chat_prompt(chat)
+        job = Job(prompt=prompt_ids, n=n, params=params, share=self.share)
+        return prompt_ids, job, bool(opt("logprobs")), request
 
     def _message(
-        self, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool, chunk: bool = False
+        self, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool, request: _Request
     ) -> dict[str, Any]:
-        """Content, usage and metadata of one sample's reply (as AIMessage keyword arguments)."""
+        """Content, tool calls, usage and metadata of one sample's reply (AIMessage keyword arguments)."""
+        content, calls = gen.text, []
+        if request.calls_tools:
+            content, calls = _ToolCallSplitter.split(gen.text, request.tools)
         metadata: dict[str, Any] = {
-            "finish_reason": _FINISH.get(gen.finish_reason, "stop"),
+            # a reply cut by max_tokens says so even after a call (its next block may be cut off)
+            "finish_reason": "tool_calls"
+            if calls and gen.finish_reason != "length"
+            else _FINISH.get(gen.finish_reason, "stop"),
             "model_name": self._name(),
             "model_provider": "branchwise",
             "branchwise": {
@@ -228,14 +532,19 @@ class ChatBranchwise(BaseChatModel):
             output_tokens=len(gen.token_ids),
             total_tokens=len(prompt_ids) + len(gen.token_ids),
         )
-        return {"content": gen.text, "usage_metadata": usage, "response_metadata": metadata}
+        return {
+            "content": content,
+            "tool_calls": [_lc_tool_call(c) for c in calls],
+            "usage_metadata": usage,
+            "response_metadata": metadata,
+        }
 
     def _result(
-        self, prompt_ids: list[int], gens: list[Generation], job: Job, want_logprobs: bool
+        self, prompt_ids: list[int], gens: list[Generation], job: Job, want_logprobs: bool, request: _Request
     ) -> ChatResult:
         generations = []
         for g in gens:
-            fields = self._message(prompt_ids, g, job, want_logprobs)
+            fields = self._message(prompt_ids, g, job, want_logprobs, request)
             info = {"finish_reason": fields["response_metadata"]["finish_reason"]}
             if want_logprobs:
                 info["logprobs"] = fields["response_metadata"]["logprobs"]
@@ -266,9 +575,9 @@ class ChatBranchwise(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        prompt_ids, job, want_logprobs = self._job(messages, stop, kwargs)
+        prompt_ids, job, want_logprobs, request = self._job(messages, stop, kwargs)
         gens = self._scheduler.submit(job)
-        return self._result(prompt_ids, gens, job, want_logprobs)
+        return self._result(prompt_ids, gens, job, want_logprobs, request)
 
     async def _agenerate(
         self,
@@ -277,15 +586,16 @@ class ChatBranchwise(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        prompt_ids, job, want_logprobs = self._job(messages, stop, kwargs)
+        prompt_ids, job, want_logprobs, request = self._job(messages, stop, kwargs)
         gens = await self._scheduler.submit_async(job)
-        return self._result(prompt_ids, gens, job, want_logprobs)
+        return self._result(prompt_ids, gens, job, want_logprobs, request)
 
     def _chunks(
-        self, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool
+        self, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool, request: _Request
     ) -> Iterator[ChatGenerationChunk]:
-        """The reply cut at token boundaries (each piece's text is what the token adds)."""
-        fields = self._message(prompt_ids, gen, job, want_logprobs)
+        """The reply cut at token boundaries (each piece's text is what the token adds); with tools,
+        prose and one ``tool_call_chunk`` per call as each block closes."""
+        fields = self._message(prompt_ids, gen, job, want_logprobs, request)
         pieces: list[str] = []
         shown = ""
         for i in range(1, len(gen.token_ids) + 1):
@@ -295,8 +605,26 @@ class ChatBranchwise(BaseChatModel):
                 pieces.append(text[len(shown) :])
                 shown = text
         pieces = _clip(pieces, gen.text)
-        for piece in pieces:
-            yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
+        if request.calls_tools:
+            splitter = _ToolCallSplitter(request.tools)
+            calls = iter(fields["tool_calls"])  # the same calls (and ids) as the whole message's
+            index = 0
+            for part in [p for piece in pieces for p in splitter.feed(piece)] + splitter.close():
+                if isinstance(part, str):
+                    yield ChatGenerationChunk(message=AIMessageChunk(content=part))
+                    continue
+                call = next(calls)
+                chunk = tool_call_chunk(
+                    name=call["name"],
+                    args=json.dumps(call["args"], ensure_ascii=False),
+                    id=call["id"],
+                    index=index,
+                )
+                index += 1
+                yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[chunk]))
+        else:
+            for piece in pieces:
+                yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
         yield ChatGenerationChunk(
             message=AIMessageChunk(
                 content="",
@@ -315,9 +643,9 @@ class ChatBranchwise(BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         kwargs["n"] = 1
-        prompt_ids, job, want_logprobs = self._job(messages, stop, kwargs)
+        prompt_ids, job, want_logprobs, request = self._job(messages, stop, kwargs)
         (gen,) = self._scheduler.submit(job)
-        for chunk in self._chunks(prompt_ids, gen, job, want_logprobs):
+        for chunk in self._chunks(prompt_ids, gen, job, want_logprobs, request):
             if run_manager is not None and chunk.text:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
@@ -330,9 +658,9 @@ class ChatBranchwise(BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         kwargs["n"] = 1
-        prompt_ids, job, want_logprobs = self._job(messages, stop, kwargs)
+        prompt_ids, job, want_logprobs, request = self._job(messages, stop, kwargs)
         (gen,) = await self._scheduler.submit_async(job)
-        for chunk in self._chunks(prompt_ids, gen, job, want_logprobs):
+        for chunk in self._chunks(prompt_ids, gen, job, want_logprobs, request):
             if run_manager is not None and chunk.text:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk

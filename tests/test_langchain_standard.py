@@ -1,0 +1,218 @@
+"""langchain-tests' standard suites against `ChatBranchwise`: the unit suite and the integration suite,
+tool calling and structured output included.
+
+Where each part runs, and why:
+
+* `TestChatBranchwiseUnit` (``ChatModelUnitTests``): an instant echo backend; these tests build
+  models and bind tools and schemas, nothing is decoded that matters.
+* `TestChatBranchwiseTiny` (``ChatModelIntegrationTests``): a random tiny Llama (fast). Everything
+  that holds for any model runs here: invoke/stream/batch and their async twins, v3 events,
+  conversations, usage, stop, tool-message histories, a forced call of a tool without arguments,
+  few-shot tool examples. The grammar makes every forced call valid; what it cannot make is sense.
+* `TestChatBranchwiseEmbedded` (``slow``): the embedded SmolLM2-135M for the tests whose assertions
+  need a sensible answer — exact arguments (``magic_function(3)`` → ``{"input": 3}``), a string
+  argument or a JSON string field (a random model never writes the closing quote, so its reply is cut
+  by ``max_tokens``), Unicode copied from the prompt, a tool chosen under ``tool_choice="auto"``.
+  Those tests are skipped in the tiny class with that reason and only they run here, with small
+  ``max_tokens`` and one torch thread (on a shared 2-core machine the 135M model decodes several
+  times faster on one thread than on two contended ones).
+
+Tests that cannot apply are skipped through the suite's own flags: images, audio, PDF, Anthropic
+inputs (text-only model), model override (a `ChatBranchwise` is bound to the model it loaded), VCR
+timing (no HTTP to record).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pytest
+
+pytest.importorskip("langchain_core")
+pytest.importorskip("langchain_tests")
+
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from branchwise.backends.base import DecodeParams, Generation
+from branchwise.integrations.langchain import ChatBranchwise
+
+EMBEDDED_ONLY = {
+    "test_tool_calling": "asserts the exact arguments {'input': 3} read from the question",
+    "test_tool_calling_async": "asserts the exact arguments {'input': 3} read from the question",
+    "test_bind_runnables_as_tools": "needs a non-empty string argument the model closes",
+    "test_tool_choice": "forces a call that may pick get_weather, whose string argument must close",
+    "test_unicode_tool_call_integration": "asserts Unicode copied from the prompt into an argument",
+    "test_agent_loop": "asserts the model chooses a call under tool_choice='auto'",
+    "test_structured_output": "a Joke's string fields must close within max_tokens",
+    "test_structured_output_async": "a Joke's string fields must close within max_tokens",
+    "test_structured_output_pydantic_2_v1": "a Joke's string fields must close within max_tokens",
+    "test_structured_output_optional_param": "a Joke's string fields must close within max_tokens",
+    "test_json_mode": "asserts the JSON object's keys are exactly setup and punchline",
+}
+"""Integration tests that need a sensible answer, with what they assert that a random model cannot."""
+
+
+def _mark_async_tests(suite: type) -> None:
+    """Mark the suite's async tests (only those) for pytest-asyncio, so no global ``asyncio_mode``
+    is needed. The suite's own functions get the mark: a copy would count as an override, which
+    the suite's ``test_no_overrides_DO_NOT_OVERRIDE`` forbids."""
+    for name in dir(suite):
+        fn = getattr(suite, name)
+        marked = any(m.name == "asyncio" for m in getattr(fn, "pytestmark", []))
+        if name.startswith("test_") and inspect.iscoroutinefunction(fn) and not marked:
+            pytest.mark.asyncio(fn)
+
+
+_mark_async_tests(ChatModelIntegrationTests)
+
+
+# --------------------------------------------------------------------------------------------------
+# unit suite: an instant backend
+# --------------------------------------------------------------------------------------------------
+
+
+class EchoBackend:
+    """A backend that answers instantly by echoing the last message (the unit suite builds many
+    models and binds tools and schemas; it never judges a reply)."""
+
+    model_name = "echo"
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.next = 0
+        self.prompts: dict[int, list[int]] = {}
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        return [ord(c) for c in messages[-1]["content"]][:32] or [32]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def prefill(self, ids: Sequence[int]) -> int:
+        with self.lock:
+            self.next += 1
+            self.prompts[self.next] = list(ids)
+            return self.next
+
+    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
+        return [self.prefill(self.prompts[node]) for _ in range(n)]
+
+    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+        out = []
+        for n in nodes:
+            ids = self.prompts[n][: params.max_tokens]
+            out.append(Generation(n, ids, self.decode(ids), [0.9] * len(ids), [-0.1] * len(ids), "eos"))
+        return out
+
+    def release(self, nodes: Sequence[int]) -> None:
+        pass
+
+
+_ECHO = EchoBackend()
+
+
+class _Flags:
+    """Capabilities `ChatBranchwise` has and has not (shared by all three classes)."""
+
+    @property
+    def chat_model_class(self) -> type[ChatBranchwise]:
+        return ChatBranchwise
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return False  # text-only models
+
+    @property
+    def supports_image_tool_message(self) -> bool:
+        return False
+
+    @property
+    def supports_anthropic_inputs(self) -> bool:
+        return False  # Anthropic-shaped tool definitions and images are not a claim of this model
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False  # a ChatBranchwise decodes with the model it loaded; `model` only names it
+
+
+class TestChatBranchwiseUnit(_Flags, ChatModelUnitTests):
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"backend": _ECHO, "model": "echo"}
+
+
+# --------------------------------------------------------------------------------------------------
+# integration suite: a tiny random model, and the embedded model where sense is needed
+# --------------------------------------------------------------------------------------------------
+
+
+class TestChatBranchwiseTiny(_Flags, ChatModelIntegrationTests):
+    backend: Any = None
+
+    @pytest.fixture(autouse=True)
+    def _tiny(self, request: pytest.FixtureRequest, tiny_backend: Any) -> None:
+        why = EMBEDDED_ONLY.get(request.node.originalname)
+        if why is not None:
+            pytest.skip(f"needs a sensible model ({why}): runs in TestChatBranchwiseEmbedded (slow)")
+        type(self).backend = tiny_backend
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"backend": self.backend, "max_tokens": 128}
+
+
+@pytest.fixture(scope="module")
+def embedded_backend(embedded_dir: Any) -> Iterator[Any]:
+    """The embedded model, decoding on one torch thread for this module's tests."""
+    import torch
+
+    from branchwise.backends.hf import HFBackend
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield HFBackend(embedded_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+class TestChatBranchwiseEmbedded(_Flags, ChatModelIntegrationTests):
+    backend: Any = None
+
+    @pytest.fixture(autouse=True)
+    def _embedded(self, request: pytest.FixtureRequest) -> None:
+        name = request.node.originalname
+        if name not in EMBEDDED_ONLY and name != "test_no_overrides_DO_NOT_OVERRIDE":
+            pytest.skip("runs on the tiny model in TestChatBranchwiseTiny")
+        type(self).backend = request.getfixturevalue("embedded_backend")
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"backend": self.backend, "max_tokens": 64}

@@ -28,6 +28,13 @@ steps (its `extend` takes no ``on_step``) streams each choice whole once its bat
 
 A client that disconnects mid-stream cancels its request: its branches stop at the next decode step
 (they no longer take rows of the batch) and their KV is released when the batch ends.
+
+Tools and structured output: the request's ``tools`` / ``response_format`` become one `Constraint`
+(`protocol`), carried to the backend in `DecodeParams.constraint` (requests with different
+constraints never share a decode call: the scheduler groups by params); the tools are shown in the
+prompt by `Backend.chat_prompt`. The reply's text is read back into OpenAI's ``tool_calls``, whole
+or streamed, by one reader (`replies.ToolCallStream`), so both say the same; a constraint the
+backend's grammar engine cannot compile is a 400 naming the request field it came from.
 """
 
 from __future__ import annotations

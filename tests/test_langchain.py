@@ -9,16 +9,24 @@ suites run in `test_langchain_standard.py`.
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 
 pytest.importorskip("langchain_core")
 
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.tools import tool
+from pydantic import BaseModel, Field
+from typing_extensions import TypedDict
 
-from branchwise.integrations.langchain import ChatBranchwise, as_runnable
+from branchwise.backends.base import DecodeParams, Generation
+from branchwise.integrations.langchain import ChatBranchwise, _chat_messages, _ToolCallSplitter, as_runnable
+from branchwise.toolcalls import parse_tool_calls
 
 QUESTIONS = [
     "What is 12 + 7?",
@@ -164,3 +172,317 @@ def test_integrations_langgraph_snippet_runs(tiny_llama_dir: Any, tmp_path: Any)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip(), "the snippet printed nothing"
+
+
+# --------------------------------------------------------------------------------------------------
+# tool calling and structured output
+# --------------------------------------------------------------------------------------------------
+
+
+@tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression such as '12 * 7'."""
+    return str(eval(expression, {"__builtins__": {}}))  # a test tool: digits and operators only
+
+
+class ScriptedBackend:
+    """A backend that answers each call with the next scripted reply (token = character) and keeps
+    what it was asked: the messages and tools of each prompt and each call's `DecodeParams`."""
+
+    model_name = "scripted"
+
+    def __init__(self, *replies: str) -> None:
+        self.replies = list(replies)
+        self.lock = threading.Lock()
+        self.nodes = 0
+        self.messages: list[list[dict[str, Any]]] = []
+        self.tools: list[list[dict[str, Any]] | None] = []
+        self.params: list[DecodeParams] = []
+
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        self.messages.append([dict(m) for m in messages])
+        self.tools.append(None if tools is None else [dict(t) for t in tools])
+        return [1, 2, 3]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def prefill(self, ids: Sequence[int]) -> int:
+        with self.lock:
+            self.nodes += 1
+            return self.nodes
+
+    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
+        return [self.prefill([]) for _ in range(n)]
+
+    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+        self.params.append(params)
+        out = []
+        for node in nodes:
+            text = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
+            ids = [ord(c) for c in text]
+            out.append(Generation(node, ids, text, [0.9] * len(ids), [-0.1] * len(ids), "eos"))
+        return out
+
+    def release(self, nodes: Sequence[int]) -> None:
+        pass
+
+
+def _block(name: str, arguments: dict[str, Any]) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+CALL_REPLY = "Let me compute that.\n" + _block("calculator", {"expression": "12 * 7"})
+
+
+def test_bind_tools_returns_calls_with_ids_and_the_prose_as_content() -> None:
+    backend = ScriptedBackend(CALL_REPLY)
+    msg = ChatBranchwise(backend=backend).bind_tools([calculator]).invoke("What is 12 * 7?")
+    assert msg.content == "Let me compute that."
+    (call,) = msg.tool_calls
+    assert call["name"] == "calculator" and call["args"] == {"expression": "12 * 7"}
+    assert call["id"].startswith("call_") and call["type"] == "tool_call"
+    assert msg.response_metadata["finish_reason"] == "tool_calls"
+    constraint = backend.params[-1].constraint
+    assert constraint is not None and constraint.kind == "tool_calls" and constraint.tool_choice == "auto"
+    assert [t["function"]["name"] for t in backend.tools[-1]] == ["calculator"]  # shown to the model
+    assert backend.tools[-1][0]["function"]["parameters"]["properties"] == {"expression": {"type": "string"}}
+
+
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        (None, "auto"),
+        ("auto", "auto"),
+        ("any", "required"),
+        ("required", "required"),
+        (True, "required"),
+        ("calculator", "calculator"),
+        ({"type": "function", "function": {"name": "calculator"}}, "calculator"),
+        ("none", None),
+    ],
+)
+def test_tool_choice_reaches_the_constraint(choice: Any, expected: str | None) -> None:
+    backend = ScriptedBackend("12 * 7 is 84.")
+    chat = ChatBranchwise(backend=backend)
+    msg = chat.bind_tools([calculator, json.dumps], tool_choice=choice).invoke("What is 12 * 7?")
+    constraint = backend.params[-1].constraint
+    if expected is None:  # "none": no calls, and the tools are not shown
+        assert constraint is None and backend.tools[-1] is None
+    else:
+        assert constraint is not None and constraint.tool_choice == expected
+    assert msg.content == "12 * 7 is 84." and msg.tool_calls == []
+    with pytest.raises(ValueError, match="tool_choice"):
+        chat.bind_tools([calculator], tool_choice="search")
+
+
+def test_bind_tools_takes_every_tool_shape_langchain_takes() -> None:
+    class Weather(BaseModel):
+        """Weather at a place."""
+
+        city: str = Field(description="the city")
+
+    class Add(TypedDict):
+        """Add two integers."""
+
+        a: int
+        b: int
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        return a * b
+
+    openai_tool = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}
+    backend = ScriptedBackend("ok")
+    chat = ChatBranchwise(backend=backend).bind_tools(
+        [calculator, Weather, Add, multiply, openai_tool], parallel_tool_calls=False
+    )
+    chat.invoke("hi")
+    assert [t["function"]["name"] for t in backend.tools[-1]] == [
+        "calculator",
+        "Weather",
+        "Add",
+        "multiply",
+        "noop",
+    ]
+    assert backend.params[-1].constraint.parallel_tool_calls is False
+    with pytest.raises(ValueError, match="one constraint"):
+        chat.invoke("hi", response_format={"type": "json_object"})
+
+
+def _aggregate(chunks: list[AIMessageChunk]) -> AIMessageChunk:
+    total = chunks[0]
+    for c in chunks[1:]:
+        total = total + c
+    return total
+
+
+def test_stream_yields_prose_then_one_tool_call_chunk_per_call() -> None:
+    reply = (
+        "First this.\n"
+        + _block("calculator", {"expression": "1+1"})
+        + "\n"
+        + _block("calculator", {"expression": "2*3"})
+    )
+    backend = ScriptedBackend(reply)
+    chat = ChatBranchwise(backend=backend).bind_tools([calculator])
+    whole = chat.invoke("go")
+    chunks = list(chat.stream("go"))
+    assert not any("<" in c.content for c in chunks)  # no tag, whole or partial, leaks as prose
+    with_calls = [c for c in chunks if c.tool_call_chunks]
+    assert [len(c.tool_call_chunks) for c in with_calls] == [1, 1]
+    assert [c.tool_call_chunks[0]["index"] for c in with_calls] == [0, 1]
+    total = _aggregate(chunks)
+    assert total.content == whole.content == "First this."
+    assert [(c["name"], c["args"]) for c in total.tool_calls] == [
+        (c["name"], c["args"]) for c in whole.tool_calls
+    ]
+    assert total.response_metadata["finish_reason"] == "tool_calls"
+
+
+SPLIT_CASES = [
+    "just prose, no calls",
+    CALL_REPLY,
+    "  before " + _block("calculator", {"expression": "1"}) + "  after  ",
+    _block("calculator", {"expression": "1"}) + _block("calculator", {"expression": "2"}),
+    "a < b and <tool_c is not a tag",
+    "broken <tool_call>\n{not json}\n</tool_call> block stays prose",
+    "unknown " + _block("search", {"q": "x"}) + " tool stays prose",
+    "cut off " + '<tool_call>\n{"name": "calculator", "argu',
+    "ends with a partial tag <tool_ca",
+]
+
+
+@pytest.mark.parametrize("text", SPLIT_CASES)
+def test_splitter_fed_in_any_pieces_equals_parse_tool_calls(text: str) -> None:
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    prose, calls = parse_tool_calls(text, tools)
+    expected = (prose, [(c.name, c.arguments) for c in calls])
+    for cuts in [[], list(range(1, len(text)))] + [[i] for i in range(1, len(text))]:
+        splitter = _ToolCallSplitter(tools)
+        parts = []
+        for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+            parts += splitter.feed(text[a:b])
+        parts += splitter.close()
+        got_prose = "".join(p for p in parts if isinstance(p, str))
+        got_calls = [(p.name, p.arguments) for p in parts if not isinstance(p, str)]
+        assert (got_prose, got_calls) == expected, cuts
+
+
+def test_history_of_calls_and_results_is_openai_shaped(tiny_backend: Any) -> None:
+    history = [
+        SystemMessage("Use tools."),
+        HumanMessage("What is 12 * 7?"),
+        AIMessage(
+            [{"type": "text", "text": "Computing."}, {"type": "tool_use", "id": "c1", "name": "calculator"}],
+            tool_calls=[
+                {"name": "calculator", "args": {"expression": "12 * 7"}, "id": "c1", "type": "tool_call"}
+            ],
+        ),
+        ToolMessage("84", tool_call_id="c1"),
+    ]
+    assert _chat_messages(history) == [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "What is 12 * 7?"},
+        {
+            "role": "assistant",
+            "content": "Computing.",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{"expression": "12 * 7"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "84", "tool_call_id": "c1", "name": "calculator"},
+    ]
+    # the tiny model's ChatML template has no tool format: the fallback prompt shows both as blocks
+    chat = _chat(tiny_backend)
+    prompt = tiny_backend.decode(tiny_backend.chat_prompt(_chat_messages(history)))
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}' in prompt
+    assert "<tool_response>\n84\n</tool_response>" in prompt
+    assert isinstance(chat.bind_tools([calculator]).invoke(history), AIMessage)
+
+
+class Joke(BaseModel):
+    """A joke."""
+
+    setup: str
+    punchline: str
+
+
+class JokeDict(TypedDict):
+    """A joke."""
+
+    setup: str
+    punchline: str
+
+
+JOKE = '{"setup": "Why?", "punchline": "Because."}'
+
+
+@pytest.mark.parametrize(
+    "schema", [Joke, JokeDict, Joke.model_json_schema()], ids=["pydantic", "typeddict", "json"]
+)
+def test_with_structured_output_json_schema_decodes_under_the_schema(schema: Any) -> None:
+    backend = ScriptedBackend(JOKE)
+    structured = ChatBranchwise(backend=backend).with_structured_output(schema)
+    value = structured.invoke("Tell me a joke.")
+    if schema is Joke:
+        assert value == Joke(setup="Why?", punchline="Because.")
+    else:
+        assert value == {"setup": "Why?", "punchline": "Because."}
+    constraint = backend.params[-1].constraint
+    assert constraint is not None and constraint.kind == "json_schema"
+    assert set(constraint.json_schema["properties"]) == {"setup", "punchline"}
+    assert backend.tools[-1] is None  # nothing added to the prompt
+    assert list(structured.stream("Tell me a joke."))[-1] == value
+
+
+def test_with_structured_output_function_calling_and_json_mode() -> None:
+    backend = ScriptedBackend(_block("Joke", json.loads(JOKE)))
+    chat = ChatBranchwise(backend=backend)
+    assert chat.with_structured_output(Joke, method="function_calling").invoke("joke") == Joke(
+        setup="Why?", punchline="Because."
+    )
+    constraint = backend.params[-1].constraint
+    assert constraint.kind == "tool_calls" and constraint.tool_choice == "Joke"
+    assert constraint.parallel_tool_calls is False
+    backend.replies = [_block("JokeDict", json.loads(JOKE))]
+    assert chat.with_structured_output(JokeDict, method="function_calling").invoke("joke") == json.loads(JOKE)
+
+    backend.replies = [JOKE]
+    assert chat.with_structured_output(None, method="json_mode").invoke("joke") == json.loads(JOKE)
+    assert backend.params[-1].constraint.kind == "json_object"
+
+
+def test_with_structured_output_include_raw_keeps_a_reply_that_does_not_parse() -> None:
+    backend = ScriptedBackend('{"setup": "Why?"')  # cut by max_tokens
+    out = ChatBranchwise(backend=backend).with_structured_output(Joke, include_raw=True).invoke("joke")
+    assert isinstance(out["raw"], AIMessage) and out["raw"].content == '{"setup": "Why?"'
+    assert out["parsed"] is None and out["parsing_error"] is not None
+    backend.replies = [JOKE]
+    out = ChatBranchwise(backend=backend).with_structured_output(Joke, include_raw=True).invoke("joke")
+    assert out["parsed"] == Joke(setup="Why?", punchline="Because.") and out["parsing_error"] is None
+
+
+class Pick(BaseModel):
+    """A bounded choice (a random model closes it: no free strings)."""
+
+    color: str = Field(json_schema_extra={"enum": ["red", "green", "blue"]})
+    sure: bool
+
+
+def test_grammar_forces_valid_calls_and_json_on_a_random_model(tiny_backend: Any) -> None:
+    """A random model follows no format by itself: every call and value here is the grammar's."""
+    chat = _chat(tiny_backend, max_tokens=160)
+    msg = chat.bind_tools([Pick], tool_choice="any").invoke("Pick a color.")
+    assert msg.tool_calls and all(c["name"] == "Pick" for c in msg.tool_calls)
+    Pick.model_validate(msg.tool_calls[0]["args"])
+    streamed = _aggregate(list(chat.bind_tools([Pick], tool_choice="any").stream("Pick a color.")))
+    assert [c["args"] for c in streamed.tool_calls] == [c["args"] for c in msg.tool_calls]
+    assert streamed.content == msg.content
+    assert isinstance(chat.with_structured_output(Pick).invoke("Pick a color."), Pick)

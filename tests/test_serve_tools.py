@@ -451,6 +451,17 @@ def test_tool_choice_none_shows_no_tools_and_puts_no_constraint(
     assert backend.params[0].constraint is None and backend.tools == [None]
 
 
+def test_tokenize_shows_the_tools(scripted: tuple[str, ScriptedBackend]) -> None:
+    """vLLM's /tokenize takes tools too (RemoteBackend's own fields beside them are not checked)."""
+    url, backend = scripted
+    body = {"model": "x", "messages": QUESTION, "tools": [TIME], "add_generation_prompt": True}
+    r = httpx.post(f"{url}/tokenize", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert [t["function"]["name"] for t in backend.tools[0]] == ["get_time"]
+    bad = httpx.post(f"{url}/tokenize", json={**body, "tool_choice": "nope"}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+
+
 # --------------------------------------------------------------------------------------------------
 # Reading calls out of text (no model)
 # --------------------------------------------------------------------------------------------------

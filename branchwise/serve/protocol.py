@@ -121,8 +121,8 @@ class BranchwiseOptions(BaseModel):
     ``step_delimiter`` ends a reasoning step (kept in the text), ``score_candidates`` returns the
     log-probability of each candidate token at the first generated position (what `RemoteBackend`'s
     `score_next` needs, exactly and in one forward), ``constraint`` any `Constraint` (regex, choice,
-    tool calls, ... as `Constraint.model_dump` writes it: what a `RemoteBackend` forwards from its
-    `DecodeParams`), instead of ``response_format`` / ``tools``.
+    tool calls, ... as `Constraint.model_dump` writes it: what a `RemoteBackend` can forward from
+    its `DecodeParams`), instead of ``response_format`` / ``tools``.
     """
 
     model_config = ConfigDict(extra="forbid")

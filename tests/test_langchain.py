@@ -486,3 +486,48 @@ def test_grammar_forces_valid_calls_and_json_on_a_random_model(tiny_backend: Any
     assert [c["args"] for c in streamed.tool_calls] == [c["args"] for c in msg.tool_calls]
     assert streamed.content == msg.content
     assert isinstance(chat.with_structured_output(Pick).invoke("Pick a color."), Pick)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # create_react_agent moved to langchain.agents
+def test_langgraph_react_agent_calls_the_tool_then_answers(embedded_dir: Any) -> None:
+    """LangGraph's prebuilt ReAct agent, unchanged, on the embedded model: it calls the calculator,
+    reads the result and answers.
+
+    The 135M model rarely decides to call a tool under ``tool_choice="auto"``, so the agent is
+    given a model-selection callable (a documented `create_react_agent` input): the first turn
+    requires a call, later turns (a tool result is in the conversation) leave the choice to the
+    model. What the model calls, with which arguments, and what it answers is its own.
+    """
+    pytest.importorskip("langgraph")
+    import torch
+    from langgraph.prebuilt import create_react_agent
+
+    from branchwise.backends.hf import HFBackend
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # faster on a shared 2-core machine
+    try:
+        llm = ChatBranchwise(backend=HFBackend(embedded_dir), max_tokens=40)
+
+        def pick_model(state: Any, runtime: Any) -> Any:
+            answered = any(isinstance(m, ToolMessage) for m in state["messages"])
+            choice = "auto" if answered else "required"
+            return llm.bind_tools([calculator], tool_choice=choice, parallel_tool_calls=False)
+
+        agent = create_react_agent(pick_model, [calculator])
+        question = "What is 12 * 7? Use the calculator."
+        out = agent.invoke({"messages": [("user", question)]}, {"recursion_limit": 8})
+    finally:
+        torch.set_num_threads(threads)
+    messages = out["messages"]
+    first = messages[1]
+    assert isinstance(first, AIMessage) and [c["name"] for c in first.tool_calls] == ["calculator"]
+    result = messages[2]
+    assert isinstance(result, ToolMessage) and result.tool_call_id == first.tool_calls[0]["id"]
+    assert result.status == "success", result.content  # the model's expression evaluated
+    final = messages[-1]
+    assert isinstance(final, AIMessage) and not final.tool_calls
+    # the answer carries the result (greedy, so deterministic; the 135M model echoes the tool
+    # response block it was shown: '<tool_response>\n84\n</tool_response>')
+    assert result.content in final.content

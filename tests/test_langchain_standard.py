@@ -17,6 +17,11 @@ Where each part runs, and why:
   ``max_tokens`` and one torch thread (on a shared 2-core machine the 135M model decodes several
   times faster on one thread than on two contended ones).
 
+Three embedded tests are expected failures of the 135M model itself (``xfail``, not strict, so a
+better model passes them): `test_agent_loop` (it answers in prose instead of choosing a call under
+``tool_choice="auto"``), `test_json_mode` (it does not write the asked keys) and
+`test_unicode_tool_call_integration` (it loops in a free-text argument until ``max_tokens``).
+
 Tests that cannot apply are skipped through the suite's own flags: images, audio, PDF, Anthropic
 inputs (text-only model), model override (a `ChatBranchwise` is bound to the model it loaded), VCR
 timing (no HTTP to record).
@@ -45,13 +50,13 @@ EMBEDDED_ONLY = {
     "test_tool_calling_async": "asserts the exact arguments {'input': 3} read from the question",
     "test_bind_runnables_as_tools": "needs a non-empty string argument the model closes",
     "test_tool_choice": "forces a call that may pick get_weather, whose string argument must close",
-    "test_unicode_tool_call_integration": "asserts Unicode copied from the prompt into an argument",
-    "test_agent_loop": "asserts the model chooses a call under tool_choice='auto'",
+    "test_unicode_tool_call_integration": "asserts Unicode copied from the prompt into an argument",  # xfail
+    "test_agent_loop": "asserts the model chooses a call under tool_choice='auto'",  # xfail
     "test_structured_output": "a Joke's string fields must close within max_tokens",
     "test_structured_output_async": "a Joke's string fields must close within max_tokens",
     "test_structured_output_pydantic_2_v1": "a Joke's string fields must close within max_tokens",
     "test_structured_output_optional_param": "a Joke's string fields must close within max_tokens",
-    "test_json_mode": "asserts the JSON object's keys are exactly setup and punchline",
+    "test_json_mode": "asserts the JSON object's keys are exactly setup and punchline",  # xfail
 }
 """Integration tests that need a sensible answer, with what they assert that a random model cannot."""
 
@@ -216,3 +221,30 @@ class TestChatBranchwiseEmbedded(_Flags, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict[str, Any]:
         return {"backend": self.backend, "max_tokens": 64}
+
+    # The three tests the 135M model fails on its own merits (xfail, not strict: a better model passes)
+    @pytest.mark.xfail(
+        reason="SmolLM2-135M does not write the asked keys: unconstrained it answers 'A JSON with "
+        '"setup" and "punchline" keys.\', under the JSON-object grammar it nests {"setup": {"setup": ...}}',
+    )
+    def test_json_mode(self, model: Any) -> None:
+        super().test_json_mode(model)
+
+    @pytest.mark.xfail(
+        reason="SmolLM2-135M does not choose a call under tool_choice='auto': it answers the weather "
+        "question in prose (a required call is tested in test_tool_calling and the LangGraph agent)",
+    )
+    @pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
+    def test_agent_loop(self, model: Any) -> None:
+        super().test_agent_loop(model)
+
+    @pytest.mark.xfail(
+        reason="SmolLM2-135M copies the Chinese name into customer_name, then repeats one sentence in "
+        "the free-text description until max_tokens cuts the call",
+    )
+    def test_unicode_tool_call_integration(
+        self, model: Any, *, tool_choice: str | None = None, force_tool_call: bool = True
+    ) -> None:
+        super().test_unicode_tool_call_integration(
+            model, tool_choice=tool_choice, force_tool_call=force_tool_call
+        )

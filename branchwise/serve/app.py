@@ -63,12 +63,10 @@ from branchwise.backends.text import TextStream
 from branchwise.serve.protocol import BranchwiseOptions, ChatMessage, ChatRequest, CompletionRequest
 from branchwise.serve.replies import (
     FINISH,
-    ToolCallStream,
-    call_delta,
+    ChatDeltas,
     chat_choice_message,
     chat_logprobs,
     details,
-    finish_reason,
     strategy_reply,
     text_logprobs,
     tools_of,
@@ -518,26 +516,14 @@ def create_app(
 
                 for i in range(req.n):
                     yield chunk(i, {"role": "assistant", "content": ""})
-                readers = [ToolCallStream(tools) for _ in range(req.n)] if tools is not None else None
-                sent = [0] * req.n  # calls streamed per choice: the next call's index
+                readers = [ChatDeltas(tools) for _ in range(req.n)]
                 used = 0
                 async for i, text, g in stream.choices(backend):
-                    if readers is None:
-                        if text:
-                            yield chunk(i, {"content": text})
-                    else:
-                        reader = readers[i]
-                        events = reader.push(text) + (reader.finish() if g is not None else [])
-                        for kind, value in events:
-                            if kind == "content":
-                                yield chunk(i, {"content": value})
-                            else:
-                                yield chunk(i, call_delta(sent[i], value))
-                                sent[i] += 1
+                    for delta in readers[i].push(text, end=g is not None):
+                        yield chunk(i, delta)
                     if g is not None:
                         used += len(g.token_ids)
-                        calls = readers is not None and bool(readers[i].calls)
-                        yield chunk(i, {}, finish_reason(g, calls))
+                        yield chunk(i, {}, readers[i].finish_reason(g))
                 if include_usage:
                     yield {**base, "choices": [], "usage": usage(len(prompt), used)}
 
@@ -545,7 +531,7 @@ def create_app(
                 _sse(chunks()), media_type="text/event-stream", background=BackgroundTask(stream.close)
             )
         gens = await server.decode(req, prompt, request)
-        used = usage(len(prompt), sum(len(g.token_ids) for g in gens))
+        counted = usage(len(prompt), sum(len(g.token_ids) for g in gens))
         k = req.top_logprobs or 0
         tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
         choices = []
@@ -562,7 +548,7 @@ def create_app(
             if req.branchwise is not None and req.branchwise.details:
                 choice["branchwise"] = details(g)
             choices.append(choice)
-        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": used})
+        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": counted})
 
     # ------------------------------------------------------------------ text completions
     async def complete(body: bytes, request: Request) -> Response:

@@ -24,13 +24,16 @@ from branchwise.toolcalls import ToolCall, parse_tool_calls
 
 __all__ = [
     "FINISH",
+    "ChatDeltas",
     "ToolCallStream",
     "chat_choice_message",
     "chat_logprobs",
     "details",
     "finish_reason",
+    "split_reply",
     "strategy_reply",
     "text_logprobs",
+    "tools_of",
     "usage",
 ]
 
@@ -163,9 +166,29 @@ def chat_choice_message(g: Generation, constraint: Constraint | None) -> tuple[d
     return message, finish_reason(g, bool(calls))
 
 
-def call_delta(index: int, call: ToolCall) -> dict[str, Any]:
-    """A streamed call: the whole call in one delta, as the openai client assembles it."""
-    return {"tool_calls": [{"index": index, **call.openai()}]}
+class ChatDeltas:
+    """One streamed chat choice's deltas: its text as decoded or, with tools, its content and calls
+    (each call whole, in one delta, as the openai client assembles it)."""
+
+    def __init__(self, tools: Sequence[dict[str, Any]] | None) -> None:
+        self.reader = ToolCallStream(tools) if tools is not None else None
+        self.sent = 0  # calls streamed so far: the next call's index
+
+    def push(self, text: str, *, end: bool = False) -> list[dict[str, Any]]:
+        """The deltas `text` (the choice's next text, the last when `end`) releases."""
+        if self.reader is None:
+            return [{"content": text}] if text else []
+        out = []
+        for kind, value in self.reader.push(text) + (self.reader.finish() if end else []):
+            if kind == "content":
+                out.append({"content": value})
+            else:
+                out.append({"tool_calls": [{"index": self.sent, **value.openai()}]})
+                self.sent += 1
+        return out
+
+    def finish_reason(self, g: Generation) -> str:
+        return finish_reason(g, self.sent > 0)
 
 
 # ---------------------------------------------------------------------- response shapes

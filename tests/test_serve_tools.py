@@ -266,6 +266,7 @@ def test_a_constraint_the_grammar_engine_refuses_is_a_400(served: str) -> None:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "branchwise" and err["message"].startswith("branchwise.constraint: pattern"), err
+    assert "Lookahead" in err["message"] and ".cc:" not in err["message"], err
 
 
 # --------------------------------------------------------------------------------------------------

@@ -168,7 +168,8 @@ def _outcome(work: asyncio.Future[list[Generation]], source: str = "constraint")
         # compile; `branchwise.backends.hf.grammar.ConstraintError`, not imported: it needs torch)
         if not any(c.__name__ == "ConstraintError" for c in type(err).__mro__):
             raise
-        raise RequestError(400, f"{source}: {err}", source.split(".")[0]) from None
+        message = re.sub(r"\[[\d:]+\] \S+:\d+: ", "", str(err)).strip()  # xgrammar's log prefix
+        raise RequestError(400, f"{source}: {message}", source.split(".")[0]) from None
 
 
 class _StepFeed:

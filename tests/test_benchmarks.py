@@ -503,3 +503,19 @@ def test_run_all_table_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert "| river | cpu" not in text and text.count("| river |") == 1  # the rerun replaced the failure
     with pytest.raises(SystemExit, match="no run"):
         run_all.main(["run", "--out", str(out), "--only", "nope"])
+
+
+@pytest.mark.slow
+def test_structured_quick() -> None:
+    out = run_quick("structured.py")
+    assert set(out["compile"]) == {"tool_calls(2 tools)", "json_schema(nested)", "json_object"}
+    for row in out["compile"].values():
+        assert row["cold_ms"] > 0 and row["cached_ms"] >= 0
+    assert [row["batch"] for row in out["per_token_cost"]] == [1, 2]
+    for row in out["per_token_cost"]:
+        assert row["steps_timed_on"] > 0 and row["steps_timed_off"] > 0
+        assert row["overhead"] + 1 == ratio(row["ms_per_step_on"], row["ms_per_step_off"])
+    # under the grammar every reply is a valid call: that is the grammar's promise, not a timing
+    assert out["validity"]["with_grammar"]["rate"] == 1.0
+    vote = out["action_vote"]
+    assert 0 <= vote["vote_correct"] <= vote["requests"] == 2

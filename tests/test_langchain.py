@@ -24,7 +24,7 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
-from branchwise.backends.base import DecodeParams, Generation
+from branchwise.backends.base import DecodeParams, DecodeStep, Generation
 from branchwise.integrations.langchain import ChatBranchwise, _chat_messages, _ToolCallSplitter, as_runnable
 from branchwise.toolcalls import parse_tool_calls
 
@@ -131,6 +131,20 @@ def test_abatch_and_gather_merge_and_equal_serial(tiny_backend: Any) -> None:
     assert stats.extend_calls - before < 12
 
 
+def test_stream_yields_while_decoding_and_a_reader_that_stops_cancels(tiny_backend: Any) -> None:
+    chat = _chat(tiny_backend, max_tokens=400)
+    stats = chat.batch_stats
+    before = stats.cancelled, stats.extend_calls
+    stream = chat.stream("What is 12 + 7?")
+    first = next(stream)  # arrives after the first decode step, not after 400
+    assert first.content and first.chunk_position is None
+    stream.close()
+    assert stats.cancelled == before[0] + 1
+    # the cancelled row is stopped at its next step; the next call then decodes normally
+    assert _chat(tiny_backend).invoke("What is 12 + 7?").content
+    assert stats.extend_calls > before[1]
+
+
 def test_as_runnable_is_one_lcel_step(tiny_backend: Any) -> None:
     from branchwise.reasoners.reasoner import Reasoner
     from branchwise.strategies import self_consistency
@@ -217,13 +231,22 @@ class ScriptedBackend:
     def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
         return [self.prefill([]) for _ in range(n)]
 
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
+        """Each reply, one character per decode step to `on_step` (as the local backend does)."""
         self.params.append(params)
         out = []
         for node in nodes:
             text = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
             ids = [ord(c) for c in text]
             out.append(Generation(node, ids, text, [0.9] * len(ids), [-0.1] * len(ids), "eos"))
+        if on_step is not None:
+            for i in range(max(len(g.token_ids) for g in out)):
+                on_step(
+                    DecodeStep(
+                        {r: g.token_ids[i : i + 1] for r, g in enumerate(out) if i < len(g.token_ids)}, {}
+                    )
+                )
+            on_step(DecodeStep({}, dict(enumerate(out))))
         return out
 
     def release(self, nodes: Sequence[int]) -> None:
@@ -330,6 +353,7 @@ def test_stream_yields_prose_then_one_tool_call_chunk_per_call() -> None:
     chat = ChatBranchwise(backend=backend).bind_tools([calculator])
     whole = chat.invoke("go")
     chunks = list(chat.stream("go"))
+    assert len(chunks) > 10  # streamed as decoded (a character per step here)
     assert not any("<" in c.content for c in chunks)  # no tag, whole or partial, leaks as prose
     with_calls = [c for c in chunks if c.tool_call_chunks]
     assert [len(c.tool_call_chunks) for c in with_calls] == [1, 1]

@@ -27,14 +27,19 @@ branchwise strategy as one `Runnable` step.
 
 Install with ``pip install 'branchwise[langchain]'``.
 
-Streaming: `stream` yields the reply token by token once its batch has decoded (the text equals the
-non-streamed one), as ``branchwise serve`` does; with tools bound, text that may open a
-``<tool_call>`` tag is held back until it is known to be prose or a call.
+Streaming: `stream`/`astream` yield the reply as it is decoded (each decode step of the call's
+row, on a backend whose `extend` takes a step listener; a whole reply at once on one that does not).
+Text is held back where a stop string may begin (the server's rule, `TextStream`), and with tools
+bound from where a ``<tool_call>`` tag may begin until it is known to be prose or a call; each
+call is one ``tool_call_chunk`` when its block closes. The chunks add up to the ``invoke`` reply.
+A consumer that stops reading cancels the rest of the decoding.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import queue
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Literal
@@ -62,8 +67,9 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from branchwise.backends.base import DecodeParams, Generation, ShareMode
+from branchwise.backends.base import DecodeParams, DecodeStep, Generation, ShareMode
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
+from branchwise.backends.text import TextStream
 from branchwise.constraints import Constraint
 from branchwise.toolcalls import ToolCall, normalize_tool_choice, normalize_tools, parse_tool_calls
 
@@ -149,20 +155,6 @@ def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def _clip(pieces: list[str], text: str) -> list[str]:
-    """Token pieces whose concatenation is exactly `text` (the final reply, cut before a stop string)."""
-    out: list[str] = []
-    total = 0
-    for p in pieces:
-        if total >= len(text):
-            break
-        out.append(p[: len(text) - total])
-        total += len(out[-1])
-    if "".join(out) != text:  # decoding prefixes disagreed with the final text: one piece
-        return [text] if text else []
-    return [p for p in out if p]
-
-
 def _lc_tool_call(call: ToolCall) -> dict[str, Any]:
     return {"name": call.name, "args": call.arguments, "id": call.id, "type": "tool_call"}
 
@@ -237,6 +229,40 @@ class _ToolCallSplitter:
         parts = splitter.feed(text) + splitter.close()
         prose = "".join(p for p in parts if isinstance(p, str))
         return prose, [p for p in parts if isinstance(p, ToolCall)]
+
+
+class _Pieces:
+    """One streamed reply's parts as it is decoded: text released where no stop string can begin
+    any more (`TextStream`, the server's rule), then split into prose and calls when tools are
+    bound. Together the parts are what `_message` makes of the finished reply. Each part comes with
+    its call index (the position among the reply's calls; 0 for prose)."""
+
+    def __init__(self, detokenize: Callable[[Sequence[int]], str], params: DecodeParams, tools: Any) -> None:
+        self.text = TextStream(detokenize, params)
+        self.splitter = _ToolCallSplitter(tools) if tools else None
+        self.calls = 0
+
+    def _indexed(self, parts: list[str | ToolCall]) -> list[tuple[str | ToolCall, int]]:
+        out = []
+        for part in parts:
+            out.append((part, self.calls if isinstance(part, ToolCall) else 0))
+            self.calls += isinstance(part, ToolCall)
+        return out
+
+    def _parts(self, delta: str) -> list[str | ToolCall]:
+        if self.splitter is None:
+            return [delta] if delta else []
+        return self.splitter.feed(delta) if delta else []
+
+    def push(self, tokens: Sequence[int]) -> list[tuple[str | ToolCall, int]]:
+        return self._indexed(self._parts(self.text.push(tokens)))
+
+    def finish(self, text: str) -> list[tuple[str | ToolCall, int]]:
+        """The rest, given the finished reply's text (as the backend cut it)."""
+        parts = self._parts(self.text.finish(text))
+        if self.splitter is not None:
+            parts += self.splitter.close()
+        return self._indexed(parts)
 
 
 def _tools_of(tools: Any) -> list[dict[str, Any]]:
@@ -590,42 +616,24 @@ class ChatBranchwise(BaseChatModel):
         gens = await self._scheduler.submit_async(job)
         return self._result(prompt_ids, gens, job, want_logprobs, request)
 
-    def _chunks(
-        self, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool, request: _Request
-    ) -> Iterator[ChatGenerationChunk]:
-        """The reply cut at token boundaries (each piece's text is what the token adds); with tools,
-        prose and one ``tool_call_chunk`` per call as each block closes."""
+    def _pieces(self, request: _Request, params: DecodeParams) -> _Pieces:
+        return _Pieces(self.backend.decode, params, request.tools if request.calls_tools else None)
+
+    def _chunk(self, part: str | ToolCall, index: int) -> ChatGenerationChunk:
+        if isinstance(part, str):
+            return ChatGenerationChunk(message=AIMessageChunk(content=part))
+        call = tool_call_chunk(
+            name=part.name, args=json.dumps(part.arguments, ensure_ascii=False), id=part.id, index=index
+        )
+        return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[call]))
+
+    def _last_chunk(
+        self, prompt_ids: list[int], job: Job, want_logprobs: bool, request: _Request
+    ) -> ChatGenerationChunk:
+        """The closing chunk: usage and metadata of the whole reply."""
+        (gen,) = job.result()
         fields = self._message(prompt_ids, gen, job, want_logprobs, request)
-        pieces: list[str] = []
-        shown = ""
-        for i in range(1, len(gen.token_ids) + 1):
-            text = self.backend.decode(gen.token_ids[:i])
-            # a token that ends inside a multi-byte character decodes to a replacement char: wait
-            if not text.endswith("\ufffd") and text.startswith(shown) and len(text) > len(shown):
-                pieces.append(text[len(shown) :])
-                shown = text
-        pieces = _clip(pieces, gen.text)
-        if request.calls_tools:
-            splitter = _ToolCallSplitter(request.tools)
-            calls = iter(fields["tool_calls"])  # the same calls (and ids) as the whole message's
-            index = 0
-            for part in [p for piece in pieces for p in splitter.feed(piece)] + splitter.close():
-                if isinstance(part, str):
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=part))
-                    continue
-                call = next(calls)
-                chunk = tool_call_chunk(
-                    name=call["name"],
-                    args=json.dumps(call["args"], ensure_ascii=False),
-                    id=call["id"],
-                    index=index,
-                )
-                index += 1
-                yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[chunk]))
-        else:
-            for piece in pieces:
-                yield ChatGenerationChunk(message=AIMessageChunk(content=piece))
-        yield ChatGenerationChunk(
+        return ChatGenerationChunk(
             message=AIMessageChunk(
                 content="",
                 usage_metadata=fields["usage_metadata"],
@@ -644,11 +652,28 @@ class ChatBranchwise(BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         kwargs["n"] = 1
         prompt_ids, job, want_logprobs, request = self._job(messages, stop, kwargs)
-        (gen,) = self._scheduler.submit(job)
-        for chunk in self._chunks(prompt_ids, gen, job, want_logprobs, request):
-            if run_manager is not None and chunk.text:
-                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        events: queue.SimpleQueue[DecodeStep | None] = queue.SimpleQueue()
+        job.on_step = events.put  # from the worker thread, after each decode step of this job
+        job.on_done = lambda _: events.put(None)  # after its last step
+        self._scheduler.enqueue(job)
+        pieces = self._pieces(request, job.params)
+        try:
+            while (step := events.get()) is not None:
+                for part, index in pieces.push(step.tokens.get(0, ())):
+                    chunk = self._chunk(part, index)
+                    if run_manager is not None and chunk.text:
+                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                    yield chunk
+            (gen,) = job.result()
+            for part, index in pieces.finish(gen.text):
+                chunk = self._chunk(part, index)
+                if run_manager is not None and chunk.text:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+            yield self._last_chunk(prompt_ids, job, want_logprobs, request)
+        finally:
+            if not job.done.is_set():  # the consumer stopped reading: stop decoding for it
+                self._scheduler.cancel(job)
 
     async def _astream(
         self,
@@ -659,11 +684,29 @@ class ChatBranchwise(BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         kwargs["n"] = 1
         prompt_ids, job, want_logprobs, request = self._job(messages, stop, kwargs)
-        (gen,) = await self._scheduler.submit_async(job)
-        for chunk in self._chunks(prompt_ids, gen, job, want_logprobs, request):
-            if run_manager is not None and chunk.text:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[DecodeStep | None] = asyncio.Queue()
+        job.on_step = lambda step: loop.call_soon_threadsafe(events.put_nowait, step)
+        job.on_done = lambda _: loop.call_soon_threadsafe(events.put_nowait, None)
+        self._scheduler.enqueue(job)
+        pieces = self._pieces(request, job.params)
+        try:
+            while (step := await events.get()) is not None:
+                for part, index in pieces.push(step.tokens.get(0, ())):
+                    chunk = self._chunk(part, index)
+                    if run_manager is not None and chunk.text:
+                        await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                    yield chunk
+            (gen,) = job.result()
+            for part, index in pieces.finish(gen.text):
+                chunk = self._chunk(part, index)
+                if run_manager is not None and chunk.text:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+            yield self._last_chunk(prompt_ids, job, want_logprobs, request)
+        finally:
+            if not job.done.is_set():  # the consumer stopped reading (or was cancelled)
+                self._scheduler.cancel(job)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 
 from branchwise.backends.base import Backend, Generation
 from branchwise.constraints import Constraint
-from branchwise.toolcalls import ToolCall, parse_tool_calls
+from branchwise.toolcalls import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 
 __all__ = [
     "FINISH",
@@ -48,7 +48,7 @@ FINISH = {
 """Backend finish reasons mapped onto OpenAI's ("grammar": the constraint allowed no more tokens, so
 the reply is as complete as it can be)."""
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = TOOL_CALL_OPEN, "</tool_call>"
 
 Event = tuple[str, Any]
 """``("content", str)`` or ``("call", ToolCall)``."""

@@ -464,6 +464,9 @@ def test_with_structured_output_json_schema_decodes_under_the_schema(schema: Any
     assert set(constraint.json_schema["properties"]) == {"setup", "punchline"}
     assert backend.tools[-1] is None  # nothing added to the prompt
     assert list(structured.stream("Tell me a joke."))[-1] == value
+    if isinstance(schema, type):  # response_format takes the class too (as ChatOpenAI's does)
+        ChatBranchwise(backend=backend).invoke("Tell me a joke.", response_format=schema)
+        assert backend.params[-1].constraint == constraint
 
 
 def test_with_structured_output_function_calling_and_json_mode() -> None:

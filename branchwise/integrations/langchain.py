@@ -294,7 +294,9 @@ class _Request:
                 )
             )
         response_format = kwargs.get("response_format")
-        if response_format is not None:
+        if isinstance(response_format, type):  # a pydantic class or a TypedDict, as ChatOpenAI takes
+            constraints.append(Constraint.of_json_schema(convert_to_json_schema(response_format)))
+        elif response_format is not None:
             made = Constraint.from_response_format(response_format)
             if made is not None:
                 constraints.append(made)
@@ -323,7 +325,8 @@ class ChatBranchwise(BaseChatModel):
     Call-time keyword arguments (``model.invoke(x, temperature=0.7, n=3)`` or ``.bind(...)``)
     override the fields of the same name; ``tools``/``tool_choice``/``parallel_tool_calls``
     (what `bind_tools` binds), ``response_format`` (OpenAI's ``json_object``/``json_schema``
-    object) and ``constraint`` (a `Constraint`) constrain the decoding.
+    object, or a pydantic class or TypedDict) and ``constraint`` (a `Constraint`) constrain the
+    decoding.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)

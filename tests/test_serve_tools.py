@@ -204,6 +204,29 @@ def test_named_tool_choice_calls_that_tool(client: Any) -> None:
     assert isinstance(_check_call(call, "get_time")["utc"], bool)
 
 
+def test_a_strategy_votes_on_tool_calls(client: Any) -> None:
+    """branchwise.strategy with tools: every branch decodes under the tools' grammar and the reply
+    carries the winning call, the vote over canonical calls beside it."""
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=QUESTION,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0.8,
+        seed=0,
+        max_tokens=128,
+        extra_body={"branchwise": {"strategy": "self-consistency", "branches": 3}},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    args = _check_call(call, call.function.name)
+    extra = r.model_extra["branchwise"]
+    assert extra["answer"] in extra["votes"] and call.function.name in extra["answer"]
+    assert sum(len(b["text"]) > 0 for b in extra["branches"]) == 3 and args is not None
+
+
 # --------------------------------------------------------------------------------------------------
 # Structured output
 # --------------------------------------------------------------------------------------------------
@@ -230,6 +253,21 @@ def test_response_format_json_schema_validates(client: Any) -> None:
     choice = r.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_a_strategy_votes_on_json_values(client: Any) -> None:
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        temperature=0.8,
+        seed=0,
+        max_tokens=128,
+        extra_body={"branchwise": {"strategy": "self-consistency", "branches": 2}},
+    )
+    value = r.model_extra["branchwise"]["value"]
+    jsonschema.validate(value, PERSON)
+    assert json.loads(r.choices[0].message.content) == value
 
 
 def test_completions_take_response_format(client: Any) -> None:
@@ -320,9 +358,9 @@ _BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type"
         ),
         (
             "chat/completions",
-            {"tools": [WEATHER], "branchwise": {"strategy": "self-consistency"}},
-            "tools",
-            "not yet",
+            {"messages": _history("{}"), "branchwise": {"strategy": "self-consistency"}},
+            "messages",
+            "not supported yet",
         ),
         (
             "chat/completions",

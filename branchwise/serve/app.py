@@ -67,6 +67,7 @@ from branchwise.serve.replies import (
     chat_choice_message,
     chat_logprobs,
     details,
+    strategy_message,
     strategy_reply,
     text_logprobs,
     tools_of,
@@ -354,20 +355,43 @@ class _Server:
         return self.backend.prefill(prompt[:-1])
 
     # ------------------------------------------------------------------ strategies
-    async def run_strategy(self, req: ChatRequest | CompletionRequest, messages: list[dict[str, str]]) -> Any:
-        """Run a whole strategy on the last user turn (system turns become its system prompt)."""
+    async def run_strategy(self, req: ChatRequest | CompletionRequest, messages: list[dict[str, Any]]) -> Any:
+        """Run a whole strategy on the last user turn (system turns become its system prompt). With
+        tools or a response format every branch decodes under the constraint and the branches vote
+        on their calls or values (`Reasoner`'s typed answers)."""
         from branchwise.reasoners import Reasoner
 
         opts = req.branchwise
         assert opts is not None and opts.strategy is not None
         strategy = _strategy(opts, req)
+        if any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            raise RequestError(
+                400,
+                "messages: tool calls and results in a strategy request's history are not supported yet",
+                "messages",
+            )
         system = "\n\n".join(m["content"] for m in messages if m["role"] in ("system", "developer")) or None
         turns = [m for m in messages if m["role"] not in ("system", "developer")]
         if not turns:
             raise RequestError(400, "messages: a strategy needs a user message to answer", "messages")
-        reasoner = Reasoner(
-            strategy, backend=self.backend, share=opts.share or self.share, system_prompt=system
-        )
+        c = req.constraint
+        typed: dict[str, Any] = {}
+        if c is not None and c.kind == "tool_calls":
+            typed = {
+                "tools": list(c.tools),
+                "tool_choice": c.tool_choice,
+                "parallel_tool_calls": c.parallel_tool_calls,
+            }
+        elif c is not None:
+            typed = {"response_format": c}
+        try:
+            reasoner = Reasoner(
+                strategy, backend=self.backend, share=opts.share or self.share, system_prompt=system, **typed
+            )
+        except ValueError as err:
+            raise RequestError(
+                400, f"{req.constraint_field}: {err}", req.constraint_field.split(".")[0]
+            ) from None
         if self.strategy_waiting >= self.max_strategy_queue:
             raise RequestError(
                 429,
@@ -494,7 +518,8 @@ def create_app(
         if req.branchwise is not None and req.branchwise.strategy is not None:
             result = await server.run_strategy(req, messages)
             text, finish, extra, used = strategy_reply(result)
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            message, finish = strategy_message(result, text, finish, req.constraint)
+            choice = {"index": 0, "message": message, "finish_reason": finish}
             return JSONResponse(
                 {
                     **head,

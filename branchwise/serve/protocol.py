@@ -203,8 +203,6 @@ class _Request(BaseModel):
             raise ValueError(
                 f"{field}: one constraint per request; it cannot be combined with {self._source}"
             )
-        if self.branchwise is not None and self.branchwise.strategy is not None:
-            raise ValueError(f"{field}: not yet supported together with branchwise.strategy")
         self._constraint, self._source = constraint, field
 
     @property

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import BaseModel
+
 from branchwise.backends.base import Backend, Generation
 from branchwise.constraints import Constraint
 from branchwise.toolcalls import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
@@ -31,6 +33,7 @@ __all__ = [
     "details",
     "finish_reason",
     "split_reply",
+    "strategy_message",
     "strategy_reply",
     "text_logprobs",
     "tools_of",
@@ -212,6 +215,14 @@ def details(g: Generation) -> dict[str, Any]:
     }
 
 
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
 def strategy_reply(result: Any) -> tuple[str, str, dict[str, Any], int]:
     """(text, finish_reason, branchwise field, completion tokens) of a strategy run."""
     chosen = next((b for b in result.branches if b.selected), result.branches[0] if result.branches else None)
@@ -222,6 +233,7 @@ def strategy_reply(result: Any) -> tuple[str, str, dict[str, Any], int]:
         "votes": result.votes,
         "support": result.support,
         "strategy": result.strategy,
+        "value": None if result.tool_calls else _jsonable(result.value),
         "kv_stats": result.kv_stats,
         "timings": result.timings,
         "branches": [
@@ -230,6 +242,24 @@ def strategy_reply(result: Any) -> tuple[str, str, dict[str, Any], int]:
         ],
     }
     return text, finish, extra, sum(b.n_tokens for b in result.branches)
+
+
+def strategy_message(
+    result: Any, text: str, finish: str, constraint: Constraint | None
+) -> tuple[dict[str, Any], str]:
+    """A strategy run's chat ``message`` and ``finish_reason``: with tools, the winning calls (the
+    vote's, `ReasoningResult.tool_calls`) and the chosen branch's prose."""
+    tools = tools_of(constraint)
+    if tools is None:
+        return {"role": "assistant", "content": text}, finish
+    content, _ = split_reply(text, tools)
+    calls = list(result.tool_calls)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.openai() for c in calls]
+        if finish != "length":
+            finish = "tool_calls"
+    return message, finish
 
 
 def chat_logprobs(

@@ -196,7 +196,7 @@ class _Request(BaseModel):
         return self
 
     def _set_constraint(self, constraint: Constraint | None, field: str) -> None:
-        """Take the request's one constraint; a second one, or any on a strategy request, is refused."""
+        """Take the request's one constraint; a second one is refused (one grammar per reply)."""
         if constraint is None:
             return
         if self._constraint is not None:

@@ -515,6 +515,27 @@ def test_grammar_forces_valid_calls_and_json_on_a_random_model(tiny_backend: Any
     assert isinstance(chat.with_structured_output(Pick).invoke("Pick a color."), Pick)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # create_react_agent moved to langchain.agents
+def test_langgraph_react_agent_loop_sends_calls_and_results_back() -> None:
+    """The prebuilt agent binds the tools itself; the second turn's prompt holds the call and its
+    result as OpenAI-shaped assistant and tool messages."""
+    pytest.importorskip("langgraph")
+    from langgraph.prebuilt import create_react_agent
+
+    backend = ScriptedBackend(_block("calculator", {"expression": "12 * 7"}), "12 * 7 = 84.")
+    agent = create_react_agent(ChatBranchwise(backend=backend), [calculator])
+    out = agent.invoke({"messages": [("user", "What is 12 * 7?")]}, {"recursion_limit": 6})
+    kinds = [type(m).__name__ for m in out["messages"]]
+    assert kinds == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"]
+    assert out["messages"][2].content == "84" and out["messages"][-1].content == "12 * 7 = 84."
+    second = backend.messages[-1]
+    assert [m["role"] for m in second] == ["user", "assistant", "tool"]
+    call = second[1]["tool_calls"][0]
+    assert call["function"] == {"name": "calculator", "arguments": '{"expression": "12 * 7"}'}
+    assert second[2] == {"role": "tool", "content": "84", "tool_call_id": call["id"], "name": "calculator"}
+    assert [t["function"]["name"] for t in backend.tools[-1]] == ["calculator"]
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # create_react_agent moved to langchain.agents
 def test_langgraph_react_agent_calls_the_tool_then_answers(embedded_dir: Any) -> None:

@@ -30,9 +30,22 @@ from branchwise.toolcalls import (
     parse_tool_calls,
 )
 
-__all__ = ["Constraint", "ConstraintKind", "OutputError", "check_json_schema", "tool_calls_of"]
+__all__ = [
+    "Constraint",
+    "ConstraintError",
+    "ConstraintKind",
+    "OutputError",
+    "check_json_schema",
+    "tool_calls_of",
+]
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "tool_calls"]
+
+
+class ConstraintError(ValueError):
+    """The grammar engine refused a constraint that validated here (a schema or regex feature it
+    cannot compile); the message names the constraint's field. Raised by a backend before any
+    decoding, so front ends answer it as a bad request."""
 
 
 class OutputError(ValueError):

@@ -60,6 +60,7 @@ from starlette.background import BackgroundTask
 from branchwise.backends.base import Backend, DecodeStep, Generation, ShareMode
 from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFull, Scheduler
 from branchwise.backends.text import TextStream
+from branchwise.constraints import ConstraintError
 from branchwise.serve.protocol import BranchwiseOptions, ChatMessage, ChatRequest, CompletionRequest
 from branchwise.serve.replies import (
     FINISH,
@@ -164,13 +165,8 @@ def _outcome(work: asyncio.Future[list[Generation]], source: str = "constraint")
         raise RequestError(400, f"prompt: {err}", param="prompt") from None
     except Cancelled as err:  # pragma: no cover - only a disconnected client's job is cancelled
         raise RequestError(503, str(err)) from None
-    except ValueError as err:
-        # the backend's grammar engine refused the request's constraint (a schema feature it cannot
-        # compile; `branchwise.backends.hf.grammar.ConstraintError`, not imported: it needs torch)
-        if not any(c.__name__ == "ConstraintError" for c in type(err).__mro__):
-            raise
-        message = re.sub(r"\[[\d:]+\] \S+:\d+: ", "", str(err)).strip()  # xgrammar's log prefix
-        raise RequestError(400, f"{source}: {message}", source.split(".")[0]) from None
+    except ConstraintError as err:  # the grammar engine refused the request's constraint
+        raise RequestError(400, f"{source}: {err}", source.split(".")[0]) from None
 
 
 class _StepFeed:

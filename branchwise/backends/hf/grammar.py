@@ -23,6 +23,7 @@ other token; CGEE's early stop waits until every constrained row's output is com
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -32,19 +33,16 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from branchwise.constraints import Constraint
+from branchwise.constraints import Constraint, ConstraintError
 
 __all__ = ["ConstraintError", "GrammarStats", "Grammars", "RowGrammars"]
 
+_LOG_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
+"""The position prefix of xgrammar's C++ error messages (time, source file and line)."""
 MAX_WHITESPACE = 20
 """Longest run of whitespace JSON may hold between two tokens: room for pretty-printing four levels
 deep, but a small model can no longer pad its JSON with whitespace until ``max_tokens`` runs out
 (xgrammar's default is unbounded, and random or small models do exactly that)."""
-
-
-class ConstraintError(ValueError):
-    """The grammar library refused a constraint (a schema feature it cannot compile); the message
-    names the constraint's field."""
 
 
 @dataclass
@@ -124,8 +122,9 @@ def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGramma
         return compiler.compile_structural_tag(c.structural_tag(MAX_WHITESPACE))
     except (RuntimeError, ValueError, TypeError) as err:
         where = field_name.get(c.kind, "constraint")
+        reason = _LOG_PREFIX.sub("", str(err)).strip()
         raise ConstraintError(
-            f"{where}: the grammar engine cannot compile this {c.kind} constraint ({err})"
+            f"{where}: the grammar engine cannot compile this {c.kind} constraint ({reason})"
         ) from None
 
 

@@ -176,3 +176,25 @@ EVIDENCE = {
     "skipkv": ("skipkv_compressions",),
     "reasoncache": ("reasoncache_blocks_reused",),
 }
+
+
+@pytest.mark.parametrize("keep", EVICTING)
+def test_constrained_rows_hold_their_grammar_under_every_acceleration(
+    backend: HFBackend, vector_path: Path, keep: str
+) -> None:
+    """With every acceleration acting (River exiting from layer 0, CGEE's decode gate firing after
+    9 tokens, eviction), each row's output still follows its grammar and ends whole: the mask acts
+    on whatever logits a step produced, and the gate waits for complete constrained rows."""
+    from branchwise.backends.base import DecodeParams
+    from branchwise.constraints import Constraint
+
+    names = next(group for group in ALL if keep in group)
+    session = backend.session(accel=_acting(names, vector_path))
+    c = Constraint.of_regex(r"(yes|no), [0-9]{2,12}\.")
+    root = session.prefill(session.chat_prompt([{"role": "user", "content": QUESTION}]))
+    kids = session.fork(root, 3)
+    gens = session.extend(kids, DecodeParams(temperature=1.0, seed=0, max_tokens=40, constraint=c))
+    session.release([*kids, root])
+    for g in gens:
+        assert g.finish_reason in ("eos", "confident"), g
+        c.parse(g.text)

@@ -9,8 +9,7 @@ import jsonschema
 import pytest
 
 from branchwise.backends.base import DecodeParams
-from branchwise.backends.hf.grammar import ConstraintError
-from branchwise.constraints import Constraint
+from branchwise.constraints import Constraint, ConstraintError
 from branchwise.toolcalls import normalize_tools, parse_tool_calls, valid_arguments
 
 SCHEMA = {

@@ -38,6 +38,7 @@ A consumer that stops reading cancels the rest of the decoding.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
@@ -689,8 +690,13 @@ class ChatBranchwise(BaseChatModel):
         prompt_ids, job, want_logprobs, request = self._job(messages, stop, kwargs)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[DecodeStep | None] = asyncio.Queue()
-        job.on_step = lambda step: loop.call_soon_threadsafe(events.put_nowait, step)
-        job.on_done = lambda _: loop.call_soon_threadsafe(events.put_nowait, None)
+
+        def put(event: DecodeStep | None) -> None:  # on the worker thread
+            with contextlib.suppress(RuntimeError):  # the reader's loop has closed: nobody listens
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job.on_step = put
+        job.on_done = lambda _: put(None)
         self._scheduler.enqueue(job)
         pieces = self._pieces(request, job.params)
         try:

@@ -31,8 +31,10 @@ import jsonschema
 from pydantic import BaseModel, Field, create_model
 
 __all__ = [
+    "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "ToolCall",
+    "ToolCallStream",
     "canonical_arguments",
     "canonical_json",
     "check_json_schema",
@@ -41,13 +43,14 @@ __all__ = [
     "normalize_tools",
     "parse_tool_calls",
     "render_messages",
+    "split_calls",
     "template_has_tools",
     "tool_names",
     "tool_prompt",
     "valid_arguments",
 ]
 
-TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _BLOCK = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -244,6 +247,101 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tupl
         calls.append(ToolCall(name=name, arguments=args))
     kept.append(text[last:])
     return "".join(kept).strip(), calls
+
+
+class ToolCallStream:
+    """A reply's text in, piece by piece; its content (strings) and tool calls out, in order.
+
+    Content is the text outside ``<tool_call>...</tool_call>`` blocks; a block whose body is a call
+    of one of `tools` becomes a `ToolCall`, any other block stays content as written (an unclosed
+    one too). Whitespace next to a call block (the newlines around it) is not content. Text that
+    might be the start of ``<tool_call>`` and whitespace that might precede one are held back until
+    the next characters decide, so however the text is cut, the pieces add up to `split_calls` of
+    the whole: what a streamed reply releases is what the finished one says.
+    """
+
+    def __init__(self, tools: Sequence[dict[str, Any]]) -> None:
+        self.tools = tools
+        self.calls: list[ToolCall] = []
+        self._buf = ""
+        self._in_block = False
+        self._after_call = False  # whitespace right after a call is not content
+        self._space = ""  # trailing whitespace held: a call block may follow it
+
+    def push(self, text: str) -> list[str | ToolCall]:
+        """Take more of the reply's text; what is now decided."""
+        self._buf += text
+        out: list[str | ToolCall] = []
+        while True:
+            if self._in_block:
+                end = self._buf.find(TOOL_CALL_CLOSE)
+                if end < 0:
+                    return out
+                body, self._buf = self._buf[:end], self._buf[end + len(TOOL_CALL_CLOSE) :]
+                self._in_block = False
+                block = TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE
+                rest, calls = parse_tool_calls(block, self.tools)
+                if len(calls) == 1 and not rest:
+                    self._space = ""
+                    self._after_call = True
+                    self.calls.append(calls[0])
+                    out.append(calls[0])
+                else:  # not a call of these tools: the block is content, as written
+                    self._content(out, self._space + block)
+                    self._space = ""
+                continue
+            if self._after_call:
+                self._buf = self._buf.lstrip()
+                if not self._buf:
+                    return out
+                self._after_call = False
+            start = self._buf.find(TOOL_CALL_OPEN)
+            if start >= 0:
+                self._prose(out, self._buf[:start])
+                self._buf = self._buf[start + len(TOOL_CALL_OPEN) :]
+                self._in_block = True
+                continue
+            keep = _partial_open(self._buf)
+            self._prose(out, self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
+            return out
+
+    def finish(self) -> list[str | ToolCall]:
+        """The end of the reply: what was held back is content after all (an unclosed block too)."""
+        out: list[str | ToolCall] = []
+        rest = (TOOL_CALL_OPEN if self._in_block else "") + self._buf
+        if self._after_call:
+            rest = rest.lstrip()
+        self._content(out, self._space + rest)
+        self._buf, self._space, self._in_block = "", "", False
+        return out
+
+    def _prose(self, out: list[str | ToolCall], text: str) -> None:
+        """Text outside blocks: its trailing whitespace waits (a call may follow)."""
+        text = self._space + text
+        head = text.rstrip()
+        self._space = text[len(head) :]
+        self._content(out, head)
+
+    @staticmethod
+    def _content(out: list[str | ToolCall], text: str) -> None:
+        if text:
+            out.append(text)
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest end of `text` that ``<tool_call>`` starts with."""
+    for k in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def split_calls(text: str, tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[ToolCall]]:
+    """A whole reply's content and calls, exactly as a `ToolCallStream` reads them piece by piece."""
+    reader = ToolCallStream(tools)
+    parts = reader.push(text) + reader.finish()
+    return "".join(p for p in parts if isinstance(p, str)), reader.calls
 
 
 def valid_arguments(call: ToolCall, tools: Sequence[Mapping[str, Any]]) -> bool:

@@ -25,8 +25,8 @@ from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 from branchwise.backends.base import DecodeParams, DecodeStep, Generation
-from branchwise.integrations.langchain import ChatBranchwise, _chat_messages, _ToolCallSplitter, as_runnable
-from branchwise.toolcalls import parse_tool_calls
+from branchwise.integrations.langchain import ChatBranchwise, _chat_messages, as_runnable
+from branchwise.toolcalls import ToolCallStream, parse_tool_calls, split_calls
 
 QUESTIONS = [
     "What is 12 + 7?",
@@ -380,16 +380,17 @@ SPLIT_CASES = [
 
 
 @pytest.mark.parametrize("text", SPLIT_CASES)
-def test_splitter_fed_in_any_pieces_equals_parse_tool_calls(text: str) -> None:
+def test_stream_fed_in_any_pieces_equals_the_whole_reply(text: str) -> None:
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
-    prose, calls = parse_tool_calls(text, tools)
+    prose, calls = split_calls(text, tools)
+    assert [c.canonical() for c in calls] == [c.canonical() for c in parse_tool_calls(text, tools)[1]]
     expected = (prose, [(c.name, c.arguments) for c in calls])
     for cuts in [[], list(range(1, len(text)))] + [[i] for i in range(1, len(text))]:
-        splitter = _ToolCallSplitter(tools)
+        splitter = ToolCallStream(tools)
         parts = []
         for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
-            parts += splitter.feed(text[a:b])
-        parts += splitter.close()
+            parts += splitter.push(text[a:b])
+        parts += splitter.finish()
         got_prose = "".join(p for p in parts if isinstance(p, str))
         got_calls = [(p.name, p.arguments) for p in parts if not isinstance(p, str)]
         assert (got_prose, got_calls) == expected, cuts

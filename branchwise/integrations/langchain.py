@@ -72,7 +72,7 @@ from branchwise.backends.base import DecodeParams, DecodeStep, Generation, Share
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
 from branchwise.backends.text import TextStream
 from branchwise.constraints import Constraint
-from branchwise.toolcalls import ToolCall, normalize_tool_choice, normalize_tools, parse_tool_calls
+from branchwise.toolcalls import ToolCall, ToolCallStream, normalize_tool_choice, normalize_tools, split_calls
 
 if TYPE_CHECKING:
     from branchwise.reasoners.reasoner import Reasoner
@@ -83,8 +83,6 @@ _FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length
 """Backend finish reasons in OpenAI's words (what LangChain users read in ``finish_reason``); a
 reply holding tool calls finishes with ``"tool_calls"`` unless ``max_tokens`` cut it (``"length"``).
 The backend's own reason is in ``response_metadata["branchwise"]["finish_reason"]``."""
-
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 
 
 def _content_text(content: Any, *, assistant: bool = False) -> str:
@@ -160,78 +158,6 @@ def _lc_tool_call(call: ToolCall) -> dict[str, Any]:
     return {"name": call.name, "args": call.arguments, "id": call.id, "type": "tool_call"}
 
 
-class _ToolCallSplitter:
-    """Splits a reply, fed piece by piece, into prose and ``<tool_call>`` blocks, as a stream.
-
-    Prose is passed on until a ``<tool_call>`` tag may start; a possible partial tag at the end of
-    what was fed is held back until the next piece tells. A block is held until its
-    ``</tool_call>`` arrives and then becomes one call when it is a valid call of a bound tool (the
-    rules of `parse_tool_calls`), else prose as the model wrote it; an unclosed block at the end is
-    prose too. The prose is stripped of leading and trailing whitespace (whitespace is held until
-    more prose follows), so the concatenated prose and the calls equal what `parse_tool_calls`
-    makes of the whole reply.
-    """
-
-    def __init__(self, tools: Sequence[Mapping[str, Any]]) -> None:
-        self.tools = tools
-        self.buf = ""
-        self.in_block = False
-        self.started = False
-        self.held = ""
-
-    def _text(self, text: str) -> list[str | ToolCall]:
-        if not self.started:
-            text = text.lstrip()
-            if not text:
-                return []
-            self.started = True
-        text = self.held + text
-        body = text.rstrip()
-        self.held = text[len(body) :]
-        return [body] if body else []
-
-    def feed(self, piece: str) -> list[str | ToolCall]:
-        """What `piece` completes: prose strings and calls, in order."""
-        self.buf += piece
-        out: list[str | ToolCall] = []
-        while self.buf:
-            if self.in_block:
-                end = self.buf.find(_CLOSE)
-                if end < 0:
-                    break
-                block, self.buf = self.buf[: end + len(_CLOSE)], self.buf[end + len(_CLOSE) :]
-                self.in_block = False
-                prose, calls = parse_tool_calls(block, self.tools)
-                if len(calls) == 1 and not prose:
-                    out.append(calls[0])
-                else:
-                    out += self._text(block)
-                continue
-            start = self.buf.find(_OPEN)
-            if start >= 0:
-                out += self._text(self.buf[:start])
-                self.buf, self.in_block = self.buf[start:], True
-                continue
-            keep = next((k for k in range(len(_OPEN) - 1, 0, -1) if self.buf.endswith(_OPEN[:k])), 0)
-            out += self._text(self.buf[: len(self.buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep :]
-            break
-        return out
-
-    def close(self) -> list[str | ToolCall]:
-        """The rest at the end of the reply (an unclosed block or a partial tag: prose)."""
-        rest, self.buf, self.in_block = self.buf, "", False
-        return self._text(rest) if rest else []
-
-    @classmethod
-    def split(cls, text: str, tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[ToolCall]]:
-        """A whole reply's prose and calls (what the streamed pieces add up to)."""
-        splitter = cls(tools)
-        parts = splitter.feed(text) + splitter.close()
-        prose = "".join(p for p in parts if isinstance(p, str))
-        return prose, [p for p in parts if isinstance(p, ToolCall)]
-
-
 class _Pieces:
     """One streamed reply's parts as it is decoded: text released where no stop string can begin
     any more (`TextStream`, the server's rule), then split into prose and calls when tools are
@@ -240,7 +166,7 @@ class _Pieces:
 
     def __init__(self, detokenize: Callable[[Sequence[int]], str], params: DecodeParams, tools: Any) -> None:
         self.text = TextStream(detokenize, params)
-        self.splitter = _ToolCallSplitter(tools) if tools else None
+        self.splitter = ToolCallStream(tools) if tools else None
         self.calls = 0
 
     def _indexed(self, parts: list[str | ToolCall]) -> list[tuple[str | ToolCall, int]]:
@@ -253,7 +179,7 @@ class _Pieces:
     def _parts(self, delta: str) -> list[str | ToolCall]:
         if self.splitter is None:
             return [delta] if delta else []
-        return self.splitter.feed(delta) if delta else []
+        return self.splitter.push(delta) if delta else []
 
     def push(self, tokens: Sequence[int]) -> list[tuple[str | ToolCall, int]]:
         return self._indexed(self._parts(self.text.push(tokens)))
@@ -262,7 +188,7 @@ class _Pieces:
         """The rest, given the finished reply's text (as the backend cut it)."""
         parts = self._parts(self.text.finish(text))
         if self.splitter is not None:
-            parts += self.splitter.close()
+            parts += self.splitter.finish()
         return self._indexed(parts)
 
 
@@ -535,7 +461,7 @@ class ChatBranchwise(BaseChatModel):
         """Content, tool calls, usage and metadata of one sample's reply (AIMessage keyword arguments)."""
         content, calls = gen.text, []
         if request.calls_tools:
-            content, calls = _ToolCallSplitter.split(gen.text, request.tools)
+            content, calls = split_calls(gen.text, request.tools)
         metadata: dict[str, Any] = {
             # a reply cut by max_tokens says so even after a call (its next block may be cut off)
             "finish_reason": "tool_calls"

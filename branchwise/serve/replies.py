@@ -1,16 +1,10 @@
 """What the server sends back: OpenAI's reply shapes, and tool calls read out of a reply's text.
 
-Why tool calls are read by a stream (`ToolCallStream`) even for a whole reply: a streamed reply and
-a non-streamed one must say the same thing. Both feed the text through the same reader, so the
-streamed content deltas, concatenated, equal the non-streamed ``content``, and the streamed calls
-are the non-streamed ``tool_calls`` (ids aside: each reply draws its own).
-
-The reader follows the Hermes format (`branchwise.toolcalls`): content is text outside
-``<tool_call>...</tool_call>`` blocks; a block whose body is a call of one of the request's tools
-becomes a call, any other block stays content as written. Whitespace next to a call block (the
-newlines around it) is not content. While decoding, text that might be the start of ``<tool_call>``
-and whitespace that might precede one are held back until the next characters decide; a call is
-released when its block closes (its arguments whole: OpenAI's clients accept them in one delta).
+Tool calls are read by a stream (`toolcalls.ToolCallStream`) even for a whole reply: a streamed
+reply and a non-streamed one must say the same thing, so the streamed content deltas, concatenated,
+equal the non-streamed ``content``, and the streamed calls are the non-streamed ``tool_calls`` (ids
+aside: each reply draws its own). A call is released when its block closes, its arguments whole
+(OpenAI's clients accept them in one delta).
 """
 
 from __future__ import annotations
@@ -22,12 +16,11 @@ from pydantic import BaseModel
 
 from branchwise.backends.base import Backend, Generation
 from branchwise.constraints import Constraint
-from branchwise.toolcalls import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
+from branchwise.toolcalls import ToolCall, ToolCallStream, split_calls
 
 __all__ = [
     "FINISH",
     "ChatDeltas",
-    "ToolCallStream",
     "chat_choice_message",
     "chat_logprobs",
     "details",
@@ -51,91 +44,6 @@ FINISH = {
 """Backend finish reasons mapped onto OpenAI's ("grammar": the constraint allowed no more tokens, so
 the reply is as complete as it can be)."""
 
-OPEN, CLOSE = TOOL_CALL_OPEN, "</tool_call>"
-
-Event = tuple[str, Any]
-"""``("content", str)`` or ``("call", ToolCall)``."""
-
-
-class ToolCallStream:
-    """One reply's text in, content deltas and tool calls out (see the module docstring)."""
-
-    def __init__(self, tools: Sequence[dict[str, Any]]) -> None:
-        self.tools = tools
-        self.calls: list[ToolCall] = []
-        self._buf = ""
-        self._in_block = False
-        self._after_call = False  # whitespace right after a call is not content
-        self._space = ""  # trailing whitespace held: a call block may follow it
-
-    def push(self, text: str) -> list[Event]:
-        """Take more of the reply's text; what is now decided."""
-        self._buf += text
-        out: list[Event] = []
-        while True:
-            if self._in_block:
-                end = self._buf.find(CLOSE)
-                if end < 0:
-                    return out
-                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE) :]
-                self._in_block = False
-                block = OPEN + body + CLOSE
-                rest, calls = parse_tool_calls(block, self.tools)
-                if len(calls) == 1 and not rest:
-                    self._space = ""
-                    self._after_call = True
-                    self.calls.append(calls[0])
-                    out.append(("call", calls[0]))
-                else:  # not a call of these tools: the block is content, as written
-                    self._content(out, self._space + block)
-                    self._space = ""
-                continue
-            if self._after_call:
-                self._buf = self._buf.lstrip()
-                if not self._buf:
-                    return out
-                self._after_call = False
-            start = self._buf.find(OPEN)
-            if start >= 0:
-                self._prose(out, self._buf[:start])
-                self._buf = self._buf[start + len(OPEN) :]
-                self._in_block = True
-                continue
-            keep = _partial_open(self._buf)
-            self._prose(out, self._buf[: len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep :]
-            return out
-
-    def finish(self) -> list[Event]:
-        """The end of the reply: what was held back is content after all (an unclosed block too)."""
-        out: list[Event] = []
-        rest = (OPEN if self._in_block else "") + self._buf
-        if self._after_call:
-            rest = rest.lstrip()
-        self._content(out, self._space + rest)
-        self._buf, self._space, self._in_block = "", "", False
-        return out
-
-    def _prose(self, out: list[Event], text: str) -> None:
-        """Text outside blocks: its trailing whitespace waits (a call may follow)."""
-        text = self._space + text
-        head = text.rstrip()
-        self._space = text[len(head) :]
-        self._content(out, head)
-
-    @staticmethod
-    def _content(out: list[Event], text: str) -> None:
-        if text:
-            out.append(("content", text))
-
-
-def _partial_open(text: str) -> int:
-    """Length of the longest end of `text` that ``<tool_call>`` starts with."""
-    for k in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-k:]):
-            return k
-    return 0
-
 
 def tools_of(constraint: Constraint | None) -> Sequence[dict[str, Any]] | None:
     """The tools a reply may call (None: the reply is plain content)."""
@@ -143,11 +51,10 @@ def tools_of(constraint: Constraint | None) -> Sequence[dict[str, Any]] | None:
 
 
 def split_reply(text: str, tools: Sequence[dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply's content (None when it is only calls) and calls, as a stream would read them."""
-    reader = ToolCallStream(tools)
-    events = reader.push(text) + reader.finish()
-    content = "".join(v for kind, v in events if kind == "content")
-    return (content or None) if reader.calls else content, reader.calls
+    """A whole reply's content (None when it is only calls: OpenAI's shape) and calls, as a stream
+    would read them (`toolcalls.split_calls`)."""
+    content, calls = split_calls(text, tools)
+    return (content or None) if calls else content, calls
 
 
 def finish_reason(g: Generation, has_calls: bool) -> str:
@@ -182,11 +89,11 @@ class ChatDeltas:
         if self.reader is None:
             return [{"content": text}] if text else []
         out = []
-        for kind, value in self.reader.push(text) + (self.reader.finish() if end else []):
-            if kind == "content":
-                out.append({"content": value})
+        for part in self.reader.push(text) + (self.reader.finish() if end else []):
+            if isinstance(part, str):
+                out.append({"content": part})
             else:
-                out.append({"tool_calls": [{"index": self.sent, **value.openai()}]})
+                out.append({"tool_calls": [{"index": self.sent, **part.openai()}]})
                 self.sent += 1
         return out
 

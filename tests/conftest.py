@@ -277,6 +277,16 @@ def tiny_backend(tiny_llama_dir: Path) -> Any:
     return HFBackend(tiny_llama_dir)
 
 
+@pytest.fixture(scope="module")
+def served(tiny_backend: Any) -> Iterator[str]:
+    """`branchwise serve` over `tiny_backend` on a free loopback port, for one test module (its URL)."""
+    from branchwise.serve import create_app
+    from branchwise.serve.runner import serve_in_thread
+
+    with serve_in_thread(create_app(tiny_backend, model_name="tiny")) as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
     """Local checkpoint dir of a random tiny ``Qwen2ForCausalLM`` (attention biases) + tokenizer."""

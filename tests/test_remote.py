@@ -13,7 +13,6 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -33,24 +32,9 @@ from branchwise.backends.remote import (  # noqa: E402
     UnsupportedOnRemote,
 )
 from branchwise.reasoners import Reasoner  # noqa: E402
-from branchwise.serve import create_app  # noqa: E402
-from branchwise.serve.runner import serve_in_thread  # noqa: E402
 from branchwise.strategies import PREBUILT  # noqa: E402
 
 QUESTION = "What is 12 + 7?"
-
-
-@pytest.fixture(scope="module")
-def tiny_backend(tiny_llama_dir: Path) -> Any:
-    from branchwise.backends.hf import HFBackend
-
-    return HFBackend(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def served(tiny_backend: Any) -> Iterator[str]:
-    with serve_in_thread(create_app(tiny_backend, model_name="tiny")) as url:
-        yield url
 
 
 # --------------------------------------------------------------------------------------------------

@@ -42,19 +42,6 @@ def wait_until(cond: Any, what: str, limit: int = 500) -> None:
     raise AssertionError(f"timed out waiting until {what}")
 
 
-@pytest.fixture(scope="module")
-def tiny_backend(tiny_llama_dir: Path) -> Any:
-    from branchwise.backends.hf import HFBackend
-
-    return HFBackend(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def served(tiny_backend: Any) -> Iterator[str]:
-    with serve_in_thread(create_app(tiny_backend, model_name="tiny")) as url:
-        yield url
-
-
 @pytest.fixture
 def client(served: str) -> Any:
     return openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,19 +56,6 @@ TIME = {
     },
 }
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def tiny_backend(tiny_llama_dir: Path) -> Any:
-    from branchwise.backends.hf import HFBackend
-
-    return HFBackend(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def served(tiny_backend: Any) -> Iterator[str]:
-    with serve_in_thread(create_app(tiny_backend, model_name="tiny")) as url:
-        yield url
 
 
 @pytest.fixture

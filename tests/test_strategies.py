@@ -775,18 +775,29 @@ def test_import_does_not_pull_in_torch() -> None:
 
 def test_strategies_only_import_light_dependencies() -> None:
     # Static check so the guarantee does not depend on what branchwise/__init__.py happens to do:
-    # the layer may import the stdlib, pydantic (and its core), networkx, yaml and itself, nothing else.
+    # the layer may import the stdlib, pydantic (and its core), networkx, yaml, itself, and the
+    # neutral description of typed output (branchwise.constraints, which needs only jsonschema and
+    # branchwise.toolcalls), nothing else.
     allowed = {"pydantic", "pydantic_core", "networkx", "yaml", *sys.stdlib_module_names}
-    for path in sorted(STRATEGIES_DIR.glob("*.py")):
+    neutral = {"branchwise.constraints", "branchwise.toolcalls"}
+    files = sorted(STRATEGIES_DIR.glob("*.py"))
+    files += [REPO_ROOT / "branchwise" / f"{m.split('.')[1]}.py" for m in sorted(neutral)]
+    for path in files:
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                roots = [alias.name.split(".")[0] for alias in node.names]
+                names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level > 0:
                     continue  # relative: within branchwise.strategies
-                roots = [(node.module or "").split(".")[0]]
+                names = [node.module or ""]
             else:
                 continue
-            for root in roots:
-                assert root in allowed, f"{path.name} imports {root!r}"
+            for name in names:
+                ok = (
+                    name.split(".")[0] in allowed
+                    or name in neutral
+                    or name.startswith("branchwise.strategies")
+                )
+                ok = ok or (path.stem in ("constraints", "toolcalls") and name == "jsonschema")
+                assert ok, f"{path.name} imports {name!r}"

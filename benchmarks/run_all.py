@@ -61,6 +61,7 @@ SCRIPTS = [
     "prefix_cache",
     "agent",
     "decode",
+    "structured",
     "serve_load",
 ]
 
@@ -87,6 +88,7 @@ PROFILES: dict[str, list[Run]] = {
         Run("agent", "agent"),
         Run("decode", "decode"),
         Run("decode-random-1b", "decode", ["--random-config", "1b"]),
+        Run("structured", "structured"),
         Run("serve_load", "serve_load"),
     ],
 }
@@ -146,6 +148,13 @@ HEADLINES: dict[str, list[str]] = {
         "rows.*.speedup_vs_hf_generate",
         "rows.*.branchwise.fraction_of_peak",
         "rows.*.greedy_agreement_vs_hf_generate.match_up_to_ties",
+    ],
+    "structured": [
+        "per_token_cost.*.overhead",
+        "compile.*.cold_ms",
+        "validity.*.rate",
+        "action_vote.vote_correct",
+        "action_vote.single_sample_correct",
     ],
     "serve_load": ["speedup_concurrent_vs_serial", "throughput_rps.concurrent", "latency_ms.p99", "errors"],
 }

@@ -376,3 +376,29 @@ def test_tiny_model_n_sampled_choices_each_follow_the_schema(tiny_backend: Any) 
     for choice in resp.choices:
         assert choice.finish_reason == "stop" and choice.message.tool_calls is None
         jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_reason_chooses_an_action_by_voting_over_tool_calls(tiny_backend: Any) -> None:
+    """`Reason(..., tools=...)`: self-consistency over actions as a DSPy module; the answer field is
+    the voted call as `dspy.ToolCalls`, valid under the tool's schema."""
+    from branchwise.reasoners.dspy import Reason
+    from branchwise.strategies import self_consistency
+
+    def lookup(city: str, days: int) -> str:
+        """Weather forecast for a city."""
+        return "sunny"
+
+    class Act(dspy.Signature):
+        """Pick the tool call that answers the question."""
+
+        question: str = dspy.InputField()
+        calls: dspy.ToolCalls = dspy.OutputField()
+
+    strategy = self_consistency(n=3, temperature=1.0, max_tokens=300, seed=0)
+    pred = Reason(Act, strategy, backend=tiny_backend, tools=[dspy.Tool(lookup)], chain_of_thought=False)(
+        question="Weather in Paris for 2 days?"
+    )
+    assert isinstance(pred.calls, dspy.ToolCalls) and len(pred.calls.tool_calls) == 1
+    call = pred.calls.tool_calls[0]
+    assert call.name == "lookup" and set(call.args) == {"city", "days"} and isinstance(call.args["days"], int)
+    assert sum(pred.votes.values()) == 3 and pred.reasoning_result.tool_calls[0].name == "lookup"

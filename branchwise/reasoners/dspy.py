@@ -597,6 +597,11 @@ class Reason(dspy.Module):
         adapter: the DSPy adapter that formats the prompt and parses every branch (and so decides
             what the vote compares); default: `LenientChatAdapter`. Few-shot demos (``demos``) are
             sent as real user/assistant turns, as `dspy.Predict` sends them.
+        tools: choose an action instead of writing the output fields: `dspy.Tool`s (or OpenAI
+            function tools, Python functions) shown to the model; every branch writes tool calls
+            under the grammar (``tool_choice``: required by default, or auto / a tool's name), the
+            branches vote on the canonical call, and the answer field holds the winner as
+            `dspy.ToolCalls` (self-consistency over actions, in one shared-prefix batch).
     """
 
     def __init__(
@@ -610,6 +615,8 @@ class Reason(dspy.Module):
         share: ShareMode | None = None,
         answer_field: str | None = None,
         adapter: dspy.Adapter | None = None,
+        tools: Sequence[Any] | None = None,
+        tool_choice: Any = "required",
     ) -> None:
         super().__init__()
         from branchwise.strategies import self_consistency
@@ -627,6 +634,10 @@ class Reason(dspy.Module):
         self._backend = _Shared(backend) if backend is not None else None
         self.share = share
         self.adapter = adapter
+        self.tools = [
+            t.format_as_litellm_function_call() if isinstance(t, dspy.Tool) else t for t in tools or []
+        ]
+        self.tool_choice = tool_choice
 
     def _resolve(self) -> tuple[Backend, ShareMode]:
         if self._backend is not None:
@@ -673,6 +684,23 @@ class Reason(dspy.Module):
         system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
         turns = [{"role": m["role"], "content": str(m["content"])} for m in messages if m["role"] != "system"]
         # the last turn is the question; earlier ones (few-shot demos) go as real chat turns
+        if self.tools:  # an action: every branch writes calls under the grammar; the vote picks one
+            reasoner = Reasoner(
+                self.strategy,
+                backend=backend,
+                share=share,
+                system_prompt=system,
+                history=turns[:-1],
+                tools=self.tools,
+                tool_choice=self.tool_choice,
+            )
+            result = reasoner.run(turns[-1]["content"])
+            calls = dspy.ToolCalls.from_dict_list(
+                [{"name": c.name, "args": c.arguments} for c in result.tool_calls]
+            )
+            pred = dspy.Prediction(**{self.answer_field: calls})
+            pred.votes, pred.support, pred.reasoning_result = dict(result.votes), result.support, result
+            return pred
         reasoner = Reasoner(
             self._adapted_strategy(), backend=backend, share=share, system_prompt=system, history=turns[:-1]
         )

@@ -230,12 +230,10 @@ def decode(
                     alive = []
                     break
         if run.on_step is not None:
-            alive = _report(
-                run,
-                rows,
-                [ri for ri in stepping if present.index(ri) not in stuck] if stuck else stepping,
-                alive,
-            )
+            if stuck:  # a row that ended without a token reports none this step
+                ended = {present[pos] for pos in stuck}
+                stepping = [ri for ri in stepping if ri not in ended]
+            alive = _report(run, rows, stepping, alive)
         step = run.step
         run.step += 1
         if not alive:

@@ -35,6 +35,34 @@ any other row's)."""
 ShareMode = Literal["none", "exact"]
 
 
+class ContextTooLong(ValueError):
+    """A prompt (plus the tokens asked for) does not fit the model's context window.
+
+    Raised before any KV is computed, so nothing is left behind; the message names both numbers."""
+
+
+class Cancelled(RuntimeError):
+    """The work was cancelled (its caller went away or its deadline passed) before it ended; the
+    KV it held has been released."""
+
+
+class KVBudgetExceeded(MemoryError):
+    """The KV memory budget cannot hold even one row of the work asked for (after the prefix cache
+    yielded and every other row was preempted); raise the budget or shorten the request."""
+
+
+def check_context(prompt_tokens: int, max_tokens: int, context: int | None, what: str = "prompt") -> None:
+    """Raise `ContextTooLong` unless `prompt_tokens + max_tokens` fits `context` (None: unknown)."""
+    if context is None or prompt_tokens + max_tokens <= context:
+        return
+    if not max_tokens:
+        raise ContextTooLong(f"{what} holds {prompt_tokens} tokens; the model's context holds {context}")
+    raise ContextTooLong(
+        f"{what} ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {prompt_tokens + max_tokens} "
+        f"exceeds the model's context of {context} tokens"
+    )
+
+
 class DecodeParams(BaseModel):
     """How to decode one `extend` call; validated so bad values name the field and its range."""
 
@@ -127,6 +155,13 @@ class KVStats:
     cache_miss_tokens: int = 0
     cache_evictions: int = 0
     cache_bytes: int = 0
+    budget_bytes: int | None = None
+    """The KV memory budget (engine-wide; None: unbounded)."""
+    used_bytes: int = 0
+    """Every byte of KV the engine holds now: live nodes, batch tails, shared blocks and the prefix
+    cache (engine-wide; what the budget bounds)."""
+    preemptions: int = 0
+    """Rows whose KV was dropped to stay within the budget and recomputed later (engine-wide)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     def bump(self, key: str, value: float = 1.0) -> None:
@@ -138,6 +173,7 @@ class KVStats:
         self.bytes_held = self.peak_bytes = self.tokens_computed = self.tokens_reused = 0
         self.forward_calls = self.live_nodes = 0
         self.cache_hit_tokens = self.cache_miss_tokens = self.cache_evictions = self.cache_bytes = 0
+        self.used_bytes = self.preemptions = 0
         self.extra.clear()
 
     def as_dict(self) -> dict[str, float]:
@@ -152,6 +188,9 @@ class KVStats:
             "cache_miss_tokens": self.cache_miss_tokens,
             "cache_evictions": self.cache_evictions,
             "cache_bytes": self.cache_bytes,
+            **({} if self.budget_bytes is None else {"budget_bytes": self.budget_bytes}),
+            "used_bytes": self.used_bytes,
+            "preemptions": self.preemptions,
             **self.extra,
         }
 

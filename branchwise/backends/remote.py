@@ -129,6 +129,8 @@ class RemoteBackend:
     """
 
     name = "remote"
+    max_context: int | None = None
+    """Unknown here: the server checks its own context and answers 400 for what does not fit."""
 
     def __init__(
         self,

@@ -45,7 +45,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from branchwise.backends.base import Backend, DecodeParams, DecodeStep, Generation, ShareMode
+from branchwise.backends.base import (
+    Backend,
+    Cancelled,
+    DecodeParams,
+    DecodeStep,
+    Generation,
+    ShareMode,
+)
 
 __all__ = ["BatchStats", "Cancelled", "InvalidPrompt", "Job", "QueueFull", "Scheduler"]
 
@@ -61,10 +68,6 @@ class InvalidPrompt(ValueError):
 
     Only that request fails: the other requests of its batch are decoded as usual.
     """
-
-
-class Cancelled(RuntimeError):
-    """The request was cancelled (its caller went away) before or while it was decoded."""
 
 
 @dataclass

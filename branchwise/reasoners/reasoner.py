@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm.auto import tqdm
 
@@ -40,6 +41,7 @@ from branchwise.backends.base import (
     SupportsSessions,
     SupportsVerifySkip,
 )
+from branchwise.backends.cancel import Cancellable
 from branchwise.constraints import Constraint, OutputError
 from branchwise.reasoners.answers import extract_answer, majority_vote
 from branchwise.reasoners.lockstep import Lockstep, run_threads
@@ -133,8 +135,17 @@ class Reasoner:
             raise ValueError(f"history turns must be role/content dicts; got {bad[0]!r}")
 
     # ------------------------------------------------------------------ public
-    def run(self, question: str, variants: Sequence[str] | None = None) -> ReasoningResult:
+    def run(
+        self,
+        question: str,
+        variants: Sequence[str] | None = None,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> ReasoningResult:
         """Answer one question with the strategy; every node is released even if a step raises.
+
+        Setting `cancel` (from another thread: a server whose client left, a deadline) stops the run
+        within one decode step on the local backend, releases its nodes and raises `Cancelled`.
 
         `variants` are alternative phrasings of the question: the first generate step gives branch i
         the phrasing `variants[i % len(variants)]` (diverse-phrasing self-consistency). Token-exact
@@ -143,7 +154,7 @@ class Reasoner:
         """
         if variants is not None and not variants:
             raise ValueError("variants must hold at least 1 phrasing (or be None)")
-        return self._run(question, self._messages(question), list(variants or []))
+        return self._run(question, self._messages(question), list(variants or []), cancel=cancel)
 
     async def arun(self, question: str, variants: Sequence[str] | None = None) -> ReasoningResult:
         """`run` from async code: the run goes to a worker thread, so the event loop stays free and
@@ -181,9 +192,12 @@ class Reasoner:
         messages: list[dict[str, str]],
         variants: list[str],
         session: Backend | None = None,
+        cancel: threading.Event | None = None,
     ) -> ReasoningResult:
         start = time.perf_counter()
         backend, notes = (session, []) if session is not None else self._session()
+        if cancel is not None:
+            backend = cast(Backend, Cancellable(backend, cancel))
         prompt = backend.chat_prompt(messages, self._tools())
         root = backend.prefill(prompt)
         record = TreeNode(node=root, parent=None, depth=0, text="", token_ids=list(prompt))

@@ -186,6 +186,13 @@ class HFBackend:
         self.tree = self.engine.tree
         self._default = Session(self.engine, share, accel or Accel(), ledger=self.tree.total)
 
+    @property
+    def max_context(self) -> int | None:
+        """The model's context window in tokens (None where its config does not say): `prefill`,
+        `append`, `extend` (path + ``max_tokens``) and `score_next` refuse what would not fit it
+        with `ContextTooLong` before computing anything."""
+        return self.engine.max_context
+
     # ------------------------------------------------------------------ settings
     def session(self, *, share: ShareMode | None = None, accel: Accel | None = None) -> Session:
         """A run's own view of this backend: `share` and `accel` (None = the backend's) and its own

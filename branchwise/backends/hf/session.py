@@ -27,6 +27,7 @@ from branchwise.backends.accel import Accel
 from branchwise.backends.base import (
     Admit,
     DecodeParams,
+    check_context,
     Generation,
     KVStats,
     NodeId,
@@ -55,6 +56,11 @@ only cost memory there), and a long prefix always stays shared."""
 A = TypeVar("A", bound=Acceleration)
 
 
+def path_length(seg: Segment) -> int:
+    """Tokens on a node's path, root to its last (pending included): its context use."""
+    return sum(len(a.tokens) for a in seg.kv_ancestors()) + len(seg.tokens)
+
+
 def check_share(share: str) -> ShareMode:
     if share not in SHARE_MODES:
         raise ValueError(f"share={share!r} is not one of {SHARE_MODES}")
@@ -80,6 +86,8 @@ class Engine:
     builds: Builds = field(default_factory=Builds)
     runner: Runner = field(init=False)
     grammars: Grammars = field(init=False)
+    max_context: int | None = field(init=False)
+    """The model's context window in tokens (None where its config does not say)."""
 
     def __post_init__(self) -> None:
         self.runner = Runner(self.parts, self.pad_id, self.device)
@@ -89,6 +97,15 @@ class Engine:
             else len(self.tokenizer)
         )
         self.grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
+        config = self.model.config
+        self.max_context = next(
+            (
+                int(v)
+                for v in (getattr(config, k, None) for k in ("max_position_embeddings", "n_positions"))
+                if isinstance(v, int) and v > 0
+            ),
+            None,
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -179,6 +196,7 @@ class Session:
         ids = self.engine.check_ids(token_ids, "token_ids")
         if not ids:
             raise ValueError("token_ids must hold at least 1 token")
+        check_context(len(ids), 0, self.engine.max_context, "token_ids")
         with self.engine.lock:
             tree = self.tree
             if tree.cache_budget > 0 and self.share == "exact" and self.exact_kv:
@@ -222,6 +240,8 @@ class Session:
         ids = [self.engine.check_ids(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         if any(not p for p in ids):
             raise ValueError("every prompt must hold at least 1 token")
+        for i, p in enumerate(ids):
+            check_context(len(p), 0, self.engine.max_context, f"prompts[{i}]")
         with self.engine.lock:
             root = self.tree.get(node)
             path = self.tree.path_tokens(root)
@@ -294,7 +314,9 @@ class Session:
             evictions = self.tree.evictions
             for node, ids in zip(nodes, token_ids, strict=True):
                 seg = self.tree.growable(node)
-                seg.tokens.extend(self.engine.check_ids(ids, "token_ids"))
+                checked = self.engine.check_ids(ids, "token_ids")
+                check_context(path_length(seg) + len(checked), 0, self.engine.max_context, "node + token_ids")
+                seg.tokens.extend(checked)
             self.stats.cache_evictions += self.tree.evictions - evictions
 
     def extend(
@@ -317,6 +339,8 @@ class Session:
                 raise ValueError("nodes must be distinct; fork a node to decode it several times")
             if not segs:
                 return []
+            longest = max(path_length(s) for s in segs)
+            check_context(longest, params.max_tokens, self.engine.max_context, "the longest node")
             return self._run(segs, params, on_step=on_step, admit=admit, constraints=constraints)
 
     def score_next(
@@ -336,6 +360,8 @@ class Session:
         if not suffix_ids:
             raise ValueError("suffix must hold at least 1 token")
         with self.engine.lock:
+            longest = max((path_length(self.tree.get(n)) for n in nodes), default=0)
+            check_context(longest + len(suffix_ids), 0, self.engine.max_context, "node + suffix")
             probes = [self.fork(n, 1)[0] for n in nodes]
             try:
                 segs = [self.tree.get(p) for p in probes]

@@ -27,12 +27,12 @@ from branchwise.backends.accel import Accel
 from branchwise.backends.base import (
     Admit,
     DecodeParams,
-    check_context,
     Generation,
     KVStats,
     NodeId,
     ShareMode,
     StepListener,
+    check_context,
 )
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import Batch, Broadcast, Row

@@ -7,7 +7,7 @@ import `branchwise.strategies`: the executor translates plan nodes into these ca
 
 What only some backends can do is a small protocol of its own, checked with `isinstance`:
 `SupportsSessions` (per-run settings and statistics), `SupportsPromptFork`, `SupportsNodeEmbedding`,
-`SupportsBranchScores`, `SupportsVerifySkip`, `Accelerated`.
+`SupportsBranchScores`, `SupportsVerifySkip`, `SupportsKVBudget`, `Accelerated`.
 
 Nodes are opaque integer handles to states of a *branch tree*: `prefill` makes a root, `fork` makes
 children that share everything their parent holds, `append`/`extend` grow a node's own tokens. A node
@@ -314,6 +314,22 @@ class SupportsVerifySkip(Protocol):
     """A backend that can say a verify pass is not needed (CGEE level 1)."""
 
     def skip_verify(self, confidences: Sequence[float]) -> bool: ...
+
+
+@runtime_checkable
+class SupportsKVBudget(Protocol):
+    """A backend whose KV memory has a budget that a scheduler admits requests within."""
+
+    kv_budget: int | None
+    kv_limit: int | None
+
+    def kv_room(self) -> int | None:
+        """Bytes of KV that new requests may still be promised now (None: unbounded)."""
+        ...
+
+    def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
+        """Worst-case KV bytes of ``n`` samples of a prompt, each decoding up to ``max_tokens``."""
+        ...
 
 
 @runtime_checkable

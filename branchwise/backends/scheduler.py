@@ -22,6 +22,12 @@ call. The scheduler owns that problem once, generic over the `Backend` protocol:
   parameters, within `max_rows`) instead of waiting for the batch's longest branch: its prompt is
   prefilled and its rows decode beside the others from then on. Rows that end leave room for the
   next ones, so the decode batch stays full under a steady load;
+* **a KV memory budget**: where the backend has one (`SupportsKVBudget`: the local backend's
+  `kv_budget`), a request is taken (into a new batch, or into a running one) only while its
+  worst-case KV (`kv_cost`: its prompt and ``n`` rows of ``max_tokens``) fits the room the backend
+  reports (`kv_room`: the budget less what is held and what running rows may still grow by), first
+  come, first served; a request that could never fit fails with `KVBudgetExceeded`, one that does
+  not fit yet waits for memory to be freed;
 * **cancellation**: a request cancelled while it waits is dropped before it is prefilled (a client
   that went away costs nothing); one cancelled mid-batch has its branches stopped at the next
   decode step (they stop taking batch rows and compute) and released with the batch. A backend
@@ -51,6 +57,7 @@ from branchwise.backends.base import (
     DecodeParams,
     DecodeStep,
     Generation,
+    KVBudgetExceeded,
     ShareMode,
 )
 
@@ -305,8 +312,18 @@ class Scheduler:
     def _rows_queued(self) -> int:
         return sum(job.n for job in self._queue)
 
+    def _kv_room(self) -> int | None:
+        """Bytes of KV the backend can still promise (None: no budget); never under `_cv` (it takes
+        the backend's lock, which a strategy run in another thread may hold for long)."""
+        room = getattr(self.backend, "kv_room", None)
+        return None if room is None else room()
+
+    def _kv_cost(self, job: Job) -> int:
+        return self.backend.kv_cost(len(job.prompt), job.n, job.params.max_tokens, job.share)  # type: ignore[attr-defined]
+
     def _take(self) -> list[Job] | None:
-        """Wait for work; return a batch bounded by `max_rows`/`max_requests` (None once closed)."""
+        """Wait for work; return a batch bounded by `max_rows`/`max_requests` and the KV room
+        (None once closed; [] when the first job must wait for memory)."""
         with self._cv:
             while not self._queue and not self._closed:
                 self._cv.wait()
@@ -329,22 +346,47 @@ class Scheduler:
                 if len(self._queue) != seen:
                     seen = len(self._queue)
                     gap_end = time.monotonic() + self.window_s
+        room = self._kv_room()
+        refused: list[tuple[Job, int]] = []
+        with self._cv:
             batch: list[Job] = []
             rows = 0
             while self._queue and len(batch) < self.max_requests:
                 job = self._queue[0]
                 if batch and rows + job.n > self.max_rows:
                     break
+                if room is not None:
+                    cost = self._kv_cost(job)
+                    if cost > room:
+                        limit = getattr(self.backend, "kv_limit", None)
+                        if batch or limit is None or cost <= limit:
+                            break  # it waits for memory (first come, first served)
+                        refused.append((self._queue.popleft(), cost))
+                        continue
+                    room -= cost
                 batch.append(self._queue.popleft())
                 rows += job.n
             self._running += 1
-            return batch
+        for job, cost in refused:
+            job._fail(
+                KVBudgetExceeded(
+                    f"the request needs up to {cost} bytes of KV ({len(job.prompt)} prompt tokens, "
+                    f"n={job.n} x max_tokens={job.params.max_tokens}); the KV budget admits at most "
+                    f"{getattr(self.backend, 'kv_limit', None)} bytes per request"
+                )
+            )
+        return batch
 
     def _loop(self) -> None:
         while True:
             batch = self._take()
             if batch is None:
                 return
+            if not batch:  # the next request waits for KV memory held elsewhere to be freed
+                with self._cv:
+                    self._running -= 1
+                    self._cv.wait(MEMORY_POLL_S)
+                continue
             try:
                 groups: dict[tuple[Any, ...], list[Job]] = {}
                 for job in batch:
@@ -402,11 +444,17 @@ class Scheduler:
         other decoding parameters, so the running decode then drains and that job is served next
         (a steady stream of compatible requests never starves an incompatible one)."""
         taken: list[Job] = []
+        kv = self._kv_room() if self._queue else None
         with self._cv:
             while self._queue and len(taken) < self.max_requests:
                 job = self._queue[0]
                 if job.n > room or job.group_key(self.batch_seeded) != key:
                     break
+                if kv is not None:
+                    cost = self._kv_cost(job)
+                    if cost > kv:
+                        break  # it waits for the batch to free memory (or for its own batch)
+                    kv -= cost
                 taken.append(self._queue.popleft())
                 room -= job.n
         return taken
@@ -440,6 +488,9 @@ def _extend_takes(backend: Backend, name: str) -> bool:
         return True
     return name == "on_step" and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
+
+MEMORY_POLL_S = 0.05
+"""How often a request waiting for KV memory held outside the scheduler looks again."""
 
 ADMIT_EVERY = 4
 """Steps a few waiting requests may wait to join a running decode together (`_Router.admit`)."""

@@ -42,6 +42,7 @@ from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.hooks import Acceleration
 from branchwise.backends.hf.plugins import EntropyTrace
+from branchwise.backends.hf.pool import parse_budget
 from branchwise.backends.hf.session import SHARE_MODES, Engine, Session, check_share
 from branchwise.constraints import Constraint
 
@@ -51,6 +52,10 @@ A = TypeVar("A", bound=Acceleration)
 DEFAULT_CACHE_BYTES = 1 << 30
 """Default byte budget of the prefix cache across requests (1 GiB: ~23k tokens of the embedded
 model's KV in fp32, a long conversation or a few-shot prompt many times over)."""
+
+DEFAULT_PREFILL_CHUNK = 512
+"""Tokens of a prompt computed per forward: long enough that a chunk's forward runs near the
+whole-prompt throughput, short enough that running rows wait one chunk per step (chunked prefill)."""
 
 __all__ = ["SHARE_MODES", "HFBackend", "resolve_device", "resolve_dtype"]
 
@@ -118,6 +123,8 @@ class HFBackend:
         accel: Accel | None = None,
         broadcast: Broadcast = "cascade",
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        kv_budget: int | float | str | None = "auto",
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -132,6 +139,8 @@ class HFBackend:
         self._setup(loaded.to(dev), tokenizer, share=share, model_name=name, accel=accel)
         self.broadcast = broadcast
         self.cache_bytes = cache_bytes
+        self.kv_budget = kv_budget  # type: ignore[assignment]  # the setter resolves it to bytes
+        self.prefill_chunk = prefill_chunk
 
     @classmethod
     def from_model(
@@ -142,6 +151,8 @@ class HFBackend:
         share: ShareMode = "exact",
         accel: Accel | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        kv_budget: int | float | str | None = "auto",
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ) -> HFBackend:
         """Wrap an already loaded model (tests, notebooks) without reloading it."""
         self = cls.__new__(cls)
@@ -149,6 +160,8 @@ class HFBackend:
         name = getattr(model.config, "_name_or_path", "model")
         self._setup(model, tokenizer, share=share, model_name=name, accel=accel)
         self.cache_bytes = cache_bytes
+        self.kv_budget = kv_budget  # type: ignore[assignment]
+        self.prefill_chunk = prefill_chunk
         return self
 
     def _setup(
@@ -237,6 +250,47 @@ class HFBackend:
         with self.engine.lock:
             self.tree.cache_budget = int(value)
             self.tree.trim()
+
+    @property
+    def kv_budget(self) -> int | None:
+        """Bytes all KV together may hold (None: unbounded). Set it to bytes, a size string
+        ("4GiB"), a fraction of free memory (0.5) or "auto" (`pool.AUTO_FRACTION` of free memory,
+        the default); schedulers admit requests within it, the prefix cache yields to it and
+        decodes that outgrow it preempt their youngest rows (`pool.py`, `intake.py`)."""
+        return self.engine.pool.budget
+
+    @kv_budget.setter
+    def kv_budget(self, value: int | float | str | None) -> None:
+        budget = parse_budget(value, self.device)
+        with self.engine.lock:
+            self.engine.pool.budget = budget
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens computed per forward (0: whole prompts, no interleaving)."""
+        return self.engine.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"prefill_chunk={value!r} must be an int >= 0 (0: whole prompts)")
+        self.engine.prefill_chunk = value
+
+    @property
+    def kv_limit(self) -> int | None:
+        """The most KV one request may need to be admitted at all: the budget less its watermark."""
+        pool = self.engine.pool
+        return None if pool.budget is None else int(pool.budget * (1.0 - pool.watermark))
+
+    def kv_room(self) -> int | None:
+        """Bytes a scheduler may still promise to new requests (None: unbounded; see `KVPool.room`)."""
+        with self.engine.lock:
+            return self.engine.pool.room()
+
+    def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
+        """Worst-case KV bytes of ``n`` samples of a prompt decoding up to ``max_tokens`` each."""
+        mode = self.share if share is None else share
+        return self.engine.pool.job_cost(prompt_tokens, n, max_tokens, mode == "exact")
 
     @property
     def broadcast(self) -> Broadcast:

@@ -43,6 +43,9 @@ class Row:
     text: str = ""
     finish: FinishReason | None = None
     captured: bool = False
+    preempted: bool = False
+    """Dropped from the batch to stay within the KV budget: its KV is freed, not captured, and it is
+    recomputed when it rejoins (its tokens so far are kept)."""
 
 
 class AttentionTap:
@@ -342,6 +345,7 @@ class Batch:
         device: torch.device,
         broadcast: Broadcast = "cascade",
         copy_tokens: int = 0,
+        limit: int | None = None,
     ) -> Batch:
         """Rows for `segs`: each row's own KV in its tail (with `extra` free slots), ancestors shared.
 
@@ -353,6 +357,9 @@ class Batch:
         than reading them once per row (many requests with short prompts in one decode batch), and
         the bound on the path, not on each segment, keeps a prompt the prefix cache split into
         many short segments shared.
+
+        `limit` feeds (and makes room for) at most that many pending tokens per row: one chunk of a
+        long prompt (chunked prefill), the rest left pending.
         """
         rows = [Row(seg=s, kv_len=s.kv_tokens, computed=s.n_computed) for s in segs]
         b = len(rows)
@@ -369,7 +376,8 @@ class Batch:
         for r, chain in zip(rows, chains, strict=True):
             r.tail_start = sum(a.kv_tokens for a in chain)
         lens = [r.tail_start + r.kv_len for r in rows]
-        cap = max(n + len(r.seg.pending) for n, r in zip(lens, rows, strict=True)) + extra
+        feeds = [s.pending if limit is None else s.pending[:limit] for s in segs]
+        cap = max(n + len(f) for n, f in zip(lens, feeds, strict=True)) + extra
         shape = (b, parts.n_kv_heads, max(cap, 1), parts.head_dim)
         # zeros, not empty: masked slots still enter the products (0 * NaN garbage would be NaN)
         tail_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(parts.n_layers)]
@@ -407,7 +415,7 @@ class Batch:
             n_groups=parts.n_heads // parts.n_kv_heads,
             pos_next=torch.tensor([s.position for s in segs], device=device),
         )
-        batch = cls(rows=rows, ctx=ctx, feeds=[s.pending for s in segs], broadcast=broadcast)
+        batch = cls(rows=rows, ctx=ctx, feeds=feeds, broadcast=broadcast)
         for i, r in enumerate(rows):
             for seg in (r.seg, *r.seg.kv_ancestors()):
                 for _, block in seg.blocks:

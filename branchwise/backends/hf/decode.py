@@ -19,6 +19,10 @@ ended for now (rows' KV captured into their nodes, their sampled-but-unfed token
 the session assembles one batch of the rows still decoding and the new ones; `DecodeRun` carries
 each row's tokens, stop state and index across those batches, so a row's result does not depend
 on when others joined (beyond the batch composition every batched decode already has).
+
+The KV budget: an optional `pressure` callback names rows to preempt at a step boundary; they leave
+the batch at once, uncaptured (their KV is dropped by the session and recomputed when they rejoin,
+through the same re-assembly as admitted rows), and keep their tokens in `DecodeRun.carried`.
 """
 
 from __future__ import annotations
@@ -110,6 +114,9 @@ class DecodeRun:
     """Decode steps so far, over every batch of the call (what step hooks are told)."""
     grammar: RowGrammars | None = None
     """The constrained rows' matchers (`grammar.py`); None when the call has no constraint at all."""
+    pressure: Callable[[list[Row]], list[Row]] | None = None
+    """Asked at each step boundary with the rows still decoding: those to preempt now (the KV
+    budget, `intake.Intake.pressure`). They leave the batch without their KV being captured."""
 
     @classmethod
     def start(
@@ -238,16 +245,24 @@ def decode(
         run.step += 1
         if not alive:
             break
+        evict = False
+        if run.pressure is not None:
+            for r in run.pressure([rows[ri] for ri in alive]):
+                r.preempted = evict = True
+            if evict:
+                alive = [ri for ri in alive if not rows[ri].preempted]
         if run.admit is not None:
             admitted = list(run.admit(len(alive)))
             if admitted:
                 break
         dead = len(present) - len(alive)
-        if dead and dead * 4 >= len(present):  # compact: finished rows leave the batch
+        if evict or (dead and dead * 4 >= len(present)):  # compact: ended rows leave the batch
             for pos, ri in enumerate(present):
                 if rows[ri].finish is not None:
                     capture(pos, rows[ri])
-            keep = [pos for pos, ri in enumerate(present) if rows[ri].finish is None]
+            keep = [
+                pos for pos, ri in enumerate(present) if rows[ri].finish is None and not rows[ri].preempted
+            ]
             ctx.select_rows(torch.tensor(keep, device=device), {old: new for new, old in enumerate(keep)})
             present = alive
         feeds = [[rows[ri].out[-1]] if rows[ri].finish is None else [] for ri in present]
@@ -261,7 +276,7 @@ def decode(
     for hook in overrides(hooks, "end_decode"):
         hook.end_decode(batch, [rows[ri] for ri in present])
     for pos, ri in enumerate(present):
-        if not rows[ri].captured:
+        if not rows[ri].captured and not rows[ri].preempted:
             capture(pos, rows[ri])
     for r in rows:
         # the last sampled token was not fed; its KV is computed on the node's next use

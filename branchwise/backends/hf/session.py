@@ -34,12 +34,14 @@ from branchwise.backends.base import (
     StepListener,
     check_context,
 )
-from branchwise.backends.hf.arch import DecoderParts
+from branchwise.backends.hf.arch import DecoderParts, kv_bytes_per_token
 from branchwise.backends.hf.batch import Batch, Broadcast, Row
 from branchwise.backends.hf.decode import DecodeRun, decode
 from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, overrides
+from branchwise.backends.hf.intake import Intake
 from branchwise.backends.hf.plugins import Builds, EntropyTrace, build_plugins, layer_trace
+from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
 from branchwise.constraints import Constraint
@@ -88,6 +90,11 @@ class Engine:
     grammars: Grammars = field(init=False)
     max_context: int | None = field(init=False)
     """The model's context window in tokens (None where its config does not say)."""
+    pool: KVPool = field(init=False)
+    """Every byte of KV and its budget (`pool.py`)."""
+    prefill_chunk: int = 512
+    """Prompts are computed at most this many tokens per forward (0: whole), interleaved with the
+    running batch's decode steps (`intake.py`)."""
 
     def __post_init__(self) -> None:
         self.runner = Runner(self.parts, self.pad_id, self.device)
@@ -97,6 +104,7 @@ class Engine:
             else len(self.tokenizer)
         )
         self.grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
+        self.pool = KVPool(self.tree, kv_bytes_per_token(self.parts, self.dtype))
         config = self.model.config
         self.max_context = next(
             (
@@ -460,6 +468,9 @@ class Session:
                 cache_miss_tokens=s.cache_miss_tokens,
                 cache_evictions=s.cache_evictions,
                 cache_bytes=self.tree.cache.held,
+                budget_bytes=self.engine.pool.budget,
+                used_bytes=self.engine.pool.used(),
+                preemptions=self.engine.pool.preemptions,
                 extra=dict(s.extra),
             )
 
@@ -472,6 +483,19 @@ class Session:
     def compute(self, segs: Sequence[Segment], observers: Sequence[Acceleration] = ()) -> None:
         """Compute the pending tokens of `segs` (ancestors first), watched by `observers`."""
         self._run(segs, None, observers)
+
+    def compute_part(self, seg: Segment, limit: int) -> None:
+        """Compute the next `limit` pending tokens of `seg` (its ancestors are computed): one chunk
+        of a chunked prefill. Only for runs without accelerations (their hooks see whole prompts)."""
+        self._materialize_ancestors([seg])
+        engine = self.engine
+        batch = Batch.assemble([seg], 0, self.parts, engine.dtype, self.device, engine.broadcast, limit=limit)
+        engine.pool.track(batch.ctx)
+        logits = self._forward(batch, batch.feeds)
+        batch.advance([0], batch.feeds)
+        batch.capture(self.tree, 0, batch.rows[0])
+        seg.last_logits = None if seg.pending else logits[0].detach().clone()
+        self.stats.bump("prefill_chunks")
 
     def _materialize_ancestors(self, segs: Sequence[Segment]) -> None:
         """Compute pending tokens of shared ancestors, top-down, batching those at the same depth."""
@@ -497,6 +521,7 @@ class Session:
         batch = Batch.assemble(
             segs, extra, self.parts, engine.dtype, self.device, engine.broadcast, copy_tokens
         )
+        engine.pool.track(batch.ctx)
         for plugin in overrides(self.plugins, "on_batch"):
             plugin.on_batch(batch)
         return batch
@@ -546,30 +571,36 @@ class Session:
             detokenize=self.engine.decode,
             device=self.device,
             on_step=on_step,
-            admit=admit,
             grammars=self.engine.grammars,
             constraints=constraints,
         )
-        while segs:
-            batch, start = self._batch(segs, params, observers)
-            admitted = decode(
-                batch,
-                torch.stack(start),
-                run,
-                forward=lambda step_feeds, batch=batch: self._forward(batch, step_feeds),
-                capture=self._capture(batch),
-                hooks=self.plugins,
-                device=self.device,
-            )
-            for plugin in overrides(self.plugins, "after_batch"):
-                plugin.after_batch(batch, True)
-            if not admitted:
-                break
-            joined = [self.tree.growable(n) for n in admitted]
-            run.join(joined)
-            segs = [r.seg for r in batch.rows if r.finish is None] + joined
-            observers = ()
-            self.stats.bump("admitted_rows", len(joined))
+        intake = Intake(self, run, admit)
+        run.admit, run.pressure = intake.admit, intake.pressure
+        segs = intake.start(segs)
+        try:
+            while True:
+                if not segs:
+                    segs = intake.next_ready()
+                    if not segs:
+                        break
+                batch, start = self._batch(segs, params, observers)
+                admitted = decode(
+                    batch,
+                    torch.stack(start),
+                    run,
+                    forward=lambda step_feeds, batch=batch: self._forward(batch, step_feeds),
+                    capture=self._capture(batch),
+                    hooks=self.plugins,
+                    device=self.device,
+                )
+                for plugin in overrides(self.plugins, "after_batch"):
+                    plugin.after_batch(batch, True)
+                intake.dropped([r for r in batch.rows if r.preempted])
+                segs = [r.seg for r in batch.rows if r.finish is None and not r.preempted]
+                segs += [self.tree.get(n) for n in admitted]
+                observers = ()
+        finally:
+            intake.finish()
         return run.generations()
 
     def _batch(
@@ -579,6 +610,10 @@ class Session:
         with each row's next-token logits. Without `params` the rows' KV goes back into their nodes
         at once (a prefill), each with its logits."""
         self._materialize_ancestors(segs)
+        chunk = 0 if self.plugins else self.engine.prefill_chunk
+        for seg in segs if chunk else ():
+            while len(seg.pending) > chunk:  # a long prompt: its attention's memory stays bounded
+                self.compute_part(seg, chunk)
         if not self.exact_kv:
             for seg in segs:
                 seg.exact = False

@@ -303,10 +303,12 @@ class KVTree:
             seg = seg.parent
         return node, pos
 
-    def trim(self) -> int:
-        """Evict least recently used cached leaves until the cache fits its budget; returns how many."""
+    def trim(self, limit: int | None = None) -> int:
+        """Evict least recently used cached leaves until the cache fits its budget (and `limit`
+        bytes, when given: the memory pool asks the cache to yield); returns how many."""
         n = 0
-        while self.cache.held > self.cache_budget:
+        target = self.cache_budget if limit is None else min(limit, self.cache_budget)
+        while self.cache.held > target:
             leaves = [s for s in self._segments.values() if s.cached and not s.live_children]
             if not leaves:
                 break  # the rest is pinned by live requests

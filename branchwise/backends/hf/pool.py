@@ -1,0 +1,158 @@
+"""The KV memory pool: one budget over every byte of KV the engine holds.
+
+Why its own module (the split SGLang makes between its radix tree and its memory pool): the tree
+(`tree.py`) knows which tokens each node holds and who reads them; the pool knows how many bytes
+all of that costs and whether more fits. Every byte of KV is counted here, in one place:
+
+- live nodes' KV (prompts shared by many branches, each branch's own tokens) and the shared blocks
+  of ReasonCache: the tree's `total` ledger;
+- the prefix cache across requests: the tree's `cache` ledger;
+- the batch tails a decode writes into while it runs (`BatchContext` buffers, which hold each row's
+  own tokens beside its node's copy until the batch ends): tracked while their batch is alive.
+
+With a budget (`HFBackend(kv_budget=...)`), three things act on it: admission (a scheduler takes a
+queued request only while the worst-case KV of the running rows and of the request fits under the
+budget less a small watermark: `room`), the prefix cache, which yields first when memory runs short
+(`yield_cache`), and preemption (`intake.py`): when a decode still outgrows the budget, the
+youngest rows drop their KV and are recomputed later, their tokens so far kept.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.tree import KVTree
+
+__all__ = ["AUTO_FRACTION", "KVPool", "free_memory", "parse_budget"]
+
+AUTO_FRACTION = 0.5
+"""``kv_budget="auto"``: this fraction of the memory free when the budget is set (after the weights
+loaded), leaving the rest to activations, the allocator's slack and the rest of the process."""
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
+_UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on `device`: CUDA's free memory, or the OS's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def parse_budget(value: int | float | str | None, device: torch.device) -> int | None:
+    """Bytes of a ``kv_budget`` setting; None = unbounded.
+
+    Accepted: None or "none" (unbounded), "auto" (`AUTO_FRACTION` of free memory), an int of bytes,
+    a float in (0, 1] (that fraction of free memory), or a string of either ("0.5", "4GiB", "512MB").
+    """
+    allowed = (
+        "None, 'auto', bytes (an int >= 1 or a size like '4GiB'), or a fraction of free memory in (0, 1]"
+    )
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "off", "unbounded")):
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return int(AUTO_FRACTION * free_memory(device))
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)", text)
+        if m is None or m.group(2) not in _UNITS:
+            raise ValueError(f"kv_budget={value!r} is not one of: {allowed}")
+        number = float(m.group(1))
+        if m.group(2) or ("." not in m.group(1) and "e" not in m.group(1)):
+            value = int(number * _UNITS[m.group(2)])
+        else:
+            value = number
+    if isinstance(value, bool):
+        raise ValueError(f"kv_budget={value!r} is not one of: {allowed}")
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"kv_budget={value!r}: a fraction must be in (0, 1]; or give {allowed}")
+        return int(value * free_memory(device))
+    if value < 1:
+        raise ValueError(f"kv_budget={value!r} must be >= 1 byte; or give {allowed}")
+    return int(value)
+
+
+@dataclass
+class KVPool:
+    """Byte accounting of all KV and the budget it must stay under (see the module docstring).
+
+    Not thread-safe on its own: the engine's lock serialises every use.
+    """
+
+    tree: KVTree
+    token_bytes: int
+    """KV bytes of one token over all layers (the unit of every estimate)."""
+    budget: int | None = None
+    watermark: float = 0.02
+    """Fraction of the budget admission leaves free (growth the estimates miss: tails' padding)."""
+    reserved: int = 0
+    """Bytes the running decode's rows may still grow by (worst case; set at each step boundary)."""
+    preemptions: int = 0
+    overruns: int = 0
+    """Decode steps that ran above the budget because nothing could yield (a lone row, or rows of
+    a run with accelerations, which are never preempted)."""
+    _batches: weakref.WeakValueDictionary[int, BatchContext] = field(
+        default_factory=weakref.WeakValueDictionary
+    )
+
+    def track(self, ctx: BatchContext) -> None:
+        """Count a batch's tail buffers while the batch lives."""
+        self._batches[id(ctx)] = ctx
+
+    @property
+    def tails(self) -> int:
+        return sum(ctx.nbytes for ctx in list(self._batches.values()))
+
+    def used(self) -> int:
+        """Every byte of KV held now: live nodes and blocks, the prefix cache, batch tails."""
+        return self.tree.total.held + self.tree.cache.held + self.tails
+
+    def room(self) -> int | None:
+        """Bytes admission may still promise (None: unbounded): the budget less the watermark, what
+        is held and what running rows may still grow by; the prefix cache counts as free (it
+        yields)."""
+        if self.budget is None:
+            return None
+        limit = int(self.budget * (1.0 - self.watermark))
+        return limit - self.used() - self.reserved + self.tree.cache.held
+
+    def over(self, extra: int = 0) -> int:
+        """Bytes above the budget once `extra` more are held (<= 0: it fits)."""
+        return 0 if self.budget is None else self.used() + extra - self.budget
+
+    def yield_cache(self, need: int) -> int:
+        """Evict prefix-cache nodes (least recently used first) until `need` more bytes fit the
+        budget or the cache is empty of unpinned nodes; returns how many nodes went."""
+        over = self.over(need)
+        if over <= 0 or not self.tree.cache.held:
+            return 0
+        return self.tree.trim(max(0, self.tree.cache.held - over))
+
+    def job_cost(self, prompt_tokens: int, n: int, max_tokens: int, shared: bool) -> int:
+        """Worst-case bytes of ``n`` rows decoding up to ``max_tokens`` each from one prompt (held
+        once when `shared`, by each row otherwise); cached prompt tokens are not subtracted."""
+        prompt = prompt_tokens if shared or n == 1 else n * prompt_tokens
+        return (prompt + n * max_tokens) * self.token_bytes
+
+    def stats(self) -> dict[str, int | None]:
+        return {
+            "budget_bytes": self.budget,
+            "used_bytes": self.used(),
+            "cache_bytes": self.tree.cache.held,
+            "preemptions": self.preemptions,
+        }

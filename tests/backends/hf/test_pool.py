@@ -1,0 +1,161 @@
+"""The KV memory pool and what acts on it: the budget's parsing and accounting, chunked prefill
+(same tokens as a whole prefill, bounded per forward, interleaved with running rows), preemption
+(same greedy tokens as without a budget, KV back to baseline) and the scheduler's admission."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from branchwise.backends.base import ContextTooLong, DecodeParams, KVBudgetExceeded
+from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.pool import parse_budget
+from branchwise.backends.scheduler import Job, Scheduler
+
+CPU = torch.device("cpu")
+TEXT = "Question: How many apples are left? Let's think step by step about the problem. "
+
+
+def decode(backend: HFBackend, prompt: list[int], n: int, tokens: int) -> list[list[int]]:
+    root = backend.prefill(prompt)
+    kids = backend.fork(root, n) if n > 1 else [root]
+    gens = backend.extend(kids, DecodeParams(max_tokens=tokens, min_tokens=tokens))
+    backend.release(kids if n == 1 else [*kids, root])
+    return [g.token_ids for g in gens]
+
+
+def test_budget_forms_and_errors() -> None:
+    assert parse_budget(None, CPU) is None and parse_budget("none", CPU) is None
+    assert parse_budget(4096, CPU) == 4096
+    assert parse_budget("4GiB", CPU) == 4 << 30 and parse_budget("512MB", CPU) == 512_000_000
+    assert 0 < parse_budget(0.25, CPU) <= parse_budget("0.5", CPU)  # type: ignore[operator]
+    assert parse_budget("auto", CPU) > 0  # type: ignore[operator]
+    for bad in (0, -5, 1.5, "lots", "4 parsecs", True):
+        with pytest.raises(ValueError, match="kv_budget"):
+            parse_budget(bad, CPU)  # type: ignore[arg-type]
+
+
+def test_used_bytes_count_nodes_cache_and_tails(tiny_llama_dir: Path) -> None:
+    backend = HFBackend(tiny_llama_dir, kv_budget=None)
+    ids = backend.encode(TEXT * 2)
+    root = backend.prefill(ids)
+    kids = backend.fork(root, 4)
+    seen: list[int] = []
+    backend.extend(
+        kids, DecodeParams(max_tokens=4), on_step=lambda _: seen.append(backend.kv_stats().used_bytes)
+    )
+    stats = backend.kv_stats()
+    # while decoding, the batch's tails count beside the nodes
+    assert max(seen) > stats.bytes_held > 0
+    backend.release([*kids, root])
+    after = backend.kv_stats()
+    assert after.bytes_held == 0 and after.used_bytes == after.cache_bytes > 0
+    assert after.budget_bytes is None
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_arch_dir: Path) -> None:
+    whole = HFBackend(tiny_arch_dir, prefill_chunk=0, cache_bytes=0)
+    chunked = HFBackend(tiny_arch_dir, prefill_chunk=16, cache_bytes=0)
+    ids = whole.encode(TEXT * 3)
+    assert len(ids) > 3 * 16
+    assert decode(chunked, ids, 3, 8) == decode(whole, ids, 3, 8)
+    assert chunked.kv_stats().extra["prefill_chunks"] >= len(ids) // 16
+    assert "prefill_chunks" not in whole.kv_stats().extra
+    assert chunked.kv_stats().bytes_held == 0
+
+
+def test_preemption_keeps_greedy_tokens_and_releases_kv(tiny_arch_dir: Path) -> None:
+    """Eight rows that cannot all grow within the budget: the youngest are preempted, recomputed
+    later, and every row ends with the tokens an unbounded run gives."""
+    free = HFBackend(tiny_arch_dir, kv_budget=None, cache_bytes=0)
+    ids = free.encode(TEXT)
+    want = decode(free, ids, 8, 48)
+    tb = free.engine.pool.token_bytes
+    tight = HFBackend(tiny_arch_dir, kv_budget=(len(ids) + 8 * 48) * tb, cache_bytes=0)
+    assert decode(tight, ids, 8, 48) == want
+    stats = tight.kv_stats()
+    assert stats.preemptions > 0 and stats.extra["preempted_rows"] == stats.preemptions
+    assert stats.bytes_held == 0 and stats.used_bytes == 0
+
+
+def test_the_prefix_cache_yields_before_rows_are_preempted(tiny_llama_dir: Path) -> None:
+    backend = HFBackend(tiny_llama_dir, kv_budget=None)
+    tb = backend.engine.pool.token_bytes
+    for i in range(6):  # fill the cache with other prompts
+        decode(backend, backend.encode(f"{i} {TEXT}"), 1, 2)
+    cached = backend.kv_stats().cache_bytes
+    ids = backend.encode("Another question entirely, with its own words.")
+    backend.kv_budget = cached // 2 + (len(ids) + 4 * 8) * tb * 2
+    evicted = backend.tree.evictions
+    decode(backend, ids, 4, 8)
+    assert backend.tree.evictions > evicted and backend.kv_stats().preemptions == 0
+
+
+def test_context_window_is_checked_before_any_work(tiny_llama_dir: Path) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    assert backend.max_context == 2048
+    with pytest.raises(ContextTooLong, match="2049 tokens.*2048"):
+        backend.prefill([5] * 2049)
+    root = backend.prefill([5] * 2000)
+    with pytest.raises(ContextTooLong, match=r"2000 tokens\) \+ max_tokens \(100\)"):
+        backend.extend([root], DecodeParams(max_tokens=100))
+    backend.release([root])
+    assert backend.kv_stats().bytes_held == 0
+
+
+def test_scheduler_refuses_what_never_fits_and_queues_what_fits_later(tiny_llama_dir: Path) -> None:
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    ids = backend.encode(TEXT)
+    params = DecodeParams(max_tokens=16, min_tokens=16)
+    one = backend.kv_cost(len(ids), 4, 16)
+    backend.kv_budget = int(one * 2.5)  # two such requests fit at once, not three
+    sched = Scheduler(backend, window_s=0.05)
+    try:
+        huge = sched.enqueue(Job(prompt=ids, n=64, params=params))
+        jobs = [sched.enqueue(Job(prompt=ids, n=4, params=params)) for _ in range(4)]
+        with pytest.raises(KVBudgetExceeded, match="KV budget"):
+            huge.result()
+        gens = [j.result() for j in jobs]
+        assert all(len(g) == 4 and all(len(x.token_ids) == 16 for x in g) for g in gens)
+        assert sched.stats.max_rows_per_call <= 8  # never more than two requests' rows at once
+    finally:
+        sched.close(timeout=30)
+    assert backend.kv_stats().bytes_held == 0
+
+
+def test_a_long_prompt_does_not_stall_a_running_decode(tiny_llama_dir: Path) -> None:
+    """A request with a long prompt joins a running decode one chunk per step: the running rows
+    keep stepping while it prefills (they take steps between its chunks)."""
+    backend = HFBackend(tiny_llama_dir, prefill_chunk=16, cache_bytes=0)
+    short = backend.encode("Count: 1 2 3")
+    long = backend.encode(TEXT * 8)
+    events: list[str] = []
+    sched = Scheduler(backend, window_s=0.0)
+    started = threading.Event()
+
+    def on_short(step: object) -> None:
+        events.append("short")
+        started.set()
+
+    def on_long(step: object) -> None:
+        events.append("long")
+
+    try:
+        a = sched.enqueue(
+            Job(prompt=short, n=1, params=DecodeParams(max_tokens=60, min_tokens=60), on_step=on_short)
+        )
+        started.wait(30)
+        chunks_before = backend.kv_stats().extra.get("prefill_chunks", 0)
+        b = sched.enqueue(
+            Job(prompt=long, n=2, params=DecodeParams(max_tokens=60, min_tokens=60), on_step=on_long)
+        )
+        a.result(), b.result()
+    finally:
+        sched.close(timeout=30)
+    assert backend.kv_stats().extra["prefill_chunks"] - chunks_before >= len(long) // 16 - 1
+    first_long = events.index("long")
+    # the short request decoded a step per chunk while the long prompt was prefilled
+    assert events[:first_long].count("short") >= len(long) // 16 - 1

@@ -97,7 +97,7 @@ def test_the_prefix_cache_yields_before_rows_are_preempted(tiny_llama_dir: Path)
 def test_context_window_is_checked_before_any_work(tiny_llama_dir: Path) -> None:
     backend = HFBackend(tiny_llama_dir)
     assert backend.max_context == 2048
-    with pytest.raises(ContextTooLong, match="2049 tokens.*2048"):
+    with pytest.raises(ContextTooLong, match=r"2049 tokens.*2048"):
         backend.prefill([5] * 2049)
     root = backend.prefill([5] * 2000)
     with pytest.raises(ContextTooLong, match=r"2000 tokens\) \+ max_tokens \(100\)"):

@@ -288,9 +288,11 @@ class HFBackend:
             return self.engine.pool.room()
 
     def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
-        """Worst-case KV bytes of ``n`` samples of a prompt decoding up to ``max_tokens`` each."""
+        """Worst-case KV bytes of ``n`` samples of a prompt decoding up to ``max_tokens`` each, under
+        the backend's own accelerations (SkipKV's budget caps what a row keeps)."""
         mode = self.share if share is None else share
-        return self.engine.pool.job_cost(prompt_tokens, n, max_tokens, mode == "exact")
+        kept = self._default.row_kv_tokens(max_tokens)  # an eviction policy caps a row's own KV
+        return self.engine.pool.job_cost(prompt_tokens, n, kept, mode == "exact")
 
     @property
     def broadcast(self) -> Broadcast:

@@ -134,6 +134,11 @@ class Acceleration:
     name: str = "acceleration"
 
     # -- fork time
+    def row_kv_tokens(self, max_tokens: int) -> int:
+        """The most own KV tokens a row decoding `max_tokens` holds at once under this acceleration
+        (an eviction policy caps it): what the KV budget's admission reserves per row."""
+        return max_tokens
+
     def on_fork(self, host: Host, path: list[int], n: int, parent: Segment) -> bool:
         """Whether sharing `parent` (whose path is `path`) with `n` children pays; False makes the
         fork recompute."""

@@ -108,8 +108,8 @@ class Intake:
         """`DecodeRun.pressure`: record the running rows' worst-case growth, and name the rows to
         preempt if the next step would not fit the budget."""
         pool, tb = self.pool, self.pool.token_bytes
-        max_tokens = self.run.params.max_tokens
-        pool.reserved = sum(max(max_tokens - len(r.out), 0) for r in alive) * tb
+        cap = self.session.row_kv_tokens(self.run.params.max_tokens)
+        pool.reserved = sum(max(cap - min(len(r.out), cap), 0) for r in alive) * tb
         if pool.budget is None:
             return []
         need = len(alive) * tb

@@ -187,6 +187,11 @@ class Session:
         """A session over the same tree without accelerations and with its own throwaway stats."""
         return Session(self.engine, self.share, Accel())
 
+    def row_kv_tokens(self, max_tokens: int) -> int:
+        """Own KV tokens a row of this run holds at most while decoding `max_tokens` (the tightest
+        cap of its accelerations; `KVPool` reserves this much per row)."""
+        return min((p.row_kv_tokens(max_tokens) for p in self.plugins), default=max_tokens)
+
     # ------------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:
         return self.engine.encode(text)

@@ -185,6 +185,11 @@ class SkipKV(Acceleration):
                 state.tracker.append(fed)
                 state.generated += len(fed)
 
+    def row_kv_tokens(self, max_tokens: int) -> int:
+        """A branch keeps at most `budget` tokens after each compression and grows by at most
+        `interval` between two."""
+        return min(max_tokens, self.cfg.budget + self.cfg.interval)
+
     def begin_decode(self, batch: Batch) -> None:
         """Start tracking each row's generated tokens and record the decode queries."""
         for r in batch.rows:

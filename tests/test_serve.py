@@ -272,7 +272,11 @@ def test_bad_requests_get_400_naming_the_field(
     served: str, path: str, body: Any, param: str, says: str
 ) -> None:
     url = f"{served}/v1/{path}"
-    r = httpx.post(url, content=body) if isinstance(body, bytes) else httpx.post(url, json=body)
+    r = (
+        httpx.post(url, content=body, headers={"Content-Type": "application/json"})
+        if isinstance(body, bytes)
+        else httpx.post(url, json=body)
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and says in err["message"], err

@@ -7,34 +7,36 @@ concurrent HTTP requests become shared decode passes (the same batching DSPy get
 ``n`` samples of a request fork one prefill, and whole prompts are submitted via `prefill`/`fork` so
 a backend with a prefix cache reuses prompts across requests without this module knowing.
 
-Behaviour at the edges: a bad body is a 400 naming the field and the range (OpenAI's error shape);
-a full queue is a 429 with ``Retry-After`` (memory stays bounded: the queue never grows past
-``max_queued_rows`` branches); a client that disconnects while its request waits frees it before it
-is prefilled (see `Scheduler.cancel`); on shutdown (SIGTERM, via uvicorn) in-flight requests finish
-before the process exits.
+Behaviour at the edges: a bad body is a 400 naming the field and the range (OpenAI's error shape,
+`errors`); a request the door refuses — wrong Host, no API key, not JSON, a body too big or too
+slow — never reaches a route (`guard`); a prompt that does not fit the model's context with its
+``max_tokens`` is a 400 naming both numbers before anything is computed (a default ``max_tokens``
+is clamped to what the context leaves instead); a full queue is a 429 with ``Retry-After`` (memory
+stays bounded: the queue never grows past ``max_queued_rows`` branches); a client that disconnects
+while its request waits frees it before it is prefilled (see `Scheduler.cancel`), one that leaves
+mid-stream has its branches stopped at the next decode step.
 
-Streaming is server-sent events in OpenAI's chunk format, sent as the tokens are decoded: the
-scheduler hands each decode step of a request's branches to the request (`Job.on_step`, on the
-decoding thread), which only queues it for the event loop (`_StepFeed`), so a slow client never
-holds up the batch; the loop turns tokens into text (`TextStream`) and sends the chunks. Why text
-is held back at times: a stop string cuts itself and what follows out of the final text, so the
-last ``len(longest stop) - 1`` characters wait until no stop string can begin in them, and a
-character split over several tokens waits for its last token. Hence the streamed deltas,
-concatenated, equal the non-streamed text exactly. With ``n > 1`` the choices' chunks interleave
-(each names its ``index``); a choice's last chunk carries its ``finish_reason`` as soon as that
-branch ends, and the response ends (optionally with a usage chunk, then ``[DONE]``) once all of its
-branches have, even while other requests of its batch still decode. A backend that cannot report
-steps (its `extend` takes no ``on_step``) streams each choice whole once its batch has decoded.
+Shutdown (`begin_drain`, called by the runner when SIGTERM arrives): new requests get a 503,
+in-flight ones may finish until ``drain_timeout_s``; then whatever still runs is cancelled and its
+client answered with a JSON 503 (`streaming.watch` sees the drain's deadline beside the client's
+disconnect), so the process exits within the timeout, not after it plus the scheduler's own wait.
 
-A client that disconnects mid-stream cancels its request: its branches stop at the next decode step
-(they no longer take rows of the batch) and their KV is released when the batch ends.
+Streaming is server-sent events in OpenAI's chunk format, sent as the tokens are decoded
+(`streaming`): the scheduler hands each decode step to the request on its own thread, the event
+loop turns tokens into text (`TextStream`) and text into chunks. Why text is held back at times: a
+stop string cuts itself and what follows out of the final text, so the last
+``len(longest stop) - 1`` characters wait until no stop string can begin in them, and a character
+split over several tokens waits for its last token. Hence the streamed deltas, concatenated, equal
+the non-streamed text exactly. With ``n > 1`` the choices' chunks interleave (each names its
+``index``); a choice's last chunk carries its ``finish_reason`` as soon as that branch ends. A
+backend that cannot report steps streams each choice whole once its batch has decoded.
 
 Tools and structured output: the request's ``tools`` / ``response_format`` become one `Constraint`
 (`protocol`), carried to the backend in `DecodeParams.constraint` (requests with different
 constraints never share a decode call: the scheduler groups by params); the tools are shown in the
 prompt by `Backend.chat_prompt`. The reply's text is read back into OpenAI's ``tool_calls``, whole
-or streamed, by one reader (`replies.ToolCallStream`), so both say the same; a constraint the
-backend's grammar engine cannot compile is a 400 naming the request field it came from.
+or streamed, by one reader (`replies.ToolCallStream`), so both say the same. Strategy runs (the
+``branchwise`` extension) are bounded and cancellable (`strategy`).
 """
 
 from __future__ import annotations
@@ -44,27 +46,26 @@ import inspect
 import json
 import logging
 import math
-import re
 import time
 import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
-from branchwise.backends.base import Backend, DecodeStep, Generation, ShareMode
-from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFull, Scheduler
-from branchwise.backends.text import TextStream
-from branchwise.constraints import ConstraintError
+from branchwise.backends.base import Backend, Generation, ShareMode
+from branchwise.backends.scheduler import Job, Scheduler
+from branchwise.serve.errors import ClientGone, RequestError, draining, json_object, parse
+from branchwise.serve.guard import Guard
 from branchwise.serve.protocol import BranchwiseOptions, ChatMessage, ChatRequest, CompletionRequest
 from branchwise.serve.replies import (
     FINISH,
-    ChatDeltas,
+    ChatChunks,
+    TextChunks,
     chat_choice_message,
     chat_logprobs,
     details,
@@ -74,245 +75,132 @@ from branchwise.serve.replies import (
     tools_of,
     usage,
 )
+from branchwise.serve.strategy import StrategyLimits, StrategyRunner
+from branchwise.serve.streaming import StepFeed, Stream, chunks, outcome, sse, until
 
 __all__ = ["create_app"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("branchwise.serve")
+
+DRAIN_GRACE_S = 2.0
+"""After the drain's deadline: how long dropped work may take to stop (one decode step) before
+the process exits anyway."""
 
 
-class RequestError(Exception):
-    """A request the server refuses: becomes an OpenAI-shaped error response."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-
-    def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 429: "rate_limit_error", 503: "server_unavailable"}
-        body = {
-            "error": {
-                "message": self.message,
-                "type": kind.get(self.status, "server_error"),
-                "param": self.param,
-                "code": None,
-            }
-        }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
-
-
-def _validation_error(err: ValidationError) -> RequestError:
-    """One 400 naming each bad field, what is allowed and the value sent."""
-    parts, params = [], []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "json_invalid":
-            loc, msg = "body", f"malformed JSON ({e['ctx'].get('error', 'invalid')})"
-        elif not loc and ": " in msg:  # a model-level check names its field itself: "n: ..."
-            loc, msg = msg.split(": ", 1)
-        shown = loc and not isinstance(e.get("input"), dict | list) and e["type"] != "missing"
-        parts.append(f"{loc or 'body'}: {msg}" + (f" (got {e['input']!r})" if shown else ""))
-        params.append(re.split(r"[.\[]", loc)[0] if loc else "body")
-    return RequestError(400, "; ".join(parts), param=params[0] if params else None)
-
-
-def _parse(model: type[BaseModel], body: bytes) -> Any:
-    try:
-        return model.model_validate_json(body or b"{}")
-    except ValidationError as err:
-        raise _validation_error(err) from None
-
-
-async def _disconnected(request: Request) -> None:
-    """Return once the client has gone away (the body is read already, so `receive` waits for it)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _vocab_size(backend: Backend) -> int:
-    """Candidates for top-logprobs: every token the tokenizer knows."""
+def _vocab_size(backend: Backend) -> int | None:
+    """Tokens the tokenizer knows (None: the backend exposes no tokenizer)."""
     tokenizer = getattr(backend, "tokenizer", None)
-    if tokenizer is None:
-        raise RequestError(400, "top_logprobs: this backend exposes no tokenizer to rank tokens")
-    return len(tokenizer)
-
-
-async def _until(
-    task: asyncio.Future[Any], request: Request, cancel: asyncio.Future[Any] | None = None
-) -> None:
-    """Wait for `task`, or for the client to go away: then cancel `cancel` (default `task`; the
-    scheduler drops its job or stops its branches) and raise `CancelledError`."""
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not task.done():
-        (cancel or task).cancel()
-        raise asyncio.CancelledError
-
-
-def _outcome(work: asyncio.Future[list[Generation]], source: str = "constraint") -> list[Generation]:
-    """A finished job's generations, or its error as the HTTP error it becomes (`source`: the
-    request field its constraint came from)."""
-    try:
-        return work.result()
-    except QueueFull as err:
-        raise RequestError(429, str(err), headers={"Retry-After": "1"}) from None
-    except InvalidPrompt as err:
-        raise RequestError(400, f"prompt: {err}", param="prompt") from None
-    except Cancelled as err:  # pragma: no cover - only a disconnected client's job is cancelled
-        raise RequestError(503, str(err)) from None
-    except ConstraintError as err:  # the grammar engine refused the request's constraint
-        raise RequestError(400, f"{source}: {err}", source.split(".")[0]) from None
-
-
-class _StepFeed:
-    """One streamed request's decode steps, handed from the scheduler's worker to the event loop.
-
-    The worker only appends to a deque and, unless a wake-up is pending already, schedules one
-    (`call_soon_threadsafe`): it never waits for the client, and a consumer that falls behind finds
-    several steps at once (at most the request's own tokens: memory stays bounded by max_tokens).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._steps: deque[DecodeStep] = deque()
-        self._ready = asyncio.Event()
-        self._wake_pending = False
-
-    def push(self, step: DecodeStep) -> None:
-        """On the worker thread: queue `step` and make sure the loop will look."""
-        self._steps.append(step)
-        if not self._wake_pending:
-            self._wake_pending = True
-            self._loop.call_soon_threadsafe(self._ready.set)
-
-    def wake(self) -> None:
-        """On the loop: look again (the job has ended)."""
-        self._ready.set()
-
-    async def wait(self) -> None:
-        await self._ready.wait()
-
-    def drain(self) -> list[DecodeStep]:
-        """On the loop: every step queued so far (a push after this schedules a new wake-up)."""
-        self._wake_pending = False
-        self._ready.clear()
-        steps = []
-        while self._steps:
-            steps.append(self._steps.popleft())
-        return steps
-
-
-class _Stream:
-    """A request being streamed: its job, the task awaiting it, and the steps it produces."""
-
-    def __init__(self, job: Job, work: asyncio.Future[list[Generation]], feed: _StepFeed) -> None:
-        self.job, self.work, self.feed = job, work, feed
-
-    async def choices(self, backend: Backend) -> AsyncIterator[tuple[int, str, Generation | None]]:
-        """(choice index, text delta, the choice's `Generation` once it has ended), as decoded.
-
-        The deltas of a choice, concatenated, are its final text. Leaving early (the client went
-        away) cancels the job, which stops its branches.
-        """
-        n = self.job.n
-        texts = [TextStream(backend.decode, self.job.params) for _ in range(n)]
-        ended = [False] * n
-        try:
-            while True:
-                last = self.work.done()  # every step was queued before the job ended
-                for step in self.feed.drain():
-                    for i, tokens in step.tokens.items():
-                        if not ended[i] and (delta := texts[i].push(tokens)):
-                            yield i, delta, None
-                    for i, gen in step.finished.items():
-                        if not ended[i]:
-                            ended[i] = True
-                            yield i, texts[i].finish(gen.text), gen
-                if last:
-                    break
-                await self.feed.wait()
-            for i, gen in enumerate(_outcome(self.work)):  # choices no step reported as ended
-                if not ended[i]:
-                    ended[i] = True
-                    yield i, texts[i].finish(gen.text), gen
-        finally:
-            self.cancel()
-
-    def cancel(self) -> None:
-        """Cancel the job unless it has ended (the client left): the scheduler stops its branches."""
-        if not self.work.done():
-            self.work.cancel()
-
-    async def close(self) -> None:
-        """Run after the response: a response task cancelled by a disconnect may leave the
-        generators above suspended rather than closed, so their `finally` cannot be relied on."""
-        self.cancel()
+    return None if tokenizer is None else len(tokenizer)
 
 
 class _Server:
     """Request handling over one backend and its scheduler (kept apart from the routes for tests)."""
 
     def __init__(
-        self,
-        backend: Backend,
-        scheduler: Scheduler,
-        model_name: str,
-        share: ShareMode,
-        max_strategy_queue: int,
+        self, backend: Backend, scheduler: Scheduler, share: ShareMode, strategies: StrategyRunner
     ) -> None:
         self.backend = backend
         self.share = share
         self.scheduler = scheduler
-        self.model_name = model_name
-        self.max_strategy_queue = max_strategy_queue
-        self.strategy_waiting = 0
-        self.strategy_slot = asyncio.Lock()
-        """One strategy at a time: `Reasoner.run` resets and reads backend-wide KV counters."""
+        self.strategies = strategies
         self.draining = False
+        self.drop = asyncio.Event()
+        """Set at the drain's deadline: every request still waiting is cancelled and answered 503."""
+        self.drain_end: float | None = None
+        self._kv: asyncio.Future[dict[str, Any] | None] | None = None
+        self._kv_last: dict[str, Any] | None = None
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """On the loop: refuse new requests; drop what still runs `timeout_s` from now."""
+        if self.draining:
+            return
+        loop = asyncio.get_running_loop()
+        self.draining = True
+        self.drain_end = loop.time() + timeout_s
+        loop.call_later(timeout_s, self.drop.set)
+
+    # ------------------------------------------------------------------ checks at the door
+    def fit(self, req: ChatRequest | CompletionRequest, prompt: list[int], field: str) -> int:
+        """The request's ``max_tokens`` within the model's context: a 400 when the prompt, or the
+        prompt and the ``max_tokens`` the client chose, do not fit; a default budget is clamped."""
+        context = getattr(self.backend, "max_context", None)
+        wanted = req.token_budget()
+        if context is None:
+            return wanted
+        if len(prompt) >= context:
+            raise RequestError(
+                400,
+                f"{field}: the prompt is {len(prompt)} tokens; the model's context of {context} tokens "
+                "leaves no room for a reply",
+                field,
+            )
+        if not req.budget_set():
+            return min(wanted, context - len(prompt))
+        if len(prompt) + wanted > context:
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise RequestError(
+                400,
+                f"{name}: the prompt ({len(prompt)} tokens) + {name} ({wanted}) = {len(prompt) + wanted} "
+                f"exceeds the model's context of {context} tokens",
+                name,
+            )
+        return wanted
+
+    def check_ids(self, ids: Sequence[int], field: str) -> None:
+        """A 400 naming `field` and the range when an id is outside the vocabulary."""
+        check = getattr(getattr(self.backend, "engine", None), "check_ids", None)
+        if check is not None:
+            try:
+                check(ids, field)
+            except ValueError as err:
+                message = str(err)
+                raise RequestError(
+                    400, message if message.startswith(field) else f"{field}: {message}", field
+                ) from None
+            return
+        vocab = _vocab_size(self.backend)
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise RequestError(400, f"{field} holds ids outside [0, {vocab}): {bad[:5]}", field)
 
     # ------------------------------------------------------------------ plain completions
-    def _job(self, req: ChatRequest | CompletionRequest, prompt: list[int]) -> Job:
+    def _job(self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int) -> Job:
         if self.draining:
-            raise RequestError(503, "the server is shutting down")
+            raise draining()
         opts = req.branchwise or BranchwiseOptions()
         share = opts.share or self.share
-        return Job(prompt=prompt, n=req.n, params=req.decode_params(req.token_budget()), share=share)
+        return Job(prompt=prompt, n=req.n, params=req.decode_params(max_tokens), share=share)
 
     async def decode(
-        self, req: ChatRequest | CompletionRequest, prompt: list[int], request: Request
+        self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int, request: Request
     ) -> list[Generation]:
         """Queue the request's ``n`` samples and wait for them, or for the client to go away."""
-        job = self._job(req, prompt)
+        job = self._job(req, prompt, max_tokens)
         work = asyncio.ensure_future(self.scheduler.submit_async(job))
-        await _until(work, request)
-        return _outcome(work, req.constraint_field)
+        await until(work, request, self.drop)
+        return outcome(work, req.constraint_field)
 
     async def stream(
-        self, req: ChatRequest | CompletionRequest, prompt: list[int], request: Request
-    ) -> _Stream:
+        self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int, request: Request
+    ) -> Stream:
         """Queue the request with a step listener; return once its first tokens (or its end) are in.
 
         Waiting for them before answering keeps errors found on the way (a full queue, a prompt the
         backend refuses) proper HTTP errors instead of failures inside a 200 stream.
         """
-        job = self._job(req, prompt)
-        feed = _StepFeed(asyncio.get_running_loop())
+        job = self._job(req, prompt, max_tokens)
+        feed = StepFeed(asyncio.get_running_loop())
         job.on_step = feed.push
         work = asyncio.ensure_future(self.scheduler.submit_async(job))
         work.add_done_callback(lambda _: feed.wake())
         ready = asyncio.ensure_future(feed.wait())
         try:
-            await _until(ready, request, cancel=work)
+            await until(ready, request, self.drop, cancel=work)
         finally:
             ready.cancel()
         if work.done():
-            _outcome(work, req.constraint_field)  # raises the request's error, if any
-        return _Stream(job, work, feed)
+            outcome(work, req.constraint_field)  # raises the request's error, if any
+        return Stream(job, work, feed, self.drop)
 
     def top_logprobs(self, prompt: list[int], gen: Generation, k: int) -> list[list[tuple[int, float]]]:
         """The k most likely tokens at each generated position (temperature 1, like the chosen ones).
@@ -321,7 +209,10 @@ class _Server:
         re-scored: one `score_next` over the whole vocabulary per generated token, reading the
         prompt's KV from one shared prefill. Costly; only asked-for top logprobs pay it.
         """
-        vocab = list(range(_vocab_size(self.backend)))
+        size = _vocab_size(self.backend)
+        if size is None:
+            raise RequestError(400, "top_logprobs: this backend exposes no tokenizer to rank tokens")
+        vocab = list(range(size))
         root = self._stem(prompt, "top_logprobs")
         try:
             out = []
@@ -350,102 +241,38 @@ class _Server:
             raise RequestError(400, f"{field}: needs a prompt of at least 2 tokens", field.split(".")[0])
         return self.backend.prefill(prompt[:-1])
 
-    # ------------------------------------------------------------------ strategies
-    async def run_strategy(self, req: ChatRequest | CompletionRequest, messages: list[dict[str, Any]]) -> Any:
-        """Run a whole strategy on the last user turn (system turns become its system prompt). With
-        tools or a response format every branch decodes under the constraint and the branches vote
-        on their calls or values (`Reasoner`'s typed answers)."""
-        from branchwise.reasoners import Reasoner
-
-        opts = req.branchwise
-        assert opts is not None and opts.strategy is not None
-        strategy = _strategy(opts, req)
-        if any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-            raise RequestError(
-                400,
-                "messages: tool calls and results in a strategy request's history are not supported yet",
-                "messages",
-            )
-        system = "\n\n".join(m["content"] for m in messages if m["role"] in ("system", "developer")) or None
-        turns = [m for m in messages if m["role"] not in ("system", "developer")]
-        if not turns:
-            raise RequestError(400, "messages: a strategy needs a user message to answer", "messages")
-        c = req.constraint
-        typed: dict[str, Any] = {}
-        if c is not None and c.kind == "tool_calls":
-            typed = {
-                "tools": list(c.tools),
-                "tool_choice": c.tool_choice,
-                "parallel_tool_calls": c.parallel_tool_calls,
-            }
-        elif c is not None:
-            typed = {"response_format": c}
-        try:
-            reasoner = Reasoner(
-                strategy, backend=self.backend, share=opts.share or self.share, system_prompt=system, **typed
-            )
-        except ValueError as err:
-            raise RequestError(
-                400, f"{req.constraint_field}: {err}", req.constraint_field.split(".")[0]
-            ) from None
-        if self.strategy_waiting >= self.max_strategy_queue:
-            raise RequestError(
-                429,
-                f"{self.strategy_waiting} strategy runs are queued; retry later",
-                headers={"Retry-After": "1"},
-            )
-        self.strategy_waiting += 1
-        try:
-            async with self.strategy_slot:
-                return await asyncio.to_thread(reasoner.run, turns[-1]["content"])
-        finally:
-            self.strategy_waiting -= 1
+    # ------------------------------------------------------------------ health
+    async def kv(self) -> dict[str, Any] | None:
+        """The backend's KV memory figures for `/health`; read off the loop (the backend's lock may
+        be held for a decode step), at most one read at a time, the last one while a read hangs."""
+        stats = getattr(self.backend, "kv_stats", None)
+        if stats is None:
+            return None
+        if self._kv is None or self._kv.done():
+            self._kv = asyncio.ensure_future(asyncio.to_thread(_kv_figures, stats))
+        done, _ = await asyncio.wait({self._kv}, timeout=1.0)
+        if done and self._kv.exception() is None:
+            self._kv_last = self._kv.result()
+        return self._kv_last
 
 
-def _strategy(opts: BranchwiseOptions, req: ChatRequest | CompletionRequest) -> Any:
-    """The strategy the extension names: a prebuilt (knobs from the extension and the request) or a spec."""
-    from branchwise.reasoners.registry import check_names
-    from branchwise.strategies import PREBUILT, Strategy
-
-    spec = opts.strategy
-    try:
-        if isinstance(spec, str):
-            if spec not in PREBUILT:
-                raise ValueError(f"{spec!r} is not a prebuilt strategy; allowed: {', '.join(PREBUILT)}")
-            tokens = opts.tokens or (req.max_tokens if isinstance(req, ChatRequest) else None)
-            strategy = PREBUILT[spec](
-                branches=opts.branches,
-                temperature=req.temperature,
-                tokens=tokens,
-                seed=req.seed,
-                verifier=opts.verifier,
-            )
-        else:
-            strategy = Strategy.model_validate(spec)
-            strategy.compile()
-        check_names(strategy)
-    except ValidationError as err:
-        from branchwise.cli_params import one_line
-
-        raise RequestError(400, f"branchwise.strategy: {one_line(err)}", "branchwise") from None
-    except ValueError as err:
-        raise RequestError(400, f"branchwise.strategy: {err}", "branchwise") from None
-    return strategy
+def _kv_figures(stats: Callable[[], Any]) -> dict[str, Any]:
+    s = stats()
+    keys = ("budget_bytes", "used_bytes", "cache_bytes", "bytes_held", "preemptions")
+    return {k: getattr(s, k) for k in keys if hasattr(s, k)}
 
 
-# ---------------------------------------------------------------------- response shapes
+@dataclass(frozen=True)
+class _Kind:
+    """What differs between a chat and a text completion's reply: names and choice shapes."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
 
 
-async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    try:
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-    except Exception as err:  # the status line has gone out: say it in the stream (as vLLM does)
-        log.exception("a streamed request failed")
-        message = err.message if isinstance(err, RequestError) else f"{type(err).__name__}: {err}"
-        error = {"message": message, "type": "server_error", "param": None, "code": None}
-        yield f"data: {json.dumps({'error': error})}\n\n"
-    yield "data: [DONE]\n\n"
+CHAT = _Kind("chat.completion", "chat.completion.chunk", "chatcmpl")
+TEXT = _Kind("text_completion", "text_completion", "cmpl")
 
 
 def create_app(
@@ -460,6 +287,15 @@ def create_app(
     continuous: bool = True,
     max_strategy_queue: int = 16,
     drain_timeout_s: float = 30.0,
+    api_key: str | None = None,
+    allowed_hosts: Sequence[str] = (),
+    cors_origins: Sequence[str] = (),
+    docs: bool = False,
+    max_body_bytes: int = 8 * 2**20,
+    body_timeout_s: float = 30.0,
+    max_strategy_branches: int = 64,
+    max_strategy_tokens: int = 64 * 2048,
+    strategy_timeout_s: float = 600.0,
 ) -> FastAPI:
     """The OpenAI-compatible app over `backend` (see the module docstring).
 
@@ -470,7 +306,12 @@ def create_app(
         continuous: requests join a running decode (`Scheduler`'s continuous batching).
         max_queued_rows: branches (sum of ``n``) that may wait; beyond, requests get 429.
         max_strategy_queue: strategy runs that may wait for the strategy slot; beyond, 429.
-        drain_timeout_s: on shutdown, how long queued requests may take to finish.
+        drain_timeout_s: on shutdown, how long in-flight requests may take to finish.
+        api_key, allowed_hosts, max_body_bytes, body_timeout_s: the door's checks (`guard.Guard`).
+        cors_origins: origins whose pages may call the API (CORS); none by default.
+        docs: serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json``.
+        max_strategy_branches, max_strategy_tokens, strategy_timeout_s: bounds of a strategy run
+            (`strategy.StrategyLimits`).
     """
     scheduler = Scheduler(
         backend,
@@ -482,173 +323,152 @@ def create_app(
         name="branchwise-serve-scheduler",
     )
     name = model_name or str(getattr(backend, "model_name", backend.name))
-    server = _Server(backend, scheduler, name, share, max_strategy_queue)
+    limits = StrategyLimits(max_strategy_branches, max_strategy_tokens, strategy_timeout_s)
+    server = _Server(backend, scheduler, share, StrategyRunner(backend, share, max_strategy_queue, limits))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
-        server.draining = True  # uvicorn has let in-flight requests finish; refuse stragglers
-        await asyncio.to_thread(scheduler.close, drain_timeout_s)
+        server.begin_drain(drain_timeout_s)  # a no-op where the runner began it on SIGTERM
+        assert server.drain_end is not None
+        left = server.drain_end - asyncio.get_running_loop().time()
+        await asyncio.to_thread(scheduler.close, max(0.0, left) + DRAIN_GRACE_S)
 
-    app = FastAPI(title="branchwise", lifespan=lifespan)
+    urls = {"docs_url": "/docs", "redoc_url": "/redoc", "openapi_url": "/openapi.json"}
+    app = FastAPI(title="branchwise", lifespan=lifespan, **(urls if docs else dict.fromkeys(urls)))
+    opened = ["/health", *(urls.values() if docs else ()), "/docs/oauth2-redirect"]
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        allowed_hosts=allowed_hosts,
+        max_body_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        open_paths=opened,
+    )
+    if cors_origins:  # outermost, so that preflights are answered before the door's checks
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     app.state.server = server
     app.state.scheduler = scheduler
-
-    def meta(kind: str) -> dict[str, Any]:
-        return {"id": f"{kind}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
+    app.state.begin_drain = lambda: server.begin_drain(drain_timeout_s)
+    app.state.drain_timeout_s = drain_timeout_s
 
     async def handle(request: Request, fn: Any) -> Response:
         try:
             return await fn(await request.body(), request)
         except RequestError as err:
+            if err.status == 503 and server.draining:
+                log.info("%s %s: answered 503 (shutting down)", request.method, request.url.path)
             return err.response()
+        except ClientGone:
+            log.info("%s %s: the client went away; its work was cancelled", request.method, request.url.path)
+            return Response(status_code=499)  # never sent: the connection is closed
+        except Exception as err:  # a bug: logged once, answered in OpenAI's shape, never plain text
+            log.exception("%s %s failed", request.method, request.url.path)
+            return RequestError(500, f"internal error: {type(err).__name__}: {err}").response()
 
-    # ------------------------------------------------------------------ chat
+    # ------------------------------------------------------------------ the one reply builder
+    async def reply(
+        kind: _Kind,
+        req: ChatRequest | CompletionRequest,
+        prompt: list[int],
+        field: str,
+        request: Request,
+        messages: list[dict[str, Any]],
+        echo: str = "",
+    ) -> Response:
+        """Answer a chat or text completion: a strategy run, a stream, or whole choices."""
+        head = {"id": f"{kind.id_prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": name}
+        opts = req.branchwise
+        chat = isinstance(req, ChatRequest)
+        if opts is not None and opts.strategy is not None:
+            context = getattr(backend, "max_context", None)
+            if context is not None and len(prompt) >= context:
+                raise RequestError(
+                    400, f"{field}: the prompt is {len(prompt)} tokens, the model's context {context}", field
+                )
+            result = await server.strategies.run(req, messages, request, server.drop)
+            text, finish, extra, used = strategy_reply(result)
+            if chat:
+                message, finish = strategy_message(result, text, finish, req.constraint)
+                choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            body = {
+                "object": kind.object,
+                "choices": [choice],
+                "usage": usage(len(prompt), used),
+                "branchwise": extra,
+            }
+            return JSONResponse({**head, **body})
+        max_tokens = server.fit(req, prompt, field)
+        candidates = None
+        if not chat and opts is not None and opts.score_candidates is not None:
+            candidates = await asyncio.to_thread(server.candidate_logprobs, prompt, opts.score_candidates)
+        if req.stream:
+            stream = await server.stream(req, prompt, max_tokens, request)
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            tools = tools_of(req.constraint)
+            readers = [ChatChunks(tools) if chat else TextChunks(echo) for _ in range(req.n)]
+            events = chunks(
+                stream, backend, {**head, "object": kind.chunk_object}, readers, len(prompt), include_usage
+            )
+            return StreamingResponse(
+                sse(events), media_type="text/event-stream", background=BackgroundTask(stream.close)
+            )
+        gens = await server.decode(req, prompt, max_tokens, request)
+        k = (req.top_logprobs or 0) if isinstance(req, ChatRequest) else (req.logprobs or 0)
+        tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
+        choices = []
+        for i, (g, top) in enumerate(zip(gens, tops, strict=True)):
+            choice: dict[str, Any] = {"index": i}
+            if isinstance(req, ChatRequest):
+                message, finish = chat_choice_message(g, req.constraint)
+                choice.update(message=message, finish_reason=finish, logprobs=None)
+                if req.logprobs:
+                    choice["logprobs"] = {"content": chat_logprobs(backend, g, top)}
+            else:
+                choice.update(text=echo + g.text, finish_reason=FINISH[g.finish_reason], logprobs=None)
+                if req.logprobs is not None:
+                    choice["logprobs"] = text_logprobs(
+                        backend, g, top, req.return_tokens_as_token_ids, len(echo)
+                    )
+            if opts is not None and opts.details:
+                choice["branchwise"] = details(g)
+            choices.append(choice)
+        counted = usage(len(prompt), sum(len(g.token_ids) for g in gens))
+        out: dict[str, Any] = {**head, "object": kind.object, "choices": choices, "usage": counted}
+        if candidates is not None:
+            out["branchwise"] = {"candidate_logprobs": candidates}
+        return JSONResponse(out)
+
     async def chat(body: bytes, request: Request) -> Response:
-        req: ChatRequest = _parse(ChatRequest, body)
+        req: ChatRequest = parse(ChatRequest, body)
         if req.stream and req.logprobs:
             raise RequestError(400, "logprobs: not supported together with stream", "logprobs")
         messages = _messages(req.messages)
         prompt = _chat_prompt(backend, messages, req.shown_tools)
-        head = meta("chatcmpl")
-        if req.branchwise is not None and req.branchwise.strategy is not None:
-            result = await server.run_strategy(req, messages)
-            text, finish, extra, used = strategy_reply(result)
-            message, finish = strategy_message(result, text, finish, req.constraint)
-            choice = {"index": 0, "message": message, "finish_reason": finish}
-            return JSONResponse(
-                {
-                    **head,
-                    "object": "chat.completion",
-                    "choices": [{**choice, "logprobs": None}],
-                    "usage": usage(len(prompt), used),
-                    "branchwise": extra,
-                }
-            )
-        tools = tools_of(req.constraint)
-        if req.stream:
-            stream = await server.stream(req, prompt, request)
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return await reply(CHAT, req, prompt, "messages", request, messages)
 
-            async def chunks() -> AsyncIterator[dict[str, Any]]:
-                base = {**head, "object": "chat.completion.chunk"}
-
-                def chunk(i: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-                    return {**base, "choices": [{"index": i, "delta": delta, "finish_reason": finish}]}
-
-                for i in range(req.n):
-                    yield chunk(i, {"role": "assistant", "content": ""})
-                readers = [ChatDeltas(tools) for _ in range(req.n)]
-                used = 0
-                async for i, text, g in stream.choices(backend):
-                    for delta in readers[i].push(text, end=g is not None):
-                        yield chunk(i, delta)
-                    if g is not None:
-                        used += len(g.token_ids)
-                        yield chunk(i, {}, readers[i].finish_reason(g))
-                if include_usage:
-                    yield {**base, "choices": [], "usage": usage(len(prompt), used)}
-
-            return StreamingResponse(
-                _sse(chunks()), media_type="text/event-stream", background=BackgroundTask(stream.close)
-            )
-        gens = await server.decode(req, prompt, request)
-        counted = usage(len(prompt), sum(len(g.token_ids) for g in gens))
-        k = req.top_logprobs or 0
-        tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
-        choices = []
-        for i, (g, top) in enumerate(zip(gens, tops, strict=True)):
-            message, finish = chat_choice_message(g, req.constraint)
-            choice: dict[str, Any] = {
-                "index": i,
-                "message": message,
-                "finish_reason": finish,
-                "logprobs": None,
-            }
-            if req.logprobs:
-                choice["logprobs"] = {"content": chat_logprobs(backend, g, top)}
-            if req.branchwise is not None and req.branchwise.details:
-                choice["branchwise"] = details(g)
-            choices.append(choice)
-        return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": counted})
-
-    # ------------------------------------------------------------------ text completions
     async def complete(body: bytes, request: Request) -> Response:
-        req: CompletionRequest = _parse(CompletionRequest, body)
+        req: CompletionRequest = parse(CompletionRequest, body)
         if req.stream and req.logprobs is not None:
             raise RequestError(400, "logprobs: not supported together with stream", "logprobs")
         if isinstance(req.prompt, str):
             prompt_text, prompt = req.prompt, backend.encode(req.prompt)
         else:
-            prompt, prompt_text = list(req.prompt), None  # decoded only if echo asks for it
-        head = meta("cmpl")
-        opts = req.branchwise
-        if opts is not None and opts.strategy is not None:
-            question = prompt_text if prompt_text is not None else backend.decode(prompt)
-            result = await server.run_strategy(req, [{"role": "user", "content": question}])
-            text, finish, extra, used = strategy_reply(result)
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            return JSONResponse(
-                {
-                    **head,
-                    "object": "text_completion",
-                    "choices": [choice],
-                    "usage": usage(len(prompt), used),
-                    "branchwise": extra,
-                }
-            )
-        candidates = None
-        if opts is not None and opts.score_candidates is not None:
-            candidates = await asyncio.to_thread(server.candidate_logprobs, prompt, opts.score_candidates)
-        echo = (prompt_text if prompt_text is not None else backend.decode(prompt)) if req.echo else ""
-        if req.stream:
-            stream = await server.stream(req, prompt, request)
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-
-            async def chunks() -> AsyncIterator[dict[str, Any]]:
-                base = {**head, "object": "text_completion"}
-
-                def chunk(i: int, text: str, finish: str | None = None) -> dict[str, Any]:
-                    return {**base, "choices": [{"index": i, "text": text, "finish_reason": finish}]}
-
-                echoed: set[int] = set()
-                used = 0
-                async for i, text, g in stream.choices(backend):
-                    if i not in echoed:  # the echoed prompt leads each choice's first chunk
-                        echoed.add(i)
-                        text = echo + text
-                    if text:
-                        yield chunk(i, text)
-                    if g is not None:
-                        used += len(g.token_ids)
-                        yield chunk(i, "", FINISH[g.finish_reason])
-                if include_usage:
-                    yield {**base, "choices": [], "usage": usage(len(prompt), used)}
-
-            return StreamingResponse(
-                _sse(chunks()), media_type="text/event-stream", background=BackgroundTask(stream.close)
-            )
-        gens = await server.decode(req, prompt, request)
-        counted = usage(len(prompt), sum(len(g.token_ids) for g in gens))
-        k = req.logprobs or 0
-        tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
-        choices = []
-        for i, (g, top) in enumerate(zip(gens, tops, strict=True)):
-            choice = {
-                "index": i,
-                "text": echo + g.text,
-                "finish_reason": FINISH[g.finish_reason],
-                "logprobs": None,
-            }
-            if req.logprobs is not None:
-                choice["logprobs"] = text_logprobs(backend, g, top, req.return_tokens_as_token_ids, len(echo))
-            if opts is not None and opts.details:
-                choice["branchwise"] = details(g)
-            choices.append(choice)
-        reply: dict[str, Any] = {**head, "object": "text_completion", "choices": choices, "usage": counted}
-        if candidates is not None:
-            reply["branchwise"] = {"candidate_logprobs": candidates}
-        return JSONResponse(reply)
+            prompt, prompt_text = list(req.prompt), None  # decoded only if echo or a strategy asks
+            server.check_ids(prompt, "prompt")
+        wants_text = req.echo or (req.branchwise is not None and req.branchwise.strategy is not None)
+        text = (prompt_text if prompt_text is not None else backend.decode(prompt)) if wants_text else ""
+        messages = [{"role": "user", "content": text}]
+        return await reply(TEXT, req, prompt, "prompt", request, messages, text if req.echo else "")
 
     # ------------------------------------------------------------------ routes
     @app.post("/v1/chat/completions")
@@ -668,13 +488,17 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {
+        runs = server.strategies.runs
+        out = {
             "status": "draining" if server.draining else "ok",
             "model": name,
             "queued_rows": scheduler.queued_rows(),
-            "busy": not scheduler.idle(),
+            "busy": not scheduler.idle() or runs > 0,
+            "strategy_runs": runs,
             "batching": {**scheduler.stats.as_dict(), "continuous": scheduler.admits},
         }
+        kv = await server.kv()
+        return out if kv is None else {**out, "kv": kv}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -682,10 +506,10 @@ def create_app(
         appended)."""
 
         async def run(body: bytes, _: Request) -> Response:
-            data = _json_object(body)
+            data = json_object(body)
             if "messages" in data:
                 fields = {k: data[k] for k in ("messages", "tools", "tool_choice") if k in data}
-                req = _parse(ChatRequest, json.dumps(fields).encode())
+                req = parse(ChatRequest, json.dumps(fields).encode())
                 tokens = _chat_prompt(backend, _messages(req.messages), req.shown_tools)
             elif isinstance(data.get("prompt"), str):
                 tokens = backend.encode(data["prompt"])
@@ -698,9 +522,10 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         async def run(body: bytes, _: Request) -> Response:
-            tokens = _json_object(body).get("tokens")
+            tokens = json_object(body).get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
                 raise RequestError(400, "tokens: give a list of token ids (integers >= 0)", "tokens")
+            server.check_ids(tokens, "tokens")
             return JSONResponse({"prompt": backend.decode(tokens)})
 
         return await handle(request, run)
@@ -725,13 +550,3 @@ def _chat_prompt(
     if "tools" not in inspect.signature(backend.chat_prompt).parameters:  # e.g. RemoteBackend's
         raise RequestError(400, f"tools: the {backend.name} backend cannot show tools to its model", "tools")
     return backend.chat_prompt(messages, tools)
-
-
-def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body or b"{}")
-    except ValueError as err:
-        raise RequestError(400, f"body: malformed JSON ({err})", "body") from None
-    if not isinstance(data, dict):
-        raise RequestError(400, "body: must be a JSON object", "body")
-    return data

@@ -1,7 +1,17 @@
-"""The `branchwise serve` command (registered on the main app in `branchwise/cli.py`)."""
+"""The `branchwise serve` command (registered on the main app in `branchwise/cli.py`).
+
+Why the order of its steps: everything that can be wrong with the command line (a bad option, a
+model path that does not exist, a port that is taken) fails at once with one line naming the
+option, before a model is loaded — loading takes seconds to minutes, and a taken port found after
+it wastes them. So the socket is bound first and handed to uvicorn.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -42,15 +52,67 @@ def serve_command(
     max_strategy_queue: Annotated[
         int, ranged("Strategy runs (branchwise.strategy) that may wait; beyond, HTTP 429.", 1, 100_000)
     ] = 16,
+    max_strategy_branches: Annotated[
+        int, ranged("Branches one strategy request may ask for; beyond, HTTP 400.", 1, 4096)
+    ] = 64,
+    max_strategy_tokens: Annotated[
+        int,
+        ranged(
+            "Branches x tokens per generate one strategy request may ask for; beyond, HTTP 400.", 1, 2**31
+        ),
+    ] = 64 * 2048,
+    strategy_timeout: Annotated[
+        float,
+        ranged(
+            "Seconds a strategy run may take (queueing included); then it stops, HTTP 504.", 1.0, 86_400.0
+        ),
+    ] = 600.0,
     drain_timeout: Annotated[
-        float, ranged("Seconds in-flight requests may take to finish on SIGTERM.", 0.0, 3600.0)
+        float,
+        ranged(
+            "Seconds in-flight requests may take to finish on SIGTERM; then they get HTTP 503.", 0.0, 3600.0
+        ),
     ] = 30.0,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="BRANCHWISE_API_KEY",
+            show_default=False,
+            help="Clients must send 'Authorization: Bearer <key>' (/health stays open); default: no key.",
+        ),
+    ] = None,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Host header to accept besides the bound address (name, or name:port; repeatable; "
+            "* accepts any). Others get HTTP 400: a guard against DNS rebinding."
+        ),
+    ] = None,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option(help="Origin whose web pages may call the API (CORS; repeatable); default: none."),
+    ] = None,
+    docs: Annotated[
+        bool, typer.Option(help="Serve the API docs at /docs, /redoc and /openapi.json.")
+    ] = False,
+    max_body_bytes: Annotated[
+        int, ranged("Largest request body in bytes; beyond, HTTP 413.", 1024, 2**31)
+    ] = 8 * 2**20,
+    body_timeout: Annotated[
+        float, ranged("Seconds a client may take to send its request body; then HTTP 408.", 0.1, 3600.0)
+    ] = 30.0,
+    kv_budget: Annotated[
+        str | None,
+        typer.Option(
+            help="Memory for KV: bytes like 4GiB, or a fraction of free memory like 0.5; default auto."
+        ),
+    ] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     try:
-        import uvicorn
-
         from branchwise.serve import create_app
+        from branchwise.serve.guard import is_loopback
+        from branchwise.serve.runner import bind, serve
     except ImportError as err:
         raise typer.BadParameter(
             f"serving needs the serve extra: pip install 'branchwise[serve]' ({err})", param_hint="serve"
@@ -59,18 +121,102 @@ def serve_command(
 
     if share not in ("exact", "none"):
         raise typer.BadParameter(f"{share!r} is not one of 'exact', 'none'", param_hint="--share")
-    backend = _load_backend(model, device, dtype)
-    app = create_app(
-        backend,
-        model_name=served_model_name or model,
-        share=share,  # type: ignore[arg-type]
-        max_batch_rows=max_batch_rows,
-        max_queued_rows=max_queued_rows,
-        window_s=batch_window_ms / 1000,
-        continuous=continuous,
-        max_strategy_queue=max_strategy_queue,
-        drain_timeout_s=drain_timeout,
+    _check_model_path(model)
+    try:
+        sock = bind(host, port)
+    except OSError as err:
+        raise typer.BadParameter(
+            f"cannot listen on {host}:{port} ({err.strerror or err})", param_hint="--port"
+        ) from None
+    try:
+        if not api_key and not is_loopback(host):
+            typer.echo(
+                f"warning: serving on {host} without an API key: anyone who can reach this port can use "
+                "the model (set --api-key or BRANCHWISE_API_KEY)",
+                err=True,
+            )
+        backend = _load_backend(model, device, dtype)
+        if kv_budget is not None and kv_budget != "auto":
+            _set_kv_budget(backend, kv_budget)
+        app = create_app(
+            backend,
+            model_name=served_model_name or model,
+            share=share,  # type: ignore[arg-type]
+            max_batch_rows=max_batch_rows,
+            max_queued_rows=max_queued_rows,
+            window_s=batch_window_ms / 1000,
+            continuous=continuous,
+            max_strategy_queue=max_strategy_queue,
+            drain_timeout_s=drain_timeout,
+            api_key=api_key or None,
+            allowed_hosts=[*_host_names(host), *(allow_host or [])],
+            cors_origins=cors_origin or [],
+            docs=docs,
+            max_body_bytes=max_body_bytes,
+            body_timeout_s=body_timeout,
+            max_strategy_branches=max_strategy_branches,
+            max_strategy_tokens=max_strategy_tokens,
+            strategy_timeout_s=strategy_timeout,
+        )
+        _log_to_stderr()
+        # SIGTERM/SIGINT: no new connections, in-flight requests finish (up to --drain-timeout), the
+        # rest get a JSON 503, and the process exits 0 (`runner.DrainingServer`).
+        serve(app, sock, drain_timeout)
+    finally:
+        sock.close()
+
+
+def _check_model_path(model: str | None) -> None:
+    """Fail at once on a --model that is a path (not a hub id) to nothing, or to no model folder,
+    rather than after a hub lookup named after a path."""
+    if model is None:
+        return
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise typer.BadParameter(
+                f"{model!r} is not a model folder (it holds no config.json)", param_hint="--model"
+            )
+        return
+    separators = "/" + (os.sep if os.sep != "/" else "") + (os.altsep or "")
+    looks_like_a_path = (
+        model.startswith((".", "~", *separators))
+        or sum(model.count(s) for s in separators) > 1
+        or ":" in model
     )
-    # uvicorn turns SIGTERM/SIGINT into a graceful shutdown: no new connections, in-flight requests
-    # finish (up to --drain-timeout), then the app's lifespan closes the scheduler.
-    uvicorn.run(app, host=host, port=port, timeout_graceful_shutdown=drain_timeout, log_level="info")
+    if looks_like_a_path:
+        raise typer.BadParameter(
+            f"{model!r}: no such folder (a hub id has the form 'org/name')", param_hint="--model"
+        )
+
+
+def _host_names(host: str) -> list[str]:
+    """A --host given as a name (not an address) is what clients put in their Host header."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return [host]
+    return []
+
+
+def _set_kv_budget(backend: object, value: str) -> None:
+    """Hand --kv-budget to the backend, which parses and checks it (bytes, a fraction or 'auto')."""
+    if not hasattr(backend, "kv_budget"):
+        raise typer.BadParameter("this backend has no KV budget to set", param_hint="--kv-budget")
+    try:
+        backend.kv_budget = value  # type: ignore[attr-defined]
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--kv-budget") from None
+
+
+def _log_to_stderr() -> None:
+    """The server's own log lines (a dropped request, a client that left) in uvicorn's format."""
+    from uvicorn.logging import DefaultFormatter
+
+    logger = logging.getLogger("branchwise.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

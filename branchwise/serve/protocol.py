@@ -377,6 +377,10 @@ class ChatRequest(_Request):
     def token_budget(self) -> int:
         return self.max_completion_tokens or self.max_tokens or 512
 
+    def budget_set(self) -> bool:
+        """Whether the client chose the budget (a default one is clamped to the context instead)."""
+        return self.max_completion_tokens is not None or self.max_tokens is not None
+
 
 class CompletionRequest(_Request):
     """``POST /v1/completions``: one prompt, as text or token ids (a list of one prompt is accepted)."""
@@ -402,3 +406,7 @@ class CompletionRequest(_Request):
 
     def token_budget(self) -> int:
         return self.max_tokens
+
+    def budget_set(self) -> bool:
+        """Whether the client chose the budget (a default one is clamped to the context instead)."""
+        return "max_tokens" in self.model_fields_set

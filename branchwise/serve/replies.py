@@ -10,7 +10,7 @@ aside: each reply draws its own). A call is released when its block closes, its 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -20,7 +20,10 @@ from branchwise.toolcalls import ToolCall, ToolCallStream, split_calls
 
 __all__ = [
     "FINISH",
+    "ChatChunks",
     "ChatDeltas",
+    "Chunks",
+    "TextChunks",
     "chat_choice_message",
     "chat_logprobs",
     "details",
@@ -99,6 +102,55 @@ class ChatDeltas:
 
     def finish_reason(self, g: Generation) -> str:
         return finish_reason(g, self.sent > 0)
+
+
+class Chunks(Protocol):
+    """One streamed choice's chunk payloads (what follows its ``index``): chat or text."""
+
+    def start(self) -> list[dict[str, Any]]:
+        """Payloads sent before any token (chat: the assistant role)."""
+        ...
+
+    def push(self, text: str, *, end: bool = False) -> list[dict[str, Any]]:
+        """Payloads for the choice's next text (the last when `end`)."""
+        ...
+
+    def finish(self, g: Generation) -> dict[str, Any]:
+        """The payload that closes the choice with its finish reason."""
+        ...
+
+
+class ChatChunks:
+    """A streamed chat choice: deltas (content, or content and tool calls: `ChatDeltas`)."""
+
+    def __init__(self, tools: Sequence[dict[str, Any]] | None) -> None:
+        self.deltas = ChatDeltas(tools)
+
+    def start(self) -> list[dict[str, Any]]:
+        return [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+
+    def push(self, text: str, *, end: bool = False) -> list[dict[str, Any]]:
+        return [{"delta": d, "finish_reason": None} for d in self.deltas.push(text, end=end)]
+
+    def finish(self, g: Generation) -> dict[str, Any]:
+        return {"delta": {}, "finish_reason": self.deltas.finish_reason(g)}
+
+
+class TextChunks:
+    """A streamed text choice: its text, led by the echoed prompt (``echo``) in its first chunk."""
+
+    def __init__(self, echo: str) -> None:
+        self.echo = echo
+
+    def start(self) -> list[dict[str, Any]]:
+        return []
+
+    def push(self, text: str, *, end: bool = False) -> list[dict[str, Any]]:
+        text, self.echo = self.echo + text, ""
+        return [{"text": text, "finish_reason": None}] if text else []
+
+    def finish(self, g: Generation) -> dict[str, Any]:
+        return {"text": "", "finish_reason": FINISH[g.finish_reason]}
 
 
 # ---------------------------------------------------------------------- response shapes

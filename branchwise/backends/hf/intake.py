@@ -105,11 +105,14 @@ class Intake:
 
     # ------------------------------------------------------------------ decode-loop callbacks
     def pressure(self, alive: list[Row]) -> list[Row]:
-        """`DecodeRun.pressure`: record the running rows' worst-case growth, and name the rows to
-        preempt if the next step would not fit the budget."""
+        """`DecodeRun.pressure`: record what the call may still need (running rows' worst-case growth,
+        waiting rows' prompts and growth), and name the rows to preempt if the next step would not
+        fit the budget."""
         pool, tb = self.pool, self.pool.token_bytes
         cap = self.session.row_kv_tokens(self.run.params.max_tokens)
-        pool.reserved = sum(max(cap - min(len(r.out), cap), 0) for r in alive) * tb
+        growth = sum(max(cap - min(len(r.out), cap), 0) for r in alive)
+        waiting = sum(pending_work(s) + cap for s in (*self.prefilling, *self.preempted, *self.ready))
+        pool.reserved = (growth + waiting) * tb
         if pool.budget is None:
             return []
         need = len(alive) * tb

@@ -397,6 +397,11 @@ class Scheduler:
                 with self._cv:
                     self._running -= 1
                     self._cv.notify_all()
+                    drained = not self._queue
+            if drained:  # idle now: the backend may hand the batch's freed memory back
+                trim = getattr(self.backend, "trim_memory", None)
+                if trim is not None:
+                    trim()
 
     def _run_group(self, jobs: list[Job]) -> None:
         """Prefill each prompt once, fork it n times and decode all branches in ONE `extend`; with

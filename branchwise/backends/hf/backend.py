@@ -42,7 +42,7 @@ from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.hooks import Acceleration
 from branchwise.backends.hf.plugins import EntropyTrace
-from branchwise.backends.hf.pool import parse_budget
+from branchwise.backends.hf.pool import parse_budget, return_freed_memory
 from branchwise.backends.hf.session import SHARE_MODES, Engine, Session, check_share
 from branchwise.constraints import Constraint
 
@@ -281,6 +281,12 @@ class HFBackend:
         """The most KV one request may need to be admitted at all: the budget less its watermark."""
         pool = self.engine.pool
         return None if pool.budget is None else int(pool.budget * (1.0 - pool.watermark))
+
+    def trim_memory(self) -> None:
+        """Return memory freed by released KV to the system (`pool.return_freed_memory`); a
+        scheduler calls it when its queue has drained."""
+        with self.engine.lock:
+            return_freed_memory(self.device)
 
     def kv_room(self) -> int | None:
         """Bytes a scheduler may still promise to new requests (None: unbounded; see `KVPool.room`)."""

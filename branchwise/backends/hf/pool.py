@@ -19,6 +19,8 @@ youngest rows drop their KV and are recomputed later, their tokens so far kept.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
 import weakref
@@ -29,7 +31,7 @@ import torch
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.tree import KVTree
 
-__all__ = ["AUTO_FRACTION", "KVPool", "free_memory", "parse_budget"]
+__all__ = ["AUTO_FRACTION", "KVPool", "free_memory", "parse_budget", "return_freed_memory"]
 
 AUTO_FRACTION = 0.5
 """``kv_budget="auto"``: this fraction of the memory free when the budget is set (after the weights
@@ -51,6 +53,28 @@ def free_memory(device: torch.device) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def return_freed_memory(device: torch.device) -> None:
+    """Hand memory freed by released KV back to the system.
+
+    Why: the budget bounds what the KV holds, but freed CPU tensors go back to glibc's heap, which
+    keeps the pages (its mmap threshold grows after the first large frees), so a process's resident
+    size stays at the high-water mark of its biggest burst. `malloc_trim` returns the free pages;
+    on CUDA, the caching allocator's unused blocks are released instead. Costs milliseconds for a
+    heap of a few hundred MB, so schedulers call it when they go idle, not per request.
+    """
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        return
+    trim(0)
 
 
 def parse_budget(value: int | float | str | None, device: torch.device) -> int | None:

@@ -17,7 +17,8 @@ the results file).
 Profiles. `quick`: every benchmark's `--quick` smoke settings (minutes on a CPU). `full`: the
 settings of the papers' tables and of the GPU checklist (prefix sharing at B = 8/32/64 and a 4k
 prefix, RKSC Tables 1-2 and verify isolation, ETS vs REBASE at widths 64 and 256, SkipKV, River,
-ReasonCache, decode at B = 1/8 on the model and on a random ~1B Llama); hours on a CPU.
+ReasonCache, decode at B = 1/8 on the model and on a random ~1B Llama, throughput at a fixed KV
+budget); hours on a CPU.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ SCRIPTS = [
     "decode",
     "structured",
     "serve_load",
+    "kv_budget",
 ]
 
 PROFILES: dict[str, list[Run]] = {
@@ -90,6 +92,7 @@ PROFILES: dict[str, list[Run]] = {
         Run("decode-random-1b", "decode", ["--random-config", "1b"]),
         Run("structured", "structured"),
         Run("serve_load", "serve_load"),
+        Run("kv_budget", "kv_budget"),
     ],
 }
 
@@ -156,7 +159,25 @@ HEADLINES: dict[str, list[str]] = {
         "action_vote.vote_correct",
         "action_vote.single_sample_correct",
     ],
-    "serve_load": ["speedup_concurrent_vs_serial", "throughput_rps.concurrent", "latency_ms.p99", "errors"],
+    "serve_load": [
+        "speedup_concurrent_vs_serial",
+        "throughput_rps.concurrent",
+        "latency_ms.p99",
+        "errors",
+        "long_request.p99_ratio_*_vs_no_long",
+        "kv_burst.errors_other_than_429",
+        "kv_burst.rss_mb.peak_within_bound",
+        "sigterm.all_in_flight_answered",
+        "sigterm.exit_code",
+        "sigterm.seconds_to_exit",
+    ],
+    "kv_budget": [
+        "methods.*.throughput_vs_dense",
+        "methods.*.agreement_vs_dense",
+        "methods.*.max_rows_per_call",
+        "methods.*.preemptions",
+        "goals.*.met",
+    ],
 }
 FALLBACK = re.compile(r"speedup|ratio|reduction|agreement|accuracy")
 """For a benchmark without `HEADLINES`: leaves whose name says they are a ratio or a quality."""

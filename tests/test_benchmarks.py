@@ -519,3 +519,40 @@ def test_structured_quick() -> None:
     assert out["validity"]["with_grammar"]["rate"] == 1.0
     vote = out["action_vote"]
     assert 0 <= vote["vote_correct"] <= vote["requests"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_kv_budget_quick() -> None:
+    out = run_quick("kv_budget.py")
+    cfg, methods = out["config"], out["methods"]
+    assert set(methods) == set(cfg["methods"]) == {"dense", "exact", "skipkv", "reasoncache", "rsbcm"}
+    budget = out["budget_bytes"]
+    dense = methods["dense"]
+    assert dense["share"] == "none" and all(m["share"] == "exact" for k, m in methods.items() if k != "dense")
+    # the budget admits about --budget-requests dense requests at their worst case
+    assert dense["admitted_worst_case_requests"] == int(cfg["budget_requests"])
+    for row in methods.values():
+        # every question's n branches came back, and the rates are the counts over the wall time
+        assert row["branches"] == cfg["questions"] * cfg["n"]
+        assert 0 < row["generated_tokens"] <= row["branches"] * cfg["max_tokens"]
+        assert row["branches_per_s"] == ratio(row["branches"], row["seconds"])
+        assert row["tokens_per_s"] == ratio(row["generated_tokens"], row["seconds"])
+        assert row["throughput_vs_dense"] == ratio(row["branches_per_s"], dense["branches_per_s"])
+        assert row["throughput_vs_exact"] == ratio(row["branches_per_s"], methods["exact"]["branches_per_s"])
+        # the budget held, or the run says where it did not
+        assert row["budget_bytes"] == budget
+        assert row["peak_used_bytes"] <= budget or row["overruns"] > 0, row
+        assert row["within_budget"] == (row["peak_used_bytes"] <= budget)
+        assert 1 <= row["max_rows_per_call"] <= row["branches"]
+        assert row["max_rows_per_call"] == cfg["n"] * row["max_requests_per_call"]
+        assert row["preemptions"] >= 0 and row["overruns"] >= 0
+        assert 0.0 <= row["accuracy_branch"] <= 1.0 and 0.0 <= row["accuracy_vote"] <= 1.0
+    assert dense["throughput_vs_dense"] == 1.0 and "agreement_vs_dense" not in dense
+    assert all(0.0 <= m["agreement_vs_dense"] <= 1.0 for k, m in methods.items() if k != "dense")
+    # dense holds n copies of the prompt, so fewer of its rows fit the same budget
+    assert dense["max_rows_per_call"] <= methods["exact"]["max_rows_per_call"]
+    assert set(out["goals"]) == {f"{m}_throughput_vs_dense" for m in ("exact", "skipkv", "reasoncache")}
+    for name, goal in out["goals"].items():
+        assert goal["value"] == methods[name.removesuffix("_throughput_vs_dense")]["throughput_vs_dense"]
+        assert goal["met"] == (goal["value"] >= float(goal["goal"].removeprefix(">= ")))

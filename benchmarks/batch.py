@@ -1,5 +1,5 @@
-"""`Reasoner.batch` (lockstep: every generate step decodes all questions' branches as one batch, rows
-grouped by prompt length) against a serial loop of `Reasoner.run`, in one run.
+"""`Reasoner.batch` (the questions' generate steps decode through one scheduler: the branches of every
+question that is generating decode as one batch) against a serial loop of `Reasoner.run`, in one run.
 
 Same questions (reasoning-gym), same strategy (self-consistency, n branches each, greedy so both
 give the same tokens), same backend. Reported: wall seconds of each, the speed-up (serial / batch),
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         [t.token_ids for t in a.tree] == [t.token_ids for t in b.tree]
         for a, b in zip(serial, batched, strict=True)
     )
-    merged = sum(r.kv_stats.get("lockstep_merged_extends", 0.0) for r in batched)
+    merged = sum(r.kv_stats.get("batch_shared_extends", 0.0) for r in batched)
     generated = sum(len(t.token_ids) for r in batched for t in r.tree if t.parent is not None)
     bench.emit(
         {

@@ -33,6 +33,12 @@ call. The scheduler owns that problem once, generic over the `Backend` protocol:
   decode step (they stop taking batch rows and compute) and released with the batch. A backend
   whose `extend` takes no listener decodes them to the end of the batch instead.
 
+Whole strategy runs share it too (`Reasoner.batch`): a run's session seen through `Scheduler.view`
+sends each `extend` of its own nodes as a job (`Job.decoding`), so the generate steps of several
+questions decode as one batch, joining a running decode where they arrive mid-way, within the KV
+budget; each job is told its share of the call's computed tokens and forwards (by the tokens its
+rows generated), so every run still reports its own cost.
+
 Seeded sampling and batching: the backend seeds one generator per `extend` call, so two seeded
 requests decoded in one batch would share a random stream and differ from their serial results. A
 request that samples (temperature > 0) with a seed is therefore decoded in its own batch unless
@@ -47,9 +53,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from branchwise.backends.base import (
     Backend,
@@ -58,6 +64,8 @@ from branchwise.backends.base import (
     DecodeStep,
     Generation,
     KVBudgetExceeded,
+    KVStats,
+    NodeId,
     ShareMode,
 )
 
@@ -146,6 +154,25 @@ class Job:
     cancelled: bool = False
     batch_requests: int = 0
     batch_rows: int = 0
+    nodes: list[NodeId] | None = None
+    """Decode these existing nodes (the caller's, never released here) instead of prefilling
+    `prompt` and forking it: a strategy's generate step (`Job.decoding`)."""
+    tokens_computed: float = 0.0
+    forward_calls: float = 0.0
+    """The job's share of its `extend` call's computed tokens (by the tokens its rows generated)
+    and the forwards it rode in."""
+    shared: bool = False
+    """Whether its `extend` call decoded another job's rows too (set when the call ends)."""
+
+    @classmethod
+    def decoding(
+        cls,
+        nodes: Sequence[NodeId],
+        params: DecodeParams,
+        on_step: Callable[[DecodeStep], None] | None = None,
+    ) -> Job:
+        """A job that decodes the caller's `nodes` (see `nodes`)."""
+        return cls(prompt=[], n=len(nodes), params=params, nodes=list(nodes), on_step=on_step)
 
     def group_key(self, batch_seeded: bool) -> tuple[Any, ...]:
         """Jobs with equal keys are decoded in one `extend`; a seeded sampling job stays alone unless
@@ -319,7 +346,13 @@ class Scheduler:
         return None if room is None else room()
 
     def _kv_cost(self, job: Job) -> int:
+        """Worst-case KV of the job (a node job's prompt is held already)."""
         return self.backend.kv_cost(len(job.prompt), job.n, job.params.max_tokens, job.share)  # type: ignore[attr-defined]
+
+    def view(self, backend: Backend) -> Backend:
+        """`backend` (a run's session over the same tree as this scheduler's backend) with its
+        `extend` decoded by this scheduler, batched with other runs' (see the module docstring)."""
+        return cast(Backend, _Through(self, backend))
 
     def _take(self) -> list[Job] | None:
         """Wait for work; return a batch bounded by `max_rows`/`max_requests` and the KV room
@@ -408,6 +441,8 @@ class Scheduler:
         continuous batching, compatible requests that queue meanwhile join that `extend`."""
         backend = self.backend
         router = _Router(self, jobs[0].group_key(self.batch_seeded))
+        read_stats = getattr(backend, "kv_stats", None)  # a minimal backend may keep no counters
+        before = read_stats() if read_stats is not None else None
         try:
             for job in jobs:
                 router.join(job)
@@ -430,6 +465,8 @@ class Scheduler:
                     job.error = exc
         finally:
             st = self.stats
+            if read_stats is not None and before is not None:
+                self._account(router, before, read_stats())
             if router.jobs:  # the call's final size, admitted requests included
                 st.max_requests_per_call = max(st.max_requests_per_call, len(router.jobs))
                 st.max_rows_per_call = max(st.max_rows_per_call, len(router.children))
@@ -441,6 +478,22 @@ class Scheduler:
                     log.debug("release after a failed batch", exc_info=True)
             for job in router.jobs:
                 job._finish()
+
+    @staticmethod
+    def _account(router: _Router, before: KVStats, after: KVStats) -> None:
+        """Hand the call's computed tokens to its jobs by the tokens their rows generated; each
+        rode every forward of the call."""
+        made = {
+            job: max(sum(len(g.token_ids) for g in gens if g is not None), 1)
+            for job, gens in router.ended.items()
+        }
+        total = sum(made.values())
+        tokens = after.tokens_computed - before.tokens_computed
+        forwards = after.forward_calls - before.forward_calls
+        for job, n in made.items():
+            job.tokens_computed += tokens * n / total
+            job.forward_calls += forwards
+            job.shared = len(made) > 1
 
     def _admit(self, key: tuple[Any, ...], room: int) -> list[Job]:
         """Take queued jobs that may join a running decode of group `key`, at most `room` rows.
@@ -536,11 +589,15 @@ class _Router:
         if job.cancelled:
             job._fail(Cancelled("the request was cancelled before it was decoded"))
             return False
-        try:
-            kids = self.scheduler._fork_prompt(job)
-        except ValueError as exc:
-            job._fail(InvalidPrompt(str(exc)))
-            return False
+        if job.nodes is not None:
+            kids = list(job.nodes)
+            self.released.update(kids)  # the caller's nodes: never released here
+        else:
+            try:
+                kids = self.scheduler._fork_prompt(job)
+            except ValueError as exc:
+                job._fail(InvalidPrompt(str(exc)))
+                return False
         a = len(self.children)
         self.children.extend(kids)
         self.jobs[job] = (a, a + len(kids))
@@ -587,7 +644,12 @@ class _Router:
         nodes are released at the first step boundary after that."""
         if not self.retiring:
             return
-        nodes = [n for job in self.finished[: self.retiring] for n in self.children[slice(*self.jobs[job])]]
+        nodes = [
+            n
+            for job in self.finished[: self.retiring]
+            for n in self.children[slice(*self.jobs[job])]
+            if n not in self.released
+        ]
         del self.finished[: self.retiring]
         self.retiring = 0
         if nodes:
@@ -644,3 +706,42 @@ class _Router:
                 self.finished.append(job)
                 drop = [*(drop or []), *range(a, b)]
         return drop
+
+
+class _Through:
+    """A run's backend whose `extend` goes through a scheduler (`Scheduler.view`); everything else
+    is the run's own. Its `kv_stats` adds the jobs' shares of the batched calls' work."""
+
+    def __init__(self, scheduler: Scheduler, backend: Backend) -> None:
+        self._scheduler = scheduler
+        self._backend = backend
+        self._tokens = self._forwards = 0.0
+        self._extends = self._shared = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def extend(
+        self,
+        nodes: Sequence[NodeId],
+        params: DecodeParams,
+        on_step: Callable[[DecodeStep], Any] | None = None,
+    ) -> list[Generation]:
+        if not nodes:
+            return []
+        job = Job.decoding(nodes, params, on_step)
+        try:
+            return self._scheduler.submit(job)
+        finally:
+            self._tokens += job.tokens_computed
+            self._forwards += job.forward_calls
+            self._extends += 1
+            self._shared += job.shared
+
+    def kv_stats(self) -> KVStats:
+        stats = self._backend.kv_stats()
+        stats.tokens_computed += round(self._tokens)
+        stats.forward_calls += round(self._forwards)
+        stats.extra["batch_extends"] = float(self._extends)
+        stats.extra["batch_shared_extends"] = float(self._shared)
+        return stats

@@ -42,9 +42,9 @@ from branchwise.backends.base import (
     SupportsVerifySkip,
 )
 from branchwise.backends.cancel import Cancellable
+from branchwise.backends.scheduler import Scheduler
 from branchwise.constraints import Constraint, OutputError
 from branchwise.reasoners.answers import extract_answer, majority_vote
-from branchwise.reasoners.lockstep import Lockstep, run_threads
 from branchwise.reasoners.registry import check_names
 from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
 from branchwise.reasoners.search import kv_size_per_step
@@ -221,9 +221,13 @@ class Reasoner:
         return self._result(run, stats)
 
     def batch(self, questions: Iterable[str], *, progress: bool = True) -> list[ReasoningResult]:
-        """Run several questions together: their plans run in lockstep and each generate step
-        decodes the branches of all of them as one batch, rows grouped by prompt length (see
-        `lockstep.py`). Each result keeps its own tree, notes and KV statistics.
+        """Run several questions together: each runs its plan in its own thread and session, and
+        their generate steps decode through one `Scheduler`, so the branches of every question that
+        is generating decode as one batch (a question that reaches its next step while others
+        decode joins them at a step boundary), within the backend's KV budget. Each result keeps
+        its own tree, notes and KV statistics (its share of the batched work: `batch_*` in
+        `kv_stats`). Greedy tokens equal a serial run's; sampled ones share one random stream per
+        batch, so they differ from a serial run with the same seed.
 
         One after the other instead (and said so in the notes) where the backend has no sessions or
         accelerations are on (their plug-ins keep per-run state that one shared batch cannot).
@@ -233,7 +237,7 @@ class Reasoner:
         if len(items) > 1 and isinstance(self.backend, SupportsSessions):
             sessions = [self.backend.session(share=self.share, accel=self.accel) for _ in items]
             if all(getattr(s, "accel", None) in (None, Accel()) for s in sessions):
-                return self._lockstep(items, sessions)
+                return self._batched(items, sessions)
             serial_note = "batch: accelerations keep per-run state, so the questions ran one after another"
         results = [self.run(q) for q in tqdm(items, desc="reasoning", disable=not progress)]
         if serial_note is not None:
@@ -241,30 +245,22 @@ class Reasoner:
                 r.notes.append(serial_note)
         return results
 
-    def _lockstep(self, items: list[str], sessions: list[Backend]) -> list[ReasoningResult]:
-        prompt_lens = [len(s.chat_prompt(self._messages(q))) for s, q in zip(sessions, items, strict=True)]
-        merged = self.backend.session(share=self.share, accel=Accel())  # type: ignore[attr-defined]
-        step = Lockstep(merged, len(items), prompt_lens)
-        for i, s in enumerate(sessions):
-            s.extend = step.extend_for(i)  # type: ignore[method-assign]
-
-        def one(i: int) -> ReasoningResult:
-            try:
-                return self._run(items[i], self._messages(items[i]), [], session=sessions[i])
-            finally:
-                step.finished()
-
-        results: list[ReasoningResult] = run_threads([functools.partial(one, i) for i in range(len(items))])
-        for i, r in enumerate(results):
-            extra = step.stats(i)
-            r.kv_stats["tokens_computed"] = (
-                r.kv_stats.get("tokens_computed", 0.0) + extra["lockstep_tokens_computed"]
+    def _batched(self, items: list[str], sessions: list[Backend]) -> list[ReasoningResult]:
+        assert isinstance(self.backend, SupportsSessions)
+        merged = self.backend.session(share=self.share, accel=Accel())
+        scheduler = Scheduler(
+            merged, max_rows=BATCH_ROWS, window_s=0.005, batch_seeded=True, name="branchwise-reasoner-batch"
+        )
+        views = [scheduler.view(s) for s in sessions]
+        try:
+            return run_threads(
+                [
+                    functools.partial(self._run, q, self._messages(q), [], session=view)
+                    for q, view in zip(items, views, strict=True)
+                ]
             )
-            r.kv_stats["forward_calls"] = (
-                r.kv_stats.get("forward_calls", 0.0) + extra["lockstep_forward_calls"]
-            )
-            r.kv_stats.update(extra)
-        return results
+        finally:
+            scheduler.close(timeout=60)
 
     # ------------------------------------------------------------------ executor
     def _execute(self, steps: Sequence[OpStep | LoopStep], run: RunState) -> None:
@@ -597,3 +593,28 @@ def _accel_notes(accel: Accel | None, stats: dict[str, float]) -> list[str]:
             f"{rc.warmup_blocks} warm-up blocks); every branch held its own KV"
         )
     return notes
+
+
+BATCH_ROWS = 64
+"""Rows `Reasoner.batch` decodes together at most (the scheduler's row bound)."""
+
+
+def run_threads(fns: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run each function in its own thread; results in order, the first error re-raised."""
+    out: list[Any] = [None] * len(fns)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out

@@ -276,29 +276,21 @@ class HFBackend:
             raise ValueError(f"prefill_chunk={value!r} must be an int >= 0 (0: whole prompts)")
         self.engine.prefill_chunk = value
 
-    @property
-    def kv_limit(self) -> int | None:
-        """The most KV one request may need to be admitted at all: the budget less its watermark."""
-        pool = self.engine.pool
-        return None if pool.budget is None else int(pool.budget * (1.0 - pool.watermark))
-
     def trim_memory(self) -> None:
         """Return memory freed by released KV to the system (`pool.return_freed_memory`); a
         scheduler calls it when its queue has drained."""
         with self.engine.lock:
             return_freed_memory(self.device)
 
+    @property
+    def kv_limit(self) -> int | None:
+        return self._default.kv_limit
+
     def kv_room(self) -> int | None:
-        """Bytes a scheduler may still promise to new requests (None: unbounded; see `KVPool.room`)."""
-        with self.engine.lock:
-            return self.engine.pool.room()
+        return self._default.kv_room()
 
     def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
-        """Worst-case KV bytes of ``n`` samples of a prompt decoding up to ``max_tokens`` each, under
-        the backend's own accelerations (SkipKV's budget caps what a row keeps)."""
-        mode = self.share if share is None else share
-        kept = self._default.row_kv_tokens(max_tokens)  # an eviction policy caps a row's own KV
-        return self.engine.pool.job_cost(prompt_tokens, n, kept, mode == "exact")
+        return self._default.kv_cost(prompt_tokens, n, max_tokens, share)
 
     @property
     def broadcast(self) -> Broadcast:

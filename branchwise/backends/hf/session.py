@@ -187,6 +187,30 @@ class Session:
         """A session over the same tree without accelerations and with its own throwaway stats."""
         return Session(self.engine, self.share, Accel())
 
+    # ------------------------------------------------------------------ the KV budget (`pool.py`)
+    @property
+    def kv_budget(self) -> int | None:
+        """The engine's KV budget in bytes (None: unbounded); set it on the backend."""
+        return self.engine.pool.budget
+
+    @property
+    def kv_limit(self) -> int | None:
+        """The most KV one request may need to be admitted at all: the budget less its watermark."""
+        pool = self.engine.pool
+        return None if pool.budget is None else int(pool.budget * (1.0 - pool.watermark))
+
+    def kv_room(self) -> int | None:
+        """Bytes a scheduler may still promise to new requests (None: unbounded; `KVPool.room`)."""
+        with self.engine.lock:
+            return self.engine.pool.room()
+
+    def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
+        """Worst-case KV bytes of ``n`` samples of a prompt decoding up to ``max_tokens`` each, under
+        this run's accelerations (SkipKV's budget caps what a row keeps)."""
+        mode = self.share if share is None else share
+        kept = self.row_kv_tokens(max_tokens)
+        return self.engine.pool.job_cost(prompt_tokens, n, kept, mode == "exact")
+
     def row_kv_tokens(self, max_tokens: int) -> int:
         """Own KV tokens a row of this run holds at most while decoding `max_tokens` (the tightest
         cap of its accelerations; `KVPool` reserves this much per row)."""

@@ -546,8 +546,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_llama_dir: Path) ->
         thread.join(600)
         assert out["r"].status_code == 200
         assert out["r"].json()["usage"]["completion_tokens"] == 2 * 150
-        # uvicorn re-raises the captured SIGTERM once drained, so the exit status is the signal's
-        assert proc.wait(60) in (0, -signal.SIGTERM)
+        assert proc.wait(60) == 0  # a clean drain is a clean exit (the signal is not re-raised)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -393,7 +393,7 @@ def create_app(
                 raise RequestError(
                     400, f"{field}: the prompt is {len(prompt)} tokens, the model's context {context}", field
                 )
-            result = await server.strategies.run(req, messages, request, server.drop)
+            result = await server.strategies.run(req, messages, request, server.drop, field)
             text, finish, extra, used = strategy_reply(result)
             if chat:
                 message, finish = strategy_message(result, text, finish, req.constraint)

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from branchwise.backends.base import Backend, ShareMode
 from branchwise.serve.errors import ClientGone, RequestError, draining
 from branchwise.serve.protocol import BranchwiseOptions, ChatRequest, CompletionRequest
-from branchwise.serve.streaming import Why, watch
+from branchwise.serve.streaming import KVBudgetExceeded, Why, watch
 
 __all__ = ["StrategyLimits", "StrategyRunner"]
 
@@ -180,8 +180,10 @@ class StrategyRunner:
         messages: list[dict[str, Any]],
         request: Request,
         drop: asyncio.Event,
+        field: str = "messages",
     ) -> Any:
-        """The run's `ReasoningResult`; raises `ClientGone`, or the 429 / 503 / 504 it becomes."""
+        """The run's `ReasoningResult`; raises `ClientGone`, or the 429 / 503 / 504 it becomes
+        (`field`: the request's prompt field, named when the prompt does not fit the context)."""
         reasoner, question = self.reasoner(req, messages)
         if self.runs >= self.max_queue + 1:
             raise RequestError(
@@ -205,7 +207,7 @@ class StrategyRunner:
                     await asyncio.wait({work})
                     if work.exception() is not None or why == "gone":
                         self._refuse(why)
-                return self._result(work)
+                return self._result(work, field)
             finally:
                 self.slot.release()
         finally:
@@ -223,11 +225,15 @@ class StrategyRunner:
         )
 
     @staticmethod
-    def _result(work: asyncio.Future[Any]) -> Any:
+    def _result(work: asyncio.Future[Any], field: str) -> Any:
         try:
             return work.result()
         except ContextTooLong as err:
-            raise RequestError(400, f"messages: {err}", "messages") from None
+            raise RequestError(400, f"{field}: {err}", field) from None
+        except KVBudgetExceeded as err:
+            raise RequestError(
+                400, f"branchwise: the run cannot fit the server's KV budget ({err})", "branchwise"
+            ) from None
         except Cancelled:  # pragma: no cover - only a cancel set above stops a run
             raise draining() from None
 

@@ -31,9 +31,17 @@ from branchwise.constraints import ConstraintError
 from branchwise.serve.errors import ClientGone, RequestError, draining
 from branchwise.serve.replies import Chunks, usage
 
-__all__ = ["StepFeed", "Stream", "chunks", "outcome", "sse", "until", "watch"]
+__all__ = ["KVBudgetExceeded", "StepFeed", "Stream", "chunks", "outcome", "sse", "until", "watch"]
 
 log = logging.getLogger("branchwise.serve")
+
+try:  # a backend with a KV memory budget refuses work that can never fit it
+    from branchwise.backends.base import KVBudgetExceeded
+except ImportError:  # pragma: no cover - an older backend module
+
+    class KVBudgetExceeded(MemoryError):  # type: ignore[no-redef]
+        """Never raised by an older backend."""
+
 
 Why = Literal["done", "gone", "dropped", "timeout"]
 
@@ -92,6 +100,10 @@ def outcome(work: asyncio.Future[list[Generation]], source: str = "constraint") 
         raise draining() from None
     except ConstraintError as err:  # the grammar engine refused the request's constraint
         raise RequestError(400, f"{source}: {err}", source.split(".")[0]) from None
+    except KVBudgetExceeded as err:  # retrying cannot help: the request alone is too big
+        raise RequestError(
+            400, f"n, max_tokens: the request cannot fit the server's KV budget ({err})"
+        ) from None
 
 
 class StepFeed:

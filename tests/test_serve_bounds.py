@@ -1,0 +1,191 @@
+"""`branchwise serve`'s bounds: token ids, the model's context, and server-side strategy runs.
+
+The tiny model has a 2,048-token context and a 512-token vocabulary. Each bad request is its own
+test and is refused before anything is computed; the strategy tests check that a run whose client
+left, or whose deadline passed, stops: `/health` is no longer busy and the backend holds no more
+KV than before (both polled, bounded).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from branchwise.serve import create_app  # noqa: E402
+from branchwise.serve.runner import serve_in_thread  # noqa: E402
+
+MSGS = [{"role": "user", "content": "What is 12 + 7?"}]
+LONG_RUN = {"strategy": "self-consistency", "branches": 64, "tokens": 1900}
+"""A strategy run of a minute or more on the tiny model (64 branches of up to 1,900 tokens)."""
+
+
+def wait_until(cond: Any, what: str, limit_s: float = 30.0) -> None:
+    """Poll `cond` every 20 ms, at most `limit_s` seconds; fail naming `what` if it never holds."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+def error(r: Any, status: int, param: str) -> str:
+    """The error message, after checking the status, the JSON shape and the param it names."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    return str(err["message"])
+
+
+def chat(url: str, timeout: float = 60, **body: Any) -> Any:
+    return httpx.post(f"{url}/v1/chat/completions", json={"messages": MSGS, **body}, timeout=timeout)
+
+
+# ------------------------------------------------------------------ token ids
+
+
+def test_detokenize_a_huge_id_is_400(served: str) -> None:
+    message = error(httpx.post(f"{served}/detokenize", json={"tokens": [1, 2**70]}), 400, "tokens")
+    assert message.startswith("tokens") and "[0, 512)" in message
+
+
+def test_detokenize_an_id_past_the_vocabulary_is_400(served: str) -> None:
+    message = error(httpx.post(f"{served}/detokenize", json={"tokens": [10**9]}), 400, "tokens")
+    assert "[0, 512)" in message and str(10**9) in message
+
+
+def test_a_token_prompt_past_the_vocabulary_is_400(served: str) -> None:
+    r = httpx.post(f"{served}/v1/completions", json={"prompt": [5, 2**70], "max_tokens": 1})
+    assert "[0, 512)" in error(r, 400, "prompt")
+
+
+# ------------------------------------------------------------------ the model's context
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_400_naming_both(served: str, tiny_backend: Any) -> None:
+    prompt = len(tiny_backend.chat_prompt(MSGS))
+    message = error(chat(served, max_tokens=5000), 400, "max_tokens")
+    assert f"({prompt} tokens)" in message and "(5000)" in message and "context of 2048 tokens" in message
+
+
+def test_max_completion_tokens_over_the_context_is_400(served: str) -> None:
+    message = error(chat(served, max_completion_tokens=2048), 400, "max_completion_tokens")
+    assert "2048" in message
+
+
+def test_a_prompt_over_the_context_is_400(served: str) -> None:
+    r = httpx.post(f"{served}/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 1})
+    message = error(r, 400, "prompt")
+    assert "3000 tokens" in message and "2048" in message
+
+
+def test_a_two_megabyte_prompt_is_a_json_400(served: str) -> None:
+    messages = [{"role": "user", "content": "twelve plus seven " * 120_000}]  # ~2.2 MB
+    r = httpx.post(f"{served}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=120)
+    assert "2048 tokens" in error(r, 400, "messages")
+
+
+def test_a_default_max_tokens_is_clamped_to_what_the_context_leaves(served: str) -> None:
+    prompt = [5] * 2040
+    r = httpx.post(
+        f"{served}/v1/completions", json={"prompt": prompt, "temperature": 0, "min_tokens": 16}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 8  # 16 asked by default, 8 left
+
+
+def test_a_chat_without_max_tokens_fits_the_context(served: str, tiny_backend: Any) -> None:
+    content = "one two " * 350
+    messages = [{"role": "user", "content": content}]
+    prompt = len(tiny_backend.chat_prompt(messages))
+    assert 2048 - 512 < prompt < 2048  # the default 512 would not fit
+    r = httpx.post(
+        f"{served}/v1/chat/completions", json={"messages": messages, "temperature": 0}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 2048 - prompt
+
+
+def test_a_strategy_over_the_context_is_400(served: str) -> None:
+    messages = [{"role": "user", "content": "one two " * 2000}]
+    body = {"messages": messages, "branchwise": {"strategy": "self-consistency", "branches": 2, "tokens": 4}}
+    assert "2048" in error(
+        httpx.post(f"{served}/v1/chat/completions", json=body, timeout=60), 400, "messages"
+    )
+
+
+# ------------------------------------------------------------------ strategy bounds
+
+
+def test_strategy_branches_over_the_limit_are_400(served: str) -> None:
+    r = chat(served, branchwise={"strategy": "self-consistency", "branches": 4096, "tokens": 8})
+    message = error(r, 400, "branchwise")
+    assert message.startswith("branchwise.branches") and "limit of 64" in message
+
+
+def test_strategy_branches_times_tokens_over_the_limit_are_400(served: str) -> None:
+    r = chat(served, branchwise={"strategy": "self-consistency", "branches": 48, "tokens": 131072})
+    message = error(r, 400, "branchwise")
+    assert message.startswith("branchwise.tokens") and "limit of 131072" in message
+
+
+def test_a_strategy_spec_over_the_limit_is_400(served: str) -> None:
+    from branchwise.strategies import self_consistency
+
+    spec = self_consistency(n=65, max_tokens=4).model_dump(mode="json")
+    assert "65 branches" in error(chat(served, branchwise={"strategy": spec}), 400, "branchwise")
+
+
+def _idle_and_released(url: str, backend: Any, baseline: int) -> None:
+    def idle() -> bool:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        return not health["busy"] and health["strategy_runs"] == 0
+
+    wait_until(idle, "/health says nothing runs")
+    wait_until(lambda: backend.kv_stats().bytes_held <= baseline, "the run's KV is released")
+
+
+def test_a_client_leaving_mid_strategy_cancels_the_run(served: str, tiny_backend: Any) -> None:
+    baseline = tiny_backend.kv_stats().bytes_held
+    out: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            out["r"] = chat(served, timeout=3, temperature=0.7, seed=0, branchwise=LONG_RUN)
+        except httpx.TimeoutException as err:
+            out["r"] = err
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    wait_until(lambda: httpx.get(f"{served}/health").json()["strategy_runs"] == 1, "the run starts")
+    assert httpx.get(f"{served}/health").json()["busy"] is True
+    thread.join(60)
+    assert isinstance(out["r"], httpx.TimeoutException)  # the client left, the run was still going
+    _idle_and_released(served, tiny_backend, baseline)
+
+
+@pytest.fixture
+def short_deadline(tiny_backend: Any) -> Iterator[str]:
+    with serve_in_thread(create_app(tiny_backend, strategy_timeout_s=1.0)) as url:
+        yield url
+
+
+def test_a_strategy_past_its_deadline_is_504_and_stops(short_deadline: str, tiny_backend: Any) -> None:
+    baseline = tiny_backend.kv_stats().bytes_held
+    r = chat(short_deadline, temperature=0.7, seed=0, branchwise=LONG_RUN)
+    assert r.status_code == 504, r.text
+    assert "exceeded 1 s" in r.json()["error"]["message"]
+    _idle_and_released(short_deadline, tiny_backend, baseline)
+
+
+def test_health_reports_the_kv_figures(served: str) -> None:
+    kv = httpx.get(f"{served}/health").json()["kv"]
+    assert {"used_bytes", "cache_bytes", "preemptions"} <= set(kv)

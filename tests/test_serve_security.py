@@ -310,3 +310,22 @@ def test_a_client_that_leaves_is_one_info_line_and_no_traceback() -> None:
     gone = [r for r in lines.records if "went away" in r.getMessage()]
     assert len(gone) == 1 and gone[0].levelno == logging.INFO and gone[0].exc_info is None
     assert not [r for r in lines.records if r.exc_info or "Exception in ASGI" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("host", "server", "ok"),
+    [
+        ("127.0.0.1:8000", ("::ffff:127.0.0.1", 8000), True),  # an IPv4 client of a dual-stack socket
+        ("localhost:8000", ("::ffff:127.0.0.1", 8000), True),
+        ("10.0.0.5:8000", ("10.0.0.5", 8000), True),  # bound to 0.0.0.0: the address it came in on
+        ("localhost:8000", ("10.0.0.5", 8000), False),  # not a loopback connection
+        ("[fe80::1]:8000", ("fe80::1", 8000), True),
+        ("10.0.0.5:9000", ("10.0.0.5", 8000), False),
+        ("10.0.0.5:x", ("10.0.0.5", 8000), False),
+        ("", ("127.0.0.1", 8000), False),
+    ],
+)
+def test_the_host_check(host: str, server: tuple[str, int], ok: bool) -> None:
+    from branchwise.serve.guard import Guard
+
+    assert Guard(lambda *_: None, allowed_hosts=[])._host_ok(host, server) is ok  # type: ignore[arg-type]

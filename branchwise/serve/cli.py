@@ -159,6 +159,9 @@ def serve_command(
             strategy_timeout_s=strategy_timeout,
         )
         _log_to_stderr()
+        address, bound = sock.getsockname()[:2]
+        shown = f"[{address}]" if ":" in address else address
+        logging.getLogger("branchwise.serve").info("serving on http://%s:%d (Ctrl-C to stop)", shown, bound)
         # SIGTERM/SIGINT: no new connections, in-flight requests finish (up to --drain-timeout), the
         # rest get a JSON 503, and the process exits 0 (`runner.DrainingServer`).
         serve(app, sock, drain_timeout)

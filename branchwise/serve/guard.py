@@ -45,9 +45,19 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 """Names a loopback connection may carry in its Host header."""
 
 
+def _unmapped(address: str) -> str:
+    """An IPv4 client of a dual-stack socket shows as ``::ffff:a.b.c.d``: the IPv4 address it is."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return address
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped) if mapped is not None else address
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` (an address, bracketed or not, or ``localhost``) is this machine only."""
-    host = host.strip("[]").lower()
+    host = _unmapped(host.strip("[]").lower())
     if host == "localhost":
         return True
     try:
@@ -172,7 +182,7 @@ class Guard:
             return True
         if server is None:  # no socket address (an in-memory test client): only allowed names pass
             return False
-        address, bound_port = server[0].lower(), server[1]
+        address, bound_port = _unmapped(server[0].lower()), server[1]
         if ":" in address:
             address = f"[{address}]"
         if port is not None and port != bound_port:

@@ -8,7 +8,7 @@ shutdown drain's deadline (the work is cancelled, the client gets a JSON 503) an
 the run's own deadline (a 504). `watch` waits for whichever comes first.
 
 Streaming: the scheduler hands each decode step of a request's branches to the request
-(`Job.on_step`, on the decoding thread), which only queues it for the event loop (`_StepFeed`), so
+(`Job.on_step`, on the decoding thread), which only queues it for the event loop (`StepFeed`), so
 a slow client never holds up the batch; the loop turns tokens into text (`TextStream`) and the
 reply's readers (`replies.ChatChunks`, `replies.TextChunks`) turn text into OpenAI's chunks.
 """

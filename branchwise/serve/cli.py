@@ -107,6 +107,14 @@ def serve_command(
             help="Memory for KV: bytes like 4GiB, or a fraction of free memory like 0.5; default auto."
         ),
     ] = None,
+    prefill_chunk: Annotated[
+        int,
+        ranged(
+            "Prompt tokens computed per forward, interleaved with running decodes (0: whole prompts).",
+            0,
+            1_000_000,
+        ),
+    ] = 512,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     try:
@@ -138,6 +146,8 @@ def serve_command(
         backend = _load_backend(model, device, dtype)
         if kv_budget is not None and kv_budget != "auto":
             _set_kv_budget(backend, kv_budget)
+        if hasattr(backend, "prefill_chunk"):
+            backend.prefill_chunk = prefill_chunk
         app = create_app(
             backend,
             model_name=served_model_name or model,

@@ -17,7 +17,6 @@ step and releases its KV), the handler waits for it to stop (so the next run nev
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 from dataclasses import dataclass
@@ -26,22 +25,14 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from branchwise.backends.base import Backend, ShareMode
+from branchwise.backends.base import Backend, Cancelled, ContextTooLong, KVBudgetExceeded, ShareMode
 from branchwise.serve.errors import ClientGone, RequestError, draining
 from branchwise.serve.protocol import BranchwiseOptions, ChatRequest, CompletionRequest
-from branchwise.serve.streaming import KVBudgetExceeded, Why, watch
+from branchwise.serve.streaming import Why, watch
 
 __all__ = ["StrategyLimits", "StrategyRunner"]
 
 log = logging.getLogger("branchwise.serve")
-
-try:  # the typed failures of a backend that checks context and cancellation (newer backends)
-    from branchwise.backends.base import Cancelled, ContextTooLong
-except ImportError:  # pragma: no cover - an older backend module
-    from branchwise.backends.scheduler import Cancelled
-
-    class ContextTooLong(ValueError):  # type: ignore[no-redef]
-        """Never raised by an older backend."""
 
 
 @dataclass(frozen=True)
@@ -238,14 +229,6 @@ class StrategyRunner:
             raise draining() from None
 
 
-_TAKES_CANCEL: dict[type, bool] = {}
-
-
 def _run(reasoner: Any, question: str, cancel: threading.Event) -> Any:
-    """`reasoner.run`, told to stop when `cancel` is set (where its `run` takes ``cancel``)."""
-    kind = type(reasoner)
-    if kind not in _TAKES_CANCEL:
-        _TAKES_CANCEL[kind] = "cancel" in inspect.signature(reasoner.run).parameters
-    if _TAKES_CANCEL[kind]:
-        return reasoner.run(question, cancel=cancel)
-    return reasoner.run(question)  # pragma: no cover - an older Reasoner runs to its end
+    """`reasoner.run`, told to stop (within a decode step) when `cancel` is set."""
+    return reasoner.run(question, cancel=cancel)

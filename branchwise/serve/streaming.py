@@ -24,24 +24,16 @@ from typing import Any, Literal
 
 from fastapi import Request
 
-from branchwise.backends.base import Backend, DecodeStep, Generation
+from branchwise.backends.base import Backend, DecodeStep, Generation, KVBudgetExceeded
 from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFull
 from branchwise.backends.text import TextStream
 from branchwise.constraints import ConstraintError
 from branchwise.serve.errors import ClientGone, RequestError, draining
 from branchwise.serve.replies import Chunks, usage
 
-__all__ = ["KVBudgetExceeded", "StepFeed", "Stream", "chunks", "outcome", "sse", "until", "watch"]
+__all__ = ["StepFeed", "Stream", "chunks", "outcome", "sse", "until", "watch"]
 
 log = logging.getLogger("branchwise.serve")
-
-try:  # a backend with a KV memory budget refuses work that can never fit it
-    from branchwise.backends.base import KVBudgetExceeded
-except ImportError:  # pragma: no cover - an older backend module
-
-    class KVBudgetExceeded(MemoryError):  # type: ignore[no-redef]
-        """Never raised by an older backend."""
-
 
 Why = Literal["done", "gone", "dropped", "timeout"]
 

@@ -261,7 +261,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ callers
     def enqueue(self, job: Job) -> Job:
-        """Queue `job` without waiting; raises `QueueFull` or, once closed, `RuntimeError`."""
+        """Queue `job` without waiting; raises `QueueFull`, `KVBudgetExceeded` (the job alone could
+        never fit the backend's KV budget) or, once closed, `RuntimeError`."""
+        self._check_fits(job)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the scheduler was closed")
@@ -345,6 +347,22 @@ class Scheduler:
         room = getattr(self.backend, "kv_room", None)
         return None if room is None else room()
 
+    def _check_fits(self, job: Job) -> None:
+        """Refuse at once a job whose worst-case KV exceeds what the budget admits for one job:
+        waiting would not help, and it must not hold up the queue behind it."""
+        limit = getattr(self.backend, "kv_limit", None)
+        if limit is None:
+            return
+        cost = self._kv_cost(job)
+        if cost > limit:
+            with self._cv:
+                self.stats.rejected += 1
+            raise KVBudgetExceeded(
+                f"the request needs up to {cost} bytes of KV ({len(job.prompt)} prompt tokens, "
+                f"n={job.n} x max_tokens={job.params.max_tokens}); the KV budget admits at most "
+                f"{limit} bytes per request"
+            )
+
     def _kv_cost(self, job: Job) -> int:
         """Worst-case KV of the job (a node job's prompt is held already)."""
         return self.backend.kv_cost(len(job.prompt), job.n, job.params.max_tokens, job.share)  # type: ignore[attr-defined]
@@ -380,7 +398,6 @@ class Scheduler:
                     seen = len(self._queue)
                     gap_end = time.monotonic() + self.window_s
         room = self._kv_room()
-        refused: list[tuple[Job, int]] = []
         with self._cv:
             batch: list[Job] = []
             rows = 0
@@ -391,23 +408,11 @@ class Scheduler:
                 if room is not None:
                     cost = self._kv_cost(job)
                     if cost > room:
-                        limit = getattr(self.backend, "kv_limit", None)
-                        if batch or limit is None or cost <= limit:
-                            break  # it waits for memory (first come, first served)
-                        refused.append((self._queue.popleft(), cost))
-                        continue
+                        break  # it waits for memory (first come, first served; it fits alone)
                     room -= cost
                 batch.append(self._queue.popleft())
                 rows += job.n
             self._running += 1
-        for job, cost in refused:
-            job._fail(
-                KVBudgetExceeded(
-                    f"the request needs up to {cost} bytes of KV ({len(job.prompt)} prompt tokens, "
-                    f"n={job.n} x max_tokens={job.params.max_tokens}); the KV budget admits at most "
-                    f"{getattr(self.backend, 'kv_limit', None)} bytes per request"
-                )
-            )
         return batch
 
     def _loop(self) -> None:

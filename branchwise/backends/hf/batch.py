@@ -219,8 +219,12 @@ class BatchContext:
         self._uniform = lens_list[0] if all(x == lens_list[0] for x in lens_list) else None
         self._write_idx = None if self._uniform is not None else limit  # [B, q]
 
+    def grow_by(self) -> int:
+        """Slots per row the tails gain when a row reaches their end (amortised growth)."""
+        return max(128, self.capacity // 2)
+
     def _grow(self, needed: int) -> None:
-        new_cap = max(needed, self.capacity + max(128, self.capacity // 2))
+        new_cap = max(needed, self.capacity + self.grow_by())
         for layer in range(len(self.tail_k)):
             for buf in (self.tail_k, self.tail_v):
                 old = buf[layer]

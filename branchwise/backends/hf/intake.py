@@ -32,8 +32,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from branchwise.backends.base import Admit, NodeId
-from branchwise.backends.hf.batch import Row
+from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun
+from branchwise.backends.hf.pool import TAIL_SLACK
 from branchwise.backends.hf.tree import Segment
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ class Intake:
         self.prefilling: list[Segment] = []
         self.preempted: list[Segment] = []
         self.ready: list[Segment] = []
+        self.batch: Batch | None = None
+        """The batch being decoded (set by the session before each `decode`)."""
 
     # ------------------------------------------------------------------ the session's loop
     def start(self, segs: Sequence[Segment]) -> list[Segment]:
@@ -101,7 +104,12 @@ class Intake:
             self.session.stats.bump("preempted_rows", len(rows))
 
     def finish(self) -> None:
+        """The call ended: nothing is reserved any more, and the batch's tails are let go at once
+        (the run and this object refer to each other, so they would otherwise wait for the cyclic
+        garbage collector, and the pool would go on counting the tails)."""
         self.pool.reserved = 0
+        self.batch = None
+        self.run.admit = self.run.pressure = None
 
     # ------------------------------------------------------------------ decode-loop callbacks
     def pressure(self, alive: list[Row]) -> list[Row]:
@@ -115,7 +123,7 @@ class Intake:
         pool.reserved = (growth + waiting) * tb
         if pool.budget is None:
             return []
-        need = len(alive) * tb
+        need = len(alive) * tb + self._growth(alive)
         if pool.over(need) <= 0:
             return []
         pool.yield_cache(need)
@@ -176,13 +184,15 @@ class Intake:
     def _rejoin(self, force: bool) -> list[Segment]:
         """Preempted rows whose recompute and growth fit the budget now, oldest first (with
         `force`, at least one: the batch is empty, so it must make progress)."""
-        tb, max_tokens = self.pool.token_bytes, self.run.params.max_tokens
+        tb = self.pool.token_bytes
+        row = self.session.row_kv_tokens(self.run.params.max_tokens)
+        row = 2 * row + min(row, TAIL_SLACK)  # as admission counts a row (`KVPool.job_cost`)
         rows = self.run.rows
         self.preempted.sort(key=lambda s: rows[s.id])
         back: list[Segment] = []
         room = self.pool.room()
         for seg in list(self.preempted):
-            cost = (pending_work(seg) + max_tokens) * tb
+            cost = (pending_work(seg) + row) * tb
             if room is not None and cost > room and not (force and not back):
                 break
             back.append(seg)
@@ -194,6 +204,16 @@ class Intake:
     def _pop_ready(self) -> list[Segment]:
         out, self.ready = self.ready, []
         return out
+
+    def _growth(self, alive: list[Row]) -> int:
+        """Bytes the batch's tail buffers grow by at the next step (when a row reaches their end,
+        they grow for every row at once: `BatchContext._grow`)."""
+        ctx = None if self.batch is None else self.batch.ctx
+        if ctx is None or not alive:
+            return 0
+        if max(r.tail_start + r.kv_len for r in alive) < ctx.capacity:
+            return 0
+        return ctx.batch * ctx.grow_by() * self.pool.token_bytes
 
     @staticmethod
     def _tail_capacity(alive: list[Row]) -> int:

@@ -41,7 +41,7 @@ from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, overrides
 from branchwise.backends.hf.intake import Intake
 from branchwise.backends.hf.plugins import Builds, EntropyTrace, build_plugins, layer_trace
-from branchwise.backends.hf.pool import KVPool
+from branchwise.backends.hf.pool import TAIL_SLACK, KVPool
 from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
 from branchwise.constraints import Constraint
@@ -104,7 +104,7 @@ class Engine:
             else len(self.tokenizer)
         )
         self.grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
-        self.pool = KVPool(self.tree, kv_bytes_per_token(self.parts, self.dtype))
+        self.pool = KVPool(self.tree, kv_bytes_per_token(self.parts, self.dtype), copy_tokens=COPY_TOKENS)
         config = self.model.config
         self.max_context = next(
             (
@@ -613,6 +613,7 @@ class Session:
                     if not segs:
                         break
                 batch, start = self._batch(segs, params, observers)
+                intake.batch = batch
                 admitted = decode(
                     batch,
                     torch.stack(start),
@@ -656,7 +657,7 @@ class Session:
             # a mixed batch would push dummy tokens through every row for the longest pending run
             # (e.g. ASKS: reused branches have nothing to prefill, rejected ones a whole prompt)
             self._batch(pending, None, observers)
-        batch = self._assemble(segs, 0 if params is None else min(params.max_tokens, 128))
+        batch = self._assemble(segs, 0 if params is None else min(params.max_tokens, TAIL_SLACK))
         feeds = batch.feeds
         logits = None
         if any(feeds):

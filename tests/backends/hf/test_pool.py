@@ -113,16 +113,22 @@ def test_scheduler_refuses_what_never_fits_and_queues_what_fits_later(tiny_llama
     one = backend.kv_cost(len(ids), 4, 16)
     backend.kv_budget = int(one * 2.5)  # two such requests fit at once, not three
     sched = Scheduler(backend, window_s=0.05)
+    used: list[int] = []
+
+    def job() -> Job:
+        return Job(prompt=ids, n=4, params=params, on_step=lambda _: used.append(backend.engine.pool.used()))
+
     try:
-        huge = sched.enqueue(Job(prompt=ids, n=64, params=params))
-        jobs = [sched.enqueue(Job(prompt=ids, n=4, params=params)) for _ in range(4)]
-        with pytest.raises(KVBudgetExceeded, match="KV budget"):
-            huge.result()
+        jobs = [sched.enqueue(job()) for _ in range(2)]
+        with pytest.raises(KVBudgetExceeded, match="KV budget"):  # at once, not after those ahead
+            sched.enqueue(Job(prompt=ids, n=64, params=params))
+        jobs += [sched.enqueue(job()) for _ in range(2)]
         gens = [j.result() for j in jobs]
         assert all(len(g) == 4 and all(len(x.token_ids) == 16 for x in g) for g in gens)
-        assert sched.stats.max_rows_per_call <= 8  # never more than two requests' rows at once
     finally:
         sched.close(timeout=30)
+    assert sched.stats.rejected == 1
+    assert max(used) <= backend.kv_budget and backend.kv_stats().preemptions == 0
     assert backend.kv_stats().bytes_held == 0
 
 

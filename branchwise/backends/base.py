@@ -123,14 +123,19 @@ StepListener = Callable[[DecodeStep], Collection[int] | None]
 nobody wants any more, which the backend stops as soon as it can (finish reason "cancelled"), or
 None. Without a listener a backend does no per-step work for one."""
 
-Admit = Callable[[int], Sequence[NodeId]]
+Admitted = NodeId | tuple[NodeId, DecodeParams]
+"""A node `admit` hands in: alone (it decodes with the call's parameters) or with its own."""
+
+Admit = Callable[[int], Sequence[Admitted]]
 """The optional ``admit`` argument of an `extend` that takes new rows while it decodes (continuous
 batching; the local backend's does, `Scheduler` checks the signature): called on the decoding thread at
 each step boundary with the number of rows still decoding; returns nodes to decode from the next
 step on in the same call, or nothing. Admitted rows are numbered after the rows before them (in
-`DecodeStep`s and in the list `extend` returns) and decode with the call's parameters, each up to
-its own ``max_tokens``. Like a listener it must return at once; it may make the nodes it returns
-(prefill and fork on this thread), and must not hand in a node twice."""
+`DecodeStep`s and in the list `extend` returns) and decode with the call's parameters, or with their
+own where the node comes with them (``(node, params)``: a backend whose `extend` takes
+``row_params`` decodes requests with different parameters side by side). Like a listener it must
+return at once; it may make the nodes it returns (prefill and fork on this thread), and must not
+hand in a node twice."""
 
 
 @dataclass

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from branchwise.backends.base import (
+    Admitted,
     Backend,
     Cancelled,
     DecodeParams,
@@ -174,10 +175,13 @@ class Job:
         """A job that decodes the caller's `nodes` (see `nodes`)."""
         return cls(prompt=[], n=len(nodes), params=params, nodes=list(nodes), on_step=on_step)
 
-    def group_key(self, batch_seeded: bool) -> tuple[Any, ...]:
-        """Jobs with equal keys are decoded in one `extend`; a seeded sampling job stays alone unless
+    def group_key(self, batch_seeded: bool, mixed: bool = False) -> tuple[Any, ...]:
+        """Jobs with equal keys are decoded in one `extend`: equal decoding parameters, or any where
+        the backend decodes rows with their own (`mixed`); a seeded sampling job stays alone unless
         `batch_seeded` (see the module docstring)."""
         alone = self.params.seed is not None and self.params.temperature > 0 and not batch_seeded
+        if mixed:
+            return (id(self) if alone else None,)
         return (self.params, self.share, id(self) if alone else None)
 
     def result(self) -> list[Generation]:
@@ -252,6 +256,9 @@ class Scheduler:
         self._closed = False
         self._listens = _extend_takes(backend, "on_step")
         self._admits = continuous and self._listens and _extend_takes(backend, "admit")
+        self._mixes = self._admits and _extend_takes(backend, "row_params")
+        """Requests with different decoding parameters share a decode (the backend takes each
+        row's own): a long prompt then prefills beside others' decoding, whatever they asked."""
 
     @property
     def admits(self) -> bool:
@@ -428,7 +435,7 @@ class Scheduler:
             try:
                 groups: dict[tuple[Any, ...], list[Job]] = {}
                 for job in batch:
-                    groups.setdefault(job.group_key(self.batch_seeded), []).append(job)
+                    groups.setdefault(job.group_key(self.batch_seeded, self._mixes), []).append(job)
                 for jobs in groups.values():
                     self._run_group(jobs)
             finally:
@@ -445,7 +452,7 @@ class Scheduler:
         """Prefill each prompt once, fork it n times and decode all branches in ONE `extend`; with
         continuous batching, compatible requests that queue meanwhile join that `extend`."""
         backend = self.backend
-        router = _Router(self, jobs[0].group_key(self.batch_seeded))
+        router = _Router(self, jobs[0].group_key(self.batch_seeded, self._mixes))
         read_stats = getattr(backend, "kv_stats", None)  # a minimal backend may keep no counters
         before = read_stats() if read_stats is not None else None
         try:
@@ -454,8 +461,13 @@ class Scheduler:
             if not router.jobs:
                 return
             self.stats.extend_calls += 1
-            params = jobs[0].params  # a group's jobs share their decoding parameters
-            if self._admits:
+            params = jobs[0].params  # the call's; with `_mixes` each row also brings its job's own
+            if self._mixes:
+                own = [job.params for job, (a, b) in router.jobs.items() for _ in range(a, b)]
+                gens = backend.extend(  # type: ignore[call-arg]
+                    list(router.children), params, on_step=router, admit=router.admit, row_params=own
+                )
+            elif self._admits:
                 gens = backend.extend(list(router.children), params, on_step=router, admit=router.admit)
             elif self._listens:
                 gens = backend.extend(list(router.children), params, on_step=router)
@@ -511,7 +523,7 @@ class Scheduler:
         with self._cv:
             while self._queue and len(taken) < self.max_requests:
                 job = self._queue[0]
-                if job.n > room or job.group_key(self.batch_seeded) != key:
+                if job.n > room or job.group_key(self.batch_seeded, self._mixes) != key:
                     break
                 if kv is not None:
                     cost = self._kv_cost(job)
@@ -616,7 +628,7 @@ class _Router:
         job.batch_requests, job.batch_rows = len(self.jobs), len(self.children)
         return True
 
-    def admit(self, alive: int) -> list[int]:
+    def admit(self, alive: int) -> list[Admitted]:
         """`extend`'s ``admit``: queued jobs of this group that fit beside the `alive` rows.
 
         Admitting re-assembles the batch (about one copy of its rows' own KV), so a few newcomers
@@ -638,7 +650,10 @@ class _Router:
         for job in sched._admit(self.key, room):
             if self.join(job):
                 sched.stats.admitted += 1
-        return self.children[before:]
+        new = self.children[before:]
+        if not sched._mixes:
+            return new
+        return [(node, job.params) for node, (job, _) in zip(new, self.owner[before:], strict=True)]
 
     def _release_retired(self) -> None:
         """Release the nodes of jobs that ended before the last re-assembly (continuous batching).

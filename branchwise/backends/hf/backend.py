@@ -340,8 +340,9 @@ class HFBackend:
         on_step: StepListener | None = None,
         admit: Admit | None = None,
         constraints: Sequence[Constraint | None] | None = None,
+        row_params: Sequence[DecodeParams | None] | None = None,
     ) -> list[Generation]:
-        return self._default.extend(nodes, params, on_step, admit, constraints)
+        return self._default.extend(nodes, params, on_step, admit, constraints, row_params)
 
     def score_next(
         self,

@@ -64,25 +64,31 @@ class StopCheck:
         self.eos_ids = eos_ids
         self._detokenize = detokenize
         self._tails: dict[int, TextTail] = {}
-        self._watch = bool(params.stop or params.step_delimiter)
+        self.own: dict[int, DecodeParams] = {}
+        """Rows (by segment) that decode with their own parameters instead of the call's."""
+
+    def of(self, row: Row) -> DecodeParams:
+        """The decoding parameters of `row`."""
+        return self.own.get(row.seg.id, self.params)
 
     def check(self, row: Row) -> FinishReason | None:
         """The row just appended a token: say whether (and why) it is done, and set its text then."""
         if row.out[-1] in self.eos_ids:
             row.text = self._detokenize(row.out)
             return "eos"
-        if self._watch:
+        params = self.of(row)
+        if params.stop or params.step_delimiter:
             tail = self._tails.get(row.seg.id)
             if tail is None:
                 tail = self._tails[row.seg.id] = TextTail(self._detokenize)
             tail.push(row.out[-1])
-            if finish_text(tail.text, self.params)[1] is not None:
+            if finish_text(tail.text, params)[1] is not None:
                 # confirm on the full text, exactly the rule the final text is cut by
-                text, reason = finish_text(self._detokenize(row.out), self.params)
+                text, reason = finish_text(self._detokenize(row.out), params)
                 if reason is not None:
                     row.text = text
                     return reason
-        if len(row.out) >= self.params.max_tokens:
+        if len(row.out) >= params.max_tokens:
             row.text = self._detokenize(row.out)
             return "length"
         return None
@@ -131,28 +137,52 @@ class DecodeRun:
         admit: Admit | None = None,
         grammars: Grammars | None = None,
         constraints: Sequence[Constraint | None] | None = None,
+        row_params: Sequence[DecodeParams | None] | None = None,
     ) -> DecodeRun:
         """`constraints` (one per node of `segs`) override `params.constraint` row by row; rows
-        admitted later follow `params.constraint`. `grammars` compiles them (needed when any is set)."""
+        admitted later follow their own parameters' constraint (`join`). `grammars` compiles them
+        (needed when any is set)."""
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device).manual_seed(params.seed)
         run = cls(params, StopCheck(params, eos_ids, detokenize), gen, on_step, admit)
-        if params.constraint is not None or (constraints and any(c is not None for c in constraints)):
-            if grammars is None:
-                raise ValueError("constraint: this backend was built without a grammar engine")
+        if grammars is not None:
             run.grammar = RowGrammars(grammars)
-        run.join(segs, constraints)
+        elif params.constraint is not None or (constraints and any(c is not None for c in constraints)):
+            raise ValueError("constraint: this backend was built without a grammar engine")
+        run.join(segs, constraints, row_params)
         return run
 
-    def join(self, segs: Sequence[Segment], constraints: Sequence[Constraint | None] | None = None) -> None:
-        """Number `segs` after the rows already in the call (and constrain them: see `start`)."""
-        if constraints is not None and len(constraints) != len(segs):
-            raise ValueError(f"constraints has {len(constraints)} entries for {len(segs)} nodes")
+    def join(
+        self,
+        segs: Sequence[Segment],
+        constraints: Sequence[Constraint | None] | None = None,
+        params: Sequence[DecodeParams | None] | None = None,
+    ) -> None:
+        """Number `segs` after the rows already in the call. `params` (one per node, optional) lets
+        rows decode with their own parameters (their own max_tokens, stops, temperature, top-p and
+        constraint: requests of a server that share one decode); `constraints` overrides only the
+        constraint (see `start`)."""
+        for name, given in (("constraints", constraints), ("params", params)):
+            if given is not None and len(given) != len(segs):
+                raise ValueError(f"{name} has {len(given)} entries for {len(segs)} nodes")
         for i, seg in enumerate(segs):
             self.rows[seg.id] = len(self.rows)
+            own = None if params is None else params[i]
+            if own is not None and own != self.params:
+                self.stops.own[seg.id] = own
+            row_params = own or self.params
             if self.grammar is not None:
-                self.grammar.attach(seg.id, self.params.constraint if constraints is None else constraints[i])
+                constraint = row_params.constraint if constraints is None else constraints[i]
+                self.grammar.attach(seg.id, constraint)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether some rows decode with their own parameters."""
+        return bool(self.stops.own)
+
+    def params_of(self, seg: Segment) -> DecodeParams:
+        return self.stops.own.get(seg.id, self.params)
 
     def generations(self) -> list[Generation]:
         """Every row's `Generation`, in row order."""
@@ -197,14 +227,20 @@ def decode(
     admitted: list[NodeId] = []
     grammar = run.grammar
     while True:
-        early = [pos for pos, ri in enumerate(present) if len(rows[ri].out) < params.min_tokens]
+        early = [pos for pos, ri in enumerate(present) if len(rows[ri].out) < stops.of(rows[ri]).min_tokens]
         if early and eos.numel():
             logits = logits.clone()
             logits[torch.tensor(early, device=device).unsqueeze(1), eos] = float("-inf")
         allowed, stuck = logits, set()
         if grammar:  # the sampling-stage mask; statistics stay the model's own distribution
             allowed, stuck = grammar.mask(logits, [rows[ri].seg.id for ri in present])
-        tokens, top1, chosen = pick_tokens(logits, params.temperature, params.top_p, run.generator, allowed)
+        temperature: float | torch.Tensor = params.temperature
+        top_p: float | torch.Tensor = params.top_p
+        if run.mixed:  # rows with their own sampling parameters
+            own = [stops.of(rows[ri]) for ri in present]
+            temperature = torch.tensor([p.temperature for p in own], device=logits.device)
+            top_p = torch.tensor([p.top_p for p in own], device=logits.device)
+        tokens, top1, chosen = pick_tokens(logits, temperature, top_p, run.generator, allowed)
         tok_list, top1_list, lp_list = tokens.tolist(), top1.tolist(), chosen.tolist()
         for pos, ri in enumerate(present):
             r = rows[ri]

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from branchwise.backends.base import Admit, NodeId
+from branchwise.backends.base import Admit, Admitted, NodeId
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun
 from branchwise.backends.hf.pool import TAIL_SLACK
@@ -117,9 +117,13 @@ class Intake:
         waiting rows' prompts and growth), and name the rows to preempt if the next step would not
         fit the budget."""
         pool, tb = self.pool, self.pool.token_bytes
-        cap = self.session.row_kv_tokens(self.run.params.max_tokens)
-        growth = sum(max(cap - min(len(r.out), cap), 0) for r in alive)
-        waiting = sum(pending_work(s) + cap for s in (*self.prefilling, *self.preempted, *self.ready))
+        growth = 0
+        for r in alive:
+            cap = self._cap(r.seg)
+            growth += max(cap - min(len(r.out), cap), 0)
+        waiting = sum(
+            pending_work(s) + self._cap(s) for s in (*self.prefilling, *self.preempted, *self.ready)
+        )
         pool.reserved = (growth + waiting) * tb
         if pool.budget is None:
             return []
@@ -160,12 +164,19 @@ class Intake:
         """Rows of the call that wait here (they count against the scheduler's row bound)."""
         return len(self.prefilling) + len(self.preempted) + len(self.ready)
 
-    def _take(self, nodes: Sequence[NodeId]) -> None:
-        """Number the scheduler's new rows and sort them into ready and prefilling."""
-        if not nodes:
+    def _cap(self, seg: Segment) -> int:
+        """Own KV tokens the row of `seg` may hold at most (its max_tokens, or an eviction's cap)."""
+        return self.session.row_kv_tokens(self.run.params_of(seg).max_tokens)
+
+    def _take(self, admitted: Sequence[Admitted]) -> None:
+        """Number the scheduler's new rows (with their own parameters where given) and sort them
+        into ready and prefilling."""
+        if not admitted:
             return
+        nodes = [a if isinstance(a, int) else a[0] for a in admitted]
+        own = [None if isinstance(a, int) else a[1] for a in admitted]
         segs = [self.session.tree.growable(n) for n in nodes]
-        self.run.join(segs)
+        self.run.join(segs, params=own if any(p is not None for p in own) else None)
         self.session.stats.bump("admitted_rows", len(segs))
         for seg in segs:
             long = self.chunk and pending_work(seg) > self.chunk
@@ -185,14 +196,13 @@ class Intake:
         """Preempted rows whose recompute and growth fit the budget now, oldest first (with
         `force`, at least one: the batch is empty, so it must make progress)."""
         tb = self.pool.token_bytes
-        row = self.session.row_kv_tokens(self.run.params.max_tokens)
-        row = 2 * row + min(row, TAIL_SLACK)  # as admission counts a row (`KVPool.job_cost`)
         rows = self.run.rows
         self.preempted.sort(key=lambda s: rows[s.id])
         back: list[Segment] = []
         room = self.pool.room()
         for seg in list(self.preempted):
-            cost = (pending_work(seg) + row) * tb
+            cap = self._cap(seg)
+            cost = (pending_work(seg) + 2 * cap + min(cap, TAIL_SLACK)) * tb  # as `KVPool.job_cost`
             if room is not None and cost > room and not (force and not back):
                 break
             back.append(seg)

@@ -363,10 +363,14 @@ class Session:
         on_step: StepListener | None = None,
         admit: Admit | None = None,
         constraints: Sequence[Constraint | None] | None = None,
+        row_params: Sequence[DecodeParams | None] | None = None,
     ) -> list[Generation]:
         """`Backend.extend`; `constraints` (one per node, optional) constrain rows one by one in place
-        of `params.constraint`, so one batch may mix constrained and free rows."""
-        for c in {params.constraint, *(constraints or ())} - {None}:
+        of `params.constraint`, so one batch may mix constrained and free rows; `row_params` (one per
+        node, optional) give rows their own decoding parameters (a server's requests in one decode;
+        seeded sampling still draws from the call's one generator)."""
+        own = [p for p in row_params or () if p is not None]
+        for c in {params.constraint, *(constraints or ()), *(p.constraint for p in own)} - {None}:
             self.engine.grammars.compile(c)  # type: ignore[arg-type]  # refuse a bad one before any work
         with self.engine.lock:
             evictions = self.tree.evictions
@@ -376,9 +380,14 @@ class Session:
                 raise ValueError("nodes must be distinct; fork a node to decode it several times")
             if not segs:
                 return []
-            longest = max(path_length(s) for s in segs)
-            check_context(longest, params.max_tokens, self.engine.max_context, "the longest node")
-            return self._run(segs, params, on_step=on_step, admit=admit, constraints=constraints)
+            wants = [
+                params.max_tokens if p is None else p.max_tokens for p in row_params or [None] * len(segs)
+            ]
+            i = max(range(len(segs)), key=lambda k: path_length(segs[k]) + wants[k])
+            check_context(path_length(segs[i]), wants[i], self.engine.max_context, f"node {segs[i].id}")
+            return self._run(
+                segs, params, on_step=on_step, admit=admit, constraints=constraints, row_params=row_params
+            )
 
     def score_next(
         self,
@@ -582,6 +591,7 @@ class Session:
         on_step: StepListener | None = None,
         admit: Admit | None = None,
         constraints: Sequence[Constraint | None] | None = None,
+        row_params: Sequence[DecodeParams | None] | None = None,
     ) -> list[Generation]:
         """Compute pending tokens of `segs` and, with `params`, decode them as one batch.
 
@@ -602,6 +612,7 @@ class Session:
             on_step=on_step,
             grammars=self.engine.grammars,
             constraints=constraints,
+            row_params=row_params,
         )
         intake = Intake(self, run, admit)
         run.admit, run.pressure = intake.admit, intake.pressure
@@ -612,7 +623,7 @@ class Session:
                     segs = intake.next_ready()
                     if not segs:
                         break
-                batch, start = self._batch(segs, params, observers)
+                batch, start = self._batch(segs, params, observers, run)
                 intake.batch = batch
                 admitted = decode(
                     batch,
@@ -634,7 +645,11 @@ class Session:
         return run.generations()
 
     def _batch(
-        self, segs: Sequence[Segment], params: DecodeParams | None, observers: Sequence[Acceleration]
+        self,
+        segs: Sequence[Segment],
+        params: DecodeParams | None,
+        observers: Sequence[Acceleration],
+        run: DecodeRun | None = None,
     ) -> tuple[Batch, list[torch.Tensor]]:
         """Compute the pending tokens of `segs` (ancestors first) and assemble their batch; returns it
         with each row's next-token logits. Without `params` the rows' KV goes back into their nodes
@@ -657,7 +672,11 @@ class Session:
             # a mixed batch would push dummy tokens through every row for the longest pending run
             # (e.g. ASKS: reused branches have nothing to prefill, rejected ones a whole prompt)
             self._batch(pending, None, observers)
-        batch = self._assemble(segs, 0 if params is None else min(params.max_tokens, TAIL_SLACK))
+        extra = 0
+        if params is not None:
+            longest = max(run.params_of(s).max_tokens for s in segs) if run is not None else params.max_tokens
+            extra = min(longest, TAIL_SLACK)
+        batch = self._assemble(segs, extra)
         feeds = batch.feeds
         logits = None
         if any(feeds):

@@ -217,3 +217,24 @@ def test_admission_keeps_each_rows_own_stop_state(tiny_hf) -> None:
     assert gens[0].finish_reason == "stop" and len(gens[0].token_ids) > 1
     assert [g.token_ids for g in gens[:2]] == plain
     assert len(gens) == 8 and all(len(g.token_ids) <= 12 for g in gens)
+
+
+def test_rows_with_their_own_temperature_and_top_p() -> None:
+    """One batch, each row its own sampling: a greedy row takes its argmax, a row at top-p 0.01
+    only its top token, a free row anything, from one generator."""
+    import torch
+
+    from branchwise.backends.hf.sampling import pick_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    gen = torch.Generator().manual_seed(1)
+    temperature = torch.tensor([0.0, 1.0, 5.0])
+    top_p = torch.tensor([1.0, 0.01, 1.0])
+    seen: set[int] = set()
+    for _ in range(50):
+        tokens, _, chosen = pick_tokens(logits, temperature, top_p, gen)
+        assert tokens[0] == logits[0].argmax() and tokens[1] == logits[1].argmax()
+        assert torch.allclose(chosen, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+        seen.add(int(tokens[2]))
+    assert len(seen) > 5  # the hot row really samples

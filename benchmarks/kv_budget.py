@@ -25,7 +25,7 @@ Methods, each with the backend's accelerations set before its jobs are enqueued:
     passes half the budget; the prompt is pinned).
 
 The budget: `--budget-requests` dense requests of the longest prompt at their worst case (n rows of
-prompt + max_tokens each), over the pool's admission watermark; so about that many dense requests
+worst case by `backend.kv_cost`), over the pool's admission watermark; so about that many dense requests
 decode at once, and the others fit what their worst case allows (`admitted_worst_case_requests`).
 Per method: completed branches/s, generated tokens/s, wall seconds, preemptions and overruns (steps
 run above the budget because nothing could yield: rows of a run with accelerations are never

@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--kv-burst-n", type=int, default=8, help="samples per burst request")
     parser.add_argument("--kv-burst-tokens", type=int, default=64, help="max_tokens per burst request")
-    parser.add_argument("--kv-budget", default="64MiB", help="the KV budget of the burst's server")
+    parser.add_argument("--kv-budget", default="256MiB", help="the KV budget of the burst's server")
     parser.add_argument(
         "--rss-overhead-mb",
         type=float,

@@ -539,14 +539,17 @@ class Scheduler:
         fork it into ``n`` branches."""
         backend = self.backend
         root = backend.prefill(job.prompt)
-        if job.n == 1:
-            # One sample shares its prompt with nobody: decode the prompt's own node. It is a plain
-            # row (a one-row shared segment would cost one more attention product per layer), and
-            # its KV is the exact prompt, so a backend with a prefix cache keeps it for the next
-            # request that starts the same way (DSPy's candidates, an agent's next turn).
+        if job.n == 1 and len(job.prompt) <= PLAIN_ROW_TOKENS:
+            # One sample of a short prompt shares it with nobody: decode the prompt's own node. It
+            # is a plain row (a one-row shared segment would cost one more attention product per
+            # layer), and its KV is the exact prompt, so a backend with a prefix cache keeps it for
+            # the next request that starts the same way (DSPy's candidates, an agent's next turn).
             return [root]
         try:
-            return backend.fork(root, job.n, share=job.share)
+            # A long prompt stays a segment its rows read, out of the batch's tails: a row's tail
+            # holds its own tokens, and every row of a batch gets room for the longest one's.
+            share = job.share if job.n > 1 else "exact"
+            return backend.fork(root, job.n, share=share)
         finally:
             # the children keep the root's KV alive; releasing it now frees it with them
             backend.release([root])
@@ -563,6 +566,10 @@ def _extend_takes(backend: Backend, name: str) -> bool:
         return True
     return name == "on_step" and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
+
+PLAIN_ROW_TOKENS = 256
+"""A one-sample request with a prompt up to this long decodes its prompt's node as a plain row; a
+longer one decodes a child that reads the prompt (`Scheduler._fork_prompt`)."""
 
 MEMORY_POLL_S = 0.05
 """How often a request waiting for KV memory held outside the scheduler looks again."""

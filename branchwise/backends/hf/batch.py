@@ -10,7 +10,8 @@ attention (weights, queries) or move a row's slots registers an `AttentionTap`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -350,6 +351,7 @@ class Batch:
         broadcast: Broadcast = "cascade",
         copy_tokens: int = 0,
         limit: int | None = None,
+        reserve: Callable[[int], None] | None = None,
     ) -> Batch:
         """Rows for `segs`: each row's own KV in its tail (with `extra` free slots), ancestors shared.
 
@@ -363,7 +365,8 @@ class Batch:
         many short segments shared.
 
         `limit` feeds (and makes room for) at most that many pending tokens per row: one chunk of a
-        long prompt (chunked prefill), the rest left pending.
+        long prompt (chunked prefill), the rest left pending. `reserve` is told the tails' bytes
+        before they are allocated (the KV budget may refuse them).
         """
         rows = [Row(seg=s, kv_len=s.kv_tokens, computed=s.n_computed) for s in segs]
         b = len(rows)
@@ -383,6 +386,9 @@ class Batch:
         feeds = [s.pending if limit is None else s.pending[:limit] for s in segs]
         cap = max(n + len(f) for n, f in zip(lens, feeds, strict=True)) + extra
         shape = (b, parts.n_kv_heads, max(cap, 1), parts.head_dim)
+        if reserve is not None:
+            itemsize = torch.tensor([], dtype=dtype).element_size()
+            reserve(2 * parts.n_layers * math.prod(shape) * itemsize)
         # zeros, not empty: masked slots still enter the products (0 * NaN garbage would be NaN)
         tail_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(parts.n_layers)]
         tail_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(parts.n_layers)]

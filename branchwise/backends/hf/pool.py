@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from branchwise.backends.base import KVBudgetExceeded
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.tree import KVTree
 
@@ -171,6 +172,19 @@ class KVPool:
         if over <= 0 or not self.tree.cache.held:
             return 0
         return self.tree.trim(max(0, self.tree.cache.held - over))
+
+    def reserve_tails(self, nbytes: int) -> None:
+        """A batch is about to allocate `nbytes` of tails: let the prefix cache yield, and refuse
+        with `KVBudgetExceeded` what still would not fit (an error, not the process killed for
+        memory: one long row makes every row's tail as long, `job_cost`)."""
+        if self.budget is None or self.over(nbytes) <= 0:
+            return
+        self.yield_cache(nbytes)
+        if self.over(nbytes) > 0:
+            raise KVBudgetExceeded(
+                f"a decode batch needs {nbytes} bytes of tails with {self.used()} bytes of KV held; "
+                f"the KV budget is {self.budget} bytes"
+            )
 
     def job_cost(self, prompt_tokens: int, n: int, max_tokens: int, shared: bool) -> int:
         """Worst-case bytes of ``n`` rows decoding up to ``max_tokens`` each from one prompt (held

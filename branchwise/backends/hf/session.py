@@ -28,6 +28,7 @@ from branchwise.backends.base import (
     Admit,
     DecodeParams,
     Generation,
+    KVBudgetExceeded,
     KVStats,
     NodeId,
     ShareMode,
@@ -527,7 +528,16 @@ class Session:
         of a chunked prefill. Only for runs without accelerations (their hooks see whole prompts)."""
         self._materialize_ancestors([seg])
         engine = self.engine
-        batch = Batch.assemble([seg], 0, self.parts, engine.dtype, self.device, engine.broadcast, limit=limit)
+        batch = Batch.assemble(
+            [seg],
+            0,
+            self.parts,
+            engine.dtype,
+            self.device,
+            engine.broadcast,
+            limit=limit,
+            reserve=engine.pool.reserve_tails,
+        )
         engine.pool.track(batch.ctx)
         logits = self._forward(batch, batch.feeds)
         batch.advance([0], batch.feeds)
@@ -557,7 +567,14 @@ class Session:
         if not self.plugins and len({a.id for s in segs for a in s.kv_ancestors()}) > COPY_MIN_SEGMENTS:
             copy_tokens = COPY_TOKENS
         batch = Batch.assemble(
-            segs, extra, self.parts, engine.dtype, self.device, engine.broadcast, copy_tokens
+            segs,
+            extra,
+            self.parts,
+            engine.dtype,
+            self.device,
+            engine.broadcast,
+            copy_tokens,
+            reserve=engine.pool.reserve_tails,
         )
         engine.pool.track(batch.ctx)
         for plugin in overrides(self.plugins, "on_batch"):
@@ -676,7 +693,12 @@ class Session:
         if params is not None:
             longest = max(run.params_of(s).max_tokens for s in segs) if run is not None else params.max_tokens
             extra = min(longest, TAIL_SLACK)
-        batch = self._assemble(segs, extra)
+        try:
+            batch = self._assemble(segs, extra)
+        except KVBudgetExceeded:
+            if not extra:
+                raise
+            batch = self._assemble(segs, 0)  # no free slots ahead: the tails grow as rows do
         feeds = batch.feeds
         logits = None
         if any(feeds):

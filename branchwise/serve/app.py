@@ -48,7 +48,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -107,8 +107,6 @@ class _Server:
         self.drop = asyncio.Event()
         """Set at the drain's deadline: every request still waiting is cancelled and answered 503."""
         self.drain_end: float | None = None
-        self._kv: asyncio.Future[dict[str, Any] | None] | None = None
-        self._kv_last: dict[str, Any] | None = None
 
     def begin_drain(self, timeout_s: float) -> None:
         """On the loop: refuse new requests; drop what still runs `timeout_s` from now."""
@@ -242,24 +240,11 @@ class _Server:
         return self.backend.prefill(prompt[:-1])
 
     # ------------------------------------------------------------------ health
-    async def kv(self) -> dict[str, Any] | None:
-        """The backend's KV memory figures for `/health`; read off the loop (the backend's lock may
-        be held for a decode step), at most one read at a time, the last one while a read hangs."""
-        stats = getattr(self.backend, "kv_stats", None)
-        if stats is None:
-            return None
-        if self._kv is None or self._kv.done():
-            self._kv = asyncio.ensure_future(asyncio.to_thread(_kv_figures, stats))
-        done, _ = await asyncio.wait({self._kv}, timeout=1.0)
-        if done and self._kv.exception() is None:
-            self._kv_last = self._kv.result()
-        return self._kv_last
-
-
-def _kv_figures(stats: Callable[[], Any]) -> dict[str, Any]:
-    s = stats()
-    keys = ("budget_bytes", "used_bytes", "cache_bytes", "bytes_held", "preemptions")
-    return {k: getattr(s, k) for k in keys if hasattr(s, k)}
+    def kv(self) -> dict[str, Any] | None:
+        """The backend's KV memory figures for `/health`, read without its lock (which a decode
+        holds for as long as it runs), so a busy server still answers at once."""
+        memory = getattr(self.backend, "kv_memory", None)
+        return None if memory is None else dict(memory())
 
 
 @dataclass(frozen=True)
@@ -497,7 +482,7 @@ def create_app(
             "strategy_runs": runs,
             "batching": {**scheduler.stats.as_dict(), "continuous": scheduler.admits},
         }
-        kv = await server.kv()
+        kv = server.kv()
         return out if kv is None else {**out, "kv": kv}
 
     @app.post("/tokenize")

@@ -110,11 +110,11 @@ def serve_command(
     prefill_chunk: Annotated[
         int,
         ranged(
-            "Prompt tokens computed per forward, interleaved with running decodes (0: whole prompts).",
+            "Prompt tokens computed per decode step of the requests running beside it (0: whole prompts).",
             0,
             1_000_000,
         ),
-    ] = 512,
+    ] = 128,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     try:

@@ -53,9 +53,10 @@ DEFAULT_CACHE_BYTES = 1 << 30
 """Default byte budget of the prefix cache across requests (1 GiB: ~23k tokens of the embedded
 model's KV in fp32, a long conversation or a few-shot prompt many times over)."""
 
-DEFAULT_PREFILL_CHUNK = 512
-"""Tokens of a prompt computed per forward: long enough that a chunk's forward runs near the
-whole-prompt throughput, short enough that running rows wait one chunk per step (chunked prefill)."""
+DEFAULT_PREFILL_CHUNK = 128
+"""Tokens of a prompt computed per decode step of the rows running beside it (chunked prefill):
+short enough that they wait little per step (`intake.py` has the measurement), long enough that
+the prompt still prefills at a useful rate; alone, a prompt is computed in larger forwards."""
 
 __all__ = ["SHARE_MODES", "HFBackend", "resolve_device", "resolve_dtype"]
 
@@ -267,7 +268,8 @@ class HFBackend:
 
     @property
     def prefill_chunk(self) -> int:
-        """Prompt tokens computed per forward (0: whole prompts, no interleaving)."""
+        """Prompt tokens computed per decode step beside running rows (0: whole prompts, no
+        interleaving); alone, `intake.ALONE_CHUNK` per forward."""
         return self.engine.prefill_chunk
 
     @prefill_chunk.setter
@@ -275,6 +277,11 @@ class HFBackend:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"prefill_chunk={value!r} must be an int >= 0 (0: whole prompts)")
         self.engine.prefill_chunk = value
+
+    def kv_memory(self) -> dict[str, int | None]:
+        """Budget, KV used (all of it), prefix cache and preemptions, read without the engine's lock
+        (a monitor such as the server's `/health` must not wait for a running decode)."""
+        return self.engine.pool.stats()
 
     def trim_memory(self) -> None:
         """Return memory freed by released KV to the system (`pool.return_freed_memory`); a

@@ -11,9 +11,11 @@ object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
   join at once (its whole prefill would run before the next decode step, stalling every row of the
   batch for as long). It waits in `prefilling`, and each step boundary computes one chunk of its
   prompt; it joins once at most one chunk is left. The running rows so wait at most one chunk's
-  forward per step. When nothing decodes, chunks run back to back, and newcomers are asked for
-  between them, so a short request that arrives meanwhile starts decoding before the long prompt
-  is done.
+  forward per step (measured on a 2-core CPU with an 8k-token prompt amid 16 clients: 512-token
+  chunks left the short requests' p99 at 6.5x their p99 without the long prompt, 128-token chunks
+  at 2.3x, for a long request 23 % slower than whole). When nothing decodes, larger chunks
+  (`ALONE_CHUNK`) run back to back, and newcomers are asked for between them, so a short request
+  that arrives meanwhile starts decoding after at most one of them.
 - **Preemption.** When the engine's KV would exceed its budget at the next step, the prefix cache
   yields first (`KVPool.yield_cache`); if that is not enough, the youngest rows (the last to join
   the call) leave the batch, their KV is dropped, and they wait in `preempted` with their tokens
@@ -43,6 +45,17 @@ if TYPE_CHECKING:
 __all__ = ["Intake", "pending_work"]
 
 
+ALONE_CHUNK = 512
+"""Prompt tokens per forward when nothing decodes beside the prompt (at least the step chunk): a
+forward this long runs near a whole prompt's throughput and bounds the attention's memory, and a
+newcomer waits at most one of them before it starts decoding."""
+
+
+def alone_chunk(chunk: int) -> int:
+    """Tokens per prefill forward when no other row decodes (0: whole prompts)."""
+    return max(chunk, ALONE_CHUNK) if chunk else 0
+
+
 def pending_work(seg: Segment) -> int:
     """Tokens still to compute before `seg` can decode: its own pending and its ancestors'."""
     return len(seg.pending) + sum(len(a.pending) for a in seg.kv_ancestors())
@@ -57,8 +70,11 @@ class Intake:
         self.outer = admit
         self.pool = session.engine.pool
         self.chunk = session.engine.prefill_chunk if not session.plugins else 0
-        """Chunked prefill (0: off). A run with accelerations computes prompts whole: their hooks
-        observe a prompt's prefill in one forward."""
+        """Prompt tokens computed per step while other rows decode (0: chunked prefill off). A run
+        with accelerations computes prompts whole: their hooks observe a prompt's prefill in one
+        forward."""
+        self.alone = alone_chunk(self.chunk)
+        """Prompt tokens per forward when no row decodes (larger: fewer, faster forwards)."""
         self.preemptible = not session.plugins
         self.prefilling: list[Segment] = []
         self.preempted: list[Segment] = []
@@ -86,7 +102,7 @@ class Intake:
         if self.preempted:
             return self._rejoin(force=True)
         while self.prefilling and not self.ready:
-            self._prefill_step()
+            self._prefill_step(self.alone)
             if self.outer is not None and not self.ready:
                 self._take(self.outer(self._held()))
         return self._pop_ready()
@@ -152,7 +168,7 @@ class Intake:
         """`DecodeRun.admit`: one chunk of prefill, then rows that may join now (preempted rows
         first; the scheduler's newcomers only once none of those wait)."""
         if self.prefilling:
-            self._prefill_step()
+            self._prefill_step(self.chunk)
         if self.preempted:
             self.ready += self._rejoin(force=False)
         elif self.outer is not None:
@@ -182,11 +198,12 @@ class Intake:
             long = self.chunk and pending_work(seg) > self.chunk
             (self.prefilling if long else self.ready).append(seg)
 
-    def _prefill_step(self) -> None:
-        """Compute one chunk of the first waiting prompt; rows left with at most a chunk are ready."""
+    def _prefill_step(self, size: int) -> None:
+        """Compute `size` tokens of the first waiting prompt; rows left with at most a chunk are
+        ready."""
         seg = self.prefilling[0]
         top = next(s for s in [*reversed(seg.kv_ancestors()), seg] if s.pending)
-        self.session.compute_part(top, self.chunk)
+        self.session.compute_part(top, size)
         still = []
         for s in self.prefilling:
             (still if pending_work(s) > self.chunk else self.ready).append(s)

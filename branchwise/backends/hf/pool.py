@@ -146,7 +146,11 @@ class KVPool:
 
     @property
     def tails(self) -> int:
-        return sum(ctx.nbytes for ctx in list(self._batches.values()))
+        while True:
+            try:  # read without the engine's lock by `stats`: a batch may come or go meanwhile
+                return sum(ctx.nbytes for ctx in list(self._batches.values()))
+            except RuntimeError:
+                continue
 
     def used(self) -> int:
         """Every byte of KV held now: live nodes and blocks, the prefix cache, batch tails."""
@@ -204,9 +208,11 @@ class KVPool:
         return (prompt + n * row) * self.token_bytes
 
     def stats(self) -> dict[str, int | None]:
+        """The budget's figures; safe to read without the engine's lock (a monitor's snapshot)."""
         return {
             "budget_bytes": self.budget,
             "used_bytes": self.used(),
+            "bytes_held": self.tree.total.held,
             "cache_bytes": self.tree.cache.held,
             "preemptions": self.preemptions,
         }

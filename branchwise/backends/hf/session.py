@@ -40,7 +40,7 @@ from branchwise.backends.hf.batch import Batch, Broadcast, Row
 from branchwise.backends.hf.decode import DecodeRun, decode
 from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, overrides
-from branchwise.backends.hf.intake import Intake
+from branchwise.backends.hf.intake import Intake, alone_chunk
 from branchwise.backends.hf.plugins import Builds, EntropyTrace, build_plugins, layer_trace
 from branchwise.backends.hf.pool import TAIL_SLACK, KVPool
 from branchwise.backends.hf.runner import Runner
@@ -93,9 +93,9 @@ class Engine:
     """The model's context window in tokens (None where its config does not say)."""
     pool: KVPool = field(init=False)
     """Every byte of KV and its budget (`pool.py`)."""
-    prefill_chunk: int = 512
-    """Prompts are computed at most this many tokens per forward (0: whole), interleaved with the
-    running batch's decode steps (`intake.py`)."""
+    prefill_chunk: int = 128
+    """Prompt tokens computed per decode step while other rows decode (0: whole prompts); alone,
+    `intake.ALONE_CHUNK` per forward (`intake.py`)."""
 
     def __post_init__(self) -> None:
         self.runner = Runner(self.parts, self.pad_id, self.device)
@@ -672,7 +672,7 @@ class Session:
         with each row's next-token logits. Without `params` the rows' KV goes back into their nodes
         at once (a prefill), each with its logits."""
         self._materialize_ancestors(segs)
-        chunk = 0 if self.plugins else self.engine.prefill_chunk
+        chunk = 0 if self.plugins else alone_chunk(self.engine.prefill_chunk)
         for seg in segs if chunk else ():
             while len(seg.pending) > chunk:  # a long prompt: its attention's memory stays bounded
                 self.compute_part(seg, chunk)

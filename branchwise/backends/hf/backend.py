@@ -269,7 +269,7 @@ class HFBackend:
     @property
     def prefill_chunk(self) -> int:
         """Prompt tokens computed per decode step beside running rows (0: whole prompts, no
-        interleaving); alone, `intake.ALONE_CHUNK` per forward."""
+        interleaving); without a scheduler, `intake.ALONE_CHUNK` per forward."""
         return self.engine.prefill_chunk
 
     @prefill_chunk.setter

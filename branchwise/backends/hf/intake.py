@@ -13,9 +13,11 @@ object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
   prompt; it joins once at most one chunk is left. The running rows so wait at most one chunk's
   forward per step (measured on a 2-core CPU with an 8k-token prompt amid 16 clients: 512-token
   chunks left the short requests' p99 at 6.5x their p99 without the long prompt, 128-token chunks
-  at 2.3x, for a long request 23 % slower than whole). When nothing decodes, larger chunks
-  (`ALONE_CHUNK`) run back to back, and newcomers are asked for between them, so a short request
-  that arrives meanwhile starts decoding after at most one of them.
+  at 2.3x, for a long request 23 % slower than whole). When nothing decodes, chunks run back to
+  back, and newcomers are asked for between them, so a short request that arrives meanwhile starts
+  decoding after at most one chunk (larger chunks there left waves of short requests that all
+  ended together waiting for one: p99 9.2x). Without a scheduler nobody can arrive, and a prompt
+  is computed in `ALONE_CHUNK`s.
 - **Preemption.** When the engine's KV would exceed its budget at the next step, the prefix cache
   yields first (`KVPool.yield_cache`); if that is not enough, the youngest rows (the last to join
   the call) leave the batch, their KV is dropped, and they wait in `preempted` with their tokens
@@ -46,9 +48,8 @@ __all__ = ["Intake", "pending_work"]
 
 
 ALONE_CHUNK = 512
-"""Prompt tokens per forward when nothing decodes beside the prompt (at least the step chunk): a
-forward this long runs near a whole prompt's throughput and bounds the attention's memory, and a
-newcomer waits at most one of them before it starts decoding."""
+"""Prompt tokens per forward where no newcomer can arrive (an `extend` without a scheduler): a
+forward this long runs near a whole prompt's throughput and bounds the attention's memory."""
 
 
 def alone_chunk(chunk: int) -> int:
@@ -73,8 +74,7 @@ class Intake:
         """Prompt tokens computed per step while other rows decode (0: chunked prefill off). A run
         with accelerations computes prompts whole: their hooks observe a prompt's prefill in one
         forward."""
-        self.alone = alone_chunk(self.chunk)
-        """Prompt tokens per forward when no row decodes (larger: fewer, faster forwards)."""
+
         self.preemptible = not session.plugins
         self.prefilling: list[Segment] = []
         self.preempted: list[Segment] = []
@@ -102,7 +102,7 @@ class Intake:
         if self.preempted:
             return self._rejoin(force=True)
         while self.prefilling and not self.ready:
-            self._prefill_step(self.alone)
+            self._prefill_step(self.chunk)
             if self.outer is not None and not self.ready:
                 self._take(self.outer(self._held()))
         return self._pop_ready()

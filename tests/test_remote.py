@@ -180,7 +180,12 @@ class FaultProxy:
                 if action == "stall":
                     time.sleep(proxy.stall_s)
                 url = proxy.upstream + self.path
-                r = httpx.get(url) if body is None else httpx.post(url, content=body, timeout=60)
+                kind = {"Content-Type": self.headers.get("content-type", "application/json")}
+                r = (
+                    httpx.get(url)
+                    if body is None
+                    else httpx.post(url, content=body, headers=kind, timeout=60)
+                )
                 data = r.content
                 if proxy.vllm and self.path == "/v1/models":
                     models = r.json()

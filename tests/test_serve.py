@@ -572,6 +572,9 @@ def test_serve_load_benchmark_runs(embedded_dir: Path) -> None:
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, str(root / "benchmarks" / "serve_load.py")]
     cmd += ["--clients", "4", "--requests", "1", "--serial", "2", "--max-tokens", "4", "--threads", "1"]
+    cmd += ["--long-prompt", "600", "--long-clients", "2", "--long-requests", "1"]
+    cmd += ["--kv-burst", "4", "--kv-burst-n", "2", "--kv-burst-tokens", "8"]
+    cmd += ["--sigterm-burst", "4", "--sigterm-tokens", "8", "--drain-timeout", "5"]
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -583,3 +586,7 @@ def test_serve_load_benchmark_runs(embedded_dir: Path) -> None:
     rss = out["rss_mb"]
     assert {"start", "after_warmup", "after_serial", "end", "peak"} <= set(rss)
     assert len(rss["after_concurrent"]) == 1 and rss["peak"] >= rss["start"] > 0
+    long = out["long_request"]
+    assert all(long[k]["errors"] == 0 for k in ("no_long", "with_long_chunked", "with_long_whole"))
+    assert out["kv_burst"]["errors_other_than_429"] == 0
+    assert out["sigterm"]["exit_code"] == 0 and out["sigterm"]["all_in_flight_answered"]

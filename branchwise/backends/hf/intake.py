@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING
 from branchwise.backends.base import Admit, Admitted, NodeId
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun
-from branchwise.backends.hf.pool import TAIL_SLACK
 from branchwise.backends.hf.tree import Segment
 
 if TYPE_CHECKING:
@@ -219,7 +218,7 @@ class Intake:
         room = self.pool.room()
         for seg in list(self.preempted):
             cap = self._cap(seg)
-            cost = (pending_work(seg) + 2 * cap + min(cap, TAIL_SLACK)) * tb  # as `KVPool.job_cost`
+            cost = (pending_work(seg) + self.pool.row_tokens(cap)) * tb
             if room is not None and cost > room and not (force and not back):
                 break
             back.append(seg)

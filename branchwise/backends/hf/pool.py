@@ -196,6 +196,11 @@ class KVPool:
             f"{self.budget} bytes"
         )
 
+    @staticmethod
+    def row_tokens(max_tokens: int) -> int:
+        """KV slots one decoding row may hold at worst besides its prompt (see `job_cost`)."""
+        return 2 * max_tokens + min(max_tokens, TAIL_SLACK)
+
     def job_cost(self, prompt_tokens: int, n: int, max_tokens: int, shared: bool) -> int:
         """Worst-case bytes of ``n`` rows decoding up to ``max_tokens`` each from one prompt (held
         once when `shared`, by each row otherwise); cached prompt tokens are not subtracted.
@@ -210,7 +215,7 @@ class KVPool:
         would avoid."""
         prompt = prompt_tokens if shared or n == 1 else n * prompt_tokens
         copied = prompt_tokens if prompt_tokens <= self.copy_tokens else 0
-        row = 2 * max_tokens + min(max_tokens, TAIL_SLACK) + copied
+        row = self.row_tokens(max_tokens) + copied
         return (prompt + n * row) * self.token_bytes
 
     def stats(self) -> dict[str, int | None]:

@@ -29,9 +29,11 @@ from prefix_sharing import PASSAGE, exact_tokens, median_time
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.arch import linear_params
 from branchwise.backends.hf.backend import resolve_device, resolve_dtype
 from branchwise.backends.hf.embedded import embedded_model_dir
 from branchwise.backends.hf.fidelity import greedy_agreement
+from branchwise.backends.hf.prepack import PackedLinear
 
 PEAK_GBPS = {  # HBM bandwidth from the vendors' datasheets, by a substring of the device name
     "H200": 4800.0,
@@ -88,11 +90,24 @@ def peak_gbps(given: float | None) -> float | None:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads of the weights: all parameters but an untied input embedding."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes a decode step reads of the weights: every linear layer (plain or packed for the CPU),
+    the norms, and the LM head; of the input embedding only B rows (not counted) unless it is the
+    head itself."""
+    packed = sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
+    total = packed + sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.get_input_embeddings().weight
-    tied = any(p is embed for p in model.get_output_embeddings().parameters())
+    head = model.get_output_embeddings()
+    tied = isinstance(head, torch.nn.Linear) and head.weight is embed
     return total if tied else total - embed.numel() * embed.element_size()
+
+
+def parameter_count(backend: HFBackend) -> int:
+    """Parameters of the model as loaded: a packed linear counts once, and the packed copy of a
+    tied head (`prepacked.extra_bytes`) not at all."""
+    model = backend.model
+    count = sum(p.numel() for p in model.parameters())
+    count += sum(linear_params(m) for m in model.modules() if isinstance(m, PackedLinear))
+    return count - backend.prepacked.extra_bytes // backend.dtype.itemsize
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(result)
     bench.emit(
         {
-            "parameters": sum(p.numel() for p in backend.model.parameters()),
+            "parameters": parameter_count(backend),
             "weight_bytes_per_step": weights,
             "kv_bytes_per_token": backend.kv_token_bytes,
             "peak_gbps": peak,

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from branchwise.backends.hf.prepack import PackedLinear
+
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -60,6 +62,15 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         n_kv_heads=n_kv,
         head_dim=head_dim,
     )
+
+
+def linear_params(module: nn.Module) -> int:
+    """Weights of a linear layer, plain or packed (`prepack.PackedLinear`); 0 for anything else.
+
+    Read from the shapes, never from `.weight`: a packed layer's weight is an unpacked copy."""
+    if isinstance(module, nn.Linear | PackedLinear):
+        return int(module.in_features) * int(module.out_features)
+    return 0
 
 
 def kv_bytes_per_token(parts: DecoderParts, dtype: torch.dtype) -> int:

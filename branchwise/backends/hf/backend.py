@@ -43,6 +43,8 @@ from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.hooks import Acceleration
 from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
+from branchwise.backends.hf.prepack import Prepacked
+from branchwise.backends.hf.prepack import prepack as pack_weights
 from branchwise.backends.hf.session import SHARE_MODES, Engine, Session, check_share
 from branchwise.constraints import Constraint
 
@@ -126,6 +128,7 @@ class HFBackend:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         kv_budget: int | float | str | None = "auto",
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prepack: bool = True,
     ) -> None:
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -137,7 +140,7 @@ class HFBackend:
         register()
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        self._setup(loaded.to(dev), tokenizer, share=share, model_name=name, accel=accel)
+        self._setup(loaded.to(dev), tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
         self.broadcast = broadcast
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # type: ignore[assignment]  # the setter resolves it to bytes
@@ -154,12 +157,14 @@ class HFBackend:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         kv_budget: int | float | str | None = "auto",
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prepack: bool = True,
     ) -> HFBackend:
-        """Wrap an already loaded model (tests, notebooks) without reloading it."""
+        """Wrap an already loaded model (tests, notebooks) without reloading it. With `prepack`,
+        its linear layers are packed in place (see `prepack.py`): the model is changed."""
         self = cls.__new__(cls)
         register()
         name = getattr(model.config, "_name_or_path", "model")
-        self._setup(model, tokenizer, share=share, model_name=name, accel=accel)
+        self._setup(model, tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # type: ignore[assignment]
         self.prefill_chunk = prefill_chunk
@@ -173,10 +178,16 @@ class HFBackend:
         share: ShareMode,
         model_name: str,
         accel: Accel | None,
+        prepack: bool,
     ) -> None:
         check_share(share)
         model.eval()
         model.set_attn_implementation(ATTN_NAME)
+        self.prepacked = (
+            pack_weights(model, decoder_parts(model).layers) if prepack else Prepacked(reason="prepack=False")
+        )
+        """Whether the linear layers run on weights packed for the CPU's kernels (`prepack.py`), and
+        why not where they do not."""
         parts = decoder_parts(model)
         param = next(model.parameters())
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None

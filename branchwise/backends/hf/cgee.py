@@ -27,7 +27,7 @@ import torch
 
 from branchwise.backends.accel import CGEEConfig
 from branchwise.backends.base import FinishReason, KVStats
-from branchwise.backends.hf.arch import DecoderParts
+from branchwise.backends.hf.arch import DecoderParts, linear_params
 from branchwise.backends.hf.batch import Row
 from branchwise.backends.hf.embedded import branchwise_cache_dir
 from branchwise.backends.hf.hooks import Acceleration, Exit, Forward
@@ -92,8 +92,8 @@ def head_cost_layers(parts: DecoderParts) -> float:
     """The LM head's cost in decoder layers (weight FLOPs per token: vocab·hidden over one layer's
     linear weights), known from the model's shapes. SmolLM2-135M: 49,152·576 / 3.54 M ≈ 8 layers."""
     layer = parts.layers[0]
-    per_layer = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
-    return parts.head.weight.numel() / max(per_layer, 1)
+    per_layer = sum(linear_params(m) for m in layer.modules())
+    return linear_params(parts.head) / max(per_layer, 1)
 
 
 class EntropyExit(Acceleration):

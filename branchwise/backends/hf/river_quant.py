@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from branchwise.backends.hf.prepack import plain
+
 KERNELS = ("auto", "dynamic_int8", "weight_only", "torchao")
 
 
@@ -390,6 +392,7 @@ def quantize_layer(
     """
     dtype = next(layer.parameters()).dtype
     kernel = resolve_kernel(kernel, bits, device, dtype)
+    layer = plain(layer)  # weights packed for the CPU's kernels (`prepack.py`) are read back plain
     if kernel == "torchao":
         return _torchao_quantize(layer, bits, group_size)
     if kernel == "dynamic_int8":
@@ -504,6 +507,7 @@ def quantize_head(
     read, so a head tied to the embeddings stays intact. `refine_top_k`: wrap the quantized head in
     a `RefinedHead` that recomputes that many top logits per row from `head`.
     """
+    head = plain(head)
     if not isinstance(head, nn.Linear):
         return None
     if kernel == "torchao":

@@ -100,8 +100,8 @@ class Engine:
     def __post_init__(self) -> None:
         self.runner = Runner(self.parts, self.pad_id, self.device)
         vocab = (
-            int(self.parts.head.weight.shape[0])
-            if hasattr(self.parts.head, "weight")
+            int(self.parts.head.out_features)
+            if hasattr(self.parts.head, "out_features")
             else len(self.tokenizer)
         )
         self.grammars = Grammars(self.tokenizer, vocab, self.eos_ids)

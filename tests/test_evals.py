@@ -472,6 +472,32 @@ def test_report_and_cli(tmp_path: Path, tiny_llama_dir: Path) -> None:
     assert paths.markdown.exists() and len(paths.plots) == 3
 
 
+def test_cli_ctrl_c_says_rows_are_kept_and_how_to_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during `branchwise eval` ends with a line saying what is kept, not silently."""
+    from typer.testing import CliRunner
+
+    import branchwise.evals.harness as harness
+    from branchwise.cli import app
+
+    suite_path = tmp_path / "suite.yaml"
+    suite_path.write_text(yaml.safe_dump(_suite(tmp_path / "model", _data(tmp_path, 4))))
+    out = tmp_path / "run"
+
+    def three_rows_then_ctrl_c(suite: SuiteConfig, out_dir: Path, **_: Any) -> None:
+        Path(out_dir).mkdir()
+        rows = "".join(json.dumps({"cell": "c", "problem_id": str(i)}) + "\n" for i in range(3))
+        (Path(out_dir) / ROWS_FILE).write_text(rows + '{"cell": "c", "probl')  # a partial 4th line
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness, "run_suite", three_rows_then_ctrl_c)
+    res = CliRunner().invoke(app, ["eval", str(suite_path), "--out", str(out), "--no-progress"])
+    assert res.exit_code == 130, res.output
+    said = " ".join(res.output.split())
+    assert "interrupted: 3 rows kept" in said and "run the same command again to resume" in said
+
+
 # --------------------------------------------------------------------------------------------------
 # The quick suite on the embedded model (CI)
 # --------------------------------------------------------------------------------------------------

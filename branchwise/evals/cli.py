@@ -43,7 +43,7 @@ def eval_command(
     interruption to resume where it stopped (no duplicated or missing rows).
     """
     from branchwise.evals.datasets import DatasetUnavailable
-    from branchwise.evals.harness import EndpointsUnavailable, SuiteMismatch, run_suite
+    from branchwise.evals.harness import ROWS_FILE, EndpointsUnavailable, SuiteMismatch, read_rows, run_suite
     from branchwise.evals.suite import SuiteError, load_suite
 
     try:
@@ -61,6 +61,19 @@ def eval_command(
             endpoints=endpoint or (),
             workers_per_endpoint=endpoint_workers,
         )
+    except KeyboardInterrupt:
+        # Why not let it propagate: a traceback (or, under typer, nothing at all) leaves the user
+        # wondering whether hours of rows are lost. They are not: every row was made durable as it
+        # was scored, so say how many and how to go on.
+        try:
+            kept = f"{len(read_rows(out))} rows kept"
+        except (OSError, ValueError):
+            kept = "the rows written so far are kept"
+        console.print(
+            f"[yellow]interrupted: {kept} in {out / ROWS_FILE}; run the same command again to resume "
+            "(rows already there are skipped).[/yellow]"
+        )
+        raise typer.Exit(130) from None  # 128 + SIGINT, what a shell reports for Ctrl-C
     except EndpointsUnavailable as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from err

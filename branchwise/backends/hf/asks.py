@@ -65,13 +65,15 @@ class ASKS(Acceleration):
         probes: list[Segment] = []
         refs: dict[tuple[int, int], Segment] = {}
         for i, k, m in divergent:
-            base = host.prefix_node(root, k) if k else None
+            # the exact common prefix, or less where it ends inside lossy KV (both sides then compute
+            # the same tokens from j on, so the gate still compares states over one exact prefix)
+            base, j = host.prefix_node(root, k) if k else (None, 0)
             probes.append(
-                host.tree.add(base, base is not None, list(prompts[i][k : len(prompts[i]) - m]), host.ledger)
+                host.tree.add(base, base is not None, list(prompts[i][j : len(prompts[i]) - m]), host.ledger)
             )
             if (k, m) not in refs:
                 refs[(k, m)] = host.tree.add(
-                    base, base is not None, list(path[k : len(path) - m]), host.ledger
+                    base, base is not None, list(path[j : len(path) - m]), host.ledger
                 )
         capture = HiddenCapture()
         host.compute(probes + list(refs.values()), [capture])

@@ -105,8 +105,9 @@ class Host(Protocol):
         """Compute the pending tokens of `segs` (and their ancestors), watched by `observers`."""
         ...
 
-    def prefix_node(self, root: Segment, k: int) -> Segment:
-        """The segment whose KV chain ends at path position k of `root` (split if needed)."""
+    def prefix_node(self, root: Segment, k: int) -> tuple[Segment | None, int]:
+        """The segment whose KV chain ends at path position j <= k of `root` (split if needed), and j:
+        below k where k falls inside a lossy (evicted, block-shared) segment; (None, 0) for none."""
         ...
 
     def share_child(self, root: Segment, own: list[int], reused: int) -> int:

@@ -322,21 +322,29 @@ class Session:
         self.stats.tokens_reused += reused
         return child.id
 
-    def prefix_node(self, root: Segment, k: int) -> Segment:
-        """The segment whose KV chain ends at path position k of `root` (split if needed)."""
+    def prefix_node(self, root: Segment, k: int) -> tuple[Segment | None, int]:
+        """The segment whose KV chain ends at path position j <= k of `root`, and j (split if needed;
+        j < k where k falls inside a segment whose KV was evicted or block-shared: that part is not
+        exact and cannot be cut, so the caller computes `path[j:k]` itself; (None, 0): share nothing).
+
+        Counts the recomputed tokens as `lossy_prefix_recomputed_tokens`."""
         splits = overrides(self.plugins, "on_split")
 
         def on_split(head: Segment, rest: Segment, at: int) -> None:
             for plugin in splits:
                 plugin.on_split(head, rest, at)
 
-        return self.tree.prefix_node(root, k, on_split)
+        base, j = self.tree.shareable_prefix(root, k, on_split)
+        if j < k:
+            self.stats.bump("lossy_prefix_recomputed_tokens", k - j)
+        return base, j
 
     def _exact_child(self, root: Segment, k: int, prompt: list[int]) -> int:
-        """A child sharing the first k tokens of root's path (k = 0: nothing shared)."""
-        if k == 0:
+        """A child sharing the first k tokens of root's path, or fewer where they end inside a lossy
+        segment (k = 0: nothing shared)."""
+        base, k = self.prefix_node(root, k) if k else (None, 0)
+        if base is None:
             return self.tree.add(root, False, list(prompt), self.ledger).id
-        base = self.prefix_node(root, k)
         child = self.tree.add(base, True, list(prompt[k:]), self.ledger)
         self.stats.tokens_reused += k
         self.tree.adopt(root, child)

@@ -36,7 +36,8 @@ Shared blocks (ReasonCache's zero-copy reuse) are the other way two nodes hold o
 (`Segment.blocks`, each entry the logical start of the block in the node's own tokens). A block
 carries a reference count; it is freed exactly when the last node referencing it is freed. Its
 bytes count once, in the ledger of the run that sealed it. A node with blocks holds fewer physical
-KV tokens than it computed (like an eviction), so it is neither cached nor split.
+KV tokens than it computed (like an eviction), so it is neither cached nor split: a fork that shares
+a prefix ending inside such a lossy node shares only up to the node's start (`shareable_prefix`).
 """
 
 from __future__ import annotations
@@ -240,6 +241,32 @@ class KVTree:
                     on_split(head, seg, k - start)
                 return head
             start = end
+        raise ValueError(f"position {k} is beyond the path of node {root.id}")
+
+    def shareable_prefix(
+        self, root: Segment, k: int, on_split: Callable[[Segment, Segment, int], None] | None = None
+    ) -> tuple[Segment | None, int]:
+        """The deepest segment of `root`'s KV chain that a fork may share up to path position k, and
+        where its chain ends (at most k); (None, 0) when nothing can be shared.
+
+        Like `prefix_node`, but a position inside a *lossy* segment (evicted slots, or shared blocks)
+        is not split: its physical slots no longer map to its logical tokens, so its first tokens'
+        KV cannot be cut out, and reusing a guess as exact KV would be silently wrong. The answer
+        stops at that segment's start instead, and the caller computes the tokens from there on. A
+        position at a lossy segment's end shares it whole, as `fork` does.
+        """
+        chain = list(reversed([root, *root.kv_ancestors()]))
+        start = 0
+        prev: Segment | None = None
+        for seg in chain:
+            end = start + len(seg.tokens)
+            if k == end:
+                return seg, k
+            if start < k < end:
+                if not splittable(seg):
+                    return prev, start
+                return self.prefix_node(root, k, on_split), k
+            prev, start = seg, end
         raise ValueError(f"position {k} is beyond the path of node {root.id}")
 
     def release(self, node: int) -> list[Segment]:
@@ -463,8 +490,11 @@ class KVTree:
         """Move seg's first k tokens (and their KV) into a new parent segment; returns the parent."""
         if seg.n_computed < k:
             raise RuntimeError("cannot split a segment inside its uncomputed tokens")
-        if seg.kv_tokens != seg.n_computed or seg.blocks:
-            raise RuntimeError("cannot split a segment whose KV was partly evicted or shared by blocks")
+        if not splittable(seg):
+            raise RuntimeError(
+                "cannot split a segment whose KV was partly evicted or shared by blocks "
+                "(use shareable_prefix, which stops before it)"
+            )
         assert seg.keys is not None and seg.values is not None
         head = self.add(seg.parent, seg.shares_parent, seg.tokens[:k], seg.owner)
         if seg.parent is not None:
@@ -485,6 +515,12 @@ class KVTree:
         seg.tokens, seg.n_computed = seg.tokens[k:], seg.n_computed - k
         seg.parent, seg.shares_parent = head, True
         return head
+
+
+def splittable(seg: Segment) -> bool:
+    """Whether a segment's own KV is still one slot per computed token (nothing evicted, no shared
+    blocks), so it can be cut at any computed position."""
+    return seg.kv_tokens == seg.n_computed and not seg.blocks
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -45,7 +45,7 @@ from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
 from branchwise.backends.hf.prepack import Prepacked
 from branchwise.backends.hf.prepack import prepack as pack_weights
-from branchwise.backends.hf.session import SHARE_MODES, Engine, Session, check_share
+from branchwise.backends.hf.session import SHARE_MODES, Engine, Session, check_broadcast, check_share
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)
@@ -317,8 +317,7 @@ class HFBackend:
 
     @broadcast.setter
     def broadcast(self, value: Broadcast) -> None:
-        if value not in ("cascade", "copy"):
-            raise ValueError(f"broadcast={value!r} is not one of 'cascade', 'copy'")
+        check_broadcast(value, self._default.plugins)  # e.g. RSBCM needs 'cascade'
         self.engine.broadcast = value
 
     def acceleration(self, kind: type[A]) -> A | None:

@@ -133,6 +133,11 @@ class Acceleration:
     """Base class of an acceleration plug-in: override the hooks you need (see the module docstring)."""
 
     name: str = "acceleration"
+    """The plug-in's field of `Accel` (errors and notes name it as `accel.<name>`)."""
+    needs_cascade: bool = False
+    """Whether the plug-in needs `broadcast="cascade"`: it reads attention per shared segment, which
+    the per-row copies of `broadcast="copy"` do not have. Checked when a session is built
+    (`session.check_broadcast`), so the combination fails at construction, not mid-run."""
 
     # -- fork time
     def row_kv_tokens(self, max_tokens: int) -> int:

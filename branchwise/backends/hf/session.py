@@ -70,6 +70,24 @@ def check_share(share: str) -> ShareMode:
     return cast(ShareMode, share)
 
 
+BROADCASTS: tuple[Broadcast, ...] = ("cascade", "copy")
+
+
+def check_broadcast(broadcast: str, plugins: Sequence[Acceleration]) -> None:
+    """Refuse a broadcast mode the run's accelerations cannot work with, naming both fields, when a
+    session is built or the backend's mode changes (rather than at the first batch, mid-run)."""
+    if broadcast not in BROADCASTS:
+        raise ValueError(f"broadcast={broadcast!r} is not one of {BROADCASTS}")
+    needs = [p.name for p in plugins if p.needs_cascade]
+    if needs and broadcast != "cascade":
+        fields = ", ".join(f"accel.{n}" for n in needs)
+        raise ValueError(
+            f"{fields} cannot run with broadcast={broadcast!r}: of the broadcast modes {BROADCASTS} it "
+            "allows only 'cascade' (it reads attention per shared segment, which per-row copies do "
+            f"not have); use broadcast='cascade' or turn {fields} off"
+        )
+
+
 @dataclass
 class Engine:
     """What every session of one backend shares: the model, the KV tree, the runner, the lock and
@@ -174,6 +192,7 @@ class Session:
             self.plugins: list[Acceleration] = build_plugins(
                 accel, self, tokenizer=engine.tokenizer, model_name=engine.model_name, builds=engine.builds
             )
+        check_broadcast(engine.broadcast, self.plugins)
         self.exact_kv = not self.plugins
         """Whether this run's KV is what exact recompute gives. Conservative: any acceleration may
         approximate or evict KV (River, SkipKV, RSBCM, ASKS), so a run with one neither inserts its

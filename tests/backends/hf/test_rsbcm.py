@@ -95,3 +95,22 @@ def test_positions_after_eviction_match_masked_reference(tiny_llama_dir, masked_
     ref = masked_reference(backend, path + suffix, len(path) - 1, evicted, list(range(8)))
     torch.testing.assert_close(torch.tensor(got), ref, atol=1e-5, rtol=1e-4)
     backend.release([root, kid])
+
+
+def test_copy_broadcast_is_refused_at_construction(tiny_llama_dir) -> None:
+    """RSBCM keeps block masses per shared segment, which broadcast='copy' does not have: every way of
+    combining the two fails when the backend or session is built, naming both fields, not mid-run."""
+    on = Accel(rsbcm=RSBCMConfig())
+    match = r"accel\.rsbcm cannot run with broadcast='copy'.*\('cascade', 'copy'\).*only 'cascade'"
+    with pytest.raises(ValueError, match=match):
+        HFBackend(tiny_llama_dir, broadcast="copy", accel=on)
+    backend = HFBackend(tiny_llama_dir, broadcast="copy")
+    with pytest.raises(ValueError, match=match):
+        backend.session(accel=on)
+    with pytest.raises(ValueError, match=match):
+        backend.accel = on
+    backend.broadcast = "cascade"
+    backend.accel = on
+    with pytest.raises(ValueError, match=match):
+        backend.broadcast = "copy"
+    assert backend.broadcast == "cascade"

@@ -8,6 +8,7 @@ field left `None` means "off".
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -16,12 +17,31 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        """What a run's result should say about this acceleration, given the run's statistics
+        (`kv_stats`, extras included): chiefly that it was on but never acted, so a result never
+        implies a speed-up it did not get. The wording lives here, beside the settings it names,
+        and each plug-in's counters feed it; `Accel.notes` collects them."""
+        return []
+
 
 class ASKSConfig(_Config):
     """RKSC §2.2: share the root KV with branches whose hidden states stay close to the root's (Eq. 2)."""
 
     tau: float = Field(0.82, ge=0.0, le=1.0, description="similarity threshold τ")
     alpha: float = Field(1.5, ge=0.0, le=10.0, description="layer-weight exponent α_w")
+
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        rejected, reused = stats.get("asks_rejected", 0), stats.get("asks_reused", 0)
+        if reused:
+            return []
+        if not rejected:
+            return ["asks: no fork met a differently phrased prompt; the gate never ran"]
+        mean = stats.get("asks_sigma_sum", 0.0) / rejected
+        return [
+            f"asks: the gate rejected all {rejected:g} differently phrased prompt(s) (mean similarity "
+            f"{mean:.3f} < tau {self.tau}); each computed its own KV"
+        ]
 
 
 class ProbeConfig(_Config):
@@ -32,6 +52,14 @@ class ProbeConfig(_Config):
     override: Literal["auto", "share", "recompute"] = Field(
         "auto", description="'share'/'recompute' skip the timing (tests, users who know their regime)"
     )
+
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        if not stats.get("probe_recompute"):
+            return []
+        return [
+            f"probe: {int(stats['probe_recompute'])} fork(s) recomputed the prefix instead of sharing it "
+            "(timed faster on this machine)"
+        ]
 
 
 class CGEEConfig(_Config):
@@ -87,6 +115,24 @@ class CGEEConfig(_Config):
     r_dec: float = Field(0.10, ge=0.0, le=1.0)
     decode_gate_min_tokens: int = Field(4, ge=1, le=100000)
 
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        out = []
+        checks, rows = stats.get("cgee_skip_checks", 0), stats.get("verify_rows", 0)
+        if self.level1 and checks and not stats.get("cgee_verify_skips"):
+            out.append(
+                f"cgee: level 1 skipped none of {checks:g} verify pass(es) (the branches' confidence was "
+                "never decisive); every one ran"
+            )
+        if self.level2 and rows and not stats.get("verify_exits"):
+            out.append(f"cgee: level 2 let none of {rows:g} verify row(s) exit early; each ran every layer")
+        if self.decode_gate and not stats.get("decode_gate_stops"):
+            out.append(
+                "cgee: the decode gate never found one branch decisively confident; no decode stopped early"
+            )
+        if (self.level1 or self.level2) and not checks and not rows:
+            out.append("cgee: the run had no verify pass to skip or shorten")
+        return out
+
     @classmethod
     def lossless(cls, **kwargs: object) -> CGEEConfig:
         """Level 2 alone: the verify pass always runs; only its depth adapts."""
@@ -101,6 +147,14 @@ class RSBCMConfig(_Config):
     pin_prompt: bool = Field(
         True, description="never evict depth-0 segments (the prompt every branch shares)"
     )
+
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        if stats.get("rsbcm_evictions"):
+            return []
+        return [
+            f"rsbcm: the run never held more than {self.capacity_blocks} evictable blocks of "
+            f"{self.block_tokens} tokens after a decode; nothing was evicted"
+        ]
 
 
 class RiverConfig(_Config):
@@ -176,6 +230,14 @@ class RiverConfig(_Config):
         False, description="also run the backbone for exited tokens to report next-token match and KL (slow)"
     )
 
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        if not stats.get("river_forwards") or stats.get("river_exits"):
+            return []
+        return [
+            f"river: no forward passed threshold {self.threshold} after layer {self.entry_layer}; "
+            "every token ran the whole backbone"
+        ]
+
 
 class SteeringConfig(_Config):
     """SkipKV §4.2: add α_t·v at layer k's residual input at delimiter tokens, α_t = α0 + γ·N_nonexec."""
@@ -231,6 +293,14 @@ class SkipKVConfig(_Config):
             budget=budget, window=budget, sigma=1.0, redundancy=False, sentence_scoring=False, **kwargs
         )  # type: ignore[arg-type]
 
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        if stats.get("skipkv_compressions"):
+            return []
+        return [
+            f"skipkv: no branch held more than {self.budget} generated tokens at a compression step "
+            f"(every {self.interval}); nothing was evicted"
+        ]
+
     @property
     def recency_only(self) -> bool:
         """Whether the window fills the budget, so no token is ever chosen by its score."""
@@ -268,6 +338,16 @@ class ReasonCacheConfig(_Config):
     )
     random_rate: float = Field(0.2, ge=0.0, le=1.0, description="share probability of mode='random'")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="random generator seed of mode='random'")
+
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        if stats.get("reasoncache_blocks_reused"):
+            return []
+        return [
+            f"reasoncache: no block was shared ({stats.get('reasoncache_blocks_sealed', 0):g} sealed, "
+            f"{stats.get('reasoncache_stage1_blocks', 0):g} with a similar earlier step, "
+            f"{stats.get('reasoncache_stage2_blocks', 0):g} within the distance threshold after "
+            f"{self.warmup_blocks} warm-up blocks); every branch held its own KV"
+        ]
 
     @model_validator(mode="after")
     def _check(self) -> ReasonCacheConfig:
@@ -316,6 +396,15 @@ class Accel(_Config):
                     f"accel.{a} and accel.{b} cannot be combined: they {why}; enable one of them"
                 )
         return self
+
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        """Every enabled acceleration's notes on a run with these statistics (see `_Config.notes`)."""
+        out: list[str] = []
+        for name in type(self).model_fields:
+            cfg = getattr(self, name)
+            if cfg is not None:
+                out += cfg.notes(stats)
+        return out
 
     @classmethod
     def rksc(cls) -> Accel:

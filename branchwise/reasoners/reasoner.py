@@ -562,37 +562,9 @@ class Reasoner:
 
 
 def _accel_notes(accel: Accel | None, stats: dict[str, float]) -> list[str]:
-    """Say when an acceleration was on but never acted, so a result never implies a speed-up it lacks."""
-    notes = []
-    if (
-        accel is not None
-        and accel.river is not None
-        and stats.get("river_forwards")
-        and not stats.get("river_exits")
-    ):
-        notes.append(
-            f"river: no forward passed threshold {accel.river.threshold} after layer {accel.river.entry_layer}; "
-            "every token ran the whole backbone"
-        )
-    if accel is not None and accel.probe is not None and stats.get("probe_recompute"):
-        notes.append(
-            f"probe: {int(stats['probe_recompute'])} fork(s) recomputed the prefix instead of sharing it "
-            "(timed faster on this machine)"
-        )
-    if accel is not None and accel.skipkv is not None and not stats.get("skipkv_compressions"):
-        notes.append(
-            f"skipkv: no branch held more than {accel.skipkv.budget} generated tokens at a compression step "
-            f"(every {accel.skipkv.interval}); nothing was evicted"
-        )
-    if accel is not None and accel.reasoncache is not None and not stats.get("reasoncache_blocks_reused"):
-        rc = accel.reasoncache
-        notes.append(
-            f"reasoncache: no block was shared ({stats.get('reasoncache_blocks_sealed', 0):g} sealed, "
-            f"{stats.get('reasoncache_stage1_blocks', 0):g} with a similar earlier step, "
-            f"{stats.get('reasoncache_stage2_blocks', 0):g} within the distance threshold after "
-            f"{rc.warmup_blocks} warm-up blocks); every branch held its own KV"
-        )
-    return notes
+    """Say when an acceleration was on but never acted, so a result never implies a speed-up it lacks
+    (each config's `notes` holds its wording)."""
+    return [] if accel is None else accel.notes(stats)
 
 
 BATCH_ROWS = 64

@@ -276,7 +276,10 @@ class Thresholds:
 
 
 class CGEE(Acceleration):
-    """Level 1 (`skip_verify`), the decode gate (`stop_reason`) and level 2 (`verify_observer`)."""
+    """Level 1 (`skip_verify`), the decode gate (`stop_reason`) and level 2 (`verify_observer`).
+
+    Statistics: `cgee_skip_checks` / `cgee_verify_skips` (level 1 asked / skipped the verify pass),
+    `verify_rows` / `verify_exits` (level 2), `decode_gate_stops`."""
 
     name = "cgee"
 
@@ -288,8 +291,15 @@ class CGEE(Acceleration):
 
     def skip_verify(self, confidences: Sequence[float]) -> bool:
         """RKSC Eq. 4 with this model's thresholds; False when level 1 is off."""
+        if not self.cfg.level1:
+            return False
         t = self.thresholds
-        return self.cfg.level1 and verify_skip(confidences, t.tau_conf, t.r_gap)
+        skip = verify_skip(confidences, t.tau_conf, t.r_gap)
+        # counted so a run whose level 1 never skipped says so (`CGEEConfig.notes`)
+        self.stats.bump("cgee_skip_checks")
+        if skip:
+            self.stats.bump("cgee_verify_skips")
+        return skip
 
     def stop_reason(self, rows: Sequence[Row], step: int) -> FinishReason | None:
         """App. I.1 decode-level gate: one branch's running confidence is decisive (θ_dec, r_dec)."""

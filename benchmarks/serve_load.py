@@ -84,9 +84,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = """
 import sys
 import branchwise.cli as cli
+import branchwise.cli_backend as cli_backend
 
 budget, chunk = sys.argv[1], int(sys.argv[2])
-load = cli._load_backend
+load = cli_backend.load_backend
 
 
 def load_with_options(*args, **kwargs):
@@ -98,7 +99,7 @@ def load_with_options(*args, **kwargs):
     return backend
 
 
-cli._load_backend = load_with_options
+cli_backend.load_backend = load_with_options
 cli.app(args=sys.argv[3:], prog_name="branchwise")
 """
 """`branchwise serve` with the backend's ``kv_budget`` / ``prefill_chunk`` set: for a `branchwise`

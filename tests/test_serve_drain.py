@@ -27,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 
 from typer.testing import CliRunner  # noqa: E402
 
-import branchwise.cli  # noqa: E402
+import branchwise.cli_backend  # noqa: E402
 from branchwise.cli import app  # noqa: E402
 
 MSGS = [{"role": "user", "content": "What is 12 + 7?"}]
@@ -124,7 +124,7 @@ def no_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_: Any, **__: Any) -> Any:
         raise AssertionError("the model was loaded before the command line was checked")
 
-    monkeypatch.setattr(branchwise.cli, "_load_backend", refuse)
+    monkeypatch.setattr(branchwise.cli_backend, "load_backend", refuse)
 
 
 def test_a_busy_port_fails_before_the_model_loads(no_load: None, tiny_llama_dir: Path) -> None:
@@ -160,7 +160,7 @@ class _Budgeted:
 
 
 def test_a_bad_kv_budget_names_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(branchwise.cli, "_load_backend", lambda *_: _Budgeted())
+    monkeypatch.setattr(branchwise.cli_backend, "load_backend", lambda *_: _Budgeted())
     result = CliRunner().invoke(app, ["serve", "--port", "0", "--kv-budget", "lots"])
     assert result.exit_code == 2 and "--kv-budget" in result.output and "'lots'" in result.output
 
@@ -171,7 +171,7 @@ def test_a_public_address_without_a_key_warns(monkeypatch: pytest.MonkeyPatch) -
     def stop(*_: Any) -> Any:
         raise typer.Exit(3)
 
-    monkeypatch.setattr(branchwise.cli, "_load_backend", stop)
+    monkeypatch.setattr(branchwise.cli_backend, "load_backend", stop)
     monkeypatch.delenv("BRANCHWISE_API_KEY", raising=False)
     result = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0", "--port", "0"])
     assert result.exit_code == 3 and "without an API key" in result.output

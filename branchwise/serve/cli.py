@@ -125,7 +125,7 @@ def serve_command(
         raise typer.BadParameter(
             f"serving needs the serve extra: pip install 'branchwise[serve]' ({err})", param_hint="serve"
         ) from None
-    from branchwise.cli import _load_backend
+    from branchwise import cli_backend
 
     if share not in ("exact", "none"):
         raise typer.BadParameter(f"{share!r} is not one of 'exact', 'none'", param_hint="--share")
@@ -143,7 +143,7 @@ def serve_command(
                 "the model (set --api-key or BRANCHWISE_API_KEY)",
                 err=True,
             )
-        backend = _load_backend(model, device, dtype)
+        backend = cli_backend.load_backend(model, device, dtype)
         if kv_budget is not None and kv_budget != "auto":
             _set_kv_budget(backend, kv_budget)
         if hasattr(backend, "prefill_chunk"):

@@ -49,6 +49,13 @@ class ProbeConfig(_Config):
 
     bucket_tokens: int = Field(64, ge=1, le=65536)
     repeats: int = Field(3, ge=1, le=20, description="timings per path; the minimum is used")
+    suffix_tokens: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="the suffix s each timed branch computes after the prefix (the paper's s = 16): "
+        "sharing pays per suffix token read over the prefix, so a 1-token suffix understates its cost",
+    )
     override: Literal["auto", "share", "recompute"] = Field(
         "auto", description="'share'/'recompute' skip the timing (tests, users who know their regime)"
     )

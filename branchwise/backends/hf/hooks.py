@@ -101,6 +101,11 @@ class Host(Protocol):
     stats: KVStats
     ledger: Ledger
 
+    @property
+    def max_context(self) -> int | None:
+        """The model's context window in tokens (None: unknown)."""
+        ...
+
     def compute(self, segs: Sequence[Segment], observers: Sequence[Acceleration] = ()) -> None:
         """Compute the pending tokens of `segs` (and their ancestors), watched by `observers`."""
         ...

@@ -99,7 +99,8 @@ def build_plugins(
     if accel.probe is not None:
         cfg = accel.probe
         probe, _, _ = builds.get(
-            ("probe", cfg.bucket_tokens, cfg.repeats), lambda: KVProbe(cfg.bucket_tokens, cfg.repeats)
+            ("probe", cfg.bucket_tokens, cfg.repeats, cfg.suffix_tokens),
+            lambda: KVProbe(cfg.bucket_tokens, cfg.repeats, cfg.suffix_tokens),
         )
         out.append(Probe(cfg, probe))
     if accel.asks is not None:

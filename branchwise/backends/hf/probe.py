@@ -6,7 +6,9 @@ The probe times (i) a batched full recompute of prefix + suffix for n branches a
 prefix forward plus (iii) a batched suffix forward of the n branches over the shared prefix (the
 prefix already computed, outside the timed region: the prefix is counted exactly once), each the
 minimum of `repeats` runs, per `bucket_tokens` prefix-length bucket and branch count, and caches
-the verdict. It is separate from ASKS: it gates any exact fork, whether or not ASKS is on.
+the verdict. The suffix is `suffix_tokens` long (the paper's s = 16): what sharing costs is the
+extra read of the prefix by every suffix token, so a 1-token suffix would time a cheaper share
+than any branch that then prefills its own text or decodes pays. It is separate from ASKS: it gates any exact fork, whether or not ASKS is on.
 
 The probe only asks about prefixes not yet computed. A parent with computed KV (a decoded leaf, a
 prompt already prefilled: every verify row of `score_next`, every tree child) is a sunk cost:
@@ -35,9 +37,13 @@ class KVProbe:
     """Cached per-bucket verdicts of whether prefix sharing beats recompute on this machine."""
 
     def __init__(
-        self, bucket_tokens: int = 64, repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+        self,
+        bucket_tokens: int = 64,
+        repeats: int = 3,
+        suffix_tokens: int = 16,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.bucket_tokens, self.repeats = bucket_tokens, repeats
+        self.bucket_tokens, self.repeats, self.suffix_tokens = bucket_tokens, repeats, suffix_tokens
         self.clock = clock  # injectable, so the decision logic is testable without wall-clock noise
         self.verdicts: dict[tuple[int, int], bool] = {}
         self.timings: dict[tuple[int, int], dict[str, float]] = {}
@@ -104,7 +110,10 @@ class Probe(Acceleration):
     def _time(self, host: Host, path: list[int], n: int) -> None:
         """Time the three paths in a plain session and cache the verdict."""
         plain = host.plain()
-        suffix = path[-1:]
+        s = self.probe.suffix_tokens
+        if host.max_context is not None:  # a prompt near the context end: time the suffix that fits
+            s = max(1, min(s, host.max_context - len(path)))
+        suffix = (path * (s // len(path) + 1))[-s:]  # any tokens: only the amount of work matters
         ready: list[Segment] = []  # a computed prefix the suffix timing forks from
 
         def recompute() -> None:

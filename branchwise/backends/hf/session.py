@@ -207,6 +207,11 @@ class Session:
         """A session over the same tree without accelerations and with its own throwaway stats."""
         return Session(self.engine, self.share, Accel())
 
+    @property
+    def max_context(self) -> int | None:
+        """The model's context window in tokens (None where its config does not say)."""
+        return self.engine.max_context
+
     # ------------------------------------------------------------------ the KV budget (`pool.py`)
     @property
     def kv_budget(self) -> int | None:

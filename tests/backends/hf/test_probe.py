@@ -50,22 +50,25 @@ def _token_clock(backend: HFBackend) -> list[int]:
     return fed
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_probe_counts_the_prefix_once(tiny_llama_dir, n: int) -> None:
-    """Timed in tokens: prefix P once + n suffix tokens vs n·(P + 1) recomputed -> sharing wins.
-    Counting the prefix twice (2P + n vs n(P + 1)) would make n=2 recompute."""
+@pytest.mark.parametrize(("n", "s"), [(2, 16), (4, 16), (2, 1)])
+def test_probe_counts_the_prefix_once(tiny_llama_dir, n: int, s: int) -> None:
+    """Timed in tokens: prefix P once + n suffixes of s tokens (the paper's s = 16 by default) vs
+    n·(P + s) recomputed -> sharing wins. Counting the prefix twice (2P + n·s vs n(P + s)) would make
+    n=2 recompute."""
     backend = HFBackend(tiny_llama_dir)
     fed = _token_clock(backend)
-    session = backend.session(share="exact", accel=Accel(probe=ProbeConfig(repeats=1)))
+    cfg = ProbeConfig(repeats=1) if s == 16 else ProbeConfig(repeats=1, suffix_tokens=s)
+    assert cfg.suffix_tokens == s
+    session = backend.session(share="exact", accel=Accel(probe=cfg))
     plugin = session.plugin(Probe)
-    assert plugin is not None
-    plugin.probe = KVProbe(repeats=1, clock=lambda: float(fed[0]))
+    assert plugin is not None and plugin.probe.suffix_tokens == s  # the build follows the config
+    plugin.probe = KVProbe(repeats=1, suffix_tokens=s, clock=lambda: float(fed[0]))
     prompt = backend.encode(CONTEXT)
     root = session.prefill(prompt)
     kids = session.fork(root, n)
     p = len(prompt)
     key = plugin.probe.key(p, n)
-    assert plugin.probe.timings[key] == {"recompute": n * (p + 1), "prefix": p, "suffix": n}
+    assert plugin.probe.timings[key] == {"recompute": n * (p + s), "prefix": p, "suffix": n * s}
     assert plugin.probe.verdicts[key] is True
     stats = session.kv_stats()
     assert stats.extra["probe_share"] == 1 and stats.tokens_reused == n * p

@@ -238,12 +238,20 @@ class RiverConfig(_Config):
     )
 
     def notes(self, stats: Mapping[str, float]) -> list[str]:
-        if not stats.get("river_forwards") or stats.get("river_exits"):
-            return []
-        return [
-            f"river: no forward passed threshold {self.threshold} after layer {self.entry_layer}; "
-            "every token ran the whole backbone"
-        ]
+        out = []
+        if stats.get("river_forwards") and not stats.get("river_exits"):
+            out.append(
+                f"river: no forward passed threshold {self.threshold} after layer {self.entry_layer}; "
+                "every token ran the whole backbone"
+            )
+        if stats.get("river_dequantize_exits"):
+            out.append(
+                f"river: {stats['river_dequantize_exits']:g} exited forward(s) ran the river's weight-only "
+                "layers by dequantizing each weight per call, with no fused kernel (on CUDA: install "
+                "torchao, pip install 'branchwise[gpu]'; on CPU: layer shapes or a dtype torch's "
+                "int4/int8 kernels do not take); memory was saved, time was not"
+            )
+        return out
 
 
 class SteeringConfig(_Config):

@@ -133,7 +133,8 @@ class RiverPath:
         if self.execution == "dequantize" and self.device.type == "cuda":
             warnings.warn(
                 "river on CUDA without torchao: weight-only layers dequantize on every call (memory "
-                "saved, no speed-up); pip install torchao for its fused int4/int8 kernels",
+                "saved, no speed-up); pip install 'branchwise[gpu]' (torchao) for its fused int4/int8 "
+                "kernels",
                 stacklevel=2,
             )
 
@@ -167,7 +168,10 @@ class River(Acceleration):
     rest of the forward runs on the river. Decode forwards always; prefill forwards when
     `cfg.prefill`. Statistics per forward: `river_forwards`, `river_tokens`, `river_backbone_layers`
     (and their `river_decode_*` counterparts), `river_exits`, `river_exit_tokens`, and with `audit`
-    `river_audit_rows`, `river_audit_matches`, `river_audit_kl_sum`.
+    `river_audit_rows`, `river_audit_matches`, `river_audit_kl_sum`. `river_dequantize_exits` counts
+    exits onto a river without fused kernels (`RiverPath.execution == "dequantize"`: each weight is
+    dequantized per call, so the exit saves memory but not time), which the result's notes report
+    (`RiverConfig.notes`) instead of only a warning at build time.
     """
 
     name = "river"
@@ -179,6 +183,7 @@ class River(Acceleration):
         self._active = False
         self._exited_at: int | None = None  # the backbone layer after which the batch left
         self._audit: Tensor | None = None  # the backbone's own logits for exited tokens
+        self._dequantize = path.execution == "dequantize"  # fixed once the river is built
 
     def begin_forward(self, fwd: Forward) -> None:
         self._active = fwd.decode_step or self.cfg.prefill
@@ -231,6 +236,8 @@ class River(Acceleration):
         if exited_at is not None:
             bump("river_exits")
             bump("river_exit_tokens", n_tokens)
+            if self._dequantize:
+                bump("river_dequantize_exits")
         if audit is not None and logits is not None:
             match, kl = exit_fidelity(audit, logits)
             bump("river_audit_rows", match.numel())

@@ -157,3 +157,30 @@ def test_bad_entry_layer_names_the_field(tiny_llama_dir) -> None:
     backend = HFBackend(tiny_llama_dir)
     with pytest.raises(ValueError, match="entry_layer"):
         backend.accel = Accel(river=RiverConfig(entry_layer=2))  # 3 layers: entry must be 0..1
+
+
+def test_dequantize_per_call_fallback_is_a_note(tiny_llama_dir, monkeypatch) -> None:
+    """Where no fused kernel takes the river's layers (CUDA without torchao, or CPU shapes the int8
+    kernel refuses: forced here on the tiny model), exits dequantize every weight per call; the
+    result says so in its notes, not only in a warning at build time."""
+    from branchwise.backends.hf import river_quant
+    from branchwise.strategies import self_consistency
+
+    backend = HFBackend(tiny_llama_dir)
+    strategy = self_consistency(n=2, max_tokens=4, seed=0)
+    accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=0))
+    fused = Reasoner(strategy, backend=backend, accel=accel).run("1 + 2?")
+    assert fused.kv_stats["river_exits"] > 0 and "river_dequantize_exits" not in fused.kv_stats
+    assert not any(note.startswith("river") for note in fused.notes)
+    monkeypatch.setattr(river_quant, "int8_cpu_kernel_ok", lambda *args: False)
+    backend = HFBackend(tiny_llama_dir)  # a fresh build cache: the river is built unfused
+    result = Reasoner(strategy, backend=backend, accel=accel).run("1 + 2?")
+    path = backend.session(accel=accel).plugin(River)
+    assert path is not None and path.path.execution == "dequantize"
+    exits = result.kv_stats["river_exits"]
+    assert exits > 0 and result.kv_stats["river_dequantize_exits"] == exits
+    (note,) = [n for n in result.notes if n.startswith("river")]
+    assert note.startswith(
+        f"river: {exits:g} exited forward(s) ran the river's weight-only layers by dequantizing"
+    )
+    assert "branchwise[gpu]" in note

@@ -77,7 +77,7 @@ NOT_RUN: dict[str, str] = {"docs/SERVING.md": "client snippets of a running serv
 # Every document's snippet count (a new snippet fails the fast test until
 # it is counted here, which is when someone looks at whether it runs). README.md and
 # INTEGRATIONS.md run all of theirs.
-COUNTS = {"README.md": 6, "docs/INTEGRATIONS.md": 10, "docs/SERVING.md": 6, "docs/ARCHITECTURE.md": 0}
+COUNTS = {"README.md": 6, "docs/INTEGRATIONS.md": 10, "docs/SERVING.md": 7, "docs/ARCHITECTURE.md": 0}
 
 
 def test_every_snippet_is_accounted_for() -> None:

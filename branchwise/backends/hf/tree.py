@@ -20,7 +20,8 @@ nodes left in it. With a byte budget (`KVTree.cache_budget` > 0):
   moves from the run's ledger to the tree's `cache` ledger: the run's `held` and the tree's `total`
   (live KV) drop by the node's bytes and `cache.held` rises by them; `total + cache` is all the KV
   the tree holds. A kept node is indexed under its parent (`Segment.cache_kids`) or, as a root, in
-  `KVTree.cache_roots` - that index is the radix tree, keyed by token ids.
+  `KVTree.cache_roots` - that index is the radix tree: each level is keyed by segment id, and a
+  match scans a node's cached children by their tokens (siblings may start with the same tokens).
 - **Match.** `match(ids)` walks the index for the longest cached prefix of `ids` (at most
   `len(ids) - 1` tokens, so the new node always computes at least its last token and has logits),
   splitting a cached node when the match ends inside it. The new request's node becomes a live child

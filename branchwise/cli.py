@@ -151,13 +151,14 @@ def _load_backend(model: str | None, device: str = "auto", dtype: str = "auto") 
             ) from None
 
 
-def _remote_backend(endpoint: str, model: str | None, accel: Accel) -> Backend:
-    """Connect to a server; an unreachable one or an acceleration it cannot run names ``--endpoint``."""
+def _remote_backend(endpoints: list[str], model: str | None, accel: Accel) -> Backend:
+    """Connect to the servers (several: each branch tree goes to one of them, for its prefix
+    cache); an unreachable one or an acceleration they cannot run names ``--endpoint``."""
     from branchwise.backends.remote import RemoteBackend, RemoteError, UnsupportedOnRemote
 
     try:
         RemoteBackend.check_accel(accel)
-        return RemoteBackend(endpoint, model=model)
+        return RemoteBackend(endpoints, model=model)
     except (RemoteError, UnsupportedOnRemote) as err:
         raise typer.BadParameter(str(err), param_hint="--endpoint") from None
 
@@ -196,9 +197,10 @@ def run(
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     endpoint: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
-            help="URL of an OpenAI-compatible server (vLLM, SGLang, branchwise serve) to run on; --model names its model."
+            help="URL of an OpenAI-compatible server (vLLM, SGLang, branchwise serve) to run on; --model "
+            "names its model. Repeatable: servers of one model, each question's branch tree on one of them."
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full results as JSON lines.")] = False,

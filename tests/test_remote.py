@@ -470,3 +470,113 @@ def test_constraints_in_vllms_structured_outputs_field() -> None:
     tools = [{"type": "function", "function": {"name": "add", "parameters": schema}}]
     tag = json.loads(_structured_outputs(Constraint.of_tools(tools, "required"))["structural_tag"])
     assert tag["type"] == "structural_tag" and "add" in json.dumps(tag)
+
+
+# --------------------------------------------------------------------------------------------------
+# Several endpoints: prefix affinity, the round-robin baseline, failover
+# --------------------------------------------------------------------------------------------------
+
+AFFINITY_QUESTIONS = [f"What is {i} + {i + 3}?" for i in range(6)]
+
+
+def _completions(proxy: FaultProxy) -> int:
+    return sum(s.startswith("/v1/completions") for s in proxy.seen)
+
+
+def _beam() -> Any:
+    from branchwise.strategies import beam_search
+
+    return beam_search(width=4, depth=2, max_step_tokens=4, temperature=0.8, seed=3, verifier="confidence")
+
+
+def test_affinity_sends_every_request_of_a_tree_to_one_endpoint(served: str) -> None:
+    """A step search sends many requests per question; all of one question's land on one server,
+    and the questions spread over both. The results are those of one server."""
+    single = RemoteBackend(served)
+    with FaultProxy(served, []) as a, FaultProxy(served, []) as b:
+        remote = RemoteBackend([a.url, b.url])
+        assert remote.endpoints == [a.url, b.url] and remote.base_url == a.url
+        used = set()
+        for question in AFFINITY_QUESTIONS:
+            before = (_completions(a), _completions(b))
+            result = Reasoner(_beam(), backend=remote).run(question)
+            sent = (_completions(a) - before[0], _completions(b) - before[1])
+            assert sum(sent) > 2 and 0 in sent, sent  # several requests, one endpoint
+            used.add(sent.index(0))
+            expected = Reasoner(_beam(), backend=single).run(question)
+            assert [x.text for x in result.branches] == [x.text for x in expected.branches]
+        assert used == {0, 1}  # the trees spread over both endpoints
+        # the route is a stable function of the root tokens: a new client picks the same endpoints
+        again = RemoteBackend([b.url, a.url])
+        for question in AFFINITY_QUESTIONS:
+            ids = remote.encode(question)
+            assert again.endpoint_for(again.prefill(ids)) == remote.endpoint_for(remote.prefill(ids))
+
+
+def test_without_affinity_requests_go_round_robin(served: str) -> None:
+    with FaultProxy(served, []) as a, FaultProxy(served, []) as b:
+        remote = RemoteBackend([a.url, b.url], affinity=False)
+        Reasoner(_beam(), backend=remote).run(AFFINITY_QUESTIONS[0])
+        assert _completions(a) > 0 and _completions(b) > 0
+        assert abs(_completions(a) - _completions(b)) <= 1
+        assert remote.endpoint_for(remote.prefill([1, 2])) is None
+
+
+def test_a_failing_endpoint_moves_its_tree_to_another(served: str) -> None:
+    """The tree's endpoint fails through every retry: the request goes to the other endpoint, and
+    so do the tree's later requests (no retries wasted on the failed one)."""
+    single = RemoteBackend(served)
+    ids = single.encode("The answer is")
+    with FaultProxy(served, ["500"] * 1000) as failing, FaultProxy(served, []) as healthy:
+        remote = _client([failing.url, healthy.url], max_attempts=2)
+        # a prompt whose tree ranks the failing endpoint first (the rank is a hash of the tokens)
+        prompt = next(
+            [*ids, *extra]
+            for extra in ([], *([k] for k in range(100, 200)))
+            if remote.endpoint_for(remote.prefill([*ids, *extra])) == failing.url
+        )
+        root = remote.prefill(prompt)
+        assert remote.endpoint_for(root) == failing.url
+        (gen,) = remote.extend(remote.fork(root, 1), DecodeParams(max_tokens=3))
+        single_root = single.prefill(prompt)
+        assert gen.token_ids == single.extend([single_root], DecodeParams(max_tokens=3))[0].token_ids
+        stats = remote.kv_stats().extra
+        assert stats["failovers"] == 1 and stats["retries"] == 1  # two attempts on the failing one
+        assert remote.endpoint_for(root) == healthy.url
+        tried = _completions(failing)
+        kids = remote.fork(root, 2)
+        remote.extend(kids, DecodeParams(max_tokens=2, temperature=0.5, seed=1))
+        assert _completions(failing) == tried and remote.kv_stats().extra["failovers"] == 1
+
+
+def test_every_endpoint_failing_raises_naming_each(served: str) -> None:
+    from branchwise.backends.remote import RemoteUnavailable
+
+    with FaultProxy(served, ["500"] * 1000) as a, FaultProxy(served, ["500"] * 1000) as b:
+        remote = _client([a.url, b.url], max_attempts=2)
+        with pytest.raises(RemoteUnavailable, match=r"every endpoint failed.*HTTP 500.*; .*HTTP 500") as err:
+            _ask(remote)
+        assert a.url in str(err.value) and b.url in str(err.value)
+
+
+def test_an_endpoint_down_at_start_is_passed_over(served: str) -> None:
+    with FaultProxy(served, []) as gone:
+        dead = gone.url
+    remote = _client([dead, served], max_attempts=2)
+    assert remote.model_name == "tiny"
+    assert _ask(remote) == _ask(RemoteBackend(served))
+    with pytest.raises(RemoteError, match="ConnectError"):
+        _client([dead], max_attempts=2)
+
+
+def test_cli_run_on_two_endpoints(served: str) -> None:
+    from typer.testing import CliRunner
+
+    from branchwise.cli import app
+
+    with FaultProxy(served, []) as a, FaultProxy(served, []) as b:
+        args = ["run", QUESTION, "--n", "2", "--max-tokens", "4", "--temperature", "0", "--json"]
+        result = CliRunner().invoke(app, [*args, "--endpoint", a.url, "--endpoint", b.url])
+        assert result.exit_code == 0, result.output
+        assert _completions(a) + _completions(b) >= 1
+        assert json.loads(result.output.strip().splitlines()[-1])["answer"] is not None

@@ -17,10 +17,25 @@ unchanged. The branch tree lives here, as token lists; the KV lives on the serve
   ``return_tokens_as_token_ids``; a server that offers neither has the text re-tokenized.
 * Tokenization uses a local tokenizer when one is given (``tokenizer=`` the served model's hub id
   or path), else the server's vLLM-style ``/tokenize`` and ``/detokenize``.
+* vLLM refuses ``n`` > 1 under greedy sampling (HTTP 400), so a greedy request to a server other
+  than branchwise asks for one continuation and copies it to the ``n`` nodes (greedy rows are
+  identical by definition, and the server computes the row once instead of ``n`` times).
+
+Several servers (``RemoteBackend([url_a, url_b])``): every request of one branch tree (the nodes
+forked from one `prefill`) goes to one endpoint, chosen by rendezvous hashing of the tree root's
+token ids over the endpoint URLs. Why: the tree's requests share the root's prompt and their
+common ancestors, which only that server's prefix cache holds; spreading them would make every
+server compute the prompt again. The choice is stable across processes and sessions (the same
+prompt lands on the same server from every client), and trees spread evenly over the endpoints.
+``affinity=False`` sends requests round-robin instead (the baseline the affinity is measured
+against). Requests outside a tree (``/tokenize``) go round-robin.
 
 Failures: connection errors, timeouts, 429 and 5xx are retried with exponential backoff and jitter
 (tenacity), honouring ``Retry-After``, for at most ``max_attempts`` tries and ``max_wait_s`` in
-all; then `RemoteError` says what failed, how often and for how long. A call never hangs: every
+all; then `RemoteUnavailable` says what failed, how often and for how long. With several
+endpoints, a request that exhausts its retries on one endpoint is sent to the next one in its
+tree's ranking; the failed endpoint is then passed over by every tree for ``max_wait_s`` seconds
+(its trees move to their next endpoint) and is tried again afterwards. A call never hangs: every
 request has a timeout. Other 4xx are not retried (the request itself is wrong).
 
 Accelerations that need the model's internals (hidden states, per-layer exits, KV eviction) cannot
@@ -31,9 +46,12 @@ the generation confidence is decisive) needs only generation probabilities, so i
 from __future__ import annotations
 
 import copy
+import hashlib
+import itertools
 import json
 import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
@@ -107,15 +125,29 @@ def _retry_after(response: httpx.Response) -> float | None:
 class _Node:
     tokens: list[int]
     parent: int | None
+    tree: bytes
+    """The routing key of the node's tree: a hash of its root's token ids (see `_tree_key`)."""
     children: int = 0
     released: bool = False
+
+
+def _tree_key(token_ids: Sequence[int]) -> bytes:
+    """A stable hash of a tree root's tokens: equal prompts route alike in every process."""
+    return hashlib.blake2b(",".join(map(str, token_ids)).encode(), digest_size=16).digest()
+
+
+def _rank(key: bytes, url: str) -> int:
+    """Rendezvous (highest-random-weight) score of `url` for a tree: each tree ranks the endpoints
+    in its own stable order, and removing an endpoint moves only that endpoint's trees."""
+    return int.from_bytes(hashlib.blake2b(key + url.encode(), digest_size=8).digest(), "big")
 
 
 class RemoteBackend:
     """A `Backend` over an OpenAI-compatible server. See the module docstring.
 
     Args:
-        base_url: the server root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted).
+        base_url: the server root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted),
+            or a list of them: servers of the same model, each tree routed to one of them.
         model: the served model's id; default: the first one ``/v1/models`` lists.
         api_key: sent as a bearer token.
         tokenizer: a tokenizer (or its hub id / path) matching the served model; default: the
@@ -126,6 +158,8 @@ class RemoteBackend:
         backoff_s: first backoff; it doubles per retry, with jitter, up to ``max_wait_s``.
         max_logprobs: top log-probabilities asked for by `score_next` on non-branchwise servers.
         max_parallel: concurrent requests one `extend`/`score_next` may have in flight.
+        affinity: with several endpoints, send each tree to one endpoint (prefix affinity); False
+            sends requests round-robin.
     """
 
     name = "remote"
@@ -134,7 +168,7 @@ class RemoteBackend:
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         model: str | None = None,
         api_key: str | None = None,
         *,
@@ -145,14 +179,24 @@ class RemoteBackend:
         backoff_s: float = 0.5,
         max_logprobs: int = 20,
         max_parallel: int = 16,
+        affinity: bool = True,
     ) -> None:
         import httpx  # the serve extra; imported here so that the error classes import without it
 
         if max_attempts < 1 or max_parallel < 1 or max_logprobs < 1:
             raise ValueError("max_attempts, max_parallel and max_logprobs must be >= 1")
-        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.endpoints: list[str] = list(dict.fromkeys(u.rstrip("/").removesuffix("/v1") for u in urls))
+        """The server roots, in the order given (duplicates dropped)."""
+        if not self.endpoints:
+            raise ValueError("base_url must name at least one server")
+        self.base_url = self.endpoints[0]
+        self.affinity = affinity
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout_s))
+        self._clients = [
+            httpx.Client(base_url=url, headers=headers, timeout=httpx.Timeout(timeout_s))
+            for url in self.endpoints
+        ]
         self.max_attempts, self.max_wait_s, self.backoff_s = max_attempts, max_wait_s, backoff_s
         self.max_logprobs = max_logprobs
         self._pool = ThreadPoolExecutor(max_parallel, thread_name_prefix="branchwise-remote")
@@ -161,31 +205,69 @@ class RemoteBackend:
         self._next_id = 0
         self._stats = KVStats()
         self._accel = Accel()
-        served = self._get("/v1/models")["data"]
-        if not served:
-            raise RemoteCapabilityError(f"{self.base_url}/v1/models lists no model")
-        entry = next((m for m in served if m["id"] == model), None) if model else served[0]
-        if entry is None:
-            raise RemoteError(
-                f"{self.base_url} does not serve {model!r}; it serves {[m['id'] for m in served]}"
-            )
-        self.model_name: str = entry["id"]
-        self.branchwise_server = entry.get("owned_by") == "branchwise"
+        # routing state, shared by every session view (copy.copy keeps these objects)
+        self._round_robin = itertools.count()
+        self._down: dict[int, float] = {}
+        """Endpoint index -> when it last failed through every retry (passed over for max_wait_s)."""
+        self._down_lock = threading.Lock()
+        self.model_name: str = ""
+        self.branchwise_server = False
         """A `branchwise serve` server: exact token ids and candidate log-probabilities via extensions."""
+        self._connect(model)
         if isinstance(tokenizer, str):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
 
+    def _connect(self, model: str | None) -> None:
+        """Read every endpoint's ``/v1/models``: each reachable one must serve the model, and all of
+        them the same kind of server (the request format depends on it). An unreachable endpoint is
+        marked down; only when none answers does this raise."""
+        listed: dict[int, list[dict[str, Any]]] = {}
+        failures: list[RemoteUnavailable] = []
+        for i in range(len(self.endpoints)):
+            try:
+                listed[i] = self._request("GET", "/v1/models", None, endpoint=i)["data"]
+            except RemoteUnavailable as err:
+                self._mark_down(i)
+                failures.append(err)
+        if not listed:
+            if len(failures) == 1:
+                raise failures[0]
+            raise RemoteUnavailable("no endpoint answered: " + "; ".join(map(str, failures))) from failures[
+                -1
+            ]
+        kinds: set[bool] = set()
+        for i, served in listed.items():
+            url = self.endpoints[i]
+            if not served:
+                raise RemoteCapabilityError(f"{url}/v1/models lists no model")
+            wanted = model or self.model_name or served[0]["id"]
+            entry = next((m for m in served if m["id"] == wanted), None)
+            if entry is None:
+                raise RemoteError(f"{url} does not serve {wanted!r}; it serves {[m['id'] for m in served]}")
+            self.model_name = entry["id"]
+            kinds.add(entry.get("owned_by") == "branchwise")
+        if len(kinds) > 1:
+            raise RemoteError(
+                f"the endpoints {self.endpoints} mix branchwise servers with others; give servers of one kind"
+            )
+        self.branchwise_server = kinds.pop()
+
     def close(self) -> None:
         self._pool.shutdown(wait=False)
-        self._http.close()
+        for client in self._clients:
+            client.close()
 
     # ------------------------------------------------------------------ HTTP
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        """One call with retries (see the module docstring); the decoded JSON reply."""
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, endpoint: int = 0
+    ) -> Any:
+        """One call to one endpoint with retries (see the module docstring); the decoded JSON reply."""
         import httpx
+
+        http, url = self._clients[endpoint], self.endpoints[endpoint]
 
         def wait(state: tenacity.RetryCallState) -> float:
             # exponential backoff plus jitter (so clients that failed together do not retry together)
@@ -196,14 +278,14 @@ class RemoteBackend:
             return max(backoff, after) if after is not None else backoff
 
         def once() -> Any:
-            response = self._http.request(method, path, json=body)
+            response = http.request(method, path, json=body)
             if response.status_code in _RETRY_STATUS:
                 raise _Retryable(response.status_code, response.text, _retry_after(response))
             if response.status_code == 404:
-                raise RemoteCapabilityError(f"{self.base_url} has no {path} endpoint (HTTP 404)")
+                raise RemoteCapabilityError(f"{url} has no {path} endpoint (HTTP 404)")
             if response.status_code >= 400:
                 raise RemoteError(
-                    f"{self.base_url}{path} refused the request: HTTP {response.status_code}: {response.text[:500]}"
+                    f"{url}{path} refused the request: HTTP {response.status_code}: {response.text[:500]}"
                 )
             with self._lock:
                 self._stats.extra["requests"] = self._stats.extra.get("requests", 0.0) + 1
@@ -222,7 +304,7 @@ class RemoteBackend:
             attempt = err.last_attempt
             cause = attempt.exception()
             raise RemoteUnavailable(
-                f"{self.base_url}{path} failed {attempt.attempt_number} time(s) "
+                f"{url}{path} failed {attempt.attempt_number} time(s) "
                 f"(giving up after {self.max_attempts} attempts or {self.max_wait_s:g} s): "
                 f"{type(cause).__name__}: {cause}"
             ) from cause
@@ -231,11 +313,56 @@ class RemoteBackend:
         self._bump("retries")
         self._bump("retry_wait_s", state.next_action.sleep if state.next_action is not None else 0.0)
 
-    def _get(self, path: str) -> Any:
-        return self._request("GET", path)
+    def _post(self, path: str, body: dict[str, Any], tree: bytes | None = None) -> tuple[Any, str]:
+        """POST to the endpoint `tree` routes to (round-robin when `tree` is None or affinity is
+        off), failing over along the ranking; the reply and the URL that gave it."""
+        order = self._order(tree)
+        failures: list[RemoteUnavailable] = []
+        for i in order:
+            try:
+                reply = self._request("POST", path, body, endpoint=i)
+            except RemoteUnavailable as err:
+                self._mark_down(i)
+                failures.append(err)
+                if len(failures) < len(order):
+                    self._bump("failovers")
+                continue
+            if i in self._down:
+                with self._down_lock:
+                    self._down.pop(i, None)
+            return reply, self.endpoints[i]
+        if len(failures) == 1:
+            raise failures[0]
+        raise RemoteUnavailable(f"every endpoint failed: {'; '.join(map(str, failures))}") from failures[-1]
 
-    def _post(self, path: str, body: dict[str, Any]) -> Any:
-        return self._request("POST", path, body)
+    def _order(self, tree: bytes | None) -> list[int]:
+        """Endpoint indices to try, best first: the tree's rendezvous ranking (or the round-robin
+        turn), with endpoints that recently failed through every retry moved to the end."""
+        n = len(self.endpoints)
+        if n == 1:
+            return [0]
+        if tree is None or not self.affinity:
+            start = next(self._round_robin) % n
+            ranked = [(start + k) % n for k in range(n)]
+        else:
+            ranked = sorted(range(n), key=lambda i: _rank(tree, self.endpoints[i]), reverse=True)
+        now = time.monotonic()
+        with self._down_lock:
+            down = {i for i, t in self._down.items() if now - t < self.max_wait_s}
+        return [i for i in ranked if i not in down] + [i for i in ranked if i in down]
+
+    def _mark_down(self, endpoint: int) -> None:
+        with self._down_lock:
+            self._down[endpoint] = time.monotonic()
+
+    def endpoint_for(self, node: NodeId) -> str | None:
+        """The endpoint the next request of `node`'s tree goes to (after any failover); None with
+        several endpoints and affinity off, where each request takes the next endpoint in turn."""
+        with self._lock:
+            tree = self._get_node(node).tree
+        if len(self.endpoints) > 1 and not self.affinity:
+            return None
+        return self.endpoints[self._order(tree)[0]]
 
     def _bump(self, key: str, value: float = 1.0) -> None:
         with self._lock:
@@ -348,10 +475,10 @@ class RemoteBackend:
 
     def _post_capability(self, path: str, body: dict[str, Any]) -> Any:
         try:
-            return self._post(path, body)
-        except RemoteCapabilityError:
+            return self._post(path, body)[0]
+        except RemoteCapabilityError as err:  # "<url> has no <path> endpoint (HTTP 404)"
             raise RemoteCapabilityError(
-                f"{self.base_url} has no {path} endpoint (vLLM and branchwise serve have one); pass "
+                f"{str(err).removesuffix(' (HTTP 404)')} (vLLM and branchwise serve have one); pass "
                 "tokenizer=<the served model's hub id or path> to tokenize locally"
             ) from None
 
@@ -361,7 +488,7 @@ class RemoteBackend:
         if not ids:
             raise ValueError("token_ids must hold at least 1 token")
         with self._lock:
-            return self._new(ids, None)
+            return self._new(ids, None, _tree_key(ids))
 
     def fork(self, node: NodeId, n: int, share: ShareMode | None = None) -> list[NodeId]:
         """`n` children; ``share`` is the server's business (its prefix cache), so it is ignored."""
@@ -370,7 +497,7 @@ class RemoteBackend:
         with self._lock:
             parent = self._get_node(node)
             parent.children += n
-            return [self._new(list(parent.tokens), node) for _ in range(n)]
+            return [self._new(list(parent.tokens), node, parent.tree) for _ in range(n)]
 
     def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
         if len(nodes) != len(token_ids):
@@ -393,10 +520,12 @@ class RemoteBackend:
             if len(set(nodes)) != len(nodes):
                 raise ValueError("nodes must be distinct; fork a node to decode it several times")
             groups: dict[tuple[int, ...], list[int]] = {}
+            trees: dict[tuple[int, ...], bytes] = {}
             for node, rec in zip(nodes, held, strict=True):
                 groups.setdefault(tuple(rec.tokens), []).append(node)
+                trees.setdefault(tuple(rec.tokens), rec.tree)
         futures = {
-            self._pool.submit(self._complete, list(prompt), len(members), params): members
+            self._pool.submit(self._complete, list(prompt), len(members), params, trees[prompt]): members
             for prompt, members in groups.items()
         }
         replies: dict[int, Generation] = {}
@@ -424,8 +553,8 @@ class RemoteBackend:
         if not suffix:
             raise ValueError("suffix must hold at least 1 token")
         with self._lock:
-            prompts = [[*self._get_node(n).tokens, *suffix] for n in nodes]
-        return list(self._pool.map(lambda p: self._candidate_probs(p, list(candidates)), prompts))
+            asks = [([*self._get_node(n).tokens, *suffix], self._get_node(n).tree) for n in nodes]
+        return list(self._pool.map(lambda ask: self._candidate_probs(*ask, list(candidates)), asks))
 
     def release(self, nodes: Sequence[NodeId]) -> None:
         with self._lock:
@@ -458,9 +587,9 @@ class RemoteBackend:
             self._stats = KVStats()
 
     # ------------------------------------------------------------------ helpers
-    def _new(self, tokens: list[int], parent: int | None) -> int:
+    def _new(self, tokens: list[int], parent: int | None, tree: bytes) -> int:
         self._next_id += 1
-        self._nodes[self._next_id] = _Node(tokens, parent)
+        self._nodes[self._next_id] = _Node(tokens, parent, tree)
         return self._next_id
 
     def _get_node(self, node: NodeId) -> _Node:
@@ -489,7 +618,51 @@ class RemoteBackend:
             node = rec.parent
             self._nodes[node].children -= 1
 
-    def _complete(self, prompt: list[int], n: int, params: DecodeParams) -> list[Generation]:
+    def _complete(self, prompt: list[int], n: int, params: DecodeParams, tree: bytes) -> list[Generation]:
+        """One completion request of `n` continuations of `prompt` (see `_request_choices`), each
+        continued past a blank first step where the server ends steps otherwise (`_past_blank_step`)."""
+        gens = self._request_choices(prompt, n, params, tree)
+        if params.step_delimiter and params.constraint is None and not self.branchwise_server:
+            gens = [self._past_blank_step(prompt, g, params, tree) for g in gens]
+        return gens
+
+    def _past_blank_step(
+        self, prompt: list[int], gen: Generation, params: DecodeParams, tree: bytes
+    ) -> Generation:
+        """vLLM ends a step at the first delimiter, even one the step opens with (the model wrote
+        the blank line first); branchwise's rule (`backends.text.finish_text`, which the local
+        backend and branchwise serve apply) skips leading whitespace, since a blank line is not a
+        step. Without this, a step cut by ``max_tokens`` just before its delimiter is followed by a
+        step of nothing but the delimiter. So decode on from the blank text, within the same token
+        budget, as the local backend would. (Not under a constraint: a second request would
+        restart the grammar.)"""
+        while gen.finish_reason == "delimiter" and not gen.text.strip():
+            left = params.max_tokens - len(gen.token_ids)
+            if left <= 0:
+                gen.finish_reason = "length"
+                break
+            rest = params.model_copy(
+                update={"max_tokens": left, "min_tokens": max(0, params.min_tokens - len(gen.token_ids))}
+            )
+            (more,) = self._request_choices([*prompt, *gen.token_ids], 1, rest, tree)
+            self._bump("blank_step_continuations")
+            gen = Generation(
+                node=-1,
+                token_ids=gen.token_ids + more.token_ids,
+                text=gen.text + more.text,
+                top1_probs=gen.top1_probs + more.top1_probs,
+                logprobs=gen.logprobs + more.logprobs,
+                finish_reason=more.finish_reason,
+            )
+        return gen
+
+    def _request_choices(
+        self, prompt: list[int], n: int, params: DecodeParams, tree: bytes
+    ) -> list[Generation]:
+        """One ``/v1/completions`` request on the tree's endpoint; `n` generations in index order."""
+        copies = 1
+        if n > 1 and params.temperature == 0 and not self.branchwise_server:
+            copies, n = n, 1  # vLLM answers HTTP 400 to n > 1 with greedy sampling (module docstring)
         body: dict[str, Any] = {
             "model": self.model_name,
             "prompt": prompt,
@@ -514,11 +687,12 @@ class RemoteBackend:
             body.update(stop=stops or None, logprobs=1, return_tokens_as_token_ids=True)
             if params.step_delimiter:
                 body["include_stop_str_in_output"] = True  # vLLM: the delimiter stays in the step
-        reply = self._post("/v1/completions", body)
+        reply, url = self._post("/v1/completions", body, tree)
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         if len(choices) != n:
-            raise RemoteError(f"{self.base_url} returned {len(choices)} choices for n={n}")
-        return [self._generation(c, params) for c in choices]
+            raise RemoteError(f"{url} returned {len(choices)} choices for n={n}")
+        gens = [self._generation(c, params) for c in choices]
+        return gens + [copy.deepcopy(gens[0]) for _ in range(copies - 1)]
 
     def _generation(self, choice: dict[str, Any], params: DecodeParams) -> Generation:
         details = choice.get("branchwise")
@@ -553,7 +727,7 @@ class RemoteBackend:
             node=-1, token_ids=ids, text=text, top1_probs=top1, logprobs=chosen, finish_reason=finish
         )
 
-    def _candidate_probs(self, prompt: list[int], candidates: list[int]) -> list[float]:
+    def _candidate_probs(self, prompt: list[int], tree: bytes, candidates: list[int]) -> list[float]:
         body: dict[str, Any] = {
             "model": self.model_name,
             "prompt": prompt,
@@ -562,21 +736,21 @@ class RemoteBackend:
         }
         if self.branchwise_server:
             body["branchwise"] = {"score_candidates": candidates}
-            reply = self._post("/v1/completions", body)
+            reply, _ = self._post("/v1/completions", body, tree)
             return [math.exp(x) for x in reply["branchwise"]["candidate_logprobs"]]
         body.update(logprobs=self.max_logprobs, return_tokens_as_token_ids=True)
-        reply = self._post("/v1/completions", body)
+        reply, url = self._post("/v1/completions", body, tree)
         lp = reply["choices"][0].get("logprobs") or {}
         rows = lp.get("top_logprobs") or []
         if not rows or not rows[0]:
             raise RemoteCapabilityError(
-                f"{self.base_url} returned no top log-probabilities for logprobs={self.max_logprobs}; "
+                f"{url} returned no top log-probabilities for logprobs={self.max_logprobs}; "
                 "score_next needs them (vLLM: start it with --max-logprobs >= max_logprobs)"
             )
         first = rows[0]
         if not all(k.startswith("token_id:") for k in first):
             raise RemoteCapabilityError(
-                f"{self.base_url} names top log-probabilities by token text, not id "
+                f"{url} names top log-probabilities by token text, not id "
                 "(it ignores return_tokens_as_token_ids); score_next cannot map them to candidates"
             )
         by_id = {int(k.removeprefix("token_id:")): v for k, v in first.items()}

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from enum import Enum
 from pathlib import Path
@@ -19,8 +20,8 @@ from rich.table import Table
 if TYPE_CHECKING:
     from branchwise.backends.accel import Accel
     from branchwise.backends.base import Backend
-    from branchwise.backends.hf import HFBackend
 
+from branchwise import cli_backend
 from branchwise.cli_params import DeviceOption, DtypeOption, one_line, ranged
 from branchwise.strategies import MAX_SEED, PREBUILT, Strategy
 
@@ -90,6 +91,7 @@ def _load_strategy(
     tokens: int | None = None,
     seed: int | None = None,
     verifier: str | None = None,
+    depth: int | None = None,
 ) -> Strategy:
     """A prebuilt name (the knobs set its parameters), or a path to a JSON/YAML strategy file."""
     if name in PREBUILT:
@@ -100,7 +102,12 @@ def _load_strategy(
             )
         try:
             return PREBUILT[name](
-                branches=branches, temperature=temperature, tokens=tokens, seed=seed, verifier=verifier
+                branches=branches,
+                temperature=temperature,
+                tokens=tokens,
+                seed=seed,
+                verifier=verifier,
+                depth=depth,
             )
         except ValidationError as err:
             raise typer.BadParameter(f"{name}: {one_line(err)}", param_hint="--strategy") from None
@@ -108,47 +115,22 @@ def _load_strategy(
             raise typer.BadParameter(f"{name}: {err}", param_hint="--strategy") from None
     path = Path(name)
     if not path.is_file():
+        close = difflib.get_close_matches(name, list(PREBUILT), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise typer.BadParameter(
-            f"{name!r} is neither a prebuilt strategy ({', '.join(PREBUILT)}) nor a file",
+            f"{name!r} is neither a prebuilt strategy ({', '.join(PREBUILT)}) nor a file{hint}",
             param_hint="--strategy",
         )
-    if any(v is not None for v in (branches, temperature, tokens, verifier)):
+    if any(v is not None for v in (branches, temperature, tokens, verifier, depth)):
         raise typer.BadParameter(
-            "--n, --temperature, --max-tokens and --verifier set a prebuilt strategy's parameters; "
-            "a strategy file carries its own",
+            "--n, --temperature, --max-tokens, --verifier and --depth set a prebuilt strategy's "
+            "parameters; a strategy file carries its own",
             param_hint="--strategy",
         )
     try:
         return _read_strategy(path)
     except ValueError as err:
         raise typer.BadParameter(str(err), param_hint="--strategy") from None
-
-
-def _load_backend(model: str | None, device: str = "auto", dtype: str = "auto") -> HFBackend:
-    """Load the model, turning "no such model" (or device, or dtype) into a usage error naming the option."""
-    from branchwise.backends.hf import HFBackend
-    from branchwise.backends.hf.backend import resolve_device, resolve_dtype
-    from branchwise.backends.hf.embedded import EmbeddedModelMissing
-
-    try:
-        dev = resolve_device(device)
-    except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint="--device") from None
-    try:
-        resolve_dtype(dtype, dev)
-    except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint="--dtype") from None
-    with console.status(f"loading {model or 'the embedded model'} ({device}, {dtype})…"):
-        try:
-            return HFBackend(model, device=device, dtype=dtype)
-        except EmbeddedModelMissing as err:
-            raise typer.BadParameter(str(err), param_hint="--model") from None
-        except (OSError, ValueError) as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise typer.BadParameter(
-                f"{model!r} is neither a local model folder nor a reachable hub id ({first})",
-                param_hint="--model",
-            ) from None
 
 
 def _remote_backend(endpoints: list[str], model: str | None, accel: Accel) -> Backend:
@@ -166,7 +148,7 @@ def _remote_backend(endpoints: list[str], model: str | None, accel: Accel) -> Ba
 @app.command()
 def run(
     questions: Annotated[
-        list[str], typer.Argument(metavar="QUESTION...", help="One or more questions to answer.")
+        list[str], typer.Argument(metavar="QUESTION", help="One or more questions to answer.")
     ],
     strategy: Annotated[str, typer.Option(help=STRATEGY_HELP)] = "self-consistency",
     n: Annotated[
@@ -182,6 +164,12 @@ def run(
     max_tokens: Annotated[
         int | None,
         ranged("Tokens per answer (per step in tree searches); default: the strategy's.", 1, 131072),
+    ] = None,
+    depth: Annotated[
+        int | None,
+        ranged(
+            "Reasoning steps of a step search (beam search, DVTS, REBASE, ETS, tree-of-thoughts).", 1, 10000
+        ),
     ] = None,
     seed: Annotated[int, ranged("Sampling seed (reproducible runs).", 0, MAX_SEED)] = 0,
     verifier: Annotated[
@@ -250,7 +238,13 @@ def run(
     if steer and not skipkv_budget:
         raise typer.BadParameter("--steer needs --skipkv-budget (steering is part of SkipKV)")
     strat = _load_strategy(
-        strategy, branches=n, temperature=temperature, tokens=max_tokens, seed=seed, verifier=verifier
+        strategy,
+        branches=n,
+        temperature=temperature,
+        tokens=max_tokens,
+        seed=seed,
+        verifier=verifier,
+        depth=depth,
     )
     try:
         accel = Accel(
@@ -266,7 +260,11 @@ def run(
         )
     except ValidationError as err:
         raise typer.BadParameter(f"these accelerations cannot run together: {one_line(err)}") from None
-    backend = _remote_backend(endpoint, model, accel) if endpoint else _load_backend(model, device, dtype)
+    backend = (
+        _remote_backend(endpoint, model, accel)
+        if endpoint
+        else cli_backend.load_backend(model, device, dtype)
+    )
     reasoner = Reasoner(strat, backend=backend, share=share.value, accel=accel)
     if variant:
         results = [reasoner.run(q, variants=variant) for q in questions]
@@ -373,7 +371,7 @@ def calibrate(
     from branchwise.reasoners.calibrate import calibrate_cgee
 
     questions = _gym_questions(task, problems, seed)
-    backend = _load_backend(model, device, dtype)
+    backend = cli_backend.load_backend(model, device, dtype)
     calibration = calibrate_cgee(backend, questions, n=n, max_tokens=max_tokens)
     console.print_json(json.dumps(calibration.__dict__))
 
@@ -411,7 +409,7 @@ def steering_build(
     from branchwise.reasoners.steering import build_steering
 
     questions = _gym_questions(task, problems, seed)
-    backend = _load_backend(model, device, dtype)
+    backend = cli_backend.load_backend(model, device, dtype)
     try:
         vector = build_steering(
             backend, questions, layer=layer, samples=samples, max_tokens=max_tokens, save=out is None

@@ -73,6 +73,25 @@ def test_run_json_on_tiny_model(tiny_llama_dir) -> None:
     assert len(row["branches"]) == 3
 
 
+def test_depth_sets_the_steps_of_a_step_search(tiny_llama_dir) -> None:
+    """`--depth 2` gives two generate levels (one loop iteration after the first step)."""
+    from branchwise.cli import _load_strategy
+
+    for name in ("beam-search", "rebase", "ets", "dvts"):
+        loops = [n for n in _load_strategy(name, depth=2).compile().nodes() if n.kind == "loop"]
+        assert [n.max_iterations for n in loops] == [1], name
+    result = runner.invoke(
+        app,
+        [
+            *("run", "What is 12 + 7?", "--strategy", "beam-search", "--n", "2", "--depth", "2"),
+            *("--max-tokens", "4", "--model", str(tiny_llama_dir), "--json"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["question"] == "What is 12 + 7?"
+
+
 def test_run_rejects_out_of_range_n(tiny_llama_dir) -> None:
     result = runner.invoke(app, ["run", "q", "--n", "0", "--model", str(tiny_llama_dir)])
     assert result.exit_code != 0
@@ -192,6 +211,9 @@ BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
     (["calibrate", "--dtype", "int4"], "--dtype: dtype='int4' is not one of"),
     (["steering", "build", "--device", "tpu"], "--device: device='tpu' is not one of"),
     (["strategy", "show", "nope"], "'nope' is neither a prebuilt strategy"),
+    (["run", "q", "--strategy", "beam-serch"], "did you mean 'beam-search'?"),
+    (["run", "q", "--depth", "3"], "self_consistency answers in one step; it takes no depth"),
+    (["run", "q", "--strategy", "beam-search", "--depth", "0"], "'--depth': 0 is not in the range"),
     (
         ["strategy", "show", "best-of-n", "--format", "xml"],
         "'--format': Value error, 'xml' is not one of 'yaml', 'json'",

@@ -347,7 +347,8 @@ class Prebuilt:
 
     ``branches`` and ``tokens`` name the builder's own parameters for "how many branches" and
     "tokens per generate", which differ (``n``, ``width``, ``n_generate``; ``max_tokens`` or
-    ``max_step_tokens``); ``verifier`` says whether the builder takes a verifier name.
+    ``max_step_tokens``); ``verifier`` says whether the builder takes a verifier name. A step
+    search (one with ``max_step_tokens``) also takes ``depth``, its number of reasoning steps.
     """
 
     build: Callable[..., Strategy]
@@ -364,11 +365,15 @@ class Prebuilt:
         tokens: int | None = None,
         seed: int | None = None,
         verifier: str | None = None,
+        depth: int | None = None,
     ) -> Strategy:
         """Build the strategy; ``None`` keeps the builder's own default for that knob."""
         if verifier is not None and not self.verifier:
             raise ValueError(f"{self.build.__name__} chooses its own verifier; it takes no verifier name")
+        if depth is not None and not self.steps:
+            raise ValueError(f"{self.build.__name__} answers in one step; it takes no depth")
         knobs = {
+            "depth": depth,
             self.branches: branches,
             "temperature": temperature,
             self.tokens: tokens,
@@ -376,6 +381,11 @@ class Prebuilt:
             "verifier": verifier,
         }
         return self.build(**{k: v for k, v in knobs.items() if v is not None})
+
+    @property
+    def steps(self) -> bool:
+        """Whether this is a step search (it takes ``depth``): its tokens are counted per step."""
+        return self.tokens == "max_step_tokens"
 
 
 #: Every prebuilt strategy under its command-line name.

@@ -115,6 +115,7 @@ def function_tool(fn: Any) -> dict[str, Any]:
     """An OpenAI function tool from a Python function (its name, the first paragraph of its
     docstring, a JSON Schema of its parameters from their type hints) or from a pydantic model class
     (the arguments are its fields)."""
+    schema: dict[str, Any]
     if isinstance(fn, type) and issubclass(fn, BaseModel):
         name, doc, schema = fn.__name__, fn.__doc__, fn.model_json_schema()
     else:
@@ -126,7 +127,10 @@ def function_tool(fn: Any) -> dict[str, Any]:
                 raise ValueError(f"tools: {name} takes *{pname}; a tool's arguments must each be named")
             default = ... if p.default is p.empty else p.default
             fields[pname] = (hints.get(pname, Any), default)
-        schema = create_model(f"{name}_arguments", **fields).model_json_schema()
+        # two statements: pydantic's mypy plugin names a class after the variable create_model's result
+        # is assigned to, so `schema = create_model(...).model_json_schema()` would read as a class
+        arguments = create_model(f"{name}_arguments", **fields)
+        schema = arguments.model_json_schema()
     schema.pop("title", None)
     entry: dict[str, Any] = {"name": name, "parameters": schema}
     if doc:
@@ -194,7 +198,8 @@ def normalize_tool_choice(choice: Any, tools: Sequence[Mapping[str, Any]]) -> st
         return "required" if choice else "auto"
     names = tool_names(tools)
     if isinstance(choice, Mapping):
-        fn = choice.get("function") if isinstance(choice.get("function"), Mapping) else choice
+        inner = choice.get("function")
+        fn = inner if isinstance(inner, Mapping) else choice
         choice = fn.get("name")
         if not isinstance(choice, str):
             raise ValueError("tool_choice: expected {'type': 'function', 'function': {'name': ...}}")
@@ -260,7 +265,7 @@ class ToolCallStream:
     the whole: what a streamed reply releases is what the finished one says.
     """
 
-    def __init__(self, tools: Sequence[dict[str, Any]]) -> None:
+    def __init__(self, tools: Sequence[Mapping[str, Any]]) -> None:
         self.tools = tools
         self.calls: list[ToolCall] = []
         self._buf = ""
@@ -391,7 +396,7 @@ def _arguments(call: Mapping[str, Any], where: str) -> tuple[str, dict[str, Any]
 
 def template_has_tools(template: str | None) -> bool:
     """Whether a chat template renders ``tools`` itself in the Hermes ``<tool_call>`` format."""
-    return bool(template) and "tools" in template and "<tool_call>" in template
+    return bool(template and "tools" in template and "<tool_call>" in template)
 
 
 def render_messages(

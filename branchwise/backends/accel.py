@@ -143,7 +143,7 @@ class CGEEConfig(_Config):
     @classmethod
     def lossless(cls, **kwargs: object) -> CGEEConfig:
         """Level 2 alone: the verify pass always runs; only its depth adapts."""
-        return cls(level1=False, level2=True, **kwargs)  # type: ignore[arg-type]
+        return cls(level1=False, level2=True, **kwargs)
 
 
 class RSBCMConfig(_Config):
@@ -299,14 +299,14 @@ class SkipKVConfig(_Config):
     @classmethod
     def attention_only(cls, budget: int, **kwargs: object) -> SkipKVConfig:
         """H2O/SnapKV-style baseline: evict by windowed attention importance alone."""
-        return cls(budget=budget, sigma=1.0, redundancy=False, sentence_scoring=False, **kwargs)  # type: ignore[arg-type]
+        return cls(budget=budget, sigma=1.0, redundancy=False, sentence_scoring=False, **kwargs)
 
     @classmethod
     def streaming(cls, budget: int, **kwargs: object) -> SkipKVConfig:
         """StreamingLLM-style baseline: keep the newest `budget` generated tokens, score nothing."""
         return cls(
             budget=budget, window=budget, sigma=1.0, redundancy=False, sentence_scoring=False, **kwargs
-        )  # type: ignore[arg-type]
+        )
 
     def notes(self, stats: Mapping[str, float]) -> list[str]:
         if stats.get("skipkv_compressions"):
@@ -324,7 +324,7 @@ class SkipKVConfig(_Config):
     @classmethod
     def rkv(cls, budget: int, **kwargs: object) -> SkipKVConfig:
         """R-KV baseline: importance and key redundancy, no sentences, no steering."""
-        return cls(budget=budget, sentence_scoring=False, **kwargs)  # type: ignore[arg-type]
+        return cls(budget=budget, sentence_scoring=False, **kwargs)
 
 
 class ReasonCacheConfig(_Config):

@@ -452,7 +452,7 @@ class RemoteBackend:
         if self.tokenizer is not None:
             template = getattr(self.tokenizer, "chat_template", None)
             native = template_has_tools(template)
-            extra = {"tools": list(tools)} if tools and native else {}
+            extra: dict[str, Any] = {"tools": list(tools)} if tools and native else {}
             text = self.tokenizer.apply_chat_template(
                 render_messages(messages, tools, native=native),
                 add_generation_prompt=True,
@@ -553,8 +553,10 @@ class RemoteBackend:
         if not suffix:
             raise ValueError("suffix must hold at least 1 token")
         with self._lock:
-            asks = [([*self._get_node(n).tokens, *suffix], self._get_node(n).tree) for n in nodes]
-        return list(self._pool.map(lambda ask: self._candidate_probs(*ask, list(candidates)), asks))
+            asks: list[tuple[list[int], bytes]] = [
+                ([*self._get_node(n).tokens, *suffix], self._get_node(n).tree) for n in nodes
+            ]
+        return list(self._pool.map(lambda ask: self._candidate_probs(ask[0], ask[1], list(candidates)), asks))
 
     def release(self, nodes: Sequence[NodeId]) -> None:
         with self._lock:

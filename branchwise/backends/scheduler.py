@@ -299,8 +299,12 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
 
+        def settle() -> None:
+            if not future.done():
+                future.set_result(None)
+
         def wake(_: Job) -> None:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
+            loop.call_soon_threadsafe(settle)
 
         job.on_done = wake
         self.enqueue(job)
@@ -462,13 +466,16 @@ class Scheduler:
                 return
             self.stats.extend_calls += 1
             params = jobs[0].params  # the call's; with `_mixes` each row also brings its job's own
+            # `Backend.extend` names neither `admit` nor `row_params`: `_extend_takes` checked this one's
             if self._mixes:
                 own = [job.params for job, (a, b) in router.jobs.items() for _ in range(a, b)]
                 gens = backend.extend(  # type: ignore[call-arg]
                     list(router.children), params, on_step=router, admit=router.admit, row_params=own
                 )
             elif self._admits:
-                gens = backend.extend(list(router.children), params, on_step=router, admit=router.admit)
+                gens = backend.extend(  # type: ignore[call-arg]
+                    list(router.children), params, on_step=router, admit=router.admit
+                )
             elif self._listens:
                 gens = backend.extend(list(router.children), params, on_step=router)
             else:
@@ -635,7 +642,7 @@ class _Router:
         job.batch_requests, job.batch_rows = len(self.jobs), len(self.children)
         return True
 
-    def admit(self, alive: int) -> list[Admitted]:
+    def admit(self, alive: int) -> Sequence[Admitted]:
         """`extend`'s ``admit``: queued jobs of this group that fit beside the `alive` rows.
 
         Admitting re-assembles the batch (about one copy of its rows' own KV), so a few newcomers

@@ -66,7 +66,7 @@ class CellSummary:
 
 def _dedupe(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Keep the first row per (cell, problem): the harness never writes two, but hand-merged files may."""
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[Any, Any]] = set()
     out = []
     for r in rows:
         key = (r.get("cell"), r.get("problem_id"))
@@ -77,7 +77,7 @@ def _dedupe(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _mean(values: list[float]) -> float:
+def _mean(values: list[float | None]) -> float:
     vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     return float(np.mean(vals)) if vals else math.nan
 
@@ -103,7 +103,7 @@ def summarize(rows: list[dict[str, Any]], baseline: str | None = None) -> list[C
         ok = [r for r in rs if not r.get("error")]
         correct = np.array([1.0 if r.get("correct") else 0.0 for r in rs])
         lat = [r["latency_s"] for r in ok if r.get("latency_s") is not None]
-        peaks = [r.get("kv_peak_bytes") for r in ok if r.get("kv_peak_bytes") is not None]
+        peaks = [r["kv_peak_bytes"] for r in ok if r.get("kv_peak_bytes") is not None]
         s = CellSummary(
             cell=cid,
             model=first["model"],
@@ -233,6 +233,7 @@ def _plot_accuracy_vs_cost(summaries: list[CellSummary], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     datasets = list(dict.fromkeys(s.dataset for s in summaries))
     accels = list(dict.fromkeys(s.accel for s in summaries))
@@ -280,11 +281,11 @@ def _plot_accuracy_vs_cost(summaries: list[CellSummary], path: Path) -> None:
     for ax in list(axes.flat)[len(datasets) :]:
         ax.axis("off")
     marker_handles = [
-        plt.Line2D([], [], marker=_MARKERS[i % len(_MARKERS)], ls="", color="gray", label=a)
+        Line2D([], [], marker=_MARKERS[i % len(_MARKERS)], ls="", color="gray", label=a)
         for i, a in enumerate(accels)
     ]
     color_handles = [
-        plt.Line2D([], [], marker="o", ls="-", lw=0.8, color=colors(i % 10), label=series_label(*key))
+        Line2D([], [], marker="o", ls="-", lw=0.8, color=colors(i % 10), label=series_label(*key))
         for i, key in enumerate(series)
     ]
     first = fig.legend(

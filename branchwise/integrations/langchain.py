@@ -378,7 +378,7 @@ class ChatBranchwise(BaseChatModel):
             raise ValueError(f"method={method!r} needs a schema")
         is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         output_format = {"kwargs": {"method": method, "strict": strict}, "schema": schema}
-        parser: Runnable
+        parser: Runnable[Any, Any]
         if method == "function_calling":
             tool_name = convert_to_openai_tool(schema)["function"]["name"]
             llm = self.bind_tools(
@@ -389,7 +389,7 @@ class ChatBranchwise(BaseChatModel):
                 ls_structured_output_format=output_format,
             )
             parser = (
-                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+                PydanticToolsParser(tools=[schema], first_tool_only=True)
                 if is_pydantic
                 else JsonOutputKeyToolsParser(key_name=tool_name, first_tool_only=True)
             )
@@ -409,11 +409,7 @@ class ChatBranchwise(BaseChatModel):
                 if schema is None:
                     output_format = {"kwargs": {"method": method}, "schema": None}
             llm = self.bind(response_format=response_format, ls_structured_output_format=output_format)
-            parser = (
-                PydanticOutputParser(pydantic_object=schema)  # type: ignore[arg-type]
-                if is_pydantic
-                else JsonOutputParser()
-            )
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()
         else:
             raise ValueError(
                 f"method: expected 'json_schema', 'function_calling' or 'json_mode', got {method!r}"
@@ -459,7 +455,8 @@ class ChatBranchwise(BaseChatModel):
         self, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool, request: _Request
     ) -> dict[str, Any]:
         """Content, tool calls, usage and metadata of one sample's reply (AIMessage keyword arguments)."""
-        content, calls = gen.text, []
+        content = gen.text
+        calls: list[ToolCall] = []
         if request.calls_tools:
             content, calls = split_calls(gen.text, request.tools)
         metadata: dict[str, Any] = {
@@ -683,7 +680,9 @@ def _output(result: Any) -> dict[str, Any]:
     }
 
 
-def as_runnable(reasoner: Reasoner, *, input_key: str = "question", name: str | None = None) -> Runnable:
+def as_runnable(
+    reasoner: Reasoner, *, input_key: str = "question", name: str | None = None
+) -> Runnable[Any, dict[str, Any]]:
     """A whole branchwise strategy as one LangChain `Runnable` (an LCEL step or a LangGraph node).
 
     Input: a question string, a dict holding it under `input_key`, a prompt value or messages (the

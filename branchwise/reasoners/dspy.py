@@ -104,7 +104,7 @@ _REFUSED = {
 """Request fields refused with an error: ignoring them would change what the caller asked for."""
 
 
-class _AttrDict(dict):
+class _AttrDict(dict[str, Any]):
     """A dict whose keys also read as attributes: the OpenAI SDK shape (``resp.choices[0].message``)
     for callers that use attributes, and a plain mapping for DSPy, which reads either way."""
 

@@ -53,7 +53,8 @@ def delimiter_states(
         out = backend.model(input_ids=ids, output_hidden_states=True)
     states = out.hidden_states[layer][0]  # hidden_states[k] is the input of decoder layer k
     tracker.append(response)
-    execution, other = [], []
+    execution: list[torch.Tensor] = []
+    other: list[torch.Tensor] = []
     for sentence in tracker.sentences:
         if sentence.closed:  # its end is the last of its (merged) delimiters
             h = states[len(prompt) + sentence.end].float().cpu()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 from branchwise.backends.base import SupportsNodeEmbedding
 from branchwise.reasoners.result import SearchStep
@@ -167,7 +167,7 @@ def _ets(
             parents[at] = run.tree[at].parent
             at = parents[at]
     step = ets_step(
-        parents,
+        cast(Mapping[Hashable, Hashable | None], parents),  # read only: node ids are its hashables
         [leaf.node for leaf in active],
         [leaf.score or 0.0 for leaf in active],
         width,

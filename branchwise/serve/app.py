@@ -51,7 +51,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -382,7 +382,12 @@ def create_app(
             text, finish, extra, used = strategy_reply(result)
             if chat:
                 message, finish = strategy_message(result, text, finish, req.constraint)
-                choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
             else:
                 choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             body = {
@@ -412,7 +417,7 @@ def create_app(
         tops = [await asyncio.to_thread(server.top_logprobs, prompt, g, k) if k else None for g in gens]
         choices = []
         for i, (g, top) in enumerate(zip(gens, tops, strict=True)):
-            choice: dict[str, Any] = {"index": i}
+            choice = {"index": i}
             if isinstance(req, ChatRequest):
                 message, finish = chat_choice_message(g, req.constraint)
                 choice.update(message=message, finish_reason=finish, logprobs=None)
@@ -448,7 +453,9 @@ def create_app(
         if isinstance(req.prompt, str):
             prompt_text, prompt = req.prompt, backend.encode(req.prompt)
         else:
-            prompt, prompt_text = list(req.prompt), None  # decoded only if echo or a strategy asks
+            # ids (`CompletionRequest` unwraps a list of one prompt); the text is decoded only if echo
+            # or a strategy asks
+            prompt, prompt_text = list(cast(list[int], req.prompt)), None
             server.check_ids(prompt, "prompt")
         wants_text = req.echo or (req.branchwise is not None and req.branchwise.strategy is not None)
         text = (prompt_text if prompt_text is not None else backend.decode(prompt)) if wants_text else ""

@@ -217,7 +217,7 @@ def _set_kv_budget(backend: object, value: str) -> None:
     if not hasattr(backend, "kv_budget"):
         raise typer.BadParameter("this backend has no KV budget to set", param_hint="--kv-budget")
     try:
-        backend.kv_budget = value  # type: ignore[attr-defined]
+        backend.kv_budget = value
     except ValueError as err:
         raise typer.BadParameter(str(err), param_hint="--kv-budget") from None
 

@@ -91,7 +91,7 @@ class ChatDeltas:
         """The deltas `text` (the choice's next text, the last when `end`) releases."""
         if self.reader is None:
             return [{"content": text}] if text else []
-        out = []
+        out: list[dict[str, Any]] = []
         for part in self.reader.push(text) + (self.reader.finish() if end else []):
             if isinstance(part, str):
                 out.append({"content": part})

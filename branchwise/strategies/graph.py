@@ -353,6 +353,7 @@ class Strategy(SpecModel):
         for i, node in enumerate(self.nodes):
             if isinstance(node, (ScoreNode, SelectNode)):
                 ancestors = nx.ancestors(dag, node.id)
+                needed: type[GenerateNode | ScoreNode]
                 if isinstance(node, ScoreNode):
                     needed, what = GenerateNode, "generate"
                 else:

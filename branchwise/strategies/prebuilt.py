@@ -102,7 +102,7 @@ def best_of_n(
     score = ScoreNode(id="score", verifier=verifier, target="answer")
     select = SelectNode(id="select", method="top_k", k=1)
     agg = AggregateNode(id="aggregate", method="best_score", extractor=extractor)
-    chain = [generate, score, select, agg]
+    chain: list[Node] = [generate, score, select, agg]
     return Strategy(
         name="best_of_n",
         description=f"Sample {n} answers, score them with {verifier!r} and keep the best.",
@@ -157,7 +157,7 @@ def _step_search(
     score = ScoreNode(id="score_step", verifier=p.verifier, target="step")
     expand = step("next_step", expand_n)
     loop = LoopNode(id="search", body=[score.id, select.id, expand.id], max_iterations=p.depth - 1)
-    pairs = [
+    pairs: list[tuple[Node, Node]] = [
         (first, loop),
         (loop, score),
         (score, select),

@@ -9,6 +9,7 @@ a clear error here instead of silently wrong numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 class DecoderParts:
     """The modules the layer loop needs, plus the attention geometry."""
 
-    embed: nn.Module
+    embed: nn.Embedding
     layers: nn.ModuleList
     rotary: nn.Module
     norm: nn.Module
@@ -38,7 +39,8 @@ class DecoderParts:
 
 def decoder_parts(model: nn.Module) -> DecoderParts:
     """Return the pieces of a supported causal LM, or raise naming what is unsupported."""
-    config = model.config
+    # a transformers config and decoder: attributes by architecture, which torch's typing cannot see
+    config: Any = model.config
     model_type = getattr(config, "model_type", "?")
     if model_type not in SUPPORTED:
         raise ValueError(
@@ -48,7 +50,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         raise ValueError(
             f"{model_type} with use_sliding_window=True is not supported (the shared-prefix attention is full attention)"
         )
-    base = model.model
+    base: Any = model.model
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
@@ -57,7 +59,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         layers=base.layers,
         rotary=base.rotary_emb,
         norm=base.norm,
-        head=model.lm_head,
+        head=cast(nn.Module, model.lm_head),
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import AttentionInterface
@@ -267,7 +267,7 @@ def branchwise_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     bw_ctx: AttentionContext | None = None,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention entry point registered with transformers (see module docstring)."""
     if bw_ctx is None:
@@ -275,7 +275,8 @@ def branchwise_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return bw_ctx.attend(module.layer_idx, query, key, value, scale), None
+    # every decoder attention module transformers calls this from numbers its layer
+    return bw_ctx.attend(cast(int, module.layer_idx), query, key, value, scale), None
 
 
 def register() -> str:

@@ -140,10 +140,12 @@ class HFBackend:
         register()
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        self._setup(loaded.to(dev), tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
+        # transformers' wrapped `to` types its first argument as the model, where `dev` goes
+        on_device = loaded.to(dev)  # type: ignore[arg-type]
+        self._setup(on_device, tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
         self.broadcast = broadcast
         self.cache_bytes = cache_bytes
-        self.kv_budget = kv_budget  # type: ignore[assignment]  # the setter resolves it to bytes
+        self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
 
     @classmethod
@@ -166,7 +168,7 @@ class HFBackend:
         name = getattr(model.config, "_name_or_path", "model")
         self._setup(model, tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
         self.cache_bytes = cache_bytes
-        self.kv_budget = kv_budget  # type: ignore[assignment]
+        self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
         return self
 
@@ -411,8 +413,10 @@ class HFBackend:
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(list(p))
             mask[i, width - len(p) :] = 1
+        # a causal LM: `generate` is GenerationMixin's, which PreTrainedModel's type does not include
+        model: Any = self.model
         with torch.inference_mode():
-            out = self.model.generate(
+            out = model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
                 do_sample=False,

@@ -242,6 +242,7 @@ class BatchContext:
         self.lens = self.lens.index_select(0, keep)
         # per-forward state too: rows can leave between layers (early exits)
         if self._own_mask is not None:
+            assert self._own_mask_g is not None  # begin() sets both
             self._own_mask = self._own_mask.index_select(0, keep)
             self._own_mask_g = self._own_mask_g.index_select(0, keep)
         self._own_bias_g = None
@@ -301,6 +302,7 @@ class BatchContext:
             rows = torch.arange(self.batch, device=key.device)[:, None]
             tk[rows, :, self._write_idx] = key.transpose(1, 2)
             tv[rows, :, self._write_idx] = value.transpose(1, 2)
+        assert self._own_mask is not None and self._own_mask_g is not None, "attend() before begin()"
         total = self._own_mask.shape[-1]
         k_own, v_own = tk[:, :, :total], tv[:, :, :total]
         want_weights = any(tap.wants_weights for tap in self.taps)

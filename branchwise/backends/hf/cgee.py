@@ -20,7 +20,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -177,7 +177,7 @@ class EntropyExit(Acceleration):
         check = torch.ones(len(rows_cpu), dtype=torch.bool)
         if self.exit and self.verdict_gate:
             if self._cand_w is None:
-                self._cand_w = self.parts.head.weight[self.candidates]
+                self._cand_w = cast(torch.Tensor, self.parts.head.weight)[self.candidates]
             cand_dist = torch.softmax((normed @ self._cand_w.T).float(), -1).cpu()
             if self._prev_cand is None:
                 self._prev_cand = torch.full((len(self.traces), len(self.candidates)), math.inf)

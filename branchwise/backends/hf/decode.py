@@ -13,7 +13,7 @@ Streaming: an optional `on_step` listener is handed each step's new tokens and t
 (their final `Generation`), and may name rows to stop (their consumer left). It is one `if` per
 step when absent; the listener does the detokenizing for its own consumers, off this thread.
 
-Continuous batching: an optional `admit` callback (`Admit`) is asked at each step boundary for new
+Continuous batching: an optional `admit` callback (`AdmitNodes`) is asked at each step boundary for new
 nodes to decode in the same call. When it hands some in, this loop stops there as if the batch had
 ended for now (rows' KV captured into their nodes, their sampled-but-unfed token left pending) and
 the session assembles one batch of the rows still decoding and the new ones; `DecodeRun` carries
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 import torch
 
 from branchwise.backends.base import (
-    Admit,
     DecodeParams,
     DecodeStep,
     FinishReason,
@@ -53,6 +52,9 @@ __all__ = ["DecodeRun", "StopCheck", "TextTail", "decode", "finish_text"]
 
 ForwardFn = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 CaptureFn = Callable[[int, Row], None]
+AdmitNodes = Callable[[int], Sequence[NodeId]]
+"""`DecodeRun.admit`: given the rows still decoding, the nodes that join now (the session's intake
+numbers the scheduler's `Admitted` rows and hands in their nodes)."""
 
 
 class StopCheck:
@@ -112,7 +114,7 @@ class DecodeRun:
     stops: StopCheck
     generator: torch.Generator | None
     on_step: StepListener | None = None
-    admit: Admit | None = None
+    admit: AdmitNodes | None = None
     rows: dict[int, int] = field(default_factory=dict)
     carried: dict[int, Row] = field(default_factory=dict)
     results: dict[int, Generation] = field(default_factory=dict)
@@ -134,7 +136,7 @@ class DecodeRun:
         detokenize: Detokenize,
         device: torch.device,
         on_step: StepListener | None = None,
-        admit: Admit | None = None,
+        admit: AdmitNodes | None = None,
         grammars: Grammars | None = None,
         constraints: Sequence[Constraint | None] | None = None,
         row_params: Sequence[DecodeParams | None] | None = None,
@@ -231,7 +233,7 @@ def decode(
         if early and eos.numel():
             logits = logits.clone()
             logits[torch.tensor(early, device=device).unsqueeze(1), eos] = float("-inf")
-        allowed, stuck = logits, set()
+        allowed, stuck = logits, set[int]()
         if grammar:  # the sampling-stage mask; statistics stay the model's own distribution
             allowed, stuck = grammar.mask(logits, [rows[ri].seg.id for ri in present])
         temperature: float | torch.Tensor = params.temperature
@@ -356,9 +358,9 @@ def _report(run: DecodeRun, rows: Sequence[Row], stepping: Sequence[int], alive:
         return alive
     by_index = {run.rows[rows[ri].seg.id]: ri for ri in alive}
     for index in drop:
-        ri = by_index.get(index)
-        if ri is not None:
-            r = rows[ri]
+        found = by_index.get(index)
+        if found is not None:
+            r = rows[found]
             r.finish = "cancelled"
             run.stops.settle(r)
     return [ri for ri in alive if rows[ri].finish is None]

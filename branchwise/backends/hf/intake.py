@@ -203,7 +203,7 @@ class Intake:
         seg = self.prefilling[0]
         top = next(s for s in [*reversed(seg.kv_ancestors()), seg] if s.pending)
         self.session.compute_part(top, size)
-        still = []
+        still: list[Segment] = []
         for s in self.prefilling:
             (still if pending_work(s) > self.chunk else self.ready).append(s)
         self.prefilling = still

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["PackedLinear", "Prepacked", "plain", "prepack", "prepack_support"]
 
@@ -130,7 +133,8 @@ def prepack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head")
     extra = 0
     head = getattr(model, head_name, None)
     if type(head) is nn.Linear:
-        embed = model.get_input_embeddings()
+        # a model with an `lm_head` is a transformers one: nn.Module's type lacks its accessors
+        embed = cast("PreTrainedModel", model).get_input_embeddings()
         tied = embed is not None and getattr(embed, "weight", None) is head.weight
         packed = PackedLinear(head)
         setattr(model, head_name, packed)

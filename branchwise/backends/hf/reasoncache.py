@@ -34,8 +34,9 @@ import ast
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -180,7 +181,7 @@ class ReasonCache(Acceleration):
         warm-up is paid once per backend, as in the paper's serving system, not once per question."""
         self._norms: dict[int, dict[int, BlockNorms]] = {}
         """Squared norms per node and block start, computed once per block (the paper's cache)."""
-        self._decode = tokenizer.decode
+        self._decode = cast(Callable[..., str], tokenizer.decode)  # one sequence of ids: one str
         self._rng = random.Random(cfg.seed)
 
     # ------------------------------------------------------------------ hooks

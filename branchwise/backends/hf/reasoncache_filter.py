@@ -74,7 +74,7 @@ def formal_trees(text: str) -> list[ast.AST]:
             return [ast.parse(body)]
         except SyntaxError:
             pass
-    trees = []
+    trees: list[ast.AST] = []
     for match in _EXPRESSION.finditer(text):
         expr = match.group().strip().strip("=").strip()
         if not _OPERATOR.search(expr):
@@ -99,11 +99,11 @@ def _children(node: ast.AST) -> list[ast.AST]:
 
 def tree_edit_distance(a: Sequence[ast.AST], b: Sequence[ast.AST]) -> int:
     """Zhang-Shasha edit distance between two forests of syntax trees (under one common root)."""
-    return int(
-        zss.simple_distance(
-            ast.List(elts=list(a)), ast.List(elts=list(b)), get_children=_children, get_label=_label
-        )
-    )
+    # The root is a synthetic node only `_children` and `_label` read, so it holds any AST (a
+    # statement's `Module` too), not only the expressions `ast.List` is typed for.
+    forest_a = ast.List(elts=list(a))  # type: ignore[arg-type]
+    forest_b = ast.List(elts=list(b))  # type: ignore[arg-type]
+    return int(zss.simple_distance(forest_a, forest_b, get_children=_children, get_label=_label))
 
 
 def structurally_equal(a: Sequence[ast.AST], b: Sequence[ast.AST]) -> bool:

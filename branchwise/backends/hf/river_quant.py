@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -311,7 +312,7 @@ class WeightOnlyLinear(nn.Module):
         return w.view(self.out_features, -1)[:, : self.in_features]
 
     def forward(self, x: Tensor) -> Tensor:
-        bias = self.bias
+        bias: Tensor | None = self.bias
         if self.fused:
             flat = _bf16_rows(x, self.in_features)
             if self.bits == 8:
@@ -533,7 +534,7 @@ def _dynamic_linear_bytes(mod: nn.Module) -> int:
     Its weight lives in an opaque packed-params object that `parameters()`/`buffers()` do not see;
     `_weight_bias()` unpacks it, so count 1 byte per int8 element plus the quantization metadata.
     """
-    weight, bias = mod._weight_bias()
+    weight, bias = cast(Any, mod)._weight_bias()  # a method of torch's quantized Linear, not nn.Module's
     total = weight.numel() * weight.element_size()
     if weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
         scales = weight.q_per_channel_scales()

@@ -189,8 +189,9 @@ class RSBCM(Acceleration):
         for block in evictions:
             by_segment.setdefault(block.segment, []).append(block)
         for key, blocks in by_segment.items():
-            seg = tree.find(key)
-            assert seg is not None
+            found = tree.find(key)
+            assert found is not None
+            seg = found
             keep = keep_mask(seg.kv_tokens, blocks, self.host.device)
             tree.keep_kv(seg, keep)
             if key in self.mass:

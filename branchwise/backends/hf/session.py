@@ -15,6 +15,7 @@ layers, and `decode.decode` samples until every row stops; rows' KV goes back in
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ def path_length(seg: Segment) -> int:
 def check_share(share: str) -> ShareMode:
     if share not in SHARE_MODES:
         raise ValueError(f"share={share!r} is not one of {SHARE_MODES}")
-    return cast(ShareMode, share)
+    return share
 
 
 BROADCASTS: tuple[Broadcast, ...] = ("cascade", "copy")
@@ -118,7 +119,7 @@ class Engine:
     def __post_init__(self) -> None:
         self.runner = Runner(self.parts, self.pad_id, self.device)
         vocab = (
-            int(self.parts.head.out_features)
+            int(cast(int, self.parts.head.out_features))
             if hasattr(self.parts.head, "out_features")
             else len(self.tokenizer)
         )
@@ -138,7 +139,8 @@ class Engine:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return cast(str, text)  # one sequence of ids decodes to one str
 
     def chat_prompt(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
@@ -148,11 +150,11 @@ class Engine:
         rendered = render_messages(messages, tools, native=native)
         if not template:
             return self.encode("\n".join(m["content"] for m in rendered) + "\n")
-        extra = {"tools": list(tools)} if tools and native else {}
+        extra: dict[str, Any] = {"tools": list(tools)} if tools and native else {}
         text = self.tokenizer.apply_chat_template(
             rendered, add_generation_prompt=True, tokenize=False, **extra
         )
-        return self.encode(text)
+        return self.encode(cast(str, text))  # tokenize=False: the rendered text
 
     def check_ids(self, ids: Sequence[int], name: str) -> list[int]:
         vocab = self.parts.embed.num_embeddings
@@ -335,9 +337,9 @@ class Session:
             for i, k, _ in divergent:
                 out[i] = self._exact_child(root, k, ids[i])
             children = []
-            for child in out:
-                assert child is not None  # every prompt was placed above
-                children.append(child)
+            for placed_id in out:
+                assert placed_id is not None  # every prompt was placed above
+                children.append(placed_id)
             return children
 
     def share_child(self, root: Segment, own: list[int], reused: int) -> int:
@@ -678,7 +680,7 @@ class Session:
                     batch,
                     torch.stack(start),
                     run,
-                    forward=lambda step_feeds, batch=batch: self._forward(batch, step_feeds),
+                    forward=functools.partial(self._forward, batch),
                     capture=self._capture(batch),
                     hooks=self.plugins,
                     device=self.device,

@@ -24,9 +24,10 @@ and every ancestor shared with a live sibling are never evicted. State per branc
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -170,7 +171,10 @@ class SkipKV(Acceleration):
         self.stats = stats
         self.tree = tree
         self.states: dict[int, SkipState] = {}
-        self._decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+        # one sequence of ids decodes to one str
+        self._decode = cast(
+            Callable[[Sequence[int]], str], functools.partial(tokenizer.decode, skip_special_tokens=True)
+        )
         self._window: QueryWindow | None = None
         self._steer: Steering | None = None
 

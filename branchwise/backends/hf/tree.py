@@ -409,7 +409,11 @@ class KVTree:
         """Replace a segment's KV tensors, keeping the byte accounting exact."""
         delta = -seg.kv_bytes
         seg.keys, seg.values = keys, values
-        seg.kv_bytes = sum(t.nbytes for t in keys) + sum(t.nbytes for t in values) if keys else 0
+        if keys:
+            assert values is not None  # a segment's keys and values come together
+            seg.kv_bytes = sum(t.nbytes for t in keys) + sum(t.nbytes for t in values)
+        else:
+            seg.kv_bytes = 0
         delta += seg.kv_bytes
         for ledger in self._ledgers(seg.owner):
             ledger.add(delta)

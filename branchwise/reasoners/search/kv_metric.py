@@ -27,6 +27,7 @@ KVStep = Sequence[KVNode]
 def _step_size(step: KVStep, candidates: Sequence[Hashable] | None, include_prompt: bool) -> int:
     parent: dict[Hashable, Hashable | None] = {}
     tokens: dict[Hashable, int] = {}
+    node: Hashable | None
     for entry in step:
         if len(entry) != 3:
             raise ValueError(f"each node must be (node, parent, n_tokens), got {entry!r}")
@@ -46,7 +47,7 @@ def _step_size(step: KVStep, candidates: Sequence[Hashable] | None, include_prom
 
     counted: set[Hashable] = set()
     for cand in cands:
-        node: Hashable | None = cand
+        node = cand
         path: set[Hashable] = set()
         while node is not None and node not in counted:
             if node not in parent:

@@ -176,9 +176,9 @@ def test_integrations_langgraph_snippet_runs(tiny_llama_dir: Any, tmp_path: Any)
     code = re.search(r"```python\n(.*?)```", section, re.S)
     assert code is not None, "docs/INTEGRATIONS.md lost its LangGraph snippet"
     snippet = code.group(1)
-    assert "HFBackend()" in snippet and "self_consistency(n=8)" in snippet
+    assert "HFBackend()" in snippet and "self_consistency(n=4, max_tokens=64)" in snippet
     snippet = snippet.replace("HFBackend()", f"HFBackend({str(tiny_llama_dir)!r})")
-    snippet = snippet.replace("self_consistency(n=8)", "self_consistency(n=2, max_tokens=8)")
+    snippet = snippet.replace("self_consistency(n=4, max_tokens=64)", "self_consistency(n=2, max_tokens=8)")
     script = tmp_path / "langgraph_snippet.py"
     script.write_text(snippet)
     proc = subprocess.run(

@@ -337,7 +337,8 @@ def goals(rows: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
     def goal(name: str, row: str, key: str, at_least: float) -> None:
         value = rows.get(row, {}).get(key)
-        out[name] = {"ratio": value, "goal": at_least, "met": value is not None and value >= at_least}
+        met = None if value is None else value >= at_least  # None: the row was not run
+        out[name] = {"ratio": value, "goal": at_least, "met": met}
 
     goal("decode_b1", "decode_b1_tokens_per_s", "inprocess_vs_vllm", 1.0)
     goal("concurrent", f"concurrent{args.clients}_n4_t16_tokens_per_s", "serve_vs_vllm", 1.0)

@@ -7,8 +7,9 @@ Conditions, on the same reasoning-gym problems, greedy, batch size 1 as in the p
   quantized — the "fully quantized model" of §5.3 except for the layers up to the entry layer;
 - `river@T` for two thresholds T.
 Reported per condition: decode tokens/s and its ratio to the backbone, answer accuracy and answer /
-token agreement with the backbone, and the mean backbone layers per decoded token (the paper's mean
-exit layer). A second, untimed pass with `audit=True` measures the paper's Fig. 7 quantities on
+token agreement with the backbone, whole-sequence agreement with the backbone's greedy tokens (the
+fraction of sequences identical to it, and the mean common-prefix length as a fraction of the
+sequence), and the mean backbone layers per decoded token (the paper's mean exit layer). A second, untimed pass with `audit=True` measures the paper's Fig. 7 quantities on
 every exited token: next-token match and KL(backbone ‖ river). Paper (Llama-3.1-8B, GPU): 1.71–2.16×
 over the backbone at near-lossless quality; GSM8K match 98.03 %, KL 0.0045 at 3.79 layers.
 """
@@ -74,6 +75,30 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
         same = sum(1 for i in range(min(len(x), len(y))) if x[i] == y[i])
         fractions.append(same / n if n else 1.0)
     return statistics.fmean(fractions)
+
+
+def sequence_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """Whole-sequence agreement of decodes `a` with the reference decodes `b`, pairwise.
+
+    Why beside the per-token rates: a next-token match (the audit) is judged on the backbone's own
+    context, and positional agreement still counts positions that line up again after a
+    divergence, so both can be high while every generated sequence differs from the backbone's.
+    Greedy decoding makes the first divergence permanent in practice; what a user sees is whether
+    the sequence is the backbone's, and up to where it is.
+
+    Returns ``identical``: the fraction of sequences equal to their reference token for token
+    (same length included); ``common_prefix``: the mean length of the common prefix as a fraction
+    of the longer of the two (a decode that stops early, or runs on, is not counted as agreeing).
+    """
+    same, prefixes = [], []
+    for x, y in zip(a, b, strict=True):
+        n = max(len(x), len(y))
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        same.append(float(x == y))
+        prefixes.append(k / n if n else 1.0)
+    return {"identical": statistics.fmean(same), "common_prefix": statistics.fmean(prefixes)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             row["exit_rate"] = round(extra.get("river_exits", 0.0) / extra["river_forwards"], 3)
             row["token_agreement_vs_backbone"] = round(agreement(tokens, reference), 3)
+            whole = sequence_agreement(tokens, reference)
+            row["sequence_identical_vs_backbone"] = round(whole["identical"], 3)
+            row["common_prefix_fraction_vs_backbone"] = round(whole["common_prefix"], 3)
             row["answer_agreement_vs_backbone"] = round(
                 statistics.fmean(float(a == b) for a, b in zip(answers, reference_answers, strict=True)), 3
             )

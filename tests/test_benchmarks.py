@@ -298,6 +298,10 @@ def test_river_quick() -> None:
         assert row["speedup_vs_backbone"] == ratio(row["tokens_per_s"], backbone["tokens_per_s"])
         assert 1.0 <= row["mean_backbone_layers_per_token"] <= n_layers
         assert 0.0 <= row["exit_rate"] <= 1.0
+        # a whole identical sequence is a common prefix of 1, and a common prefix agrees at every
+        # position it spans: identical <= common prefix <= positional agreement (3-digit rounding)
+        same, prefix = row["sequence_identical_vs_backbone"], row["common_prefix_fraction_vs_backbone"]
+        assert 0.0 <= same <= prefix + 1e-3 and prefix <= row["token_agreement_vs_backbone"] + 1e-3
         audit = row["audit"]
         if audit["exited_tokens"]:
             assert 0.0 <= audit["next_token_match"] <= 1.0 and audit["kl"] >= 0.0
@@ -306,6 +310,21 @@ def test_river_quick() -> None:
     assert conds["full_quant"]["mean_backbone_layers_per_token"] == out["config"]["entry_layer"] + 1
     assert out["river_build"]["river_bytes"] > 0
     assert out["config"]["batch"] == 2 and out["config"]["head"] == out["river_build"]["head"] == "refined"
+
+
+def test_river_sequence_agreement_counts_whole_sequences_and_prefixes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sequence that diverges once and realigns agrees at most positions but is not identical;
+    one that stops early shares a prefix of its own length over the reference's."""
+    river = _script(monkeypatch, "river")
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
+    decoded = [[1, 2, 3, 4], [5, 0, 7, 8], [9, 9]]
+    whole = river.sequence_agreement(decoded, reference)
+    assert whole["identical"] == pytest.approx(1 / 3)
+    assert whole["common_prefix"] == pytest.approx((1.0 + 1 / 4 + 2 / 4) / 3)
+    assert river.agreement(decoded, reference) == pytest.approx((1.0 + 3 / 4 + 2 / 4) / 3)
+    assert river.sequence_agreement([[]], [[]]) == {"identical": 1.0, "common_prefix": 1.0}
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from typing import Any
 import dspy
 from _cli import example_parser, load_backend
 
-from branchwise.reasoners.dspy import BranchwiseLM, LenientChatAdapter
+from branchwise.integrations.dspy import BranchwiseLM, LenientChatAdapter
 
 # DSPy 3.4 warns that custom LMs implementing BaseLM.forward are deprecated (removal planned in 3.5)
 warnings.filterwarnings("ignore", message="Implementing custom LMs", category=DeprecationWarning)

@@ -20,7 +20,7 @@ import pytest
 dspy = pytest.importorskip("dspy")
 
 from branchwise.backends.base import DecodeParams, Generation  # noqa: E402
-from branchwise.reasoners.dspy import BranchwiseLM, LenientChatAdapter, Reason  # noqa: E402
+from branchwise.integrations.dspy import BranchwiseLM, LenientChatAdapter, Reason  # noqa: E402
 from branchwise.strategies import best_of_n, self_consistency  # noqa: E402
 
 pytestmark = [
@@ -456,7 +456,7 @@ _needs_engines = pytest.mark.skipif(
 
 
 def _elm(backend: Any, **kwargs: Any) -> Any:
-    from branchwise.reasoners.dspy import branchwise_lm
+    from branchwise.integrations.dspy import branchwise_lm
 
     kwargs.setdefault("cache", False)
     kwargs.setdefault("max_tokens", 16)
@@ -481,7 +481,7 @@ def test_oldest_supported_dspy_version_is_declared_and_met() -> None:
     version = tuple(int(p) for p in dspy.__version__.split(".")[:2])
     assert version >= (3, 3)
     if version < (3, 4):
-        from branchwise.reasoners.dspy import BranchwiseEngine
+        from branchwise.integrations.dspy import BranchwiseEngine
 
         with pytest.raises(ImportError, match=r"DSPy >= 3\.4"):
             BranchwiseEngine(backend=FakeBackend())
@@ -674,7 +674,7 @@ def test_reason_takes_an_explicit_backend_whatever_the_global_lm(tiny_backend: A
 
 @_needs_engines
 def test_engine_state_round_trips_through_dspy_lm(tiny_llama_dir: Path) -> None:
-    from branchwise.reasoners.dspy import BranchwiseEngine
+    from branchwise.integrations.dspy import BranchwiseEngine
 
     engine = BranchwiseEngine(str(tiny_llama_dir), max_tokens=8)
     lm = dspy.LM(engine.model_name, engine=engine, async_engine=engine.async_engine(), cache=False)

@@ -21,8 +21,8 @@ import jsonschema  # noqa: E402
 import pydantic  # noqa: E402
 
 from branchwise.backends.base import DecodeParams, Generation  # noqa: E402
-from branchwise.reasoners.dspy import BranchwiseLM, branchwise_lm  # noqa: E402
-from branchwise.reasoners.dspy_engine import request_messages, structured  # noqa: E402
+from branchwise.integrations.dspy import BranchwiseLM, branchwise_lm  # noqa: E402
+from branchwise.integrations.dspy_engine import request_messages, structured  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Implementing custom LMs:DeprecationWarning"),
@@ -381,7 +381,7 @@ def test_tiny_model_n_sampled_choices_each_follow_the_schema(tiny_backend: Any) 
 def test_reason_chooses_an_action_by_voting_over_tool_calls(tiny_backend: Any) -> None:
     """`Reason(..., tools=...)`: self-consistency over actions as a DSPy module; the answer field is
     the voted call as `dspy.ToolCalls`, valid under the tool's schema."""
-    from branchwise.reasoners.dspy import Reason
+    from branchwise.integrations.dspy import Reason
     from branchwise.strategies import self_consistency
 
     def lookup(city: str, days: int) -> str:

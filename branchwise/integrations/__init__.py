@@ -1,7 +1,7 @@
 """Integrations with agent frameworks: branchwise as a model (and a whole strategy as one step) in
 programs written for DSPy, LangChain and LangGraph.
 
-* `branchwise.reasoners.dspy`: `BranchwiseEngine` (DSPy 3.4+ engine contract, ``dspy.LM(...,
+* `branchwise.integrations.dspy`: `BranchwiseEngine` (DSPy 3.4+ engine contract, ``dspy.LM(...,
   engine=...)``), `BranchwiseLM` (the legacy `BaseLM.forward` contract, DSPy 3.3) and `Reason`;
 * `branchwise.integrations.langchain`: `ChatBranchwise` (a langchain-core chat model) and
   `as_runnable(reasoner)` (a strategy as a `Runnable`), with the ``langchain`` extra.

@@ -48,8 +48,8 @@ from branchwise.reasoners.answers import extract_answer, majority_vote
 from branchwise.reasoners.registry import check_names
 from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
 from branchwise.reasoners.search import kv_size_per_step
+from branchwise.reasoners.search.tree import search_select
 from branchwise.reasoners.state import Leaf, RunState
-from branchwise.reasoners.tree_search import search_select
 from branchwise.reasoners.typed import Typed
 from branchwise.reasoners.verifiers import Candidate, Verifier, default_verifiers
 from branchwise.strategies import (

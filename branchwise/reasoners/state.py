@@ -1,6 +1,6 @@
 """The mutable state of one `Reasoner.run`: its live branches (leaves) and what it recorded so far.
 
-Shared by the executor (`reasoner.py`) and the tree-search selects (`tree_search.py`).
+Shared by the executor (`reasoner.py`) and the tree-search selects (`search/tree.py`).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from _cli import example_parser, load_backend
 from dspy.utils.exceptions import AdapterParseError
 
 from branchwise.backends.base import Backend
-from branchwise.reasoners.dspy import LenientChatAdapter, Reason
+from branchwise.integrations.dspy import LenientChatAdapter, Reason
 from branchwise.reasoners.result import ReasoningResult
 from branchwise.strategies import self_consistency
 

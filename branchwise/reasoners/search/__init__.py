@@ -1,7 +1,10 @@
-"""The pure algorithmic core of tree search: REBASE allocation, the ETS ILP, clustering, KV metric.
+"""Tree search: the pure algorithmic core (REBASE allocation, the ETS ILP, clustering, KV metric)
+and, in `search.tree`, the selects that run it on a reasoner's branch tree.
 
-No torch and no model here (NumPy, SciPy and PuLP only), so the selection logic is testable and
-reusable on its own; the reasoner wires it to a backend.
+The names exported here need no torch and no model (NumPy, SciPy and PuLP only), so the selection
+logic is testable and reusable on its own. `search.tree` (`search_select`) wires it to a run's
+leaves and backend; it is imported from its module, not from here, so that importing this package
+never pulls in the run state or the backend protocol.
 """
 
 from branchwise.reasoners.search.cluster import (

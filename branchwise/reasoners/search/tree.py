@@ -2,9 +2,13 @@
 
 Why apart from the executor: these are the allocation rules of the search strategies — which leaves
 to keep and how many children each gets next — and they read like the papers' algorithms; the
-executor (`reasoner.py`) only calls `search_select` for a select node whose method allocates. A
-select retires finished leaves (their text and score stay for the vote, their KV goes) and releases
-pruned ones at once, so the backend frees every ancestor no kept leaf still reads.
+executor (`reasoners/reasoner.py`) only calls `search_select` for a select node whose method
+allocates. A select retires finished leaves (their text and score stay for the vote, their KV goes)
+and releases pruned ones at once, so the backend frees every ancestor no kept leaf still reads.
+
+This is the one module of `search/` that knows about a run (`RunState`, the backend's nodes); the
+package's `__init__` does not re-export it, so `import branchwise.reasoners.search` stays the pure,
+torch-free core that this module wires to the tree.
 """
 
 from __future__ import annotations
@@ -16,14 +20,16 @@ from typing import TYPE_CHECKING, Any, cast
 
 from branchwise.backends.base import SupportsNodeEmbedding
 from branchwise.reasoners.result import SearchStep
-from branchwise.reasoners.search import MiniLMEmbedder, cluster_embeddings, ets_step, rebase_allocation
+from branchwise.reasoners.search.cluster import MiniLMEmbedder, cluster_embeddings
+from branchwise.reasoners.search.ets import ets_step
+from branchwise.reasoners.search.rebase import rebase_allocation
 from branchwise.reasoners.state import Leaf, RunState
 from branchwise.strategies import SelectNode
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from branchwise.reasoners.search import Embedder
+    from branchwise.reasoners.search.cluster import Embedder
 
 _MINILM: MiniLMEmbedder | None = None
 """One all-MiniLM-L6-v2 per process: every reasoner running ETS shares it (loading costs seconds)."""

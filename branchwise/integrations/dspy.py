@@ -60,8 +60,7 @@ from dspy.utils.exceptions import AdapterParseError
 
 from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
-from branchwise.reasoners.answers import extract_answer, normalize_answer, register_extractor
-from branchwise.reasoners.dspy_engine import (
+from branchwise.integrations.dspy_engine import (
     SUPPORTED_PARAMS,
     AsyncBranchwiseEngine,
     BranchwiseEngine,
@@ -69,6 +68,7 @@ from branchwise.reasoners.dspy_engine import (
     branchwise_lm,
     structured,
 )
+from branchwise.reasoners.answers import extract_answer, normalize_answer, register_extractor
 
 if TYPE_CHECKING:
     from branchwise.reasoners.result import ReasoningResult

@@ -2,7 +2,7 @@
 `dspy.lm15.Response`, so ``dspy.LM("branchwise/<name>", engine=...)`` runs on a local backend.
 
 Why its own module: it is the forward-compatible half of the DSPy plug-in (DSPy 3.5 keeps this
-contract and drops the legacy `BaseLM.forward` that `BranchwiseLM` in `reasoners/dspy.py`
+contract and drops the legacy `BaseLM.forward` that `BranchwiseLM` in `integrations/dspy.py`
 implements), and it shares nothing with that legacy LM but the backend and the scheduler.
 DSPy owns the cache, retries, history and the ``n`` fan-out (it sends the ``n`` candidates as ``n``
 one-sample requests); every request goes whole through the backend's shared `Scheduler`, so
@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode
 from branchwise.backends.scheduler import Job, Scheduler
 from branchwise.constraints import Constraint, tool_calls_of
+from branchwise.integrations._shared import shared_scheduler
 from branchwise.toolcalls import ToolCall, normalize_tools, tool_names
 
 __all__ = [
@@ -330,8 +331,6 @@ class BranchwiseEngine:
             from branchwise.backends.hf import HFBackend
 
             backend = HFBackend(model, dtype=dtype, device=device, share=share)
-        from branchwise.integrations._shared import shared_scheduler
-
         self.backend = backend
         self.model = model
         self.share: ShareMode = share

@@ -487,6 +487,17 @@ def test_oldest_supported_dspy_version_is_declared_and_met() -> None:
             BranchwiseEngine(backend=FakeBackend())
 
 
+def test_old_import_path_forwards_with_a_deprecation_warning() -> None:
+    """`branchwise.reasoners.dspy` was the documented path: it still resolves, and says where to go."""
+    import branchwise.integrations.dspy as moved
+
+    with pytest.warns(DeprecationWarning, match=r"import Reason from branchwise\.integrations\.dspy"):
+        from branchwise.reasoners.dspy import Reason as old_reason
+    assert old_reason is moved.Reason
+    with pytest.raises(ImportError):
+        from branchwise.reasoners.dspy import NoSuchName  # noqa: F401
+
+
 @_needs_engines
 def test_engine_answers_canonical_requests_without_deprecation_warnings(tiny_backend: Any) -> None:
     import warnings

@@ -13,6 +13,9 @@ interleaved within each repeat so a slow spell of the machine hits all of them:
 * ``decode_b1``: one request, one sample: decode tokens/s = (T−1) / (t(T) − t(1)), prefill cancelled;
 * ``concurrent``: `--clients` requests at once (n=4, 16 tokens each) to each server (in-process:
   not applicable): completion tokens per second of wall time.
+* ``affinity`` (with two vLLM servers: ``--vllm-url A B``): three beam searches over both servers
+  through `RemoteBackend`, once round-robin and once with prefix affinity (each branch tree on one
+  server), on fresh long prompts; vLLM's prefix-cache hit rate of each, from its ``/metrics``.
 
 Every prompt is fresh (a unique lead-in), so no cache helps either side unless the row says so.
 Token-id prompts of exact lengths; ``min_tokens`` = ``max_tokens`` so every sample has the same
@@ -52,9 +55,9 @@ from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.embedded import embedded_model_dir
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
-ROWS = ("sc", "warm", "decode", "concurrent")
+ROWS = ("sc", "warm", "decode", "concurrent", "affinity")
 """The workloads (see the module docstring): self-consistency at each `--sc-tokens`, the same prompt
-warm, decode at B=1, concurrent requests."""
+warm, decode at B=1, concurrent requests, prefix affinity over two servers."""
 
 
 def _vllm_python(given: str | None) -> str | None:
@@ -194,7 +197,12 @@ def main(argv: list[str] | None = None) -> None:
         threads=2,
     )
     parser.add_argument("--vllm-python", default=None, help="Python of a virtualenv with vLLM")
-    parser.add_argument("--vllm-url", default=None, help="a vLLM server already running on the model")
+    parser.add_argument(
+        "--vllm-url",
+        nargs="+",
+        default=None,
+        help="vLLM server(s) already running on the model; the first is timed, a second enables the affinity row",
+    )
     parser.add_argument("--vllm-start-timeout", type=float, default=900.0, help="seconds for vLLM's start")
     parser.add_argument("--prompt", type=int, default=1024, help="prompt tokens of the self-consistency rows")
     parser.add_argument("--sc-tokens", type=int, nargs="+", default=[8, 64, 256], help="tokens per sample")
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        vllm_url = args.vllm_url
+        vllm_url = args.vllm_url[0] if args.vllm_url else None
         if vllm_url is None:
             port = _free_port()
             print(f"[vs_vllm] starting vLLM ({python}) on port {port}", file=sys.stderr, flush=True)
@@ -248,6 +256,10 @@ def main(argv: list[str] | None = None) -> None:
         sides: list[Any] = [Server("vllm", vllm_url), Server("serve", f"http://127.0.0.1:{serve_port}")]
         sides.append(InProcess(backend))
         results = run_rows(args, backend, sides, bench.log)
+        if "affinity" in args.rows:
+            results["affinity"] = affinity_row(
+                list(dict.fromkeys([vllm_url, *(args.vllm_url or [])])), bench.log
+            )
         versions = {"vllm": vllm_version(python, vllm_url)}
         packed = {"modules": backend.prepacked.modules, "reason": backend.prepacked.reason}
         bench.emit(
@@ -329,6 +341,47 @@ def run_rows(
         timed(f"concurrent{args.clients}_n4_t16_tokens_per_s", concurrent, higher_is_better=True)
     sides[:] = saved
     return rows
+
+
+def affinity_row(urls: list[str], log: Callable[[str], None]) -> dict[str, Any]:
+    """vLLM's prefix-cache hit rate over two servers, round-robin then with prefix affinity (see
+    the module docstring); both on fresh prompts, so neither starts warm."""
+    if len(urls) < 2:
+        return {"skipped": "needs two vLLM servers of the model: --vllm-url A B"}
+    from branchwise.backends.remote import RemoteBackend
+    from branchwise.reasoners import Reasoner
+    from branchwise.strategies import beam_search
+
+    strategy = beam_search(
+        width=4, depth=2, max_step_tokens=8, temperature=0.7, seed=3, verifier="confidence"
+    )
+    row: dict[str, Any] = {}
+    for affinity in (False, True):
+        remote = RemoteBackend(urls[:2], affinity=affinity, timeout_s=300)
+        before = remote.prefix_cache_counters()
+        tag = uuid.uuid4().hex[:8]
+        for i in range(3):
+            Reasoner(strategy, backend=remote).run(_inventory_question(tag, i))
+        after = remote.prefix_cache_counters()
+        remote.close()
+        if any(c is None for c in (*before.values(), *after.values())):
+            return {"skipped": f"a server exposes no prefix-cache counters at /metrics: {urls[:2]}"}
+        queries = sum(after[u][0] - before[u][0] for u in after)  # type: ignore[index]
+        hits = sum(after[u][1] - before[u][1] for u in after)  # type: ignore[index]
+        name = "affinity" if affinity else "round_robin"
+        row[f"{name}_hit_rate"] = round(hits / queries, 3) if queries else None
+        row[f"{name}_queried_tokens"] = queries
+        log(f"affinity={affinity}: {row}")
+    return row
+
+
+def _inventory_question(tag: str, i: int) -> str:
+    """A question with a few hundred tokens of context, unique per `tag`: several of vLLM's KV
+    blocks (only whole blocks are cached) that start cold in both servers' caches."""
+    facts = " ".join(
+        f"Shelf {k} of store {tag} holds {3 * k + i} red boxes and {2 * k + 1} blue boxes." for k in range(24)
+    )
+    return f"Inventory note {tag}: {facts}\nQuestion: how many red boxes are on shelf {i + 2}?"
 
 
 def goals(rows: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -10,16 +10,12 @@ import difflib
 import json
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
-
-if TYPE_CHECKING:
-    from branchwise.backends.accel import Accel
-    from branchwise.backends.base import Backend
 
 from branchwise import cli_backend
 from branchwise.cli_params import DeviceOption, DtypeOption, one_line, ranged
@@ -131,18 +127,6 @@ def _load_strategy(
         return _read_strategy(path)
     except ValueError as err:
         raise typer.BadParameter(str(err), param_hint="--strategy") from None
-
-
-def _remote_backend(endpoints: list[str], model: str | None, accel: Accel) -> Backend:
-    """Connect to the servers (several: each branch tree goes to one of them, for its prefix
-    cache); an unreachable one or an acceleration they cannot run names ``--endpoint``."""
-    from branchwise.backends.remote import RemoteBackend, RemoteError, UnsupportedOnRemote
-
-    try:
-        RemoteBackend.check_accel(accel)
-        return RemoteBackend(endpoints, model=model)
-    except (RemoteError, UnsupportedOnRemote) as err:
-        raise typer.BadParameter(str(err), param_hint="--endpoint") from None
 
 
 @app.command()
@@ -261,7 +245,7 @@ def run(
     except ValidationError as err:
         raise typer.BadParameter(f"these accelerations cannot run together: {one_line(err)}") from None
     backend = (
-        _remote_backend(endpoint, model, accel)
+        cli_backend.remote_backend(endpoint, model, accel)
         if endpoint
         else cli_backend.load_backend(model, device, dtype)
     )

@@ -1,8 +1,8 @@
-"""The local backend the `branchwise` commands run on, loaded with usage errors naming the option.
+"""The backend the `branchwise` commands run on, loaded or connected with usage errors naming the option.
 
 Why a module of its own: `branchwise run`, `calibrate`, `steering build` (`cli.py`) and
-`branchwise serve` (`serve/cli.py`) all load a model from the same three options and must refuse a
-bad one the same way. It used to be a private helper of `cli.py` that `serve/cli.py` imported back,
+`branchwise serve` (`serve/cli.py`) all load a model from the same three options (or connect to
+the servers of ``--endpoint``) and must refuse a bad one the same way. It used to be a private helper of `cli.py` that `serve/cli.py` imported back,
 an import cycle between the two command modules; both now import it from here. Tests and
 `benchmarks/serve_load.py` replace `load_backend` on this module to stub or tune the loading.
 """
@@ -15,9 +15,11 @@ import typer
 from rich.console import Console
 
 if TYPE_CHECKING:
+    from branchwise.backends.accel import Accel
     from branchwise.backends.hf import HFBackend
+    from branchwise.backends.remote import RemoteBackend
 
-__all__ = ["load_backend"]
+__all__ = ["load_backend", "remote_backend"]
 
 console = Console()
 
@@ -47,3 +49,17 @@ def load_backend(model: str | None, device: str = "auto", dtype: str = "auto") -
                 f"{model!r} is neither a local model folder nor a reachable hub id ({first})",
                 param_hint="--model",
             ) from None
+
+
+def remote_backend(endpoints: list[str], model: str | None, accel: Accel | None = None) -> RemoteBackend:
+    """Connect to the servers (several: each branch tree goes to one of them, for its prefix
+    cache); an unreachable one or an acceleration they cannot run names ``--endpoint``."""
+    from branchwise.backends.remote import RemoteBackend, RemoteError, UnsupportedOnRemote
+
+    try:
+        if accel is not None:
+            RemoteBackend.check_accel(accel)
+        with console.status(f"connecting to {', '.join(endpoints)}…"):
+            return RemoteBackend(endpoints, model=model)
+    except (RemoteError, UnsupportedOnRemote) as err:
+        raise typer.BadParameter(str(err), param_hint="--endpoint") from None

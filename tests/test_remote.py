@@ -94,19 +94,111 @@ def test_tree_ops_keep_the_protocol(served: str) -> None:
         remote.tokens(root)
 
 
+def _heard(steps: list[Any], rows: int) -> tuple[list[list[int]], dict[int, Any]]:
+    """Each row's tokens as a listener heard them, and the rows it heard end (each once)."""
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    ended: dict[int, Any] = {}
+    for step in steps:
+        for i, ids in step.tokens.items():
+            assert i not in ended, "tokens after the row ended"
+            tokens[i].extend(ids)
+        for i, gen in step.finished.items():
+            assert i not in ended, "a row ended twice"
+            ended[i] = gen
+    return tokens, ended
+
+
 def test_extend_tells_a_listener_each_request_whole(served: str) -> None:
-    """Remote replies are not streamed: a listener hears of each request once, when it is answered."""
+    """A branchwise server's streamed chunks carry no token ids: a listener hears each row's tokens
+    whole, when its request is answered, and every row ends once."""
     remote = RemoteBackend(served)
     a = remote.prefill(remote.encode("The answer is"))
     b = remote.prefill(remote.encode("Count to five:"))
     kids = remote.fork(a, 2)
-    steps = []
+    steps: list[Any] = []
     gens = remote.extend([kids[0], b, kids[1]], DecodeParams(max_tokens=4), on_step=steps.append)
-    assert sorted(sorted(s.finished) for s in steps) == [[0, 2], [1]]  # one step per request
-    for step in steps:
-        assert step.tokens == {i: g.token_ids for i, g in step.finished.items()}
-        assert all(g is gens[i] for i, g in step.finished.items())
+    tokens, ended = _heard(steps, 3)
+    assert sorted(ended) == [0, 1, 2] and all(ended[i] is gens[i] for i in ended)
+    assert tokens == [g.token_ids for g in gens]
+    for step in steps:  # whole: a row's tokens come in the step that ends it
+        assert set(step.tokens) <= set(step.finished)
+    assert remote.tokens(b)[-4:] == gens[1].token_ids  # the tree grew
     remote.release([a, b, *kids])
+
+
+def test_a_listened_extend_streams_tokens_as_vllm_sends_them(served: str) -> None:
+    """On a vLLM-like server a listener hears tokens as they are streamed: the same tokens, text and
+    log-probabilities as the unstreamed reply, row by row, and the tree grows by them."""
+    with FaultProxy(served, [], vllm=True) as proxy:
+        remote = RemoteBackend(proxy.url)
+        prompt = remote.encode("The answer is")
+        params = DecodeParams(max_tokens=6, min_tokens=6)
+        root = remote.prefill(prompt)
+        (whole,) = remote.extend([root], params)
+        other = remote.prefill(remote.encode("Count to five:"))
+        kids = remote.fork(remote.prefill(prompt), 2)
+        steps: list[Any] = []
+        gens = remote.extend([kids[0], other, kids[1]], params, on_step=steps.append)
+        tokens, ended = _heard(steps, 3)
+        assert sorted(ended) == [0, 1, 2] and tokens == [g.token_ids for g in gens]
+        assert sum(1 for s in steps if s.tokens.get(0)) > 1, "row 0's tokens came in one piece"
+        for g in (gens[0], gens[2]):  # greedy: one request, copied to both rows
+            assert g.token_ids == whole.token_ids and g.text == whole.text
+            assert g.logprobs == pytest.approx(whole.logprobs, abs=1e-5)
+        assert remote.tokens(kids[0]) == [*prompt, *whole.token_ids]
+        assert remote.kv_stats().forward_calls == 3
+
+
+def test_rows_a_listener_stops_close_their_stream(served: str) -> None:
+    """Rows the listener gives back end "cancelled" with the tokens heard so far; once a request's
+    rows are all stopped its stream is closed (the server aborts it), and its node does not grow."""
+    with FaultProxy(served, [], vllm=True, chunk_delay_s=0.05) as proxy:
+        remote = RemoteBackend(proxy.url)
+        a = remote.prefill(remote.encode("The answer is"))
+        b = remote.prefill(remote.encode("Count to five:"))
+        steps: list[Any] = []
+
+        def listen(step: Any) -> list[int]:
+            steps.append(step)
+            return [0] if step.tokens.get(0) else []
+
+        gens = remote.extend([a, b], DecodeParams(max_tokens=12, min_tokens=12), on_step=listen)
+        assert gens[0].finish_reason == "cancelled" and 0 < len(gens[0].token_ids) < 12
+        assert gens[1].finish_reason == "length" and len(gens[1].token_ids) == 12
+        assert len(remote.tokens(a)) == len(remote.encode("The answer is"))
+        assert not any(0 in s.finished for s in steps)
+        deadline = time.monotonic() + 5
+        while not proxy.aborted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proxy.aborted == 1
+
+
+def test_admitted_rows_decode_beside_the_running_ones_with_their_own_params(served: str) -> None:
+    """Continuous batching through a remote server: `admit` is asked while rows decode, and what it
+    hands in goes out at once, numbered after the others, with its own parameters."""
+    with FaultProxy(served, [], vllm=True, chunk_delay_s=0.02) as proxy:
+        remote = RemoteBackend(proxy.url)
+        first = remote.prefill(remote.encode("The answer is"))
+        late = remote.prefill(remote.encode("Count to five:"))
+        asked: list[int] = []
+
+        def admit(alive: int) -> list[Any]:
+            asked.append(alive)
+            return [(late, DecodeParams(max_tokens=3, min_tokens=3))] if len(asked) == 1 else []
+
+        steps: list[Any] = []
+        gens = remote.extend(
+            [first], DecodeParams(max_tokens=8, min_tokens=8), on_step=steps.append, admit=admit
+        )
+        assert asked[0] == 1 and len(asked) > 1
+        assert [len(g.token_ids) for g in gens] == [8, 3]
+        assert [g.node for g in gens] == [first, late]
+        tokens, ended = _heard(steps, 2)
+        assert sorted(ended) == [0, 1] and tokens == [g.token_ids for g in gens]
+        (alone,) = remote.extend(
+            [remote.prefill(remote.encode("Count to five:"))], DecodeParams(max_tokens=3)
+        )
+        assert gens[1].token_ids == alone.token_ids
 
 
 def test_accelerations_that_need_the_model_raise_clearly(served: str) -> None:
@@ -135,7 +227,9 @@ class FaultProxy:
     "drop": close the connection without a response; "500"/"429": that status (429 with
     ``Retry-After: retry_after``); "stall": wait `stall_s` before forwarding; "ok": forward. With
     `vllm=True` it lists the model as not owned by branchwise, so `RemoteBackend` uses the standard
-    paths; `strip_logprobs` removes the log-probabilities from completion replies.
+    paths, and streams a completion asked with ``stream`` as vLLM does (a chunk per token, its id
+    in ``logprobs``; `chunk_delay_s` apart); `strip_logprobs` removes the log-probabilities from
+    completion replies. `aborted` counts streams whose client left before the end.
     """
 
     def __init__(
@@ -147,10 +241,12 @@ class FaultProxy:
         stall_s: float = 2.0,
         retry_after: str = "0",
         strip_logprobs: bool = False,
+        chunk_delay_s: float = 0.0,
     ) -> None:
         self.upstream, self.script, self.vllm, self.stall_s = upstream, list(script), vllm, stall_s
-        self.retry_after, self.strip_logprobs = retry_after, strip_logprobs
+        self.retry_after, self.strip_logprobs, self.chunk_delay_s = retry_after, strip_logprobs, chunk_delay_s
         self.seen: list[str] = []
+        self.aborted = 0
         self.lock = threading.Lock()
         proxy = self
 
@@ -181,6 +277,11 @@ class FaultProxy:
                     time.sleep(proxy.stall_s)
                 url = proxy.upstream + self.path
                 kind = {"Content-Type": self.headers.get("content-type", "application/json")}
+                stream = False
+                if body is not None and proxy.vllm and self.path == "/v1/completions":
+                    asked = json.loads(body)
+                    stream = bool(asked.pop("stream", False))
+                    body = json.dumps(asked).encode()
                 r = (
                     httpx.get(url)
                     if body is None
@@ -197,7 +298,42 @@ class FaultProxy:
                     for choice in reply["choices"]:
                         choice["logprobs"] = None
                     data = json.dumps(reply).encode()
+                if stream and r.status_code == 200:
+                    self._stream(json.loads(data)["choices"])
+                    return
                 self._reply(r.status_code, data, {})
+
+            def _stream(self, choices: list[dict[str, Any]]) -> None:
+                """vLLM's stream of a whole reply: a chunk per token, choices interleaved."""
+                chunks = []
+                for c in choices:
+                    lp = c.get("logprobs") or {}
+                    tokens = lp.get("tokens") or []
+                    offsets = [*(lp.get("text_offset") or [0] * len(tokens)), len(c["text"])]
+                    for k, token in enumerate(tokens):
+                        piece = c["text"][offsets[k] : offsets[k + 1]] if lp.get("text_offset") else ""
+                        top = (lp.get("top_logprobs") or [None] * len(tokens))[k]
+                        part = {
+                            "tokens": [token],
+                            "token_logprobs": [lp["token_logprobs"][k]],
+                            "top_logprobs": [top],
+                        }
+                        chunks.append((k, {"index": c["index"], "text": piece, "logprobs": part}))
+                    end = {"index": c["index"], "text": "" if lp.get("text_offset") else c["text"]}
+                    end.update(finish_reason=c["finish_reason"], stop_reason=c.get("stop_reason"))
+                    chunks.append((len(tokens), end))
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                try:
+                    for _, part in sorted(chunks, key=lambda kc: kc[0]):
+                        self.wfile.write(f"data: {json.dumps({'choices': [part]})}\n\n".encode())
+                        self.wfile.flush()
+                        time.sleep(proxy.chunk_delay_s)
+                    self.wfile.write(b"data: [DONE]\n\n")
+                except OSError:  # the client closed the stream
+                    with proxy.lock:
+                        proxy.aborted += 1
 
             def _reply(self, status: int, data: bytes, headers: dict[str, str]) -> None:
                 self.send_response(status)

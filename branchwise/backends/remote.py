@@ -52,17 +52,18 @@ import json
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import tenacity
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import (
+    Admit,
     DecodeParams,
-    DecodeStep,
     FinishReason,
     Generation,
     KVStats,
@@ -70,6 +71,7 @@ from branchwise.backends.base import (
     ShareMode,
     StepListener,
 )
+from branchwise.backends.remote_stream import Choices, Emit, LiveExtend, Stopped, sse_events
 from branchwise.constraints import Constraint
 from branchwise.toolcalls import render_messages, template_has_tools
 
@@ -165,6 +167,9 @@ class RemoteBackend:
     name = "remote"
     max_context: int | None = None
     """Unknown here: the server checks its own context and answers 400 for what does not fit."""
+    seeds_per_request = True
+    """Each request carries its own seed to the server, so a seeded row decodes the same tokens
+    whatever it is batched with (a `Scheduler` batches seeded jobs here)."""
 
     def __init__(
         self,
@@ -262,9 +267,17 @@ class RemoteBackend:
 
     # ------------------------------------------------------------------ HTTP
     def _request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, endpoint: int = 0
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        endpoint: int = 0,
+        stream: Callable[[httpx.Response], Any] | None = None,
     ) -> Any:
-        """One call to one endpoint with retries (see the module docstring); the decoded JSON reply."""
+        """One call to one endpoint with retries (see the module docstring); the decoded JSON reply,
+        or what `stream` made of the streamed response (a failure after `stream` reported anything
+        is not retried: the listener would hear the same tokens twice)."""
         import httpx
 
         http, url = self._clients[endpoint], self.endpoints[endpoint]
@@ -278,7 +291,14 @@ class RemoteBackend:
             return max(backoff, after) if after is not None else backoff
 
         def once() -> Any:
-            response = http.request(method, path, json=body)
+            if stream is None:
+                return answered(http.request(method, path, json=body)).json()
+            with http.stream(method, path, json=body) as response:
+                if response.status_code >= 400:
+                    response.read()
+                return stream(answered(response))
+
+        def answered(response: httpx.Response) -> httpx.Response:
             if response.status_code in _RETRY_STATUS:
                 raise _Retryable(response.status_code, response.text, _retry_after(response))
             if response.status_code == 404:
@@ -289,7 +309,7 @@ class RemoteBackend:
                 )
             with self._lock:
                 self._stats.extra["requests"] = self._stats.extra.get("requests", 0.0) + 1
-            return response.json()
+            return response
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type((httpx.TransportError, _Retryable)),
@@ -313,14 +333,20 @@ class RemoteBackend:
         self._bump("retries")
         self._bump("retry_wait_s", state.next_action.sleep if state.next_action is not None else 0.0)
 
-    def _post(self, path: str, body: dict[str, Any], tree: bytes | None = None) -> tuple[Any, str]:
+    def _post(
+        self,
+        path: str,
+        body: dict[str, Any],
+        tree: bytes | None = None,
+        stream: Callable[[httpx.Response], Any] | None = None,
+    ) -> tuple[Any, str]:
         """POST to the endpoint `tree` routes to (round-robin when `tree` is None or affinity is
-        off), failing over along the ranking; the reply and the URL that gave it."""
+        off), failing over along the ranking; the reply (or `stream`'s result) and the URL that gave it."""
         order = self._order(tree)
         failures: list[RemoteUnavailable] = []
         for i in order:
             try:
-                reply = self._request("POST", path, body, endpoint=i)
+                reply = self._request("POST", path, body, endpoint=i, stream=stream)
             except RemoteUnavailable as err:
                 self._mark_down(i)
                 failures.append(err)
@@ -363,6 +389,33 @@ class RemoteBackend:
         if len(self.endpoints) > 1 and not self.affinity:
             return None
         return self.endpoints[self._order(tree)[0]]
+
+    def prefix_cache_counters(self) -> dict[str, tuple[float, float] | None]:
+        """Each endpoint's prefix-cache counters so far, (queried tokens, hit tokens), from its
+        Prometheus ``/metrics`` (vLLM's ``vllm:prefix_cache_queries_total`` and ``..._hits_total``,
+        summed over its engines); None for an endpoint that exposes no such counters.
+
+        Why: the hit rate is what prefix affinity buys (and what round-robin loses); take the
+        counters before and after a workload and compare their differences."""
+        import httpx
+
+        out: dict[str, tuple[float, float] | None] = {}
+        for client, url in zip(self._clients, self.endpoints, strict=True):
+            try:
+                response = client.get("/metrics")
+            except httpx.HTTPError:
+                out[url] = None
+                continue
+            queries = hits = 0.0
+            found = False
+            for line in response.text.splitlines() if response.status_code == 200 else ():
+                name, _, value = line.partition(" ")
+                if name.startswith("vllm:prefix_cache_queries_total"):
+                    queries, found = queries + float(value), True
+                elif name.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(value)
+            out[url] = (queries, hits) if found else None
+        return out
 
     def _bump(self, key: str, value: float = 1.0) -> None:
         with self._lock:
@@ -507,14 +560,27 @@ class RemoteBackend:
                 self._growable(node).tokens.extend(ids)
 
     def extend(
-        self, nodes: Sequence[NodeId], params: DecodeParams, on_step: StepListener | None = None
+        self,
+        nodes: Sequence[NodeId],
+        params: DecodeParams,
+        on_step: StepListener | None = None,
+        admit: Admit | None = None,
+        row_params: Sequence[DecodeParams | None] | None = None,
     ) -> list[Generation]:
         """One completion request per distinct token sequence (``n`` = nodes holding it), in parallel.
 
-        `on_step` hears of each request's generations, whole, as soon as that request is answered
-        (the replies are not streamed token by token); rows it gives back are not stopped (a sent
-        request runs to its end on the server).
+        With a listener (`on_step`) or an `admit` (continuous batching), the requests are streamed
+        (`remote_stream.LiveExtend`): tokens reach the listener as the server sends them, rows it
+        gives back stop, admitted rows go out at once; `row_params` gives rows their own
+        parameters. Without either, the replies are read whole, and the tree grows only once every
+        request succeeded (a failed call can be retried on the same nodes).
         """
+        if on_step is not None or admit is not None:
+            return self._extend_live(nodes, params, on_step, admit, row_params)
+        if row_params is not None and any(p is not None and p != params for p in row_params):
+            raise ValueError(
+                "row_params needs admit or on_step (a streamed extend); send one call per parameters"
+            )
         with self._lock:
             held = [self._growable(n) for n in nodes]
             if len(set(nodes)) != len(nodes):
@@ -529,23 +595,55 @@ class RemoteBackend:
             for prompt, members in groups.items()
         }
         replies: dict[int, Generation] = {}
-        row = {node: i for i, node in enumerate(nodes)}
         for future in as_completed(futures):
             for node, gen in zip(futures[future], future.result(), strict=True):
                 gen.node = node
                 replies[node] = gen
-            if on_step is not None:
-                done = {row[node]: replies[node] for node in futures[future]}
-                on_step(DecodeStep({i: list(g.token_ids) for i, g in done.items()}, done))
         with self._lock:  # the tree grows only once every request succeeded
             for prompt, members in groups.items():
-                self._stats.tokens_computed += len(prompt)
+                self._account(list(prompt), [replies[node] for node in members])
                 for node in members:
-                    gen = replies[node]
-                    self._nodes[node].tokens.extend(gen.token_ids)
-                    self._stats.tokens_computed += len(gen.token_ids)
-                self._stats.forward_calls += 1
+                    self._nodes[node].tokens.extend(replies[node].token_ids)
         return [replies[n] for n in nodes]
+
+    def _extend_live(
+        self,
+        nodes: Sequence[NodeId],
+        params: DecodeParams,
+        on_step: StepListener | None,
+        admit: Admit | None,
+        row_params: Sequence[DecodeParams | None] | None,
+    ) -> list[Generation]:
+        """`extend` with a listener or an admission (see `remote_stream`). A node grows when its
+        row ends, unless it was released meanwhile (a serving scheduler frees answered requests')."""
+        with self._lock:
+            if len(set(nodes)) != len(nodes):
+                raise ValueError("nodes must be distinct; fork a node to decode it several times")
+            for node in nodes:
+                self._growable(node)
+
+        def key(node: NodeId) -> tuple[tuple[int, ...], bytes]:
+            with self._lock:
+                rec = self._growable(node)
+                return tuple(rec.tokens), rec.tree
+
+        live = LiveExtend(self._pool, self._complete, key, on_step, admit)
+        gens = live.run(nodes, params, row_params)
+        with self._lock:
+            for prompt, done in live.requests:
+                self._account(prompt, [])
+                for gen in done:
+                    self._stats.tokens_computed += len(gen.token_ids)
+            for gen in gens:
+                rec = self._nodes.get(gen.node)
+                if gen.finish_reason != "cancelled" and rec is not None and not rec.released:
+                    rec.tokens.extend(gen.token_ids)
+        return gens
+
+    def _account(self, prompt: list[int], gens: list[Generation]) -> None:
+        """Count one answered request (under the lock): its prompt and generated tokens."""
+        self._stats.tokens_computed += len(prompt) + sum(len(g.token_ids) for g in gens)
+        self._stats.forward_calls += 1
 
     def score_next(
         self, nodes: Sequence[NodeId], suffix: Sequence[int], candidates: Sequence[int]
@@ -620,16 +718,27 @@ class RemoteBackend:
             node = rec.parent
             self._nodes[node].children -= 1
 
-    def _complete(self, prompt: list[int], n: int, params: DecodeParams, tree: bytes) -> list[Generation]:
+    def _complete(
+        self,
+        prompt: list[int],
+        n: int,
+        params: DecodeParams,
+        tree: bytes,
+        emit: Emit | None = None,
+        stopped: Callable[[], bool] | None = None,
+    ) -> list[Generation]:
         """One completion request of `n` continuations of `prompt` (see `_request_choices`), each
-        continued past a blank first step where the server ends steps otherwise (`_past_blank_step`)."""
-        gens = self._request_choices(prompt, n, params, tree)
+        continued past a blank first step where the server ends steps otherwise (`_past_blank_step`).
+        With `emit`, streamed (`Stopped` once `stopped()` says so: the stream was closed)."""
+        gens = self._request_choices(prompt, n, params, tree, emit, stopped)
         if params.step_delimiter and params.constraint is None and not self.branchwise_server:
-            gens = [self._past_blank_step(prompt, g, params, tree) for g in gens]
+            for i, g in enumerate(gens):
+                more = None if emit is None else (lambda _, ids, i=i: emit(i, ids))
+                gens[i] = self._past_blank_step(prompt, g, params, tree, more)
         return gens
 
     def _past_blank_step(
-        self, prompt: list[int], gen: Generation, params: DecodeParams, tree: bytes
+        self, prompt: list[int], gen: Generation, params: DecodeParams, tree: bytes, emit: Emit | None = None
     ) -> Generation:
         """vLLM ends a step at the first delimiter, even one the step opens with (the model wrote
         the blank line first); branchwise's rule (`backends.text.finish_text`, which the local
@@ -646,7 +755,7 @@ class RemoteBackend:
             rest = params.model_copy(
                 update={"max_tokens": left, "min_tokens": max(0, params.min_tokens - len(gen.token_ids))}
             )
-            (more,) = self._request_choices([*prompt, *gen.token_ids], 1, rest, tree)
+            (more,) = self._request_choices([*prompt, *gen.token_ids], 1, rest, tree, emit)
             self._bump("blank_step_continuations")
             gen = Generation(
                 node=-1,
@@ -659,9 +768,19 @@ class RemoteBackend:
         return gen
 
     def _request_choices(
-        self, prompt: list[int], n: int, params: DecodeParams, tree: bytes
+        self,
+        prompt: list[int],
+        n: int,
+        params: DecodeParams,
+        tree: bytes,
+        emit: Emit | None = None,
+        stopped: Callable[[], bool] | None = None,
     ) -> list[Generation]:
-        """One ``/v1/completions`` request on the tree's endpoint; `n` generations in index order."""
+        """One ``/v1/completions`` request on the tree's endpoint; `n` generations in index order.
+
+        With `emit` (and a server other than branchwise, whose streamed chunks carry no token
+        ids), the reply is streamed: `emit` hears each choice's token ids as they come, and the
+        stream is closed once `stopped()` is true (raising `Stopped`)."""
         copies = 1
         if n > 1 and params.temperature == 0 and not self.branchwise_server:
             copies, n = n, 1  # vLLM answers HTTP 400 to n > 1 with greedy sampling (module docstring)
@@ -689,7 +808,13 @@ class RemoteBackend:
             body.update(stop=stops or None, logprobs=1, return_tokens_as_token_ids=True)
             if params.step_delimiter:
                 body["include_stop_str_in_output"] = True  # vLLM: the delimiter stays in the step
-        reply, url = self._post("/v1/completions", body, tree)
+        if emit is not None and not self.branchwise_server:
+            body["stream"] = True
+            to_rows = emit if copies == 1 else partial(_to_copies, emit, copies)
+            read = partial(_read_stream, n=n, emit=to_rows, stopped=stopped)
+            reply, url = self._post("/v1/completions", body, tree, read)
+        else:
+            reply, url = self._post("/v1/completions", body, tree)
         choices = sorted(reply["choices"], key=lambda c: c["index"])
         if len(choices) != n:
             raise RemoteError(f"{url} returned {len(choices)} choices for n={n}")
@@ -757,6 +882,40 @@ class RemoteBackend:
             )
         by_id = {int(k.removeprefix("token_id:")): v for k, v in first.items()}
         return [math.exp(by_id[c]) if c in by_id else 0.0 for c in candidates]
+
+
+def _to_copies(emit: Emit, copies: int, _: int, ids: list[int]) -> None:
+    """A greedy request's one choice, reported for each of the `copies` rows it stands for."""
+    for k in range(copies):
+        emit(k, ids)
+
+
+def _read_stream(
+    response: httpx.Response, *, n: int, emit: Emit, stopped: Callable[[], bool] | None
+) -> dict[str, Any]:
+    """A streamed completion read into the shape of a whole reply (``{"choices": [...]}``), each
+    chunk's token ids handed to `emit` on the way; `Stopped` once `stopped()` (leaving closes the
+    stream). A dropped connection after the first chunk is an error, not a retry (`_request`)."""
+    import httpx
+
+    choices = Choices(n)
+    emitted = False
+    try:
+        for event in sse_events(response.iter_lines()):
+            for i, ids in choices.add(event):
+                emit(i, ids)
+                emitted = True
+            if stopped is not None and stopped():
+                raise Stopped
+    except ValueError as err:
+        raise RemoteError(f"{response.url} failed while streaming: {err}") from None
+    except httpx.TransportError as err:
+        if not emitted:
+            raise
+        raise RemoteError(
+            f"{response.url} dropped a streamed reply midway: {type(err).__name__}: {err}"
+        ) from err
+    return {"choices": choices.whole}
 
 
 def _structured_outputs(c: Constraint) -> dict[str, Any]:

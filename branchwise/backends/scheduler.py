@@ -245,7 +245,9 @@ class Scheduler:
         self.max_requests = max_requests
         self.window_s = window_s
         self.max_queued_rows = max_queued_rows
-        self.batch_seeded = batch_seeded
+        self.batch_seeded = batch_seeded or getattr(backend, "seeds_per_request", False)
+        """Seeded sampling jobs share decodes: asked for, or the backend seeds each request on its
+        own (a remote server), so batching cannot change their tokens."""
         self.continuous = continuous
         self.name = name
         self.stats = BatchStats()

@@ -12,7 +12,7 @@ import ipaddress
 import logging
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -25,6 +25,14 @@ def serve_command(
     ] = None,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Serve through an OpenAI-compatible server (vLLM, SGLang, another branchwise serve) "
+            "instead of a local model; --model names its model. Repeatable: servers of one model, each "
+            "request's branch tree on one of them."
+        ),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 exposes it to the network).")] = (
         "127.0.0.1"
     ),
@@ -129,7 +137,10 @@ def serve_command(
 
     if share not in ("exact", "none"):
         raise typer.BadParameter(f"{share!r} is not one of 'exact', 'none'", param_hint="--share")
-    _check_model_path(model)
+    if endpoint:
+        _local_only(device=device != "auto", dtype=dtype != "auto", kv_budget=kv_budget is not None)
+    else:
+        _check_model_path(model)
     try:
         sock = bind(host, port)
     except OSError as err:
@@ -143,7 +154,10 @@ def serve_command(
                 "the model (set --api-key or BRANCHWISE_API_KEY)",
                 err=True,
             )
-        backend = cli_backend.load_backend(model, device, dtype)
+        if endpoint:
+            backend: Any = cli_backend.remote_backend(endpoint, model)
+        else:
+            backend = cli_backend.load_backend(model, device, dtype)
         if kv_budget is not None and kv_budget != "auto":
             _set_kv_budget(backend, kv_budget)
         if hasattr(backend, "prefill_chunk"):
@@ -177,6 +191,16 @@ def serve_command(
         serve(app, sock, drain_timeout)
     finally:
         sock.close()
+
+
+def _local_only(**given: bool) -> None:
+    """Refuse options of a local model given beside ``--endpoint`` (the servers own those)."""
+    named = [f"--{name.replace('_', '-')}" for name, on in given.items() if on]
+    if named:
+        raise typer.BadParameter(
+            f"{', '.join(named)} set the local model; with --endpoint the servers decide them",
+            param_hint="--endpoint",
+        )
 
 
 def _check_model_path(model: str | None) -> None:

@@ -226,18 +226,32 @@ def _start(
     proc = subprocess.Popen(argv, cwd=ROOT, env=_env(args), stdout=subprocess.DEVNULL, stderr=log)
     proc.launched_with = launch  # type: ignore[attr-defined]
     proc.log = log  # type: ignore[attr-defined]
-    for _ in range(3000):  # bounded: up to ~5 minutes for a model load on a busy machine
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 300.0, "branchwise serve")
+    except RuntimeError as err:
+        raise SystemExit(str(err)) from None
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, what: str) -> None:
+    """Wait until the server `proc` started answers ``url/health`` with 200; a `RuntimeError` with
+    the tail of its log (`proc.log`, a file) if it exits first, and after stopping it if `timeout_s`
+    passes (a model load on a busy machine takes minutes, vLLM's first start compiles)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         if proc.poll() is not None:
+            log = proc.log  # type: ignore[attr-defined]
             log.seek(0)
-            raise SystemExit(f"branchwise serve exited: {log.read().decode(errors='replace')[-2000:]}")
+            tail = log.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"{what} exited ({proc.returncode}): {tail}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("branchwise serve did not come up")
+        time.sleep(0.2)
+    _stop(proc)
+    raise RuntimeError(f"{what} did not answer /health within {timeout_s:.0f} s")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 from _common import Bench, BenchParser, machine, set_threads
 from prefix_sharing import PASSAGE
-from serve_load import _free_port, _start, _stop, serve_options
+from serve_load import _free_port, _start, _stop, serve_options, wait_healthy
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
@@ -86,21 +86,8 @@ def start_vllm(
     log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by `_stop`
     proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     proc.log = log  # type: ignore[attr-defined]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(
-                f"vLLM exited ({proc.returncode}): {log.read().decode(errors='replace')[-3000:]}"
-            )
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    _stop(proc)
-    raise RuntimeError(f"vLLM did not answer /health within {timeout_s:.0f} s")
+    wait_healthy(proc, f"http://127.0.0.1:{port}", timeout_s, "vLLM")
+    return proc
 
 
 class Server:

@@ -23,7 +23,8 @@ from _common import load_problems, sync
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, CGEEConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.cgee import Calibration, EntropyTrace, judge_score
+from branchwise.backends.hf.cgee import Calibration, EntropyTrace
+from branchwise.backends.scores import judge_score
 from branchwise.reasoners.answers import extract_answer
 from branchwise.reasoners.calibrate import calibrate_cgee
 from branchwise.reasoners.verifiers import JudgeVerifier

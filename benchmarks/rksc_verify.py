@@ -38,7 +38,8 @@ from _rksc import add_calibration_options, add_solve_options, calibration_for, h
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, CGEEConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.cgee import CGEE, DEFAULT_THETA, EntropyTrace, count_flips, judge_score
+from branchwise.backends.hf.cgee import CGEE, EntropyTrace, count_flips
+from branchwise.backends.scores import judge_score
 from branchwise.evals.stats import bootstrap_ci
 from branchwise.reasoners.verifiers import JudgeVerifier
 
@@ -104,9 +105,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_solve_options(parser, problems=15, paper_problems=15, tokens=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed verify passes per depth and problem")
-    parser.add_argument("--theta", type=float, default=None, help="override θ (paper default: 8.0)")
-    parser.add_argument("--l-min", type=int, default=None, help="override l_min (paper default: 2)")
-    parser.add_argument("--epsilon", type=float, default=3.0, help="ε (paper: 3.0)")
+    parser.add_argument(
+        "--theta", type=float, default=None, help=f"override θ (paper default: {CGEEConfig.PAPER_THETA})"
+    )
+    parser.add_argument(
+        "--l-min", type=int, default=None, help=f"override l_min (paper default: {CGEEConfig.PAPER_L_MIN})"
+    )
+    parser.add_argument(
+        "--epsilon",
+        type=float,
+        default=CGEEConfig.PAPER_EPSILON,
+        help=f"ε (paper: {CGEEConfig.PAPER_EPSILON})",
+    )
     parser.add_argument(
         "--schedule",
         choices=["cost", "paper"],
@@ -206,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     def ratio_of_medians(a: np.ndarray, b: np.ndarray) -> float:
         return float(np.median(a) / np.median(b))
 
-    paper_theta, paper_l_min = DEFAULT_THETA, 2
+    paper_theta, paper_l_min = CGEEConfig.PAPER_THETA, CGEEConfig.PAPER_L_MIN
     flips_by_l_min = [
         count_flips(recorded, theta, args.epsilon, candidate, n_layers, n_yes)
         for candidate in range(1, n_layers + 1)

@@ -53,13 +53,12 @@ from _common import Bench, BenchParser, load_problems, start, sync
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, SkipKVConfig, SteeringConfig
 from branchwise.backends.base import Generation
+from branchwise.backends.grouping import group_by_length, padding_tokens
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.skipkv_policy import (
     SentenceTracker,
     SteeringVector,
     delimiter_token_ids,
-    group_by_length,
-    padding_tokens,
     steering_path,
 )
 from branchwise.reasoners.answers import extract_answer, majority_vote

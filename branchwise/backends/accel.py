@@ -1,21 +1,43 @@
 """One config object for the inference accelerations, each switchable on its own.
 
-Why here (not in `hf/`): the config is plain pydantic, so strategies files, eval suites and the CLI
-can build and validate it without torch. The local backend turns it into plug-ins for each run
-(`hf/plugins.py`), so an acceleration applies under every strategy without the strategy knowing. A
-field left `None` means "off".
+Why here (not in `hf/`): the config is plain pydantic, so strategies files, eval suites, the CLI and
+the remote backend can build, validate and inspect it without torch. The local backend turns it into
+plug-ins for each run (`hf/plugins.py`), so an acceleration applies under every strategy without the
+strategy knowing. A field of `Accel` left `None` means "off".
+
+The fields of `Accel` are the registry of accelerations; everything that differs between them and
+is needed without torch is declared on each config class, beside the settings it depends on:
+`internals` / `needs_model()` (what the remote backend must refuse), `excludes` (what it cannot run
+with) and `notes(stats)` (what a result says when it never acted). `EXCLUSIVE`, `Accel.notes` and
+`Accel.needs_model` only collect those declarations.
 """
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class _Config(BaseModel):
+class AccelConfig(BaseModel):
+    """The base of every acceleration's config: frozen, strict, and what the backends need to know
+    about the acceleration without running it (see the module docstring)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    internals: ClassVar[str | None] = None
+    """What this acceleration reads or changes inside the model, as a refusal names it (e.g.
+    "ASKS (hidden states)"); None when it needs nothing a remote server does not expose."""
+    excludes: ClassVar[Mapping[str, str]] = {}
+    """Other accelerations (fields of `Accel`) this one cannot run with, each with why. A pair is
+    declared once, on either side; `Accel` rejects it at construction, naming both."""
+
+    def needs_model(self) -> list[str]:
+        """What of these settings needs the model's internals (so a remote backend refuses them),
+        each as `internals` names it; empty when they can run against a server."""
+        return [] if self.internals is None else [self.internals]
 
     def notes(self, stats: Mapping[str, float]) -> list[str]:
         """What a run's result should say about this acceleration, given the run's statistics
@@ -25,8 +47,10 @@ class _Config(BaseModel):
         return []
 
 
-class ASKSConfig(_Config):
+class ASKSConfig(AccelConfig):
     """RKSC §2.2: share the root KV with branches whose hidden states stay close to the root's (Eq. 2)."""
+
+    internals: ClassVar[str | None] = "ASKS (hidden states)"
 
     tau: float = Field(0.82, ge=0.0, le=1.0, description="similarity threshold τ")
     alpha: float = Field(1.5, ge=0.0, le=10.0, description="layer-weight exponent α_w")
@@ -44,8 +68,10 @@ class ASKSConfig(_Config):
         ]
 
 
-class ProbeConfig(_Config):
+class ProbeConfig(AccelConfig):
     """RKSC §2.2 KV probe: time recompute vs share once per 64-token prefix bucket and cache the verdict."""
+
+    internals: ClassVar[str | None] = "the KV probe (timing KV reuse)"
 
     bucket_tokens: int = Field(64, ge=1, le=65536)
     repeats: int = Field(3, ge=1, le=20, description="timings per path; the minimum is used")
@@ -69,15 +95,26 @@ class ProbeConfig(_Config):
         ]
 
 
-class CGEEConfig(_Config):
+class CGEEConfig(AccelConfig):
     """RKSC §2.3: confidence-gated early exit of the verify pass.
 
     Level 1 skips the verify pass when generation confidence is decisive (Eq. 4); level 2 stops the
-    verify forward at the first layer whose logit entropy is low and stable (Eq. 5). `theta=None`
-    uses the model's saved calibration (`branchwise calibrate`) or, without one, the paper's 8.0 nats;
-    `tau_conf`, `r_gap` and `l_min` left `None` likewise take the calibrated values, or the paper's
-    0.70, 0.06 and 2.
+    verify forward at the first layer whose logit entropy is low and stable (Eq. 5). `theta`,
+    `tau_conf`, `r_gap` and `l_min` left `None` take the model's saved calibration (`branchwise
+    calibrate`) or, without one, the paper's values (the `PAPER_*` constants: 8.0 nats, 0.70, 0.06
+    and 2). Level 1 alone runs against a remote server; level 2 and the decode gate need the layers.
     """
+
+    # The paper's values (RKSC Table 4, §2.3, App. I.1), stated once: the defaults below, the
+    # fallbacks of unset thresholds (`hf/cgee.Thresholds`, the remote backend's level 1) and the
+    # starting points of calibration all read them here.
+    PAPER_THETA: ClassVar[float] = 8.0
+    PAPER_EPSILON: ClassVar[float] = 3.0
+    PAPER_TAU_CONF: ClassVar[float] = 0.70
+    PAPER_R_GAP: ClassVar[float] = 0.06
+    PAPER_L_MIN: ClassVar[int] = 2
+    PAPER_THETA_DEC: ClassVar[float] = 0.72
+    PAPER_R_DEC: ClassVar[float] = 0.10
 
     level1: bool = True
     level2: bool = Field(
@@ -86,11 +123,17 @@ class CGEEConfig(_Config):
         "without flipping decisions (README, CGEE level 2); `lossless()` turns it on",
     )
     tau_conf: float | None = Field(
-        None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.70"
+        None, ge=0.0, le=1.0, description="None = calibrated, else the paper's (PAPER_TAU_CONF)"
     )
-    r_gap: float | None = Field(None, ge=0.0, le=1.0, description="None = calibrated, else the paper's 0.06")
-    theta: float | None = Field(None, gt=0.0, le=100.0, description="entropy threshold θ (nats)")
-    epsilon: float = Field(3.0, gt=0.0, le=100.0, description="entropy stabilisation tolerance ε (nats)")
+    r_gap: float | None = Field(
+        None, ge=0.0, le=1.0, description="None = calibrated, else the paper's (PAPER_R_GAP)"
+    )
+    theta: float | None = Field(
+        None, gt=0.0, le=100.0, description="entropy threshold θ (nats); None = calibrated, else PAPER_THETA"
+    )
+    epsilon: float = Field(
+        PAPER_EPSILON, gt=0.0, le=100.0, description="entropy stabilisation tolerance ε (nats)"
+    )
     check_every: int | None = Field(
         None,
         ge=1,
@@ -113,14 +156,29 @@ class CGEEConfig(_Config):
         description="beyond the paper: exit only where the verdict tokens hold this much probability (0 = off)",
     )
     l_min: int | None = Field(
-        None, ge=1, le=1000, description="minimum exit layer (1-based); None = calibrated, else the paper's 2"
+        None, ge=1, le=1000, description="minimum exit layer (1-based); None = calibrated, else PAPER_L_MIN"
     )
     decode_gate: bool = Field(
         False, description="App. I.1: stop decoding once one branch is decisively confident"
     )
-    theta_dec: float = Field(0.72, ge=0.0, le=1.0)
-    r_dec: float = Field(0.10, ge=0.0, le=1.0)
+    theta_dec: float = Field(PAPER_THETA_DEC, ge=0.0, le=1.0)
+    r_dec: float = Field(PAPER_R_DEC, ge=0.0, le=1.0)
     decode_gate_min_tokens: int = Field(4, ge=1, le=100000)
+
+    def needs_model(self) -> list[str]:
+        out = []
+        if self.level2:
+            out.append("CGEE level 2 (per-layer entropy exit)")
+        if self.decode_gate:
+            out.append("the CGEE decode gate (stopping inside the decode loop)")
+        return out
+
+    def level1_thresholds(self) -> tuple[float, float]:
+        """(τ_conf, r_gap) of level 1 without a calibration: the ones set here, else the paper's
+        (what a backend that cannot read the model's calibration uses)."""
+        tau = self.tau_conf if self.tau_conf is not None else self.PAPER_TAU_CONF
+        gap = self.r_gap if self.r_gap is not None else self.PAPER_R_GAP
+        return tau, gap
 
     def notes(self, stats: Mapping[str, float]) -> list[str]:
         out = []
@@ -146,8 +204,10 @@ class CGEEConfig(_Config):
         return cls(level1=False, level2=True, **kwargs)
 
 
-class RSBCMConfig(_Config):
+class RSBCMConfig(AccelConfig):
     """RKSC §2.4: hold KV in blocks; above capacity evict the lowest ω = mass·score/(depth+1) blocks."""
+
+    internals: ClassVar[str | None] = "RSBCM (KV block eviction)"
 
     capacity_blocks: int = Field(2000, ge=1, le=10_000_000)
     block_tokens: int = Field(16, ge=1, le=65536)
@@ -164,7 +224,7 @@ class RSBCMConfig(_Config):
         ]
 
 
-class RiverConfig(_Config):
+class RiverConfig(AccelConfig):
     """River-LLM §4: token-level early exit onto a KV-shared river of weight-quantized layer copies.
 
     After each backbone layer from `entry_layer` on, the state-transition similarity cos(block input,
@@ -190,6 +250,8 @@ class RiverConfig(_Config):
     with those groups (4 bits at `group_size=32`, an 8-bit head in groups of 32) measure near-lossless
     there, which says nothing about other models; the defaults are not tuned to it.
     """
+
+    internals: ClassVar[str | None] = "River (layer-level early exit)"
 
     threshold: float = Field(
         0.95,
@@ -254,7 +316,7 @@ class RiverConfig(_Config):
         return out
 
 
-class SteeringConfig(_Config):
+class SteeringConfig(AccelConfig):
     """SkipKV §4.2: add α_t·v at layer k's residual input at delimiter tokens, α_t = α0 + γ·N_nonexec."""
 
     alpha0: float = Field(1.0, ge=0.0, le=100.0, description="initial strength α0")
@@ -265,7 +327,7 @@ class SteeringConfig(_Config):
     )
 
 
-class SkipKVConfig(_Config):
+class SkipKVConfig(AccelConfig):
     """SkipKV §4: keep each branch's own generated KV under `budget` tokens by sentence-aware eviction.
 
     Every `interval` decode steps a branch above budget drops the tokens with the lowest Eq. 6 score
@@ -275,6 +337,11 @@ class SkipKVConfig(_Config):
     `window == budget` keeps the newest tokens only (StreamingLLM: the prompt, never evicted, plays
     its attention sinks).
     """
+
+    internals: ClassVar[str | None] = "SkipKV (KV eviction and steering)"
+    excludes: ClassVar[Mapping[str, str]] = {
+        "rsbcm": "both evict a branch's KV and would each keep its own, diverging, slot map",
+    }
 
     budget: int = Field(..., ge=2, le=10_000_000, description="KV tokens a branch's generated part may keep")
     interval: int = Field(128, ge=1, le=100_000, description="decode steps between compressions Δt")
@@ -327,7 +394,7 @@ class SkipKVConfig(_Config):
         return cls(budget=budget, sentence_scoring=False, **kwargs)
 
 
-class ReasonCacheConfig(_Config):
+class ReasonCacheConfig(AccelConfig):
     """ReasonCache (§IV): share near-identical sealed KV blocks across steps and branches.
 
     Each branch's generated KV is cut into blocks of `block_tokens`; when a reasoning step ends, its
@@ -339,6 +406,13 @@ class ReasonCacheConfig(_Config):
     `mode="lexical"` skips stage 2 (the paper's "only Cos" ablation); `mode="random"` shares each
     block with probability `random_rate` with a random earlier block (the paper's baseline).
     """
+
+    internals: ClassVar[str | None] = "ReasonCache (KV block sharing)"
+    excludes: ClassVar[Mapping[str, str]] = {
+        "skipkv": "both move a branch's own KV slots mid-decode (sharing vs eviction) and would each keep "
+        "its own slot map",
+        "rsbcm": "would both rewrite a branch's KV (RSBCM evicts blocks that ReasonCache may have shared)",
+    }
 
     block_tokens: int = Field(16, ge=1, le=4096, description="KV slots per block (vLLM's default 16)")
     tau_strict: float = Field(0.9, ge=0.0, le=1.0, description="τ_strict, the threshold with no history")
@@ -371,24 +445,7 @@ class ReasonCacheConfig(_Config):
         return self
 
 
-EXCLUSIVE: tuple[tuple[str, str, str], ...] = (
-    ("skipkv", "rsbcm", "both evict a branch's KV and would each keep its own, diverging, slot map"),
-    (
-        "reasoncache",
-        "skipkv",
-        "both move a branch's own KV slots mid-decode (sharing vs eviction) and would each keep its own "
-        "slot map",
-    ),
-    (
-        "reasoncache",
-        "rsbcm",
-        "would both rewrite a branch's KV (RSBCM evicts blocks that ReasonCache may have shared)",
-    ),
-)
-"""Pairs of accelerations that cannot run together, and why; every other combination composes."""
-
-
-class Accel(_Config):
+class Accel(AccelConfig):
     """Which accelerations are on. `Accel()` = all off (plain exact/none sharing).
 
     Any combination composes except the pairs in `EXCLUSIVE`, which are rejected here, at
@@ -403,25 +460,47 @@ class Accel(_Config):
     skipkv: SkipKVConfig | None = None
     reasoncache: ReasonCacheConfig | None = None
 
+    @classmethod
+    def configs(cls) -> dict[str, type[AccelConfig]]:
+        """Each acceleration's field and config type, in field order: the one registry of
+        accelerations (the local backend registers a plug-in class against each config type)."""
+        out: dict[str, type[AccelConfig]] = {}
+        for name, info in cls.model_fields.items():
+            (config,) = [t for t in typing.get_args(info.annotation) if t is not type(None)]
+            out[name] = config
+        return out
+
+    def enabled(self) -> dict[str, AccelConfig]:
+        """The configs of the accelerations that are on, by field, in field order."""
+        return {name: cfg for name in type(self).model_fields if (cfg := getattr(self, name)) is not None}
+
     @model_validator(mode="after")
     def _compatible(self) -> Accel:
+        on = self.enabled()
         for a, b, why in EXCLUSIVE:
-            if getattr(self, a) is not None and getattr(self, b) is not None:
+            if a in on and b in on:
                 raise ValueError(
                     f"accel.{a} and accel.{b} cannot be combined: they {why}; enable one of them"
                 )
         return self
 
     def notes(self, stats: Mapping[str, float]) -> list[str]:
-        """Every enabled acceleration's notes on a run with these statistics (see `_Config.notes`)."""
-        out: list[str] = []
-        for name in type(self).model_fields:
-            cfg = getattr(self, name)
-            if cfg is not None:
-                out += cfg.notes(stats)
-        return out
+        """Every enabled acceleration's notes on a run with these statistics (see `AccelConfig.notes`)."""
+        return [note for cfg in self.enabled().values() for note in cfg.notes(stats)]
+
+    def needs_model(self) -> list[str]:
+        """What of the enabled accelerations needs the model's internals (`AccelConfig.needs_model`):
+        what a backend that only sees text and token probabilities must refuse."""
+        return [part for cfg in self.enabled().values() for part in cfg.needs_model()]
 
     @classmethod
     def rksc(cls) -> Accel:
         """The full RKSC configuration with the paper's defaults."""
         return cls(asks=ASKSConfig(), probe=ProbeConfig(), cgee=CGEEConfig(), rsbcm=RSBCMConfig())
+
+
+EXCLUSIVE: tuple[tuple[str, str, str], ...] = tuple(
+    (name, other, why) for name, config in Accel.configs().items() for other, why in config.excludes.items()
+)
+"""Pairs of accelerations that cannot run together, and why (collected from each config's
+`excludes`); every other combination composes."""

@@ -33,6 +33,21 @@ FinishReason = Literal["eos", "stop", "delimiter", "length", "confident", "cance
 "grammar": its constraint admitted no further token (the text so far is kept, its KV released as
 any other row's)."""
 ShareMode = Literal["none", "exact"]
+SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
+"""`"exact"`: children read their parent's KV; `"none"`: each recomputes its whole path (the
+No-KV baseline)."""
+
+
+def check_share(share: object, field: str = "share") -> ShareMode:
+    """`share` as a `ShareMode`, or a ValueError naming `field` and the allowed values.
+
+    The one check of a share mode, so every front end (the reasoner, the server's CLI, the
+    integrations, the local backend) refuses a bad value with the same message."""
+    for mode in SHARE_MODES:
+        if share == mode:
+            return mode
+    allowed = ", ".join(repr(m) for m in SHARE_MODES)
+    raise ValueError(f"{field}={share!r} is not one of {allowed}")
 
 
 class ContextTooLong(ValueError):

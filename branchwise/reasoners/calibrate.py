@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from branchwise.backends.accel import Accel
+from branchwise.backends.accel import Accel, CGEEConfig
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.cgee import Calibration, EntropyTrace, calibrate_from
@@ -26,8 +26,8 @@ def calibrate_cgee(
     max_tokens: int = 32,
     temperature: float = 0.7,
     seed: int = 0,
-    epsilon: float = 3.0,
-    l_min: int = 2,
+    epsilon: float = CGEEConfig.PAPER_EPSILON,
+    l_min: int = CGEEConfig.PAPER_L_MIN,
     judge: JudgeVerifier | None = None,
     save: bool = True,
     progress: bool = True,

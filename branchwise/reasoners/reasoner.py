@@ -40,6 +40,7 @@ from branchwise.backends.base import (
     SupportsPromptFork,
     SupportsSessions,
     SupportsVerifySkip,
+    check_share,
 )
 from branchwise.backends.cancel import Cancellable
 from branchwise.backends.scheduler import Scheduler
@@ -107,8 +108,7 @@ class Reasoner:
         `history` is chat turns (role/content dicts) placed between the system prompt and the
         question, e.g. few-shot demonstrations as real user/assistant turns: small models copy a
         demonstrated reply far more reliably than one described in the system text."""
-        if share not in ("none", "exact"):
-            raise ValueError(f"share={share!r} is not one of 'none', 'exact'")
+        self.share: ShareMode = check_share(share)  # before a default backend loads a model
         self.strategy = strategy
         self.plan: Plan = strategy.compile()
         if backend is None:
@@ -116,7 +116,6 @@ class Reasoner:
 
             backend = HFBackend()
         self.backend = backend
-        self.share: ShareMode = share
         self.verifiers = {**default_verifiers(), **(verifiers or {})}
         check_names(strategy, self.verifiers)
         self.system_prompt = system_prompt
@@ -507,7 +506,10 @@ class Reasoner:
             run.support = vote.counts.get(run.answer, 0.0) / total if total else 0.0
 
     def _result(self, run: RunState, stats: dict[str, float]) -> ReasoningResult:
-        run.notes += _accel_notes(run.backend.accel if isinstance(run.backend, Accelerated) else None, stats)
+        if isinstance(run.backend, Accelerated):
+            # an acceleration that was on but never acted says so (each config words its notes), so a
+            # result never implies a speed-up it did not get
+            run.notes += run.backend.accel.notes(stats)
         key = run.typed.key if run.typed is not None else extract_answer
         value, calls = self._typed_answer(run)
         branches = [
@@ -559,12 +561,6 @@ class Reasoner:
             run.notes.append(f"the winning branch holds no valid typed value ({err})")
             value = None
         return value, calls
-
-
-def _accel_notes(accel: Accel | None, stats: dict[str, float]) -> list[str]:
-    """Say when an acceleration was on but never acted, so a result never implies a speed-up it lacks
-    (each config's `notes` holds its wording)."""
-    return [] if accel is None else accel.notes(stats)
 
 
 BATCH_ROWS = 64

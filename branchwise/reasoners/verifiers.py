@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from branchwise.backends.base import Backend, NodeId
+from branchwise.backends.scores import judge_score
 from branchwise.reasoners.answers import answer_tag
 from branchwise.reasoners.tasks import (
     chain_sum_terms,
@@ -101,11 +102,6 @@ class JudgeVerifier:
         return backend.encode(self.question), yes + no, len(yes)
 
     def score(self, backend: Backend, question: str, candidates: Sequence[Candidate]) -> list[float]:
-        # Imported here, not at the top: the judge formula lives with CGEE in the HF backend (which
-        # replays it per layer), and importing that module loads torch, which this module must not
-        # do on import (strategies and evals import verifiers on machines without a model).
-        from branchwise.backends.hf.cgee import judge_score
-
         if not candidates:
             return []
         suffix, tokens, n_yes = self.probe(backend)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from branchwise.backends.accel import ASKSConfig
-from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, Host
+from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, Host, Setup
 from branchwise.backends.hf.tree import Segment, common_prefix
 
 
@@ -42,9 +42,14 @@ class ASKS(Acceleration):
     """
 
     name = "asks"
+    config = ASKSConfig
 
     def __init__(self, cfg: ASKSConfig) -> None:
         self.cfg = cfg
+
+    @classmethod
+    def build(cls, cfg: ASKSConfig, setup: Setup) -> ASKS:
+        return cls(cfg)
 
     def on_fork_prompts(
         self,

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import (
+    SHARE_MODES,
     Admit,
     DecodeParams,
     Generation,
@@ -35,6 +36,7 @@ from branchwise.backends.base import (
     NodeId,
     ShareMode,
     StepListener,
+    check_share,
 )
 from branchwise.backends.hf.arch import decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import ATTN_NAME, register
@@ -45,7 +47,7 @@ from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
 from branchwise.backends.hf.prepack import Prepacked
 from branchwise.backends.hf.prepack import prepack as pack_weights
-from branchwise.backends.hf.session import SHARE_MODES, Engine, Session, check_broadcast, check_share
+from branchwise.backends.hf.session import Engine, Session, check_broadcast
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)

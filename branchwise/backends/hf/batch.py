@@ -440,14 +440,21 @@ class Batch:
             self.ctx.pool = BlockPool.empty(self.ctx.tail_k[0], len(self.ctx.tail_k), self.ctx.batch)
         return self.ctx.pool
 
+    def own_kv(
+        self, pos: int, row: Row, first: int = 0, last: int | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views `[H_kv, n, D]` per layer of the row's own KV slots `first .. last` (relative to its own
+        KV; `last` None: all it holds): read them, or clone what must outlive the batch."""
+        end = row.kv_len if last is None else last
+        a, b = row.tail_start + first, row.tail_start + end
+        return [t[pos, :, a:b] for t in self.ctx.tail_k], [t[pos, :, a:b] for t in self.ctx.tail_v]
+
     def seal(self, tree: KVTree, pos: int, row: Row, slot: int, n: int) -> Block:
         """Copy `n` own KV slots of a row (from `slot`, relative to its own KV) into a new block.
 
         The block is owned by the row's run; nothing points at it yet (see `point_at`)."""
-        at = row.tail_start + slot
-        keys = [t[pos, :, at : at + n].clone() for t in self.ctx.tail_k]
-        values = [t[pos, :, at : at + n].clone() for t in self.ctx.tail_v]
-        return tree.seal_block(keys, values, row.seg.owner)
+        keys, values = self.own_kv(pos, row, slot, slot + n)
+        return tree.seal_block([k.clone() for k in keys], [v.clone() for v in values], row.seg.owner)
 
     def point_at(self, tree: KVTree, pos: int, row: Row, slot: int, logical: int, block: Block) -> None:
         """Replace the row's own KV slots `slot .. slot + block.tokens` by a reference to `block`.
@@ -474,12 +481,22 @@ class Batch:
         self.ctx.move_slots(pos, row.tail_start, keep + row.tail_start)
         row.kv_len = int(keep.numel())
 
+    def reread(self, seg: Segment) -> None:
+        """`seg`'s KV changed in the tree (slots evicted): the rows reading it as a shared segment
+        read what it holds now from the next forward on, or nothing once it holds none."""
+        shared = []
+        for entry in self.ctx.shared:
+            if entry.key == seg.id:
+                if not seg.kv_tokens:
+                    continue  # nothing left to attend to
+                entry.keys, entry.values = seg.keys or [], seg.values or []
+            shared.append(entry)
+        self.ctx.shared = shared
+
     def capture(self, tree: KVTree, pos: int, row: Row) -> None:
         """Copy a row's KV out of the batch buffers into its segment (independent tensors, so
         releasing the node frees exactly its memory)."""
-        n, at = row.kv_len, row.tail_start
-        keys = [t[pos, :, at : at + n].clone() for t in self.ctx.tail_k]
-        values = [t[pos, :, at : at + n].clone() for t in self.ctx.tail_v]
-        tree.set_kv(row.seg, keys, values)
+        keys, values = self.own_kv(pos, row)
+        tree.set_kv(row.seg, [k.clone() for k in keys], [v.clone() for v in values])
         row.seg.n_computed = row.computed
         row.captured = True

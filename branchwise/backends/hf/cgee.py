@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +28,9 @@ from branchwise.backends.accel import CGEEConfig
 from branchwise.backends.base import FinishReason, KVStats
 from branchwise.backends.hf.arch import DecoderParts, linear_params
 from branchwise.backends.hf.batch import Row
-from branchwise.backends.hf.embedded import branchwise_cache_dir
-from branchwise.backends.hf.hooks import Acceleration, Exit, Forward
-
-DEFAULT_THETA = 8.0  # RKSC Table 4, used until a model is calibrated
+from branchwise.backends.hf.hooks import Acceleration, Exit, Forward, Setup
+from branchwise.backends.hf.model_files import model_file
+from branchwise.backends.scores import judge_score
 
 
 def gap_ratio(confidences: Sequence[float]) -> float:
@@ -244,9 +242,18 @@ class EntropyExit(Acceleration):
 def layer_trace(
     parts: DecoderParts, n_rows: int, candidates: Sequence[int], stats: KVStats, trace: list[EntropyTrace]
 ) -> EntropyExit:
-    """An observer that records every layer's entropy and exits nowhere (what calibration reads)."""
+    """An observer that records every layer's entropy and exits nowhere (what calibration reads):
+    the thresholds only decide where a trace marks stability, never where a row leaves."""
     return EntropyExit(
-        parts, n_rows, DEFAULT_THETA, 3.0, 1, exit=False, candidates=candidates, stats=stats, trace=trace
+        parts,
+        n_rows,
+        CGEEConfig.PAPER_THETA,
+        CGEEConfig.PAPER_EPSILON,
+        1,
+        exit=False,
+        candidates=candidates,
+        stats=stats,
+        trace=trace,
     )
 
 
@@ -268,10 +275,10 @@ class Thresholds:
             return explicit if explicit is not None else calibrated if calibrated is not None else paper
 
         return cls(
-            theta=pick(cfg.theta, cal.theta if cal else None, DEFAULT_THETA),
-            l_min=int(pick(cfg.l_min, cal.l_min if cal else None, 2)),
-            tau_conf=pick(cfg.tau_conf, cal.tau_conf if cal else None, 0.70),
-            r_gap=pick(cfg.r_gap, cal.r_gap if cal else None, 0.06),
+            theta=pick(cfg.theta, cal.theta if cal else None, cfg.PAPER_THETA),
+            l_min=int(pick(cfg.l_min, cal.l_min if cal else None, cfg.PAPER_L_MIN)),
+            tau_conf=pick(cfg.tau_conf, cal.tau_conf if cal else None, cfg.PAPER_TAU_CONF),
+            r_gap=pick(cfg.r_gap, cal.r_gap if cal else None, cfg.PAPER_R_GAP),
         )
 
 
@@ -282,12 +289,22 @@ class CGEE(Acceleration):
     `verify_rows` / `verify_exits` (level 2), `decode_gate_stops`."""
 
     name = "cgee"
+    config = CGEEConfig
 
     def __init__(self, cfg: CGEEConfig, thresholds: Thresholds, parts: DecoderParts, stats: KVStats) -> None:
         self.cfg = cfg
         self.thresholds = thresholds
         self.parts = parts
         self.stats = stats
+
+    @classmethod
+    def build(cls, cfg: CGEEConfig, setup: Setup) -> CGEE:
+        """Thresholds resolve once per config and calibration file (a new calibration is picked up)."""
+        name = setup.model_name
+        thresholds = setup.cached(
+            "cgee", ("cgee", cfg, calibration_stamp(name)), lambda: Thresholds.resolve(cfg, name)
+        )
+        return cls(cfg, thresholds, setup.host.parts, setup.host.stats)
 
     def skip_verify(self, confidences: Sequence[float]) -> bool:
         """RKSC Eq. 4 with this model's thresholds; False when level 1 is off."""
@@ -362,15 +379,18 @@ class Calibration:
         return cls(**json.loads(path.read_text()))
 
 
-def safe_model_name(model: str) -> str:
-    """A file-name-safe stem for a model id or local path, so per-model caches never nest or collide
-    on `/`; the tail is kept (it names the checkpoint) and capped below common file-name limits."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", model.strip("/"))[-120:]
-
-
 def calibration_path(model: str) -> Path:
     """Where a model's calibration lives: `<cache>/calibration/<model>.json`."""
-    return branchwise_cache_dir() / "calibration" / f"{safe_model_name(model)}.json"
+    return model_file("calibration", model, "json")
+
+
+def calibration_stamp(model: str) -> tuple[int, int] | None:
+    """When and how big the saved calibration is, so a new calibration is picked up (None: none)."""
+    path = calibration_path(model)
+    if not path.is_file():
+        return None
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
 
 
 def calibrate_from(
@@ -394,7 +414,7 @@ def calibrate_from(
     gaps = [gap_ratio(c) for c in confidences_per_problem if len(c) > 1]
     traces = [t for group in traces_per_problem for t in group]
     stable = [s[1] for s in (t.first_stable(epsilon, l_min) for t in traces) if s is not None]
-    theta = float(np.median(stable)) if stable else DEFAULT_THETA
+    theta = float(np.median(stable)) if stable else CGEEConfig.PAPER_THETA
     best_l_min, flips = l_min, count_flips(traces_per_problem, theta, epsilon, l_min, n_layers, n_yes)
     for candidate in range(l_min, n_layers + 1):
         f = count_flips(traces_per_problem, theta, epsilon, candidate, n_layers, n_yes)
@@ -411,12 +431,6 @@ def calibrate_from(
         n_verify_rows=len(traces),
         flips_at_l_min=flips,
     )
-
-
-def judge_score(probs: Sequence[float], n_yes: int = 1) -> float:
-    """The judge's P(Yes) / (P(Yes) + P(No)) when `probs` = [yes spellings…, no spellings…]."""
-    total = sum(probs)
-    return sum(probs[:n_yes]) / total if total > 0 else 0.5
 
 
 def count_flips(

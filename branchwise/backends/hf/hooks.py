@@ -25,23 +25,32 @@ The moments, in the order one `extend` meets them:
 | `verify_observer` / `skip_verify` | the verify pass | CGEE |
 
 A hook that needs more of the backend gets it through `Host`, the session's public API.
+
+An acceleration also says how it is made: `config` (its config type, a field of `Accel`) and
+`build(cfg, setup)`, which takes its expensive parts from the backend's build cache through
+`Setup`. `plugins.PLUGINS` registers the class; nothing else names it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 
+from branchwise.backends.accel import AccelConfig
 from branchwise.backends.base import FinishReason, KVStats, ShareMode
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import Batch, Row
-from branchwise.backends.hf.tree import KVTree, Ledger, Segment
+from branchwise.backends.hf.tree import Block, KVTree, Ledger, Segment
 
 if TYPE_CHECKING:
     from torch import nn
+    from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -92,10 +101,62 @@ class Forward:
         return h[torch.arange(len(self.rows), device=h.device), self.last]
 
 
+class KVEdits:
+    """The edits an acceleration may make to a branch's own KV: evict slots, move slots into a
+    shared block, read a block instead of its own slots.
+
+    Why one place: a branch's KV lives in up to three places at once - its segment in the tree, its
+    row's tail in a running batch (buffers, length, attention taps) and the batch's shared view of a
+    segment its rows read - and the tree counts its bytes. Each edit here keeps all of them
+    consistent, so SkipKV, RSBCM and ReasonCache never touch buffers, views or byte accounting.
+    Positions stay logical throughout: later tokens simply stop seeing what was evicted.
+
+    A running row is named by its batch, its position among the batch's present rows (`pos`, as the
+    decode hooks number them) and its `Row`; slot indices are relative to the row's or segment's own
+    KV.
+    """
+
+    def __init__(self, tree: KVTree) -> None:
+        self.tree = tree
+
+    def keep_row(self, batch: Batch, pos: int, row: Row, keep: torch.Tensor) -> None:
+        """Keep only the slots `keep` (increasing) of a running row's own KV."""
+        batch.keep_own(pos, row, keep.to(batch.ctx.lens.device))
+
+    def keep(self, seg: Segment, keep: torch.Tensor, batch: Batch | None = None) -> None:
+        """Keep only the slots `keep` (increasing) of a segment held in the tree, freeing the rest;
+        `batch`, when it reads the segment as a shared ancestor, reads what is left from its next
+        forward on."""
+        assert seg.keys is not None, f"segment {seg.id} holds no KV"
+        mask = torch.zeros(seg.kv_tokens, dtype=torch.bool, device=seg.keys[0].device)
+        mask[keep.to(mask.device)] = True
+        self.tree.keep_kv(seg, mask)
+        if batch is not None:
+            batch.reread(seg)
+
+    def seal_row(self, batch: Batch, pos: int, row: Row, slot: int, logical: int, n: int) -> Block:
+        """Move `n` of a running row's own slots (from `slot`; `logical` is where they sit in its
+        tokens) into a new shared block that the row reads from then on: a source others may point at."""
+        block = batch.seal(self.tree, pos, row, slot, n)
+        batch.point_at(self.tree, pos, row, slot, logical, block)
+        return block
+
+    def seal(self, seg: Segment, slot: int, logical: int, n: int) -> Block:
+        """`seal_row` for a segment held in the tree (outside the decode): its bytes move to the
+        block, so nothing is held twice, and its readers see the same KV through the block."""
+        return self.tree.seal_own(seg, slot, logical, n)
+
+    def point_row_at(self, batch: Batch, pos: int, row: Row, slot: int, logical: int, block: Block) -> None:
+        """Replace a running row's own slots `slot .. slot + block.tokens` by a reference to `block`."""
+        batch.point_at(self.tree, pos, row, slot, logical, block)
+
+
 class Host(Protocol):
     """What an acceleration may use of the session it runs in (its public API)."""
 
     tree: KVTree
+    kv: KVEdits
+    """The only way a plug-in changes KV it holds (see `KVEdits`)."""
     parts: DecoderParts
     device: torch.device
     stats: KVStats
@@ -134,15 +195,86 @@ class Host(Protocol):
         ...
 
 
+class Builds:
+    """Artefacts built once per backend and key (see `plugins`); callers hold the backend's lock,
+    so two runs never build the same thing twice."""
+
+    def __init__(self) -> None:
+        self._items: dict[Hashable, tuple[Any, float]] = {}
+
+    def get(self, key: Hashable, make: Callable[[], T]) -> tuple[T, float, bool]:
+        """`(artefact, seconds its build took, built just now)`."""
+        if key in self._items:
+            value, seconds = self._items[key]
+            return value, seconds, False
+        start = time.perf_counter()
+        value = make()
+        seconds = time.perf_counter() - start
+        self._items[key] = (value, seconds)
+        return value, seconds, True
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Setup:
+    """What an acceleration's `build` may use for one run: the run's `host`, the backend's tokenizer
+    and model name, and the backend's build cache.
+
+    Why one object: each plug-in takes what it needs from it, so registering a new plug-in changes
+    no signature. `report` puts the builds' cost into the run's statistics once all are made.
+    """
+
+    def __init__(
+        self, host: Host, tokenizer: PreTrainedTokenizerBase, model_name: str, builds: Builds
+    ) -> None:
+        self.host = host
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._builds = builds
+        self._seconds: dict[str, float] = {}
+        self._fresh = 0
+
+    def cached(self, name: str, key: Hashable, make: Callable[[], T]) -> T:
+        """An expensive artefact of acceleration `name`, built once per backend and `key`; its cost
+        is reported as `<name>_build_s` (and `accel_builds` counts the ones built for this run)."""
+        value, seconds, built = self._builds.get(key, make)
+        self._seconds[name] = self._seconds.get(name, 0.0) + seconds
+        self._fresh += built
+        return value
+
+    def shared(self, key: Hashable, make: Callable[[], T]) -> T:
+        """State that every run of the backend shares under `key` and whose making costs nothing
+        worth reporting (the probe's verdicts)."""
+        return self._builds.get(key, make)[0]
+
+    def report(self) -> None:
+        """Count the builds this run used into its statistics."""
+        for name, seconds in self._seconds.items():
+            self.host.stats.bump(f"{name}_build_s", seconds)
+        if self._seconds:
+            self.host.stats.bump("accel_builds", self._fresh)
+
+
 class Acceleration:
     """Base class of an acceleration plug-in: override the hooks you need (see the module docstring)."""
 
     name: str = "acceleration"
     """The plug-in's field of `Accel` (errors and notes name it as `accel.<name>`)."""
+    config: ClassVar[type[AccelConfig] | None] = None
+    """The config type that turns the plug-in on (the type of its field of `Accel`), which declares
+    what the backends need without torch (needs the model, exclusions, notes); None for per-call
+    observers, which no config turns on."""
     needs_cascade: bool = False
     """Whether the plug-in needs `broadcast="cascade"`: it reads attention per shared segment, which
     the per-row copies of `broadcast="copy"` do not have. Checked when a session is built
     (`session.check_broadcast`), so the combination fails at construction, not mid-run."""
+
+    @classmethod
+    def build(cls, cfg: Any, setup: Setup) -> Acceleration:
+        """The plug-in of one run for `cfg` (an instance of `config`): fresh state, its expensive
+        parts from `setup.cached`."""
+        raise NotImplementedError(f"{cls.__name__} is not built from a config")
 
     # -- fork time
     def row_kv_tokens(self, max_tokens: int) -> int:

@@ -1,8 +1,14 @@
-"""Which plug-ins an `Accel` config turns on, and the cache of their expensive builds.
+"""The registry of acceleration plug-ins: which plug-in each `Accel` config turns on, and in what
+order their hooks run.
 
 This is the one module that names every acceleration: the core (tree, batch, runner, decode loop,
-session) only calls hooks. A run gets fresh plug-in instances (their state is per run), built on
-cached artefacts that depend only on the backend and the config:
+session) only calls hooks. Each plug-in class declares its config type (`Acceleration.config`) and
+how one run's instance is built (`Acceleration.build`); what the config alone must say without torch
+(needs the model, exclusions, notes) lives on the config (`backends/accel.py`). So adding an
+acceleration is its config, its module, and its line in `PLUGINS`.
+
+A run gets fresh plug-in instances (their state is per run), built on cached artefacts that depend
+only on the backend and the config (`Setup.cached`):
 
 | build | cache key | cost it saves per run |
 |---|---|---|
@@ -20,59 +26,35 @@ many of those it had to build itself: 0 once cached).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
-from branchwise.backends.accel import Accel
+from branchwise.backends.accel import Accel, AccelConfig
 from branchwise.backends.hf.asks import ASKS
-from branchwise.backends.hf.cgee import CGEE, EntropyTrace, Thresholds, calibration_path, layer_trace
-from branchwise.backends.hf.hooks import Acceleration, Host
-from branchwise.backends.hf.probe import KVProbe, Probe
-from branchwise.backends.hf.reasoncache import ReasonCache, StepBoundaries
-from branchwise.backends.hf.reasoncache_filter import PercentileThreshold
-from branchwise.backends.hf.river import River, RiverPath, weights_key
+from branchwise.backends.hf.cgee import CGEE, EntropyTrace, layer_trace
+from branchwise.backends.hf.hooks import Acceleration, Builds, Host, Setup
+from branchwise.backends.hf.probe import Probe
+from branchwise.backends.hf.reasoncache import ReasonCache
+from branchwise.backends.hf.river import River
 from branchwise.backends.hf.rsbcm import RSBCM
-from branchwise.backends.hf.skipkv import SkipKV, SteeringBuild
-from branchwise.backends.hf.skipkv_policy import delimiter_token_ids
+from branchwise.backends.hf.skipkv import SkipKV
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["Builds", "EntropyTrace", "build_plugins", "layer_trace"]
+__all__ = ["PLUGINS", "EntropyTrace", "build_plugins", "layer_trace", "plugin_for"]
 
-T = TypeVar("T")
-
-
-class Builds:
-    """Artefacts built once per backend and key (see the module docstring); callers hold the
-    backend's lock, so two runs never build the same thing twice."""
-
-    def __init__(self) -> None:
-        self._items: dict[Hashable, tuple[Any, float]] = {}
-
-    def get(self, key: Hashable, make: Callable[[], T]) -> tuple[T, float, bool]:
-        """`(artefact, seconds its build took, built just now)`."""
-        if key in self._items:
-            value, seconds = self._items[key]
-            return value, seconds, False
-        start = time.perf_counter()
-        value = make()
-        seconds = time.perf_counter() - start
-        self._items[key] = (value, seconds)
-        return value, seconds, True
-
-    def __len__(self) -> int:
-        return len(self._items)
+PLUGINS: tuple[type[Acceleration], ...] = (Probe, ASKS, RSBCM, SkipKV, ReasonCache, River, CGEE)
+"""Every acceleration's plug-in class, in the order their hooks run (the probe decides a fork before
+ASKS places prompts; evictions run before River and CGEE read the layers)."""
 
 
-def _calibration_stamp(model_name: str) -> tuple[int, int] | None:
-    """When and how big the saved calibration is, so a new calibration is picked up (None: none)."""
-    path = calibration_path(model_name)
-    if not path.is_file():
-        return None
-    stat = path.stat()
-    return stat.st_mtime_ns, stat.st_size
+def plugin_for(config: type[AccelConfig]) -> type[Acceleration]:
+    """The plug-in class registered for a config type; a config with none fails loudly (an `Accel`
+    field whose acceleration was never registered would otherwise be silently off)."""
+    for plugin in PLUGINS:
+        if plugin.config is config:
+            return plugin
+    raise TypeError(f"no plug-in is registered for {config.__name__}: add its class to plugins.PLUGINS")
 
 
 def build_plugins(
@@ -84,68 +66,14 @@ def build_plugins(
     builds: Builds,
 ) -> list[Acceleration]:
     """Fresh plug-ins for one run of `accel`, in the order their hooks must run."""
-    stats, parts = host.stats, host.parts
-    timings: dict[str, float] = {}
-    fresh = 0
-
-    def cached(name: str, key: Hashable, make: Callable[[], T]) -> T:
-        nonlocal fresh
-        value, seconds, built = builds.get(key, make)
-        timings[name] = timings.get(name, 0.0) + seconds
-        fresh += built
-        return value
-
+    configs = {type(cfg): cfg for cfg in accel.enabled().values()}
+    for config in configs:
+        plugin_for(config)
+    setup = Setup(host, tokenizer, model_name, builds)
     out: list[Acceleration] = []
-    if accel.probe is not None:
-        cfg = accel.probe
-        probe, _, _ = builds.get(
-            ("probe", cfg.bucket_tokens, cfg.repeats, cfg.suffix_tokens),
-            lambda: KVProbe(cfg.bucket_tokens, cfg.repeats, cfg.suffix_tokens),
-        )
-        out.append(Probe(cfg, probe))
-    if accel.asks is not None:
-        out.append(ASKS(accel.asks))
-    if accel.rsbcm is not None:
-        out.append(RSBCM(accel.rsbcm, host))
-    if accel.skipkv is not None:
-        skip = accel.skipkv
-        delimiters = cached("skipkv", ("delimiters",), lambda: delimiter_token_ids(tokenizer))
-        steering = None
-        if skip.steering is not None:
-            steer_cfg = skip.steering
-            steering = cached(
-                "skipkv",
-                ("steering", steer_cfg),
-                lambda: SteeringBuild.load(steer_cfg, parts, model_name, delimiters),
-            )
-        out.append(SkipKV(skip, parts, tokenizer, delimiters, steering, stats, host.tree))
-    if accel.reasoncache is not None:
-        rc = accel.reasoncache
-        boundaries = cached("reasoncache", ("step_boundaries",), lambda: StepBoundaries.of(tokenizer))
-        pat = cached(
-            "reasoncache",
-            ("pat", rc.block_tokens, rc.percentile, rc.warmup_blocks),
-            lambda: PercentileThreshold(rc.percentile, rc.warmup_blocks),
-        )
-        out.append(ReasonCache(rc, tokenizer, boundaries, pat, host.tree, stats))
-    if accel.river is not None:
-        river_cfg = accel.river
-        path = cached(
-            "river",
-            ("river", weights_key(river_cfg, parts, host.device)),
-            lambda: RiverPath(parts, river_cfg, host.device),
-        )
-        out.append(River(river_cfg, path, stats))
-    if accel.cgee is not None:
-        cgee_cfg = accel.cgee
-        thresholds = cached(
-            "cgee",
-            ("cgee", cgee_cfg, _calibration_stamp(model_name)),
-            lambda: Thresholds.resolve(cgee_cfg, model_name),
-        )
-        out.append(CGEE(cgee_cfg, thresholds, parts, stats))
-    for name, seconds in timings.items():
-        stats.bump(f"{name}_build_s", seconds)
-    if timings:
-        stats.bump("accel_builds", fresh)
+    for plugin in PLUGINS:
+        cfg = None if plugin.config is None else configs.get(plugin.config)
+        if cfg is not None:
+            out.append(plugin.build(cfg, setup))
+    setup.report()
     return out

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from branchwise.backends.accel import ProbeConfig
-from branchwise.backends.hf.hooks import Acceleration, Host
+from branchwise.backends.hf.hooks import Acceleration, Host, Setup
 from branchwise.backends.hf.tree import Segment
 
 
@@ -87,10 +87,20 @@ class Probe(Acceleration):
     """
 
     name = "probe"
+    config = ProbeConfig
 
     def __init__(self, cfg: ProbeConfig, probe: KVProbe) -> None:
         self.cfg = cfg
         self.probe = probe
+
+    @classmethod
+    def build(cls, cfg: ProbeConfig, setup: Setup) -> Probe:
+        """Verdicts are shared by every run of the backend with the same timing settings."""
+        probe = setup.shared(
+            ("probe", cfg.bucket_tokens, cfg.repeats, cfg.suffix_tokens),
+            lambda: KVProbe(cfg.bucket_tokens, cfg.repeats, cfg.suffix_tokens),
+        )
+        return cls(cfg, probe)
 
     def on_fork(self, host: Host, path: list[int], n: int, parent: Segment) -> bool:
         cfg = self.cfg

@@ -10,10 +10,10 @@ sibling's, live or finished) that the new step repeats (stage 1), then for each 
 candidate steps by KV distance (stage 2, PAT threshold). An admitted block is *shared*:
 
 - the source block becomes a physical `tree.Block` unless it already is one: copied once out of its
-  row's tail (the slots leave the tail, the row points at it), or, for a node outside the decode,
-  moved out of the node's KV (`KVTree.seal_own`), so it is held once either way;
+  row's tail (the slots leave the tail, the row points at it: `KVEdits.seal_row`), or, for a node
+  outside the decode, moved out of the node's KV (`KVEdits.seal`), so it is held once either way;
 - the new block's slots leave the current row's tail and the row points at the same block
-  (`Batch.point_at`): from the next forward on its attention reads the block through the batch's
+  (`KVEdits.point_row_at`): from the next forward on its attention reads the block through the batch's
   block pool, in the one product all rows of the pool share. No copy per reader.
 
 The tree ref-counts blocks and frees one exactly when its last node goes. Positions stay logical:
@@ -44,7 +44,7 @@ from transformers import PreTrainedTokenizerBase
 from branchwise.backends.accel import ReasonCacheConfig
 from branchwise.backends.base import KVStats
 from branchwise.backends.hf.batch import Batch, Row
-from branchwise.backends.hf.hooks import Acceleration
+from branchwise.backends.hf.hooks import Acceleration, KVEdits, Setup
 from branchwise.backends.hf.reasoncache_filter import (
     BlockNorms,
     PercentileThreshold,
@@ -54,7 +54,7 @@ from branchwise.backends.hf.reasoncache_filter import (
     lexical_similarity,
     structurally_equal,
 )
-from branchwise.backends.hf.tree import Block, KVTree, Segment
+from branchwise.backends.hf.tree import Block, Segment
 from branchwise.backends.hf.vocab import token_texts
 
 
@@ -159,6 +159,7 @@ class ReasonCache(Acceleration):
     over the generated KV a dense cache would hold, at the end of each batch)."""
 
     name = "reasoncache"
+    config = ReasonCacheConfig
 
     def __init__(
         self,
@@ -166,12 +167,13 @@ class ReasonCache(Acceleration):
         tokenizer: PreTrainedTokenizerBase,
         boundaries: StepBoundaries,
         pat: PercentileThreshold,
-        tree: KVTree,
+        kv: KVEdits,
         stats: KVStats,
     ) -> None:
         self.cfg = cfg
         self.boundaries = boundaries
-        self.tree = tree
+        self.kv = kv
+        self.tree = kv.tree
         self.stats = stats
         self.branches: dict[int, Branch] = {}
         self.history: dict[int, list[Step]] = {}
@@ -183,6 +185,19 @@ class ReasonCache(Acceleration):
         """Squared norms per node and block start, computed once per block (the paper's cache)."""
         self._decode = cast(Callable[..., str], tokenizer.decode)  # one sequence of ids: one str
         self._rng = random.Random(cfg.seed)
+
+    @classmethod
+    def build(cls, cfg: ReasonCacheConfig, setup: Setup) -> ReasonCache:
+        """Step boundaries (a pass over the vocabulary) and the PAT distances are per backend."""
+        boundaries = setup.cached(
+            "reasoncache", ("step_boundaries",), lambda: StepBoundaries.of(setup.tokenizer)
+        )
+        pat = setup.cached(
+            "reasoncache",
+            ("pat", cfg.block_tokens, cfg.percentile, cfg.warmup_blocks),
+            lambda: PercentileThreshold(cfg.percentile, cfg.warmup_blocks),
+        )
+        return cls(cfg, setup.tokenizer, boundaries, pat, setup.host.kv, setup.host.stats)
 
     # ------------------------------------------------------------------ hooks
     def begin_decode(self, batch: Batch) -> None:
@@ -365,13 +380,9 @@ class ReasonCache(Acceleration):
                 torch.stack([t[:, first:last] for t in seg.values]),
             )
         pos, row = at.present[node]
-        first = row.tail_start + branch.slot(start)
-        last = first + self.cfg.block_tokens
-        ctx = at.batch.ctx
-        return (
-            torch.stack([t[pos, :, first:last] for t in ctx.tail_k]),
-            torch.stack([t[pos, :, first:last] for t in ctx.tail_v]),
-        )
+        first = branch.slot(start)
+        keys, values = at.batch.own_kv(pos, row, first, first + self.cfg.block_tokens)
+        return torch.stack(keys), torch.stack(values)
 
     def _norms_of(self, node: int, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> BlockNorms:
         per_node = self._norms.setdefault(node, {})
@@ -391,15 +402,14 @@ class ReasonCache(Acceleration):
             slot = source.slot(src_start)
             if src_node in at.present:
                 src_pos, src_row = at.present[src_node]
-                block = batch.seal(self.tree, src_pos, src_row, slot, self.cfg.block_tokens)
-                batch.point_at(self.tree, src_pos, src_row, slot, src_start, block)
+                block = self.kv.seal_row(batch, src_pos, src_row, slot, src_start, self.cfg.block_tokens)
             else:  # its readers (if any) see the same KV, now through the block
                 seg = self.tree.find(src_node)
                 assert seg is not None
-                block = self.tree.seal_own(seg, slot, src_start, self.cfg.block_tokens)
+                block = self.kv.seal(seg, slot, src_start, self.cfg.block_tokens)
             source.shared[src_start] = block
             source.sealed_tokens += block.tokens
-        batch.point_at(self.tree, at.pos, at.row, branch.slot(block_start), block_start, block)
+        self.kv.point_row_at(batch, at.pos, at.row, branch.slot(block_start), block_start, block)
         branch.shared[block_start] = block
         self._norms.get(branch.node, {}).pop(block_start, None)  # it reads the source's KV now
         self.stats.bump("reasoncache_blocks_reused")

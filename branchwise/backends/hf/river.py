@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from branchwise.backends.accel import RiverConfig
 from branchwise.backends.base import KVStats
 from branchwise.backends.hf.arch import DecoderParts
-from branchwise.backends.hf.hooks import Acceleration, Exit, Forward
+from branchwise.backends.hf.hooks import Acceleration, Exit, Forward, Setup
 from branchwise.backends.hf.river_quant import (
     WeightOnlyLinear,
     build_river,
@@ -175,6 +175,18 @@ class River(Acceleration):
     """
 
     name = "river"
+    config = RiverConfig
+
+    @classmethod
+    def build(cls, cfg: RiverConfig, setup: Setup) -> River:
+        """The quantized layers are built once per backend and weight settings (`weights_key`)."""
+        host = setup.host
+        path = setup.cached(
+            "river",
+            ("river", weights_key(cfg, host.parts, host.device)),
+            lambda: RiverPath(host.parts, cfg, host.device),
+        )
+        return cls(cfg, path, host.stats)
 
     def __init__(self, cfg: RiverConfig, path: RiverPath, stats: KVStats) -> None:
         self.cfg = cfg

@@ -19,7 +19,7 @@ import torch
 from branchwise.backends.accel import RSBCMConfig
 from branchwise.backends.hf.attention import Weights
 from branchwise.backends.hf.batch import AttentionTap, Batch, Row
-from branchwise.backends.hf.hooks import Acceleration, Host
+from branchwise.backends.hf.hooks import Acceleration, Host, Setup
 from branchwise.backends.hf.tree import Segment
 
 
@@ -124,6 +124,7 @@ class RSBCM(Acceleration):
     """
 
     name = "rsbcm"
+    config = RSBCMConfig
     needs_cascade = True  # block masses are kept per shared segment
 
     def __init__(self, cfg: RSBCMConfig, host: Host) -> None:
@@ -132,6 +133,10 @@ class RSBCM(Acceleration):
         self.mass: dict[int, torch.Tensor] = {}
         self.score: dict[int, float] = {}
         self._taps: dict[int, MassTap] = {}
+
+    @classmethod
+    def build(cls, cfg: RSBCMConfig, setup: Setup) -> RSBCM:
+        return cls(cfg, setup.host)
 
     def _evictable(self, seg: Segment) -> bool:
         return not (self.cfg.pin_prompt and seg.is_prompt)
@@ -193,7 +198,7 @@ class RSBCM(Acceleration):
             assert found is not None
             seg = found
             keep = keep_mask(seg.kv_tokens, blocks, self.host.device)
-            tree.keep_kv(seg, keep)
+            self.host.kv.keep(seg, keep.nonzero().flatten())
             if key in self.mass:
                 self.mass[key] = self.mass[key][keep]
             self.host.stats.bump("rsbcm_evicted_tokens", int((~keep).sum()))

@@ -35,21 +35,21 @@ from branchwise.backends.base import (
     ShareMode,
     StepListener,
     check_context,
+    check_share,
 )
 from branchwise.backends.hf.arch import DecoderParts, kv_bytes_per_token
 from branchwise.backends.hf.batch import Batch, Broadcast, Row
 from branchwise.backends.hf.decode import DecodeRun, decode
 from branchwise.backends.hf.grammar import Grammars
-from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, overrides
+from branchwise.backends.hf.hooks import Acceleration, Builds, HiddenCapture, KVEdits, overrides
 from branchwise.backends.hf.intake import Intake, alone_chunk
-from branchwise.backends.hf.plugins import Builds, EntropyTrace, build_plugins, layer_trace
+from branchwise.backends.hf.plugins import EntropyTrace, build_plugins, layer_trace
 from branchwise.backends.hf.pool import TAIL_SLACK, KVPool
 from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
 from branchwise.constraints import Constraint
 from branchwise.toolcalls import render_messages, template_has_tools
 
-SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
 COPY_TOKENS = 64
 COPY_MIN_SEGMENTS = 8
 """In a batch reading more than `COPY_MIN_SEGMENTS` ancestors, those whose path holds at most
@@ -63,12 +63,6 @@ A = TypeVar("A", bound=Acceleration)
 def path_length(seg: Segment) -> int:
     """Tokens on a node's path, root to its last (pending included): its context use."""
     return sum(len(a.tokens) for a in seg.kv_ancestors()) + len(seg.tokens)
-
-
-def check_share(share: str) -> ShareMode:
-    if share not in SHARE_MODES:
-        raise ValueError(f"share={share!r} is not one of {SHARE_MODES}")
-    return share
 
 
 BROADCASTS: tuple[Broadcast, ...] = ("cascade", "copy")
@@ -185,6 +179,7 @@ class Session:
         self.engine = engine
         self.share: ShareMode = check_share(share)
         self.tree = engine.tree
+        self.kv = KVEdits(self.tree)
         self.parts = engine.parts
         self.device = engine.device
         self.ledger = Ledger() if ledger is None else ledger

@@ -10,13 +10,13 @@ The policy (sentences, Eq. 3-6 scores, which slots to keep, the steering vector)
   observation window of Eq. 4);
 - `after_step`: every `interval` generated tokens of a branch (counted along its path, across
   `extend` calls and tree steps, not by the decode loop's step which restarts on every `extend`), a
-  branch above budget keeps its best slots (`Batch.keep_own`); positions stay logical, so later
+  branch above budget keeps its best slots (`KVEdits.keep_row`); positions stay logical, so later
   tokens simply stop seeing what was evicted;
 - `before_step` / `before_layer`: steering adds α_t·v at one layer's input at delimiter tokens.
 
 A branch's budget covers its own generated KV *and* the generated KV of its exclusive ancestors:
 earlier tree steps that no live sibling reads (each has one live child, the branch's path). Those
-are evicted in place in their segments (`KVTree.keep_kv`) with the same Eq. 6 scores. The prompt
+are evicted in place in their segments (`KVEdits.keep`) with the same Eq. 6 scores. The prompt
 and every ancestor shared with a live sibling are never evicted. State per branch lives here
 (`states`), keyed by node and dropped when the node is freed.
 """
@@ -36,10 +36,11 @@ from branchwise.backends.accel import SkipKVConfig, SteeringConfig
 from branchwise.backends.base import KVStats
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import AttentionTap, Batch, Row
-from branchwise.backends.hf.hooks import Acceleration, Forward
+from branchwise.backends.hf.hooks import Acceleration, Forward, KVEdits, Setup
 from branchwise.backends.hf.skipkv_policy import (
     SentenceTracker,
     SteeringVector,
+    delimiter_token_ids,
     eviction_scores,
     key_redundancy,
     newest_mask,
@@ -49,7 +50,7 @@ from branchwise.backends.hf.skipkv_policy import (
     steering_strength,
     token_importance,
 )
-from branchwise.backends.hf.tree import KVTree, Segment
+from branchwise.backends.hf.tree import Segment
 
 
 @dataclass
@@ -153,6 +154,7 @@ class SkipKV(Acceleration):
     step to this branch alone)."""
 
     name = "skipkv"
+    config = SkipKVConfig
 
     def __init__(
         self,
@@ -162,14 +164,14 @@ class SkipKV(Acceleration):
         delimiters: frozenset[int],
         steering: SteeringBuild | None,
         stats: KVStats,
-        tree: KVTree | None = None,
+        kv: KVEdits,
     ) -> None:
         self.cfg = cfg
         self.parts = parts
         self.delimiters = delimiters
         self.steer_build = steering
         self.stats = stats
-        self.tree = tree
+        self.kv = kv
         self.states: dict[int, SkipState] = {}
         # one sequence of ids decodes to one str
         self._decode = cast(
@@ -177,6 +179,21 @@ class SkipKV(Acceleration):
         )
         self._window: QueryWindow | None = None
         self._steer: Steering | None = None
+
+    @classmethod
+    def build(cls, cfg: SkipKVConfig, setup: Setup) -> SkipKV:
+        """The delimiter ids (a pass over the vocabulary) and the steering vector are built once."""
+        host = setup.host
+        delimiters = setup.cached("skipkv", ("delimiters",), lambda: delimiter_token_ids(setup.tokenizer))
+        steering = None
+        if cfg.steering is not None:
+            steer = cfg.steering
+            steering = setup.cached(
+                "skipkv",
+                ("steering", steer),
+                lambda: SteeringBuild.load(steer, host.parts, setup.model_name, delimiters),
+            )
+        return cls(cfg, host.parts, setup.tokenizer, delimiters, steering, host.stats, host.kv)
 
     def state(self, node: int) -> SkipState | None:
         """The SkipKV state of a node (None before it decoded under SkipKV)."""
@@ -286,7 +303,7 @@ class SkipKV(Acceleration):
         exactly one live child (the branch's path); the first shared one ends the walk (everything
         above it is shared too). Under `broadcast="copy"` ancestors are copies, so none qualify.
         """
-        if self.tree is None or batch.broadcast != "cascade":
+        if batch.broadcast != "cascade":
             return []
         out = []
         for anc in row.seg.kv_ancestors():
@@ -309,16 +326,15 @@ class SkipKV(Acceleration):
         segment's own sentence penalty)."""
         cfg, state, window = self.cfg, self.states[row.seg.id], self._window
         assert window is not None
-        ctx = batch.ctx
-        at, n, g0 = row.tail_start, row.kv_len, state.gen_start
+        g0 = state.gen_start
         ancestors = self.exclusive_ancestors(batch, row)
         # pieces in path order: (keys per layer, first evictable slot, tracker)
         pieces: list[tuple[list[torch.Tensor], int, SentenceTracker]] = []
         for anc, anc_state in ancestors:
             assert anc.keys is not None
             pieces.append((list(anc.keys), anc_state.gen_start, anc_state.tracker))
-        pieces.append(([t[pos, :, at : at + n] for t in ctx.tail_k], g0, state.tracker))
-        keys = [torch.cat([p[0][layer] for p in pieces], dim=1) for layer in range(len(ctx.tail_k))]
+        pieces.append((batch.own_kv(pos, row)[0], g0, state.tracker))
+        keys = [torch.cat([p[0][layer] for p in pieces], dim=1) for layer in range(self.parts.n_layers)]
         sizes = [int(p[0][0].shape[1]) for p in pieces]
         total = sum(sizes)
         device = keys[0].device
@@ -351,29 +367,14 @@ class SkipKV(Acceleration):
             local = keep[(keep >= offset) & (keep < offset + size)] - offset
             if i < len(ancestors):
                 if local.numel() < size:
-                    self._keep_ancestor(batch, ancestors[i][0], local)
+                    self.kv.keep(ancestors[i][0], local, batch)
                     self.stats.bump("skipkv_ancestor_evicted_tokens", size - int(local.numel()))
             else:
-                batch.keep_own(pos, row, local.to(ctx.tail_k[0].device))
+                self.kv.keep_row(batch, pos, row, local)
             if local.numel() < size:
                 tracker.evict((local[local >= start] - start).tolist())
             offset += size
         return total - int(keep.numel())
-
-    def _keep_ancestor(self, batch: Batch, seg: Segment, keep: torch.Tensor) -> None:
-        """Keep only the slots `keep` of an exclusive ancestor, in the tree and in this batch's view."""
-        assert self.tree is not None and seg.keys is not None
-        mask = torch.zeros(seg.kv_tokens, dtype=torch.bool, device=seg.keys[0].device)
-        mask[keep.to(mask.device)] = True
-        self.tree.keep_kv(seg, mask)
-        shared = []
-        for entry in batch.ctx.shared:
-            if entry.key == seg.id:
-                if not seg.kv_tokens:
-                    continue  # nothing left to attend to
-                entry.keys, entry.values = seg.keys, seg.values or []
-            shared.append(entry)
-        batch.ctx.shared = shared
 
     def on_release(self, seg: Segment) -> None:
         self.states.pop(seg.id, None)

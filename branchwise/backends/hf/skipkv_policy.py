@@ -17,7 +17,8 @@ row (decoding branch) at a time:
 - `select_keep` turns scores into the kept slots under a budget on the row's own generated tokens.
 - Steering (§4.2): the vector v = mean(exec) − mean(non-exec) hidden states, its save/load, and the
   adaptive strength α0 + γ·N_nonexec.
-- Batch grouping (§4.3): sort prompts by prefill length before batching, to cut padding (Eq. 12).
+
+Batch grouping (§4.3) is not SkipKV's own: it lives in `backends/grouping.py`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from branchwise.backends.hf.cgee import safe_model_name
-from branchwise.backends.hf.embedded import branchwise_cache_dir
+from branchwise.backends.hf.model_files import model_file
 from branchwise.backends.hf.vocab import token_texts
 
 if TYPE_CHECKING:
@@ -486,63 +486,9 @@ def steering_vector(exec_states: torch.Tensor, nonexec_states: torch.Tensor) -> 
 
 def steering_path(model_name: str) -> Path:
     """Where a model's steering vector lives: `<cache>/steering/<model>.pt`."""
-    return branchwise_cache_dir() / "steering" / f"{safe_model_name(model_name)}.pt"
+    return model_file("steering", model_name, "pt")
 
 
 def steering_strength(alpha0: float, gamma: float, n_nonexec: int) -> float:
     """α_t = α0 + γ·N_nonexec (§4.2): steer harder the more the row has already hesitated."""
     return alpha0 + gamma * n_nonexec
-
-
-# ---------------------------------------------------------------------------------------------- grouping
-def group_by_length(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """§4.3: batches of indices with similar prefill lengths, so left padding eats less KV budget.
-
-    Indices are sorted by length (ascending, stable) and cut into batches of `batch_size`. When
-    len % batch_size leaves one short batch, the paper puts it last; we put it wherever Eq. 12's
-    total padding is smallest (last on ties). Why: with the short batch fixed at the end, sorting can
-    pad *more* than the caller's order ([10, 10, 1, 1, 1] in twos: 0 tokens unsorted, 9 sorted);
-    with the best position no ordering of the same batch sizes pads less, because for given sizes
-    sorted contiguous batches are optimal.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be >= 1")
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    sizes = [batch_size] * (len(order) // batch_size)
-    short = len(order) % batch_size
-    if short:
-        sizes.insert(_short_batch_slot([lengths[i] for i in order], batch_size, short), short)
-    groups, start = [], 0
-    for size in sizes:
-        groups.append(order[start : start + size])
-        start += size
-    return groups
-
-
-def _short_batch_slot(sorted_lengths: list[int], batch_size: int, short: int) -> int:
-    """Where among the full batches the short one pads least: Σ size·max over batches, in O(n/bs)."""
-    q = len(sorted_lengths) // batch_size
-    # full batch g before the short one ends at (g+1)·bs − 1; after it, shifted by `short`
-    before = [batch_size * sorted_lengths[(g + 1) * batch_size - 1] for g in range(q)]
-    after = [batch_size * sorted_lengths[short + (g + 1) * batch_size - 1] for g in range(q)]
-    suffix = [0] * (q + 1)
-    for g in range(q - 1, -1, -1):
-        suffix[g] = suffix[g + 1] + after[g]
-    best, best_cost, prefix = q, None, 0
-    for p in range(q + 1):
-        cost = prefix + short * sorted_lengths[p * batch_size + short - 1] + suffix[p]
-        if best_cost is None or cost <= best_cost:
-            best, best_cost = p, cost
-        if p < q:
-            prefix += before[p]
-    return best
-
-
-def padding_tokens(groups: Sequence[Sequence[int]], lengths: Sequence[int]) -> int:
-    """Eq. 12 summed: Σ over batches of Σ (longest prefill in the batch − each prefill)."""
-    total = 0
-    for group in groups:
-        if group:
-            longest = max(lengths[i] for i in group)
-            total += sum(longest - lengths[i] for i in group)
-    return total

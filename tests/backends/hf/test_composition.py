@@ -26,7 +26,7 @@ from branchwise.backends.hf.skipkv_policy import SteeringVector
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import beam_search, self_consistency
 
-NAMES = ("asks", "probe", "cgee", "rsbcm", "river", "skipkv", "reasoncache")
+NAMES = tuple(Accel.configs())  # every registered acceleration: a new one must join the lists below
 QUESTION = "What is 12 + 7?"
 VARIANTS = ["What is 12 + 7?", "Compute 12 + 7.", "What is 12 plus 7?"]
 

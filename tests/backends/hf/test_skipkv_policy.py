@@ -15,11 +15,9 @@ from branchwise.backends.hf.skipkv_policy import (
     SteeringVector,
     delimiter_token_ids,
     eviction_scores,
-    group_by_length,
     is_delimiter_text,
     key_redundancy,
     newest_mask,
-    padding_tokens,
     select_keep,
     sentence_redundancy,
     steering_path,
@@ -333,36 +331,3 @@ def test_steering_vector_names_the_empty_set() -> None:
 def test_steering_strength_grows_with_non_execution_thoughts() -> None:
     assert steering_strength(1.0, 0.02, 0) == 1.0
     assert steering_strength(1.25, 0.02, 10) == pytest.approx(1.45)
-
-
-# ---------------------------------------------------------------------------------------------- grouping
-def _chunks(order: Sequence[int], size: int) -> list[list[int]]:
-    return [list(order[i : i + size]) for i in range(0, len(order), size)]
-
-
-def test_grouping_sorts_by_prefill_length() -> None:
-    lengths = [10, 10, 1, 1, 1]
-    assert padding_tokens(_chunks(range(5), 2), lengths) == 0
-    groups = group_by_length(lengths, 2)
-    assert padding_tokens(groups, lengths) == 0  # the short batch goes where it pads least
-    assert group_by_length([5, 1, 3, 2], 2) == [[1, 3], [2, 0]]
-    assert padding_tokens([[1, 3], [2, 0]], [5, 1, 3, 2]) == 1 + 2
-    with pytest.raises(ValueError, match="batch_size=0"):
-        group_by_length([1], 0)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(st.integers(1, 60), max_size=25),
-    st.integers(1, 6),
-    st.randoms(use_true_random=False),
-)
-def test_grouping_never_pads_more_than_any_order(lengths: list[int], batch_size: int, rng) -> None:
-    groups = group_by_length(lengths, batch_size)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    assert sorted(len(g) for g in groups) == sorted(len(g) for g in _chunks(range(len(lengths)), batch_size))
-    padding = padding_tokens(groups, lengths)
-    assert padding <= padding_tokens(_chunks(range(len(lengths)), batch_size), lengths)
-    shuffled = list(range(len(lengths)))
-    rng.shuffle(shuffled)
-    assert padding <= padding_tokens(_chunks(shuffled, batch_size), lengths)

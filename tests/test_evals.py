@@ -524,3 +524,104 @@ def test_quick_suite_end_to_end(tmp_path: Path, embedded_dir: Path) -> None:
     for name in ("accuracy_vs_cost.png", "speedup.png", "kv_peak.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     print(report)  # the summary table, visible with -s
+
+
+# --------------------------------------------------------------------------------------------------
+# Plots: checked through matplotlib's own extents and artists, never pixels
+# --------------------------------------------------------------------------------------------------
+
+
+def _two_datasets(long: str = "") -> list[dict[str, Any]]:
+    """Cells of a dataset with three problems and of one with a single problem (its CIs undefined)."""
+    many = _rows(
+        {"base": [2.0, 4.0, 6.0], f"fast{long}": [1.0, 3.0, 2.0]},
+        {"base": ["1", "0", "1"], f"fast{long}": ["1", "1", "0"]},
+    )
+    one = _rows({"base": [2.0], f"fast{long}": [1.5]}, {"base": ["1"], f"fast{long}": ["0"]})
+    for r in one:
+        r["dataset"], r["cell"] = "single", r["cell"].replace("m/d/", "m/single/")
+    return many + one
+
+
+def _extents(fig: Any) -> tuple[Any, Any]:
+    """The figure's bounding box and a renderer, after a draw (layout runs at draw time)."""
+    fig.canvas.draw()
+    return fig.bbox, fig.canvas.get_renderer()
+
+
+def _inside(box: Any, outer: Any) -> bool:
+    return (
+        box.x0 >= outer.x0 - 1
+        and box.y0 >= outer.y0 - 1
+        and box.x1 <= outer.x1 + 1
+        and box.y1 <= outer.y1 + 1
+    )
+
+
+def test_accuracy_vs_cost_legend_lies_inside_the_figure_and_off_the_panels() -> None:
+    """The legend once sat at a fixed fraction of the figure and ran off its right edge; it must lie
+    inside the figure whatever its labels, and cover neither a panel nor the title."""
+    import matplotlib.pyplot as plt
+
+    from branchwise.evals.report import accuracy_vs_cost_figure
+
+    for long in ("", "+river@0.97+skipkv+a-very-long-acceleration-label"):
+        fig = accuracy_vs_cost_figure(summarize(_two_datasets(long), baseline="base"))
+        try:
+            bbox, renderer = _extents(fig)
+            (legend,) = fig.legends
+            box = legend.get_window_extent(renderer)
+            assert _inside(box, bbox), (box, bbox)
+            assert any(t.get_text().endswith(long) for t in legend.get_texts())
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+            title = fig._suptitle.get_window_extent(renderer)  # type: ignore[union-attr]
+            assert not box.overlaps(title) and _inside(title, bbox)
+            # the caption says why a one-problem cell has no error bar
+            assert "none for a cell with a single problem" in fig.get_supxlabel()
+        finally:
+            plt.close(fig)
+
+
+def test_speedup_ci_is_drawn_iff_a_cell_has_two_paired_problems() -> None:
+    """A CI needs at least two paired problems (one has no spread to resample): such a bar gets its
+    error bar, a one-problem bar none and says so, as does the title; every label is inside."""
+    import matplotlib.pyplot as plt
+    from matplotlib.container import ErrorbarContainer
+
+    from branchwise.evals.report import speedup_figure
+
+    summaries = summarize(_two_datasets(), baseline="base")
+    fig = speedup_figure(summaries, "base")
+    assert fig is not None
+    try:
+        bbox, renderer = _extents(fig)
+        ax = fig.axes[0]
+        drawn = {c.get_label() for c in ax.containers if isinstance(c, ErrorbarContainer)}
+        assert drawn == {"ci:d/s/fast"}
+        values = {t.get_text() for c in ax.child_axes for t in c.get_yticklabels()}
+        assert any("n=3" in v and "[" in v for v in values), values
+        assert any(v.endswith("n=1, no CI") for v in values), values
+        assert "1 cell with one paired problem: no CI" in " ".join(fig.get_suptitle().split())
+        for text in [*ax.get_yticklabels(), *(t for c in ax.child_axes for t in c.get_yticklabels())]:
+            assert _inside(text.get_window_extent(renderer), bbox), text.get_text()
+        assert _inside(fig._suptitle.get_window_extent(renderer), bbox)  # type: ignore[union-attr]
+    finally:
+        plt.close(fig)
+    # every cell with two or more problems: error bars on all, no "no CI" note
+    many = [s for s in summaries if s.dataset == "d"]
+    fig = speedup_figure(many, "base")
+    assert fig is not None
+    try:
+        drawn = {c.get_label() for c in fig.axes[0].containers if isinstance(c, ErrorbarContainer)}
+        assert drawn == {"ci:d/s/fast"} and "no CI" not in fig.get_suptitle()
+    finally:
+        plt.close(fig)
+
+
+def test_report_caption_says_when_there_is_no_ci(tmp_path: Path) -> None:
+    (tmp_path / ROWS_FILE).write_text("".join(json.dumps(r) + "\n" for r in _two_datasets()))
+    paths = write_report(tmp_path, baseline="base")
+    assert [p.name for p in paths.plots] == ["accuracy_vs_cost.png", "speedup.png", "kv_peak.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths.plots)
+    assert "none for a cell of one problem" in paths.markdown.read_text()

@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from branchwise.evals.harness import CONFIG_FILE, ROWS_FILE, read_rows
 from branchwise.evals.stats import N_RESAMPLES, bootstrap_ci
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["CellSummary", "format_markdown", "summarize", "write_report"]
 
@@ -225,16 +229,32 @@ def format_markdown(summaries: list[CellSummary]) -> str:
 _MARKERS = "osD^v<>Pp*hX"
 
 
-def _plot_accuracy_vs_cost(summaries: list[CellSummary], path: Path) -> None:
-    """One panel per dataset: accuracy (bootstrap CI) against mean latency; colour = strategy (and
-    model), marker = acceleration, a thin line joins one strategy's accelerations. Legends instead
-    of point labels, which overlap as soon as cells cost about the same."""
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: reports are written on servers without a display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _has_ci(ci: tuple[float, float] | None) -> bool:
+    return ci is not None and all(math.isfinite(v) for v in ci)
+
+
+def accuracy_vs_cost_figure(summaries: list[CellSummary]) -> Figure:
+    """One panel per dataset: accuracy (bootstrap CI) against mean latency; colour = strategy (and
+    model), marker = acceleration, a thin line joins one strategy's accelerations. A legend instead
+    of point labels, which overlap as soon as cells cost about the same.
+
+    The figure uses constrained layout with its one legend placed *outside* the panels on the right,
+    so the layout engine reserves room for it: a legend anchored at a fixed fraction of the figure
+    ran off the right edge as soon as a label was longer than a few characters.
+    """
     from matplotlib.lines import Line2D
 
+    plt = _pyplot()
     datasets = list(dict.fromkeys(s.dataset for s in summaries))
     accels = list(dict.fromkeys(s.accel for s in summaries))
     models = list(dict.fromkeys(s.model for s in summaries))
@@ -246,7 +266,9 @@ def _plot_accuracy_vs_cost(summaries: list[CellSummary], path: Path) -> None:
 
     cols = min(3, len(datasets))
     rows = math.ceil(len(datasets) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(5.2 * cols + 2.0, 4.2 * rows + 0.6), squeeze=False, layout="constrained"
+    )
     for ax, ds in zip(axes.flat, datasets, strict=False):
         cells = [s for s in summaries if s.dataset == ds and not math.isnan(s.latency_mean_s)]
         for i, key in enumerate(series):
@@ -261,7 +283,7 @@ def _plot_accuracy_vs_cost(summaries: list[CellSummary], path: Path) -> None:
                 )
         for s in cells:
             lo, hi = s.accuracy_ci
-            yerr = None if math.isnan(lo) else [[max(s.accuracy - lo, 0)], [max(hi - s.accuracy, 0)]]
+            yerr = [[max(s.accuracy - lo, 0)], [max(hi - s.accuracy, 0)]] if _has_ci(s.accuracy_ci) else None
             ax.errorbar(
                 s.latency_mean_s,
                 s.accuracy,
@@ -280,59 +302,162 @@ def _plot_accuracy_vs_cost(summaries: list[CellSummary], path: Path) -> None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(datasets) :]:
         ax.axis("off")
-    marker_handles = [
-        Line2D([], [], marker=_MARKERS[i % len(_MARKERS)], ls="", color="gray", label=a)
-        for i, a in enumerate(accels)
+
+    # One legend, two groups under their own headings: two legends stacked at guessed heights
+    # overlap each other once either has a few entries.
+    def heading(text: str) -> Line2D:
+        return Line2D([], [], ls="", marker="", label=text)
+
+    handles = [
+        heading("acceleration (marker)"),
+        *(
+            Line2D([], [], marker=_MARKERS[i % len(_MARKERS)], ls="", color="gray", label=a)
+            for i, a in enumerate(accels)
+        ),
+        heading("strategy (colour)" if len(models) == 1 else "model / strategy (colour)"),
+        *(
+            Line2D([], [], marker="o", ls="-", lw=0.8, color=colors(i % 10), label=series_label(*key))
+            for i, key in enumerate(series)
+        ),
     ]
-    color_handles = [
-        Line2D([], [], marker="o", ls="-", lw=0.8, color=colors(i % 10), label=series_label(*key))
-        for i, key in enumerate(series)
-    ]
-    first = fig.legend(
-        handles=marker_handles, title="acceleration", loc="upper left", bbox_to_anchor=(0.86, 0.93)
+    legend = fig.legend(handles=handles, loc="outside right upper", handlelength=1.6)
+    for text, handle in zip(legend.get_texts(), handles, strict=True):
+        if handle.get_marker() in ("", "None", None):
+            text.set_fontweight("bold")
+    # The caption goes under the panels (constrained layout reserves room for a supxlabel): as a
+    # long suptitle it ran under the legend, which takes the top right corner.
+    one_problem = any(not _has_ci(s.accuracy_ci) for s in summaries)
+    fig.suptitle("Accuracy vs cost")
+    fig.supxlabel(
+        "error bars: bootstrap 95% CI of accuracy over problems"
+        + ("; none for a cell with a single problem" if one_problem else ""),
+        fontsize=9,
     )
-    fig.add_artist(first)
-    fig.legend(handles=color_handles, title="strategy", loc="upper left", bbox_to_anchor=(0.86, 0.55))
-    fig.suptitle("Accuracy vs cost (error bars: bootstrap 95% CI)")
-    fig.tight_layout(rect=(0, 0, 0.85, 0.95))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
-def _plot_bars(
-    path: Path,
-    *,
-    title: str,
-    xlabel: str,
-    values: list[tuple[str, float, Any]],
-    reference: float | None = None,
-) -> None:
-    import matplotlib
+@dataclass
+class Bar:
+    """One bar of a horizontal bar chart: its label, value, CI (drawn when finite) and value text."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    label: str
+    value: float
+    ci: tuple[float, float] | None = None
+    text: str = ""
 
-    fig, ax = plt.subplots(figsize=(8, 0.45 * max(len(values), 2) + 1.6))
-    labels = [v[0] for v in values]
-    heights = [v[1] for v in values]
-    y = np.arange(len(values))
-    xerr = None
-    if any(v[2] is not None for v in values):
-        lo = [max(h - v[2][0], 0) if v[2] else 0 for h, v in zip(heights, values, strict=True)]
-        hi = [max(v[2][1] - h, 0) if v[2] else 0 for h, v in zip(heights, values, strict=True)]
-        xerr = [lo, hi]
-    bars = ax.barh(y, heights, xerr=xerr, capsize=4, color="tab:blue", alpha=0.8)
+
+def bars_figure(
+    bars: list[Bar], *, title: str, xlabel: str, reference: float | None = None, note: str = ""
+) -> Figure:
+    """Horizontal bars with their CIs where finite, and each bar's value written on a right-hand
+    axis.
+
+    Why the values sit on their own axis: written at the end of a bar they ran into its error bar
+    (the text started at the bar's end, the CI reaches past it) and past the plot's right edge for
+    the longest bar. As tick labels of a secondary axis, constrained layout makes room for them
+    and they never cover a bar or a CI. Each CI is its own errorbar container, labelled
+    ``ci:<bar label>``, so what is drawn can be checked without reading pixels.
+    """
+    plt = _pyplot()
+    # Labels are never shrunk by the layout, so the figure is as wide as its longest labels need
+    # (about 0.065 in per character at 8 pt) plus 4 in for the bars; the note wraps to that width.
+    values = [b.text or f"{b.value:.2f}" for b in bars]
+    width = 4.0 + 0.065 * (max(len(b.label) for b in bars) + max(len(v) for v in values))
+    note_lines = textwrap.wrap(note, width=int(width * 12)) if note else []
+    fig, ax = plt.subplots(
+        figsize=(width, 0.45 * max(len(bars), 2) + 1.9 + 0.2 * len(note_lines)), layout="constrained"
+    )
+    y = np.arange(len(bars))
+    ax.barh(y, [b.value for b in bars], color="tab:blue", alpha=0.8)
+    for yi, b in zip(y, bars, strict=True):
+        if b.ci is not None and _has_ci(b.ci):
+            lo, hi = b.ci
+            ax.errorbar(
+                b.value,
+                yi,
+                xerr=[[max(b.value - lo, 0)], [max(hi - b.value, 0)]],
+                fmt="none",
+                ecolor="black",
+                capsize=4,
+                label=f"ci:{b.label}",
+            )
     if reference is not None:
         ax.axvline(reference, color="black", ls="--", lw=1)
-    ax.bar_label(bars, labels=[f"{h:.2f}" for h in heights], padding=4, fontsize=8)
-    ax.set_yticks(y, labels, fontsize=8)
-    ax.invert_yaxis()
+    ax.set_yticks(y, [b.label for b in bars], fontsize=8)
+    ax.set_ylim(len(bars) - 0.5, -0.5)  # first bar on top
+    ax.set_xlim(0, None)
+    right = ax.secondary_yaxis("right")
+    right.set_yticks(y, values, fontsize=8)
+    right.tick_params(length=0)
     ax.set_xlabel(xlabel)
-    ax.set_title(title)
+    # On the figure, not the axes: an axes title is centred over the bars, which sit right of the
+    # long labels, so a long note ran off the right edge.
+    fig.suptitle("\n".join([title, *note_lines]), fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def speedup_bars(summaries: list[CellSummary]) -> list[Bar]:
+    """The speedup bars of the non-baseline cells; each names its paired problem count, and one with
+    fewer than two paired problems says it has no CI (one problem has no spread to resample)."""
+    one_model = len({x.model for x in summaries}) == 1
+    out = []
+    for s in summaries:
+        if s.speedup is None:
+            continue
+        label = f"{s.dataset}/{s.strategy}/{s.accel}" + ("" if one_model else f" ({s.model})")
+        if s.speedup_ci is not None and _has_ci(s.speedup_ci):
+            text = f"{s.speedup:.2f}× [{s.speedup_ci[0]:.2f}, {s.speedup_ci[1]:.2f}]  n={s.paired}"
+        else:
+            text = f"{s.speedup:.2f}×  n={s.paired}, no CI"
+        out.append(Bar(label, s.speedup, s.speedup_ci, text))
+    return out
+
+
+def speedup_figure(summaries: list[CellSummary], baseline: str | None) -> Figure | None:
+    """Speedup of each cell over its baseline cell, or None when no cell was paired with one."""
+    bars = speedup_bars(summaries)
+    if not bars:
+        return None
+    missing = sum(1 for b in bars if not _has_ci(b.ci))
+    note = "error bars: bootstrap 95% CI over paired problems (n)"
+    if missing:
+        note += f"; {missing} cell{'s' if missing > 1 else ''} with one paired problem: no CI"
+    return bars_figure(
+        bars,
+        title=f"Speedup vs baseline '{baseline}'",
+        xlabel="speedup (×, higher is faster; dashed: baseline)",
+        reference=1.0,
+        note=note,
+    )
+
+
+def kv_peak_figure(summaries: list[CellSummary]) -> Figure | None:
+    """Mean KV peak per problem of each cell, or None when no row reported one."""
+    one_model = len({x.model for x in summaries}) == 1
+    bars = [
+        Bar(
+            s.cell.split("/", 1)[1] if one_model else s.cell,
+            s.kv_peak_mean_bytes / 2**20,
+            text=f"{s.kv_peak_mean_bytes / 2**20:.2f} MiB",
+        )
+        for s in summaries
+        if not math.isnan(s.kv_peak_mean_bytes)
+    ]
+    if not bars:
+        return None
+    return bars_figure(
+        bars,
+        title="KV cache peak per problem (mean)" + (f", {summaries[0].model}" if one_model else ""),
+        xlabel="MiB",
+    )
+
+
+def _save(fig: Figure, path: Path) -> None:
+    """Write `fig` as a PNG. ``bbox_inches="tight"`` on top of the layout: should a label still
+    stick out (an unusual font, a very long name), the image grows to hold it rather than crop it."""
+    fig.savefig(path, dpi=120, bbox_inches="tight", pad_inches=0.1)
+    _pyplot().close(fig)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,50 +490,24 @@ def write_report(run_dir: str | Path, baseline: str | None = None) -> ReportPath
         expected = record.get("expected_rows")
     summaries = summarize(rows, baseline)
     table = format_markdown(summaries)
-    plots = [out / "accuracy_vs_cost.png", out / "speedup.png", out / "kv_peak.png"]
-    _plot_accuracy_vs_cost(summaries, plots[0])
-    speed = [
-        (
-            f"{s.dataset}/{s.strategy}/{s.accel}"
-            + ("" if len({x.model for x in summaries}) == 1 else f" ({s.model})"),
-            s.speedup,
-            s.speedup_ci,
-        )
-        for s in summaries
-        if s.speedup is not None
-    ]
-    if speed:
-        _plot_bars(
-            plots[1],
-            title=f"Speedup vs baseline '{baseline}' (bootstrap 95% CI)",
-            xlabel="speedup (×, higher is faster)",
-            values=speed,
-            reference=1.0,
-        )
-    else:
-        plots.remove(plots[1])
-    one_model = len({x.model for x in summaries}) == 1
-    kv = [
-        (s.cell.split("/", 1)[1] if one_model else s.cell, s.kv_peak_mean_bytes / 2**20, None)
-        for s in summaries
-        if not math.isnan(s.kv_peak_mean_bytes)
-    ]
-    if kv:
-        _plot_bars(
-            plots[-1],
-            title="KV cache peak per problem (mean)" + (f", {summaries[0].model}" if one_model else ""),
-            xlabel="MiB",
-            values=kv,
-        )
-    else:
-        plots.remove(plots[-1])
+    figures = {
+        "accuracy_vs_cost.png": accuracy_vs_cost_figure(summaries),
+        "speedup.png": speedup_figure(summaries, baseline),
+        "kv_peak.png": kv_peak_figure(summaries),
+    }
+    plots = []
+    for name, fig in figures.items():
+        if fig is not None:
+            _save(fig, out / name)
+            plots.append(out / name)
     done = f"{len(_dedupe(rows))} rows" + (f" of {expected}" if expected else "")
     md = [
         f"# Eval report: {suite_name}",
         "",
         f"{done}; baseline acceleration: `{baseline}`. Speedup = Σ baseline latency / Σ latency over "
         "problems both cells finished (paired); CIs are percentile bootstraps over problems "
-        f"({N_RESAMPLES} resamples). Agreement = same final answer as the baseline on those problems.",
+        f"({N_RESAMPLES} resamples; none for a cell of one problem, which has no spread to resample). "
+        "Agreement = same final answer as the baseline on those problems.",
         "",
         table,
         *[f"![{p.stem}]({p.name})" for p in plots],

@@ -182,6 +182,9 @@ def serving_url(embedded_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """
     port = _free_port()
     command = shlex.split(SERVE_LINE.replace("--port 8000", f"--port {port}"))
+    # this interpreter's `branchwise` script: the suite may run without its environment on PATH
+    script = Path(sys.executable).parent / command[0]
+    command[:1] = [str(script)] if script.exists() else [sys.executable, "-m", "branchwise.cli"]
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)

@@ -135,6 +135,7 @@ HEADLINES: dict[str, list[str]] = {
     "river": [
         "conditions.*.speedup_vs_backbone",
         "conditions.*.token_agreement_vs_backbone",
+        "conditions.*.sequence_identical_vs_backbone",
         "conditions.*.mean_backbone_layers_per_token",
     ],
     "reasoncache": [

@@ -481,6 +481,56 @@ def test_cli_run_on_an_endpoint(served: str, tiny_backend: Any) -> None:
     assert unreachable.exit_code == 2 and "ConnectError" in unreachable.output
 
 
+def _sse(response: Any) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+
+
+def test_serve_in_front_of_a_vllm_like_server_streams_its_tokens(served: str) -> None:
+    """``serve --endpoint``: a streamed chat reply through serve → RemoteBackend → a vLLM-like
+    server comes in several chunks joining to the unstreamed reply; a client that leaves mid-stream
+    has its upstream stream closed (the server aborts the request)."""
+    from branchwise.serve import create_app
+    from branchwise.serve.runner import serve_in_thread
+
+    with FaultProxy(served, [], vllm=True, chunk_delay_s=0.02) as proxy:
+        remote = RemoteBackend(proxy.url)
+        with serve_in_thread(create_app(remote)) as front:
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": QUESTION}],
+                "max_tokens": 10,
+                "min_tokens": 10,
+                "temperature": 0,
+            }
+            whole = httpx.post(f"{front}/v1/chat/completions", json=body, timeout=60).json()
+            streamed = {**body, "stream": True}
+            with httpx.stream("POST", f"{front}/v1/chat/completions", json=streamed, timeout=60) as r:
+                assert r.status_code == 200
+                events = _sse(r)
+            deltas = [c["delta"].get("content") or "" for e in events for c in e["choices"]]
+            assert sum(1 for d in deltas if d) > 1
+            assert "".join(deltas) == whole["choices"][0]["message"]["content"]
+
+            proxy.chunk_delay_s = 0.1  # 60 chunks: 6 s of streaming, left after the first
+            slow = {**body, "max_tokens": 60, "min_tokens": 60, "stream": True}
+            with httpx.stream("POST", f"{front}/v1/chat/completions", json=slow, timeout=60) as r:
+                next(line for line in r.iter_lines() if '"content"' in line)  # then leave
+            deadline = time.monotonic() + 10
+            while not proxy.aborted and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proxy.aborted == 1
+        remote.close()
+
+
+def test_cli_serve_on_an_endpoint_refuses_local_model_options(served: str) -> None:
+    from typer.testing import CliRunner
+
+    from branchwise.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--endpoint", served, "--dtype", "float32", "--port", "0"])
+    assert result.exit_code == 2 and "--dtype" in result.output and "--endpoint" in result.output
+
+
 # --------------------------------------------------------------------------------------------------
 # `branchwise eval --endpoint ...`: problems spread over servers, resume exact when one dies
 # --------------------------------------------------------------------------------------------------

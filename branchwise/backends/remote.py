@@ -72,6 +72,7 @@ from branchwise.backends.base import (
     StepListener,
 )
 from branchwise.backends.remote_stream import Choices, Emit, LiveExtend, Stopped, sse_events
+from branchwise.backends.scores import verify_skip
 from branchwise.constraints import Constraint
 from branchwise.toolcalls import render_messages, template_has_tools
 
@@ -452,20 +453,7 @@ class RemoteBackend:
     @staticmethod
     def check_accel(accel: Accel) -> None:
         """Raise `UnsupportedOnRemote` naming every acceleration that needs the model's internals."""
-        needs_model = {
-            "asks": "ASKS (hidden states)",
-            "probe": "the KV probe (timing KV reuse)",
-            "rsbcm": "RSBCM (KV block eviction)",
-            "river": "River (layer-level early exit)",
-            "skipkv": "SkipKV (KV eviction and steering)",
-            "reasoncache": "ReasonCache (KV block sharing)",
-        }
-        named = [label for key, label in needs_model.items() if getattr(accel, key, None) is not None]
-        cgee = accel.cgee
-        if cgee is not None and cgee.level2:
-            named.append("CGEE level 2 (per-layer entropy exit)")
-        if cgee is not None and cgee.decode_gate:
-            named.append("the CGEE decode gate (stopping inside the decode loop)")
+        named = accel.needs_model()
         if named:
             raise UnsupportedOnRemote(
                 f"{', '.join(named)} need the model's internals and cannot run on a remote backend; "
@@ -474,13 +462,10 @@ class RemoteBackend:
 
     def skip_verify(self, confidences: Sequence[float]) -> bool:
         """CGEE level 1 (RKSC Eq. 4) with the configured or the paper's thresholds."""
-        from branchwise.backends.hf.cgee import verify_skip
-
         cgee = self._accel.cgee
         if cgee is None or not cgee.level1:
             return False
-        tau = cgee.tau_conf if cgee.tau_conf is not None else 0.70
-        gap = cgee.r_gap if cgee.r_gap is not None else 0.06
+        tau, gap = cgee.level1_thresholds()
         return verify_skip(confidences, tau, gap)
 
     # ------------------------------------------------------------------ text

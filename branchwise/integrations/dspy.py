@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import dspy
 from dspy.utils.exceptions import AdapterParseError
 
-from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode
+from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode, check_share
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
 from branchwise.integrations.dspy_engine import (
     SUPPORTED_PARAMS,
@@ -189,8 +189,7 @@ class BranchwiseLM(dspy.BaseLM):
         device: str = "auto",
         **kwargs: Any,
     ) -> None:
-        if share not in ("none", "exact"):
-            raise ValueError(f"share={share!r} is not one of 'none', 'exact'")
+        share = check_share(share)
         if model_type != "chat":
             raise ValueError(f"model_type={model_type!r}: BranchwiseLM serves chat completions only")
         if max_batch_rows < 1 or max_batch_requests < 1:

@@ -26,7 +26,7 @@ from typing import Any
 import dspy
 from pydantic import BaseModel
 
-from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode
+from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode, check_share
 from branchwise.backends.scheduler import Job, Scheduler
 from branchwise.constraints import Constraint, tool_calls_of
 from branchwise.integrations._shared import shared_scheduler
@@ -325,8 +325,7 @@ class BranchwiseEngine:
         device: str = "auto",
     ) -> None:
         _lm15()
-        if share not in ("none", "exact"):
-            raise ValueError(f"share={share!r} is not one of 'none', 'exact'")
+        share = check_share(share)
         if backend is None:
             from branchwise.backends.hf import HFBackend
 

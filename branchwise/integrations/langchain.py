@@ -68,7 +68,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from branchwise.backends.base import DecodeParams, DecodeStep, Generation, ShareMode
+from branchwise.backends.base import DecodeParams, DecodeStep, Generation, ShareMode, check_share
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
 from branchwise.backends.text import TextStream
 from branchwise.constraints import Constraint
@@ -282,8 +282,7 @@ class ChatBranchwise(BaseChatModel):
     def _load(self) -> ChatBranchwise:
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
-        if self.share not in ("none", "exact"):
-            raise ValueError(f"share={self.share!r} is not one of 'none', 'exact'")
+        check_share(self.share)
         if self.backend is None:
             from branchwise.backends.hf import HFBackend
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
+from branchwise.backends.base import check_share
 from branchwise.cli_params import DeviceOption, DtypeOption, ranged
 
 
@@ -135,8 +136,10 @@ def serve_command(
         ) from None
     from branchwise import cli_backend
 
-    if share not in ("exact", "none"):
-        raise typer.BadParameter(f"{share!r} is not one of 'exact', 'none'", param_hint="--share")
+    try:
+        check_share(share)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--share") from None
     if endpoint:
         _local_only(device=device != "auto", dtype=dtype != "auto", kv_budget=kv_budget is not None)
     else:

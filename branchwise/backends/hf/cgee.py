@@ -1,6 +1,6 @@
 """CGEE (RKSC §2.3, Alg. 3, App. C, I.1): confidence-gated early exit of the verify pass.
 
-- Level 1 (`verify_skip`): skip the verify pass when the best branch's generation confidence (mean
+- Level 1 (`scores.verify_skip`, shared with the remote backend): skip the verify pass when the best branch's generation confidence (mean
   top-1 probability, Eq. 3, recorded during decode at no cost) is high and clearly ahead (Eq. 4).
 - Decode gate (`decode_gate`, App. I.1): stop the batched decode early once one branch is decisively
   confident (θ_dec, r_dec).
@@ -30,21 +30,7 @@ from branchwise.backends.hf.arch import DecoderParts, linear_params
 from branchwise.backends.hf.batch import Row
 from branchwise.backends.hf.hooks import Acceleration, Exit, Forward, Setup
 from branchwise.backends.hf.model_files import model_file
-from branchwise.backends.scores import judge_score
-
-
-def gap_ratio(confidences: Sequence[float]) -> float:
-    """(max − second max) / max; 1.0 for a single branch (nothing competes), 0.0 when max is 0."""
-    ordered = sorted(confidences, reverse=True)
-    if not ordered or ordered[0] <= 0:
-        return 0.0
-    second = ordered[1] if len(ordered) > 1 else 0.0
-    return (ordered[0] - second) / ordered[0]
-
-
-def verify_skip(confidences: Sequence[float], tau_conf: float, r_gap: float) -> bool:
-    """Eq. 4: both the absolute confidence and the relative gap must be decisive."""
-    return bool(confidences) and max(confidences) >= tau_conf and gap_ratio(confidences) >= r_gap
+from branchwise.backends.scores import gap_ratio, judge_score, verify_skip
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

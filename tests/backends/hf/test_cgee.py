@@ -14,9 +14,8 @@ from branchwise.backends.hf.cgee import (
     calibrate_from,
     count_flips,
     entropy,
-    gap_ratio,
-    verify_skip,
 )
+from branchwise.backends.scores import gap_ratio, verify_skip
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import best_of_n
 

@@ -27,7 +27,8 @@ nodes left in it. With a byte budget (`KVTree.cache_budget` > 0):
   splitting a cached node when the match ends inside it. The new request's node becomes a live child
   of the match: that **pins** the whole matched path (a node with live children is never evicted).
 - **Evict.** `trim()` frees least recently used cached *leaves* (cached, no children at all) until
-  `cache.held <= cache_budget`; a parent becomes a leaf in turn. Pinned bytes can keep the cache
+  `cache.held <= cache_budget`; a parent becomes a leaf in turn. It looks among the cached nodes
+  only (`_cached`), not every live one, so a busy server's many live branches cost it nothing. Pinned bytes can keep the cache
   above its budget until the pins are released.
 - A cached node under a *live* parent does not freeze it: growing that parent (`growable`) drops
   its cached children first, since their KV assumed the parent's old end.
@@ -174,6 +175,8 @@ class KVTree:
     blocks_live: int = 0
     """Physical shared blocks held (each counted once however many nodes reference it)."""
     _segments: dict[int, Segment] = field(default_factory=dict)
+    _cached: dict[int, Segment] = field(default_factory=dict)
+    """The cached segments (eviction looks among these, not every live segment)."""
     _next_id: int = 0
     _next_block: int = 0
     _clock: int = 0
@@ -337,7 +340,7 @@ class KVTree:
         n = 0
         target = self.cache_budget if limit is None else min(limit, self.cache_budget)
         while self.cache.held > target:
-            leaves = [s for s in self._segments.values() if s.cached and not s.live_children]
+            leaves = [s for s in self._cached.values() if not s.live_children]
             if not leaves:
                 break  # the rest is pinned by live requests
             n += len(self._drop(min(leaves, key=lambda s: (s.last_used, s.id))))
@@ -359,6 +362,7 @@ class KVTree:
         seg.last_logits = None
         self._move(seg, self.cache)
         seg.cached = True
+        self._cached[seg.id] = seg
         self._clock += 1
         seg.last_used = self._clock
         self._index(seg)[seg.id] = seg
@@ -379,6 +383,7 @@ class KVTree:
             out += self._drop(kid)
         assert seg.cached and not seg.live_children, "a pinned cache node cannot be dropped"
         del self._index(seg)[seg.id]
+        del self._cached[seg.id]
         self._free(seg)
         out.append(seg)
         if seg.parent is not None:
@@ -509,6 +514,7 @@ class KVTree:
         if seg.cached:  # the head takes the node's place in the radix index
             del self._index(seg)[seg.id]
             head.cached = True
+            self._cached[head.id] = head
             self._index(head)[head.id] = head
             head.cache_kids[seg.id] = seg
         keys = [t[:, :k].clone() for t in seg.keys]

@@ -203,6 +203,25 @@ def test_trim_evicts_least_recently_used_leaves_first() -> None:
     assert tree.cache.held == 2 * SLOT_BYTES and tree.cache.nodes == 1
 
 
+def test_eviction_passes_over_live_nodes_and_its_index_follows_splits_and_drops() -> None:
+    """Live (uncached) nodes never enter eviction's candidates, however many; the index of cached
+    nodes it scans stays equal to the cached set through inserts, splits and drops."""
+    tree, run = _cached_tree()
+    live = [_node(tree, None, [50 + t, 7], run) for t in range(20)]
+    a = _node(tree, None, [1, 2, 3], run)
+    tree.release(a.id)
+    head, _ = tree.match([1, 2, 9, 9])  # splits a: the head is cached too
+    assert head is not None and head.cached
+
+    def cached() -> set[int]:
+        return {s.id for s in tree.segments() if s.cached}
+
+    assert set(tree._cached) == cached() == {head.id, a.id}
+    tree.cache_budget = 0
+    assert tree.trim() == 2 and tree._cached == {} and cached() == set()
+    assert all(seg.id in tree and not seg.cached for seg in live)
+
+
 def test_a_parent_is_evicted_only_once_it_became_a_leaf() -> None:
     tree, run = _cached_tree()
     root = _node(tree, None, [1, 2], run)

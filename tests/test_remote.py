@@ -149,6 +149,14 @@ def test_a_listened_extend_streams_tokens_as_vllm_sends_them(served: str) -> Non
         assert remote.kv_stats().forward_calls == 3
 
 
+def _aborted(proxy: FaultProxy, wait_s: float = 10.0) -> int:
+    """The proxy's count of streams their client closed, once one is seen (or `wait_s` passed)."""
+    deadline = time.monotonic() + wait_s
+    while not proxy.aborted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proxy.aborted
+
+
 def test_rows_a_listener_stops_close_their_stream(served: str) -> None:
     """Rows the listener gives back end "cancelled" with the tokens heard so far; once a request's
     rows are all stopped its stream is closed (the server aborts it), and its node does not grow."""
@@ -167,10 +175,7 @@ def test_rows_a_listener_stops_close_their_stream(served: str) -> None:
         assert gens[1].finish_reason == "length" and len(gens[1].token_ids) == 12
         assert len(remote.tokens(a)) == len(remote.encode("The answer is"))
         assert not any(0 in s.finished for s in steps)
-        deadline = time.monotonic() + 5
-        while not proxy.aborted and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert proxy.aborted == 1
+        assert _aborted(proxy) == 1
 
 
 def test_admitted_rows_decode_beside_the_running_ones_with_their_own_params(served: str) -> None:
@@ -515,10 +520,7 @@ def test_serve_in_front_of_a_vllm_like_server_streams_its_tokens(served: str) ->
             slow = {**body, "max_tokens": 60, "min_tokens": 60, "stream": True}
             with httpx.stream("POST", f"{front}/v1/chat/completions", json=slow, timeout=60) as r:
                 next(line for line in r.iter_lines() if '"content"' in line)  # then leave
-            deadline = time.monotonic() + 10
-            while not proxy.aborted and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert proxy.aborted == 1
+            assert _aborted(proxy) == 1
         remote.close()
 
 

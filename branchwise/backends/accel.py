@@ -353,6 +353,11 @@ class SkipKVConfig(AccelConfig):
     redundancy: bool = Field(True, description="R-KV key-redundancy term")
     sentence_scoring: bool = Field(True, description="Eq. 3 sentence redundancy term")
     keywords: tuple[str, ...] = Field(("Wait", "Alternatively", "again"), description="non-execution markers")
+    per_head: bool = Field(
+        True,
+        description="each (layer, KV head) keeps its own best slots, as the paper's Eq. 4-6 selection "
+        "(the same count per head); False: one slot set for all layers and heads (scores averaged)",
+    )
     steering: SteeringConfig | None = None
 
     @model_validator(mode="after")

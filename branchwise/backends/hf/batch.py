@@ -283,6 +283,23 @@ class BatchContext:
         lens[pos] = start + kept
         self.lens = lens
 
+    def move_slots_per_head(self, pos: int, start: int, index: torch.Tensor) -> None:
+        """`move_slots` with its own slots per (layer, KV head): `index` [L, H_kv, k] (absolute,
+        increasing per head). Lengths and masks stay per row (every head keeps k). A tap that keeps
+        per-slot state cannot follow different slots per head, so one refuses the move."""
+        for tap in self.taps:
+            if type(tap).move_slots is not AttentionTap.move_slots:
+                raise ValueError(f"{type(tap).__name__} keeps per-slot state: no per-head eviction under it")
+        kept = int(index.shape[-1])
+        with torch.inference_mode():
+            for buffers in (self.tail_k, self.tail_v):
+                for t, idx in zip(buffers, index, strict=True):
+                    rows = idx.to(t.device)[..., None].expand(-1, -1, t.shape[-1])
+                    t[pos, :, start : start + kept] = t[pos].gather(1, rows)
+        lens = self.lens.clone()
+        lens[pos] = start + kept
+        self.lens = lens
+
     def attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
     ) -> torch.Tensor:
@@ -480,6 +497,11 @@ class Batch:
         position `pos`: an eviction mid-decode. Positions stay logical (`row.computed` is unchanged)."""
         self.ctx.move_slots(pos, row.tail_start, keep + row.tail_start)
         row.kv_len = int(keep.numel())
+
+    def keep_own_per_head(self, pos: int, row: Row, keep: torch.Tensor) -> None:
+        """`keep_own` with its own slots per (layer, KV head): `keep` [L, H_kv, k]."""
+        self.ctx.move_slots_per_head(pos, row.tail_start, keep + row.tail_start)
+        row.kv_len = int(keep.shape[-1])
 
     def reread(self, seg: Segment) -> None:
         """`seg`'s KV changed in the tree (slots evicted): the rows reading it as a shared segment

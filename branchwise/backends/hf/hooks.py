@@ -134,6 +134,25 @@ class KVEdits:
         if batch is not None:
             batch.reread(seg)
 
+    def keep_row_per_head(self, batch: Batch, pos: int, row: Row, keep: torch.Tensor) -> None:
+        """`keep_row` with each (layer, KV head) keeping its own slots: `keep` [L, H_kv, k]."""
+        batch.keep_own_per_head(pos, row, keep.to(batch.ctx.lens.device))
+
+    def keep_per_head(self, seg: Segment, keep: torch.Tensor, batch: Batch | None = None) -> None:
+        """`keep` with each (layer, KV head) keeping its own slots: `keep` [L, H_kv, k]."""
+        assert seg.keys is not None and seg.values is not None, f"segment {seg.id} holds no KV"
+
+        def pick(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [
+                t.gather(1, i.to(t.device)[..., None].expand(-1, -1, t.shape[-1]))
+                for t, i in zip(ts, keep, strict=True)
+            ]
+
+        seg.exact = False
+        self.tree.set_kv(seg, pick(seg.keys), pick(seg.values))
+        if batch is not None:
+            batch.reread(seg)
+
     def seal_row(self, batch: Batch, pos: int, row: Row, slot: int, logical: int, n: int) -> Block:
         """Move `n` of a running row's own slots (from `slot`; `logical` is where they sit in its
         tokens) into a new shared block that the row reads from then on: a source others may point at."""

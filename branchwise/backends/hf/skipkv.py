@@ -45,6 +45,7 @@ from branchwise.backends.hf.skipkv_policy import (
     key_redundancy,
     newest_mask,
     select_keep,
+    select_keep_per_head,
     sentence_redundancy,
     steering_path,
     steering_strength,
@@ -323,7 +324,9 @@ class SkipKV(Acceleration):
 
         The candidates are the row's own generated slots and those of its exclusive ancestors, scored
         together (importance from the row's recent queries, redundancy over all of them, each
-        segment's own sentence penalty)."""
+        segment's own sentence penalty). With `per_head`, each (layer, KV head) keeps its own best
+        slots; how many each segment keeps comes from the head-averaged selection, so every head
+        keeps as many slots of a segment and its KV stays rectangular."""
         cfg, state, window = self.cfg, self.states[row.seg.id], self._window
         assert window is not None
         g0 = state.gen_start
@@ -338,17 +341,22 @@ class SkipKV(Acceleration):
         sizes = [int(p[0][0].shape[1]) for p in pieces]
         total = sum(sizes)
         device = keys[0].device
+        grid = (self.parts.n_layers, int(keys[0].shape[0]))  # (L, H_kv)
         evictable = torch.zeros(total, dtype=torch.bool, device=device)
-        penalty = torch.zeros(total, device=device) if cfg.sentence_scoring else None
+        # λ per slot ([N]), or per (layer, head) slot when heads may hold different slots
+        shape = (*grid, total) if cfg.per_head else (total,)
+        penalty = torch.zeros(shape, device=device) if cfg.sentence_scoring else None
         offset = 0
         for (_, start, tracker), size in zip(pieces, sizes, strict=True):
             evictable[offset + start : offset + size] = True
             if penalty is not None and size > start:
                 lam = sentence_redundancy(tracker.sentence_vectors(), cfg.tau)
-                penalty[offset + start : offset + size] = tracker.sentence_penalty(lam).to(penalty.device)
+                penalty[..., offset + start : offset + size] = tracker.sentence_penalty(lam).to(device)
             offset += size
+        protected = newest_mask(evictable, cfg.window)
         if cfg.recency_only:  # the window is the whole budget: no score decides anything
-            scores = torch.zeros(total, device=device)
+            scores = torch.zeros(*grid, total, device=device)
+            shared = scores[0, 0]
         else:
             scale = self.parts.head_dim**-0.5
             importance = torch.stack(
@@ -358,21 +366,35 @@ class SkipKV(Acceleration):
                 ]
             )
             redundancy = torch.stack([key_redundancy(k) for k in keys]) if cfg.redundancy else None
-            scores = eviction_scores(importance, redundancy, penalty, cfg.sigma)
-        keep = select_keep(
-            scores, cfg.budget, evictable=evictable, protected=newest_mask(evictable, cfg.window)
-        )
+            scores = eviction_scores(importance, redundancy, penalty, cfg.sigma, per_head=True)
+            shared = eviction_scores(importance, redundancy, penalty, cfg.sigma)
+        keep = select_keep(shared, cfg.budget, evictable=evictable, protected=protected)
         offset = 0
         for i, ((_, start, tracker), size) in enumerate(zip(pieces, sizes, strict=True)):
             local = keep[(keep >= offset) & (keep < offset + size)] - offset
-            if i < len(ancestors):
-                if local.numel() < size:
+            n_kept = int(local.numel())
+            heads = None
+            if n_kept < size and cfg.per_head:
+                part = slice(offset, offset + size)
+                heads = select_keep_per_head(
+                    scores[..., part], n_kept - start, evictable=evictable[part], protected=protected[part]
+                )
+                if bool((heads == heads[:1, :1]).all()):  # every head chose alike (e.g. recency only)
+                    local, heads = heads[0, 0], None
+            if heads is not None:
+                if i < len(ancestors):
+                    self.kv.keep_per_head(ancestors[i][0], heads, batch)
+                else:
+                    self.kv.keep_row_per_head(batch, pos, row, heads)
+                tracker.evict_per_head(heads[..., start:] - start)
+            elif n_kept < size:
+                if i < len(ancestors):
                     self.kv.keep(ancestors[i][0], local, batch)
-                    self.stats.bump("skipkv_ancestor_evicted_tokens", size - int(local.numel()))
-            else:
-                self.kv.keep_row(batch, pos, row, local)
-            if local.numel() < size:
+                else:
+                    self.kv.keep_row(batch, pos, row, local)
                 tracker.evict((local[local >= start] - start).tolist())
+            if n_kept < size and i < len(ancestors):
+                self.stats.bump("skipkv_ancestor_evicted_tokens", size - n_kept)
             offset += size
         return total - int(keep.numel())
 

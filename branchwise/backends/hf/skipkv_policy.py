@@ -12,9 +12,13 @@ row (decoding branch) at a time:
   list is far harder to get wrong than n incrementally patched pairs.
 - Scores: attention importance (Eq. 4, SnapKV-style window of recent queries, GQA groups maxed),
   R-KV key redundancy (Eq. 5, per row), sentence redundancy λ (Eq. 3) and their combination (Eq. 6).
-  One surviving slot set is shared by all layers and heads of a row (scores averaged), so the row
-  has a single gs↔cs map, as the paper's single index list P implies.
-- `select_keep` turns scores into the kept slots under a budget on the row's own generated tokens.
+  Per KV head (the paper's Eq. 4-6 and selection, `SkipKVConfig.per_head`): every (layer, KV head)
+  scores its own slots and keeps its own best ones, the same number in every head so KV stays a
+  rectangular `[H_kv, kept, D]` per layer; the tracker then holds one gs↔cs map per (layer, head).
+  With `per_head=False` one surviving slot set is shared by all layers and heads of a row (scores
+  averaged) and the row has a single map.
+- `select_keep` turns scores into the kept slots under a budget on the row's own generated tokens;
+  `select_keep_per_head` does it for every (layer, head) row of scores at once.
 - Steering (§4.2): the vector v = mean(exec) − mean(non-exec) hidden states, its save/load, and the
   adaptive strength α0 + γ·N_nonexec.
 
@@ -107,6 +111,7 @@ class SentenceTracker:
         self._nonexec: list[bool] = []
         self._open_ids: list[int] = []  # tokens of the last sentence while it is open
         self._slot_gs: list[int] = []  # P: gs index of every held slot, increasing
+        self._head_gs: torch.Tensor | None = None  # per (layer, KV head) P [L, H, n], once per-head
         self._gen_len = 0
         self._n_nonexec = 0
         self._hsum: torch.Tensor | None = None  # [n_sentences(+), d] float32
@@ -122,6 +127,7 @@ class SentenceTracker:
             )
         sentence_of_token: list[int] = []
         open_grew = False
+        first = self._gen_len
         for token in ids:
             g = self._gen_len
             if token in self._delimiters:
@@ -142,9 +148,14 @@ class SentenceTracker:
                 self._ends[-1] = g
                 self._open_ids.append(token)
                 open_grew = True
-            self._slot_gs.append(g)
+            if self._head_gs is None:
+                self._slot_gs.append(g)
             self._gen_len += 1
             sentence_of_token.append(len(self._starts) - 1)
+        if self._head_gs is not None and ids:
+            new = torch.arange(first, self._gen_len, dtype=torch.long)
+            grown = new.expand(*self._head_gs.shape[:2], len(ids))
+            self._head_gs = torch.cat([self._head_gs, grown], dim=-1)
         if open_grew:
             self._label_last()
         if hidden is not None and ids:
@@ -153,12 +164,36 @@ class SentenceTracker:
     def evict(self, keep: Sequence[int] | torch.Tensor) -> None:
         """Keep only the cs slots `keep` (sorted, unique, in range); the rest were dropped from the KV."""
         idx = keep.tolist() if isinstance(keep, torch.Tensor) else [int(k) for k in keep]
-        n = len(self._slot_gs)
+        n = self.cache_len
         if any(b <= a for a, b in pairwise(idx)):
             raise ValueError("keep must be strictly increasing cache slot indices")
         if idx and (idx[0] < 0 or idx[-1] >= n):
             raise ValueError(f"keep holds slot indices outside [0, cache_len={n})")
-        self._slot_gs = [self._slot_gs[k] for k in idx]
+        if self._head_gs is not None:  # the same slots of every head
+            self._head_gs = self._head_gs[..., torch.tensor(idx, dtype=torch.long)]
+        else:
+            self._slot_gs = [self._slot_gs[k] for k in idx]
+
+    def evict_per_head(self, keep: torch.Tensor) -> None:
+        """Keep, per (layer, KV head), its own cs slots: `keep` [L, H, k], each row strictly
+        increasing and in range. From then on the tracker holds one P per (layer, head)."""
+        if keep.dim() != 3:
+            raise ValueError(f"keep must be [L, H, k], got {list(keep.shape)}")
+        idx = keep.to("cpu", torch.long)
+        n = self.cache_len
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise ValueError(f"keep holds slot indices outside [0, cache_len={n})")
+        if idx.shape[-1] > 1 and not bool((idx[..., 1:] > idx[..., :-1]).all()):
+            raise ValueError("keep must be strictly increasing cache slot indices in every head")
+        table = self._head_gs
+        if table is None:
+            table = self.positions.expand(idx.shape[0], idx.shape[1], n)
+        elif table.shape[:2] != idx.shape[:2]:
+            raise ValueError(
+                f"keep has [L, H] = {list(idx.shape[:2])}, earlier evictions {list(table.shape[:2])}"
+            )
+        self._head_gs = table.gather(-1, idx).contiguous()
+        self._slot_gs = []
 
     def _new_sentence(self, g: int, closed: bool) -> None:
         self._starts.append(g)
@@ -207,12 +242,24 @@ class SentenceTracker:
     def positions(self) -> torch.Tensor:
         """gs index of every held cs slot, increasing (LongTensor [cache_len]); the paper's P composed
         over all evictions. The KV slot's logical (RoPE) position is the generation's first position
-        plus this."""
+        plus this. Only while every head holds the same slots (see `slot_positions`)."""
+        if self._head_gs is not None:
+            raise ValueError("the heads hold different slots since a per-head eviction: use slot_positions")
         return torch.tensor(self._slot_gs, dtype=torch.long)
 
     @property
+    def per_head(self) -> bool:
+        """Whether the heads hold different slots (a per-head eviction happened)."""
+        return self._head_gs is not None
+
+    @property
+    def slot_positions(self) -> torch.Tensor:
+        """gs index of every held slot: [cache_len] while all heads share them, else [L, H, cache_len]."""
+        return self._head_gs if self._head_gs is not None else self.positions
+
+    @property
     def cache_len(self) -> int:
-        return len(self._slot_gs)
+        return int(self._head_gs.shape[-1]) if self._head_gs is not None else len(self._slot_gs)
 
     @property
     def gen_len(self) -> int:
@@ -220,18 +267,23 @@ class SentenceTracker:
 
     def cache_range(self, i: int) -> tuple[int, int] | None:
         """Eq. 11: sentence i's cs slots are (min{k: p_k ≥ start_i}, max{k: p_k ≤ end_i}), inclusive;
-        None once none of its tokens is held. Contiguous because P is increasing and sentences tile gs."""
+        None once none of its tokens is held. Contiguous because P is increasing and sentences tile gs.
+        Only while every head holds the same slots."""
+        if self._head_gs is not None:
+            raise ValueError("the heads hold different slots since a per-head eviction")
         lo = bisect_left(self._slot_gs, self._starts[i])
         hi = bisect_right(self._slot_gs, self._ends[i]) - 1
         return (lo, hi) if lo <= hi else None
 
     def sentence_of_slot(self) -> torch.Tensor:
-        """Sentence index of every held cs slot (LongTensor [cache_len]), for Eq. 6's per-token λ."""
+        """Sentence index of every held cs slot (LongTensor shaped like `slot_positions`), for Eq. 6's
+        per-token λ."""
         starts = torch.tensor(self._starts, dtype=torch.long)
-        return torch.searchsorted(starts, self.positions, right=True) - 1
+        return torch.searchsorted(starts, self.slot_positions.contiguous(), right=True) - 1
 
     def sentence_penalty(self, lam: torch.Tensor) -> torch.Tensor:
-        """Per-slot λ of Eq. 6 ([cache_len], on lam's device) from per-sentence λ ([n_sentences])."""
+        """Per-slot λ of Eq. 6 (shaped like `slot_positions`, on lam's device) from per-sentence λ
+        ([n_sentences])."""
         if lam.shape != (len(self._starts),):
             raise ValueError(f"lam must be [n_sentences] = [{len(self._starts)}], got {list(lam.shape)}")
         return lam[self.sentence_of_slot().to(lam.device)]
@@ -353,26 +405,38 @@ def eviction_scores(
     redundancy: torch.Tensor | None,
     sentence_penalty: torch.Tensor | None,
     sigma: float,
+    per_head: bool = False,
 ) -> torch.Tensor:
-    """Eq. 6 per slot: σ·I − (1−σ)·R − λ(sentence) → [N] float32; lowest is evicted first.
+    """Eq. 6 per slot: σ·I − (1−σ)·R − λ → [N] float32 (`per_head`: shaped like `importance`);
+    lowest is evicted first.
 
-    `importance`/`redundancy` are [..., N] (e.g. [H_kv, N] or [L, H_kv, N]) and are averaged over
-    every leading dim first: a row keeps one slot set for all layers and heads (one gs↔cs map).
-    Averaging first is exact since Eq. 6 is linear. `sentence_penalty` [N] is the λ of each slot's
-    sentence (0 when not redundant); at ≈τ ≥ 0.95 against token terms ≈1/N it puts a redundant
-    sentence's tokens below every other, as §4.1 intends. None omits a term (`redundancy=None,
-    sigma=1` is the attention-only baseline).
+    `importance`/`redundancy` are [..., N] (e.g. [H_kv, N] or [L, H_kv, N]). Unless `per_head`,
+    they are averaged over every leading dim first: a row keeps one slot set for all layers and
+    heads (one gs↔cs map); averaging first is exact since Eq. 6 is linear. `sentence_penalty` is the
+    λ of each slot's sentence (0 when not redundant), [N] or per head like `importance` (averaged
+    unless `per_head`); at ≈τ ≥ 0.95 against token terms ≈1/N it puts a redundant sentence's tokens
+    below every other, as §4.1 intends. None omits a term (`redundancy=None, sigma=1` is the
+    attention-only baseline).
     """
     n = importance.shape[-1]
-    score = sigma * importance.float().reshape(-1, n).mean(dim=0)
+
+    def term(t: torch.Tensor) -> torch.Tensor:
+        return t.float() if per_head else t.float().reshape(-1, n).mean(dim=0)
+
+    score = sigma * term(importance)
     if redundancy is not None:
-        if redundancy.shape[-1] != n:
-            raise ValueError(f"redundancy has {redundancy.shape[-1]} tokens, importance {n}")
-        score = score - (1.0 - sigma) * redundancy.float().reshape(-1, n).mean(dim=0).to(score.device)
+        if redundancy.shape[-1] != n or (per_head and redundancy.shape != importance.shape):
+            raise ValueError(
+                f"redundancy {list(redundancy.shape)} does not match importance {list(importance.shape)}"
+            )
+        score = score - (1.0 - sigma) * term(redundancy).to(score.device)
     if sentence_penalty is not None:
-        if sentence_penalty.shape != (n,):
-            raise ValueError(f"sentence_penalty must be [N={n}], got {list(sentence_penalty.shape)}")
-        score = score - sentence_penalty.float().to(score.device)
+        if sentence_penalty.shape not in ((n,), importance.shape):
+            raise ValueError(
+                f"sentence_penalty must be [N={n}] or {list(importance.shape)}, got {list(sentence_penalty.shape)}"
+            )
+        lam = sentence_penalty.float() if sentence_penalty.dim() == 1 else term(sentence_penalty)
+        score = score - lam.to(score.device)
     return score
 
 
@@ -422,6 +486,47 @@ def select_keep(
         cand_scores = torch.nan_to_num(scores[candidates].float(), nan=float("-inf"))
         keep[candidates[cand_scores.topk(k).indices]] = True
     return torch.nonzero(keep, as_tuple=True)[0]
+
+
+@torch.no_grad()
+def select_keep_per_head(
+    scores: torch.Tensor,
+    budget: int,
+    *,
+    evictable: torch.Tensor,
+    protected: torch.Tensor,
+) -> torch.Tensor:
+    """`select_keep` for every head at once: `scores` [..., N] (e.g. [L, H_kv, N]) → kept slots
+    [..., K], each row sorted, every row the same K so the gathered KV stays rectangular.
+
+    `evictable` and `protected` [N] are shared by all heads: the prompt (never evicted) and the
+    recent window sit at the same slots in every head, since every compression keeps all of the
+    former and the newest slots of each head are the same newest tokens. Each head keeps them and
+    its own highest-scoring `budget - window` other evictable slots."""
+    n = scores.shape[-1]
+    if evictable.shape != (n,) or protected.shape != (n,):
+        raise ValueError(
+            f"evictable and protected must be [N={n}]; got {list(evictable.shape)}, {list(protected.shape)}"
+        )
+    lead = scores.shape[:-1]
+    flat = scores.reshape(-1, n).float()
+    evictable = evictable.to(device=scores.device, dtype=torch.bool)
+    fixed = evictable & protected.to(device=scores.device, dtype=torch.bool)
+    n_fixed = int(fixed.sum())
+    if budget < n_fixed:
+        raise ValueError(
+            f"budget={budget} is below the {n_fixed} protected (window) evictable slots; "
+            "budget must be >= window"
+        )
+    always = torch.nonzero(~evictable | fixed, as_tuple=True)[0]
+    candidates = torch.nonzero(evictable & ~fixed, as_tuple=True)[0]
+    k = min(budget - n_fixed, candidates.numel())
+    kept = always.expand(flat.shape[0], -1)
+    if k > 0:
+        cand_scores = torch.nan_to_num(flat[:, candidates], nan=float("-inf"))
+        chosen = candidates[cand_scores.topk(k, dim=-1).indices]
+        kept = torch.cat([kept, chosen], dim=-1)
+    return kept.sort(dim=-1).values.reshape(*lead, -1)
 
 
 # ---------------------------------------------------------------------------------------------- steering

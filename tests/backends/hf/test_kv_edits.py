@@ -56,3 +56,33 @@ def test_keep_row_moves_the_tail_and_own_kv_reads_it(tiny_llama_dir) -> None:
     assert row.kv_len == 2 and row.computed == 4
     keys, values = batch.own_kv(0, row)
     assert keys[0][0, :, 0].tolist() == [21.0, 23.0] and values[0][0, :, 0].tolist() == [21.5, 23.5]
+
+
+def test_per_head_keeps_gather_each_heads_own_slots(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    parts = backend.parts
+    tree, run = KVTree(), Ledger()
+    root = tree.add(None, False, [1, 2], run)
+    _fill(tree, root, backend, 0.0)
+    mid = tree.add(root, True, [3, 4, 5, 6], run)
+    _fill(tree, mid, backend, 10.0)
+    kid = tree.add(mid, True, [7, 8, 9, 10], run)
+    _fill(tree, kid, backend, 20.0)
+    batch = Batch.assemble([kid], 0, parts, backend.dtype, backend.device)
+    (row,) = batch.rows
+    heads = parts.n_kv_heads
+    assert heads >= 2
+    # head h keeps slots (h % 3, 3): different slots per head, the same count
+    keep = torch.tensor([[h % 3, 3] for h in range(heads)])[None].expand(parts.n_layers, -1, -1)
+    edits = KVEdits(tree)
+    edits.keep_row_per_head(batch, 0, row, keep)
+    assert row.kv_len == 2 and row.computed == 4 and int(batch.ctx.lens[0]) == row.tail_start + 2
+    keys, values = batch.own_kv(0, row)
+    assert keys[0].shape == (heads, 2, parts.head_dim)
+    assert keys[-1][:, :, 0].tolist() == [[20.0 + h % 3, 23.0] for h in range(heads)]
+    assert values[0][1, :, 0].tolist() == [21.5, 23.5]
+    held = run.held
+    edits.keep_per_head(mid, keep, batch)
+    assert mid.kv_tokens == 2 and mid.n_computed == 4 and not mid.exact and run.held < held
+    (view,) = [s for s in batch.ctx.shared if s.key == mid.id]
+    assert view.keys[0][:, :, 0].tolist() == [[10.0 + h % 3, 13.0] for h in range(heads)]

@@ -58,7 +58,7 @@ def test_budget_holds_per_row_and_frees_memory(tiny_llama_dir) -> None:
         # generated KV: at most budget after the last compression (step 20) + the token fed since
         assert state.tracker.cache_len <= SMALL.budget + 1
         assert seg.kv_tokens == state.gen_start + state.tracker.cache_len
-        kept_sets.append(tuple(state.tracker.positions))
+        kept_sets.append(tuple(state.tracker.slot_positions.flatten().tolist()))
     assert len(set(kept_sets)) > 1  # each row chose its own tokens (not row 0's choice for all)
     prompt_tokens = len(backend.encode(PROMPT))
     assert backend.tree.get(root).kv_tokens == prompt_tokens  # the shared prompt is never evicted
@@ -71,8 +71,11 @@ def test_budget_holds_per_row_and_frees_memory(tiny_llama_dir) -> None:
 def test_positions_after_eviction_match_masked_reference(tiny_llama_dir, masked_reference) -> None:
     """New tokens keep their logical positions and only stop seeing the evicted keys."""
     backend = HFBackend(tiny_llama_dir)
-    # one compression, after the 12th fed token: every earlier query saw the full cache
-    backend.accel = Accel(skipkv=SkipKVConfig(budget=6, interval=12, window=2, query_window=4))
+    # one compression, after the 12th fed token: every earlier query saw the full cache; one slot
+    # set for all heads, so the reference masks the same keys in every head
+    backend.accel = Accel(
+        skipkv=SkipKVConfig(budget=6, interval=12, window=2, query_window=4, per_head=False)
+    )
     root, (kid,) = _extend(backend, 1, 13)
     skip = backend.acceleration(SkipKV)
     assert isinstance(skip, SkipKV)
@@ -255,3 +258,28 @@ def test_a_step_left_to_one_branch_is_compressed_at_once(tiny_llama_dir) -> None
     assert stats["skipkv_compressions"] == 1 and stats["skipkv_ancestor_evicted_tokens"] > 0
     assert stats["skipkv_branch_kv_peak"] <= cfg.budget + cfg.interval + 1
     backend.release([root, step, kids[0]])
+
+
+def test_per_head_selection_decodes_end_to_end_within_budget(tiny_llama_dir) -> None:
+    """Greedy decode with per-head selection: heads keep different slots, the same count, the
+    budget holds, and KV stays consistent between tracker, segment and bytes."""
+    backend = HFBackend(tiny_llama_dir)
+    cfg = SkipKVConfig(budget=6, interval=4, window=2, query_window=4, per_head=True)
+    backend.accel = Accel(skipkv=cfg)
+    root, kids = _extend(backend, 2, 21)
+    skip = backend.acceleration(SkipKV)
+    assert isinstance(skip, SkipKV)
+    parts = backend.parts
+    for k in kids:
+        seg, state = backend.tree.get(k), skip.state(k)
+        assert state is not None and state.tracker.per_head
+        table = state.tracker.slot_positions  # [L, H_kv, kept]
+        assert table.shape == (parts.n_layers, parts.n_kv_heads, state.tracker.cache_len)
+        assert state.tracker.cache_len <= cfg.budget + 1
+        assert len({tuple(h) for h in table.flatten(0, 1).tolist()}) > 1  # heads differ
+        assert seg.keys is not None and all(t.shape[1] == seg.kv_tokens for t in seg.keys)
+        assert seg.kv_tokens == state.gen_start + state.tracker.cache_len
+        assert len(backend.tokens(k)) == len(backend.encode(PROMPT)) + 21
+    assert backend.kv_stats().extra["skipkv_branch_kv_max"] <= cfg.budget
+    backend.release([root, *kids])
+    assert backend.kv_stats().bytes_held == 0

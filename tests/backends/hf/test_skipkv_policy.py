@@ -19,6 +19,7 @@ from branchwise.backends.hf.skipkv_policy import (
     key_redundancy,
     newest_mask,
     select_keep,
+    select_keep_per_head,
     sentence_redundancy,
     steering_path,
     steering_strength,
@@ -331,3 +332,43 @@ def test_steering_vector_names_the_empty_set() -> None:
 def test_steering_strength_grows_with_non_execution_thoughts() -> None:
     assert steering_strength(1.0, 0.02, 0) == 1.0
     assert steering_strength(1.25, 0.02, 10) == pytest.approx(1.45)
+
+
+def test_select_keep_per_head_keeps_each_heads_own_best_slots_same_count() -> None:
+    evictable = torch.tensor([False, False] + [True] * 8)  # 2 prompt slots, 8 generated
+    window = newest_mask(evictable, 2)
+    scores = torch.zeros(2, 2, 10)  # [L, H, N]
+    scores[0, 0, 2:5] = 1.0  # head (0, 0) prefers the oldest generated slots
+    scores[0, 1, 5:8] = 1.0  # head (0, 1) the middle ones
+    scores[1, :, 3] = 1.0
+    keep = select_keep_per_head(scores, 5, evictable=evictable, protected=window)
+    assert keep.shape == (2, 2, 7)  # the prompt + 5 generated in every head
+    assert keep[0, 0].tolist() == [0, 1, 2, 3, 4, 8, 9]
+    assert keep[0, 1].tolist() == [0, 1, 5, 6, 7, 8, 9]
+    assert bool((keep[..., 1:] > keep[..., :-1]).all())  # sorted per head
+    # the shared selection of the same scores, averaged, is one set for every head
+    shared = select_keep(eviction_scores(scores, None, None, 1.0), 5, evictable=evictable, protected=window)
+    assert shared.numel() == 7
+    with pytest.raises(ValueError, match="budget=1 is below"):
+        select_keep_per_head(scores, 1, evictable=evictable, protected=window)
+
+
+def test_tracker_per_head_maps_and_sentences() -> None:
+    t = tracker()
+    t.append([1, 1, 100, 1, 3, 101])  # two sentences: gs 0-2, 3-5
+    t.evict_per_head(torch.tensor([[[0, 1, 4, 5], [2, 3, 4, 5]]]))  # [L=1, H=2, 4]
+    assert t.per_head and t.cache_len == 4
+    assert t.slot_positions.tolist() == [[[0, 1, 4, 5], [2, 3, 4, 5]]]
+    assert t.sentence_of_slot().tolist() == [[[0, 0, 1, 1], [0, 1, 1, 1]]]
+    lam = torch.tensor([0.97, 0.0])
+    assert t.sentence_penalty(lam).shape == (1, 2, 4)
+    t.append([1, 1])  # new tokens land in every head
+    assert t.cache_len == 6 and t.slot_positions[0, 1].tolist() == [2, 3, 4, 5, 6, 7]
+    t.evict_per_head(torch.tensor([[[0, 3, 5], [1, 2, 4]]]))  # composes with the earlier map
+    assert t.slot_positions.tolist() == [[[0, 5, 7], [3, 4, 6]]]
+    t.evict([1, 2])  # a shared eviction applies to every head
+    assert t.slot_positions.tolist() == [[[5, 7], [4, 6]]]
+    with pytest.raises(ValueError, match="slot_positions"):
+        _ = t.positions
+    with pytest.raises(ValueError, match="strictly increasing"):
+        t.evict_per_head(torch.tensor([[[1, 0], [0, 1]]]))

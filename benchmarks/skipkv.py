@@ -17,6 +17,11 @@ is saved or `--build-steering` manages to build one) decode with the same sample
 batch index). One seed draws for a whole batch, so the grouped conditions sample differently from
 the ungrouped ones even before any eviction: `skipkv_ungrouped` vs `rkv` is the clean comparison
 (identical until their evictions differ); grouped vs ungrouped compares means, not problems.
+Every SkipKV condition selects per KV head (`per_head`, the paper's Eq. 4-6 selection);
+`skipkv_all_heads` is `skipkv_ungrouped` with one slot set for all layers and heads, and each
+budget's `head_selection` puts the two side by side: agreement with FullKV (voted answers, and
+`token_agreement_with_fullkv`, the share of FullKV's tokens reproduced before the first difference)
+and accuracy.
 (3) Batch grouping: Eq. 12 padding of the problems' prefill lengths in `--batch-problems` batches,
 original order vs grouped, and the timed batched root prefills of both orders (a batch's prefill
 is padded to its longest prompt, so grouping removes real compute).
@@ -32,8 +37,8 @@ allocated KV (shared prompts + decode buffers, which grow in ≥128-slot steps),
 methods once FullKV outgrows the first buffer; `final_kv_bytes` is the KV held right after decoding
 (largest batch), which shows the budget directly.
 
-Cost: after FullKV, every budget ratio decodes all problems again under five methods (four without a
-steering vector), so a run costs about 1 + 5·R FullKV decodes for R ratios, plus the steering build
+Cost: after FullKV, every budget ratio decodes all problems again under six methods (five without a
+steering vector), so a run costs about 1 + 6·R FullKV decodes for R ratios, plus the steering build
 with `--build-steering` (`--steering-questions` × 4 traces). The JSON's "seconds" is what a run took.
 
 Prints progress to stderr and one JSON object as the last line of stdout.
@@ -247,6 +252,34 @@ def summarise(
     return out
 
 
+def token_agreement(run: Run, full: Run) -> float:
+    """Mean over branches of the share of FullKV's tokens a branch reproduced before it first
+    differed (same sampler seed and batch order, so any difference comes from the evicted KV)."""
+    shares = []
+    for gens, refs in zip(run.gens, full.gens, strict=True):
+        for g, ref in zip(gens, refs, strict=True):
+            same = next(
+                (i for i, (a, b) in enumerate(zip(g.token_ids, ref.token_ids, strict=False)) if a != b), None
+            )
+            same = min(len(g.token_ids), len(ref.token_ids)) if same is None else same
+            shares.append(same / max(1, len(ref.token_ids)))
+    return round(statistics.fmean(shares), 4)
+
+
+def head_selection(methods: dict[str, Any]) -> dict[str, Any]:
+    """Per-head (the paper's Eq. 4-6 selection) vs one slot set for all heads, both ungrouped SkipKV
+    with the same seeds and order: agreement with FullKV and accuracy side by side."""
+    keys = ("agreement_with_fullkv", "token_agreement_with_fullkv", "accuracy_vote", "accuracy_branch")
+    keys += ("mean_length", "evicted_tokens")
+    out: dict[str, Any] = {
+        mode: {k: methods[name][k] for k in keys}
+        for mode, name in (("per_head", "skipkv_ungrouped"), ("all_heads", "skipkv_all_heads"))
+    }
+    for k in ("agreement_with_fullkv", "token_agreement_with_fullkv", "accuracy_vote"):
+        out[f"{k}_per_head_minus_all_heads"] = round(out["per_head"][k] - out["all_heads"][k], 4)
+    return out
+
+
 def tree_strategies(bench: Bench, args: argparse.Namespace, question: str) -> dict[str, Any]:
     """SkipKV under step-level tree search: steps shorter than the interval, budget below the steps'
     total. The interval counts each branch's tokens along its path (across `extend` calls), so
@@ -295,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
             "branches": 2,
             "batch_problems": 2,
             "max_tokens": 64,
-            "ratios": "0.2",
+            "ratios": "0.2,0.3,0.5",
             "prefill_repeats": 1,
         },
         threads=1,
@@ -373,7 +406,8 @@ def main(argv: list[str] | None = None) -> None:
         configs: dict[str, tuple[SkipKVConfig, Sequence[Sequence[int]]]] = {
             "attention_only": (SkipKVConfig.attention_only(budget, interval=interval), original),
             "rkv": (SkipKVConfig.rkv(budget, interval=interval), original),
-            "skipkv_ungrouped": (SkipKVConfig(budget=budget, interval=interval), original),
+            "skipkv_ungrouped": (SkipKVConfig(budget=budget, interval=interval, per_head=True), original),
+            "skipkv_all_heads": (SkipKVConfig(budget=budget, interval=interval, per_head=False), original),
             "skipkv": (SkipKVConfig(budget=budget, interval=interval), grouped),
         }
         if steering["available"]:
@@ -385,6 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, (cfg, order) in configs.items():
             run = decode_all(backend, prompts, order, args.branches, params, Accel(skipkv=cfg))
             row = summarise(run, problems, tracker_args, fullkv)
+            row["token_agreement_with_fullkv"] = token_agreement(run, full_run)
             row["order"] = "grouped" if order is grouped else "original"
             if row["evicted_tokens"] == 0:
                 row["note"] = (
@@ -403,7 +438,12 @@ def main(argv: list[str] | None = None) -> None:
             row["tokens_per_s_vs_rkv"] = round(row["tokens_per_s"] / rkv["tokens_per_s"], 3)
         if not steering["available"]:
             methods["skipkv+steer"] = {"skipped": steering["reason"]}
-        budgets[str(ratio)] = {"budget": budget, "interval": interval, "methods": methods}
+        budgets[str(ratio)] = {
+            "budget": budget,
+            "interval": interval,
+            "head_selection": head_selection(methods),
+            "methods": methods,
+        }
 
     times = {"original": [], "grouped": []}
     for _ in range(args.prefill_repeats):  # interleaved, so drift hits both orders alike

@@ -249,7 +249,24 @@ def test_skipkv_quick() -> None:
     for entry in budgets:
         assert entry["budget"] > cfg["window"] and 1 <= entry["interval"] <= 128
         methods = entry["methods"]
-        assert set(methods) == {"attention_only", "rkv", "skipkv_ungrouped", "skipkv", "skipkv+steer"}
+        assert set(methods) == {
+            "attention_only",
+            "rkv",
+            "skipkv_ungrouped",
+            "skipkv_all_heads",
+            "skipkv",
+            "skipkv+steer",
+        }
+        heads = entry["head_selection"]  # per-head (skipkv_ungrouped) beside one slot set for all heads
+        for mode, name in (("per_head", "skipkv_ungrouped"), ("all_heads", "skipkv_all_heads")):
+            assert heads[mode]["agreement_with_fullkv"] == methods[name]["agreement_with_fullkv"]
+            assert 0.0 <= heads[mode]["token_agreement_with_fullkv"] <= 1.0
+        gap = heads["token_agreement_with_fullkv_per_head_minus_all_heads"]
+        assert gap == round(
+            heads["per_head"]["token_agreement_with_fullkv"]
+            - heads["all_heads"]["token_agreement_with_fullkv"],
+            4,
+        )
         if not steer["available"]:
             assert methods.pop("skipkv+steer") == {"skipped": steer["reason"]}
         rkv = methods["rkv"]
@@ -266,6 +283,7 @@ def test_skipkv_quick() -> None:
             assert (row["evicted_tokens"] == 0) == ("note" in row)  # a note says why nothing went
         assert methods["skipkv"]["order"] == "grouped"
         assert methods["rkv"]["order"] == methods["skipkv_ungrouped"]["order"] == "original"
+        assert methods["skipkv_all_heads"]["order"] == "original"
     for row in budgets[0]["methods"].values():  # the smallest budget evicts (or says why not)
         if "skipped" not in row:
             assert row["evicted_tokens"] > 0 or "note" in row

@@ -24,9 +24,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_quick(script: str) -> dict[str, Any]:
-    """Run `benchmarks/<script> --quick --threads 1` (stable on a shared CPU) and return the JSON
-    object on its last stdout line, after checking the envelope every script shares.
+def run_quick(script: str, *extra: str) -> dict[str, Any]:
+    """Run `benchmarks/<script> --quick --threads 1` (stable on a shared CPU; `extra` options after
+    it) and return the JSON object on its last stdout line, after checking the envelope every
+    script shares.
 
     fp32 on every device (as the suite's backends, see conftest): the fidelity flags asserted here
     are token equality, which bf16 promises only up to near-ties."""
@@ -39,6 +40,7 @@ def run_quick(script: str) -> dict[str, Any]:
             "1",
             "--dtype",
             "float32",
+            *extra,
         ],
         cwd=ROOT,
         capture_output=True,
@@ -236,7 +238,8 @@ def test_agent_quick(embedded_dir: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
 def test_skipkv_quick() -> None:
-    out = run_quick("skipkv.py")
+    # one budget: the quick run's three cost a CI minute each, and every check below is per budget
+    out = run_quick("skipkv.py", "--ratios", "0.2")
     cfg = out["config"]
     assert cfg["n_problems"] == cfg["problems"] * len(cfg["tasks"])
     full = out["fullkv"]

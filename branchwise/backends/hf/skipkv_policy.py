@@ -471,14 +471,7 @@ def select_keep(
             f"scores, evictable and protected must all be [N]; got {list(scores.shape)}, "
             f"{list(evictable.shape)}, {list(protected.shape)}"
         )
-    evictable = evictable.to(device=scores.device, dtype=torch.bool)
-    fixed = evictable & protected.to(device=scores.device, dtype=torch.bool)
-    n_fixed = int(fixed.sum())
-    if budget < n_fixed:
-        raise ValueError(
-            f"budget={budget} is below the {n_fixed} protected (window) evictable slots; "
-            "budget must be >= window"
-        )
+    evictable, fixed, n_fixed = _window_slots(evictable, protected, budget, scores.device)
     keep = ~evictable | fixed
     candidates = torch.nonzero(evictable & ~fixed, as_tuple=True)[0]
     k = min(budget - n_fixed, candidates.numel())
@@ -486,6 +479,21 @@ def select_keep(
         cand_scores = torch.nan_to_num(scores[candidates].float(), nan=float("-inf"))
         keep[candidates[cand_scores.topk(k).indices]] = True
     return torch.nonzero(keep, as_tuple=True)[0]
+
+
+def _window_slots(
+    evictable: torch.Tensor, protected: torch.Tensor, budget: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(evictable, its protected slots, their count) on `device`; refuses a budget below the window."""
+    evictable = evictable.to(device=device, dtype=torch.bool)
+    fixed = evictable & protected.to(device=device, dtype=torch.bool)
+    n_fixed = int(fixed.sum())
+    if budget < n_fixed:
+        raise ValueError(
+            f"budget={budget} is below the {n_fixed} protected (window) evictable slots; "
+            "budget must be >= window"
+        )
+    return evictable, fixed, n_fixed
 
 
 @torch.no_grad()
@@ -510,14 +518,7 @@ def select_keep_per_head(
         )
     lead = scores.shape[:-1]
     flat = scores.reshape(-1, n).float()
-    evictable = evictable.to(device=scores.device, dtype=torch.bool)
-    fixed = evictable & protected.to(device=scores.device, dtype=torch.bool)
-    n_fixed = int(fixed.sum())
-    if budget < n_fixed:
-        raise ValueError(
-            f"budget={budget} is below the {n_fixed} protected (window) evictable slots; "
-            "budget must be >= window"
-        )
+    evictable, fixed, n_fixed = _window_slots(evictable, protected, budget, scores.device)
     always = torch.nonzero(~evictable | fixed, as_tuple=True)[0]
     candidates = torch.nonzero(evictable & ~fixed, as_tuple=True)[0]
     k = min(budget - n_fixed, candidates.numel())

@@ -32,6 +32,17 @@ FinishReason = Literal["eos", "stop", "delimiter", "length", "confident", "cance
 """Why a branch ended; "cancelled": an `extend` listener stopped it (its consumer went away);
 "grammar": its constraint admitted no further token (the text so far is kept, its KV released as
 any other row's)."""
+OPENAI_FINISH: dict[str, str] = {
+    "eos": "stop",
+    "stop": "stop",
+    "delimiter": "stop",
+    "confident": "stop",
+    "grammar": "stop",
+    "length": "length",
+}
+"""Finish reasons in OpenAI's terms, for every front end that speaks them (the server, the DSPy and
+LangChain plug-ins): a step delimiter or a confident stop ends the text as a stop would, and
+"grammar" (the constraint allowed no more tokens) leaves the reply as complete as it can be."""
 ShareMode = Literal["none", "exact"]
 SHARE_MODES: tuple[ShareMode, ...] = ("none", "exact")
 """`"exact"`: children read their parent's KV; `"none"`: each recomputes its whole path (the

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import dspy
 from dspy.utils.exceptions import AdapterParseError
 
-from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode, check_share
+from branchwise.backends.base import OPENAI_FINISH, Backend, DecodeParams, Generation, ShareMode, check_share
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
 from branchwise.integrations.dspy_engine import (
     SUPPORTED_PARAMS,
@@ -86,8 +86,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length", "grammar": "stop"}
-"""Backend finish reasons mapped onto OpenAI's (a step delimiter only ends a step inside strategies)."""
 
 _NOT_GENERATION = {"cache", "rollout_id", "num_retries", "api_key", "api_base", "base_url"}
 """Keys DSPy may pass that are bookkeeping, never decoding parameters."""
@@ -413,7 +411,7 @@ class BranchwiseLM(dspy.BaseLM):
             choice: dict[str, Any] = {
                 "index": i,
                 "message": message,
-                "finish_reason": "tool_calls" if calls else _FINISH.get(g.finish_reason, "stop"),
+                "finish_reason": "tool_calls" if calls else OPENAI_FINISH.get(g.finish_reason, "stop"),
                 "logprobs": None,
             }
             if want_logprobs:

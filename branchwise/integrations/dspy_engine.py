@@ -26,7 +26,7 @@ from typing import Any
 import dspy
 from pydantic import BaseModel
 
-from branchwise.backends.base import Backend, DecodeParams, Generation, ShareMode, check_share
+from branchwise.backends.base import OPENAI_FINISH, Backend, DecodeParams, Generation, ShareMode, check_share
 from branchwise.backends.scheduler import Job, Scheduler
 from branchwise.constraints import Constraint, tool_calls_of
 from branchwise.integrations._shared import shared_scheduler
@@ -43,8 +43,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-
-_LM15_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length", "grammar": "stop"}
 
 SUPPORTED_PARAMS = frozenset(
     {
@@ -465,7 +463,7 @@ class BranchwiseEngine:
             id=f"branchwise-{uuid.uuid4().hex[:16]}",
             model=request.model,
             message=message,
-            finish_reason="tool_call" if calls else _LM15_FINISH.get(gen.finish_reason, "stop"),
+            finish_reason="tool_call" if calls else OPENAI_FINISH.get(gen.finish_reason, "stop"),
             usage=lm15.Usage(input_tokens=len(prompt_ids), output_tokens=len(gen.token_ids)),
             logprobs=logprobs,
             provider_data={"branchwise": info},

@@ -68,7 +68,14 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from branchwise.backends.base import DecodeParams, DecodeStep, Generation, ShareMode, check_share
+from branchwise.backends.base import (
+    OPENAI_FINISH,
+    DecodeParams,
+    DecodeStep,
+    Generation,
+    ShareMode,
+    check_share,
+)
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
 from branchwise.backends.text import TextStream
 from branchwise.constraints import Constraint
@@ -78,11 +85,6 @@ if TYPE_CHECKING:
     from branchwise.reasoners.reasoner import Reasoner
 
 __all__ = ["ChatBranchwise", "as_runnable"]
-
-_FINISH = {"eos": "stop", "stop": "stop", "delimiter": "stop", "length": "length", "grammar": "stop"}
-"""Backend finish reasons in OpenAI's words (what LangChain users read in ``finish_reason``); a
-reply holding tool calls finishes with ``"tool_calls"`` unless ``max_tokens`` cut it (``"length"``).
-The backend's own reason is in ``response_metadata["branchwise"]["finish_reason"]``."""
 
 
 def _content_text(content: Any, *, assistant: bool = False) -> str:
@@ -459,10 +461,11 @@ class ChatBranchwise(BaseChatModel):
         if request.calls_tools:
             content, calls = split_calls(gen.text, request.tools)
         metadata: dict[str, Any] = {
-            # a reply cut by max_tokens says so even after a call (its next block may be cut off)
+            # OpenAI's words (the backend's own reason is in ["branchwise"]["finish_reason"]); a reply
+            # cut by max_tokens says so even after a call (its next block may be cut off)
             "finish_reason": "tool_calls"
             if calls and gen.finish_reason != "length"
-            else _FINISH.get(gen.finish_reason, "stop"),
+            else OPENAI_FINISH.get(gen.finish_reason, "stop"),
             "model_name": self._name(),
             "model_provider": "branchwise",
             "branchwise": {

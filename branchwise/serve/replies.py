@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from branchwise.backends.base import Backend, Generation
+from branchwise.backends.base import OPENAI_FINISH, Backend, Generation
 from branchwise.constraints import Constraint
 from branchwise.toolcalls import ToolCall, ToolCallStream, split_calls
 
@@ -36,16 +36,8 @@ __all__ = [
     "usage",
 ]
 
-FINISH = {
-    "eos": "stop",
-    "stop": "stop",
-    "delimiter": "stop",
-    "confident": "stop",
-    "grammar": "stop",
-    "length": "length",
-}
-"""Backend finish reasons mapped onto OpenAI's ("grammar": the constraint allowed no more tokens, so
-the reply is as complete as it can be)."""
+FINISH = OPENAI_FINISH
+"""Backend finish reasons mapped onto OpenAI's (`backends.base.OPENAI_FINISH`)."""
 
 
 def tools_of(constraint: Constraint | None) -> Sequence[dict[str, Any]] | None:

@@ -616,9 +616,7 @@ class RemoteBackend:
         gens = live.run(nodes, params, row_params)
         with self._lock:
             for prompt, done in live.requests:
-                self._account(prompt, [])
-                for gen in done:
-                    self._stats.tokens_computed += len(gen.token_ids)
+                self._account(prompt, done)
             for gen in gens:
                 rec = self._nodes.get(gen.node)
                 if gen.finish_reason != "cancelled" and rec is not None and not rec.released:

@@ -113,6 +113,7 @@ class Stopped(Exception):
 @dataclass
 class _Request:
     rows: list[int]
+    prompt: list[int]
     stopped: set[int] = field(default_factory=set)
 
     def all_stopped(self) -> bool:
@@ -186,13 +187,13 @@ class LiveExtend:
             self.seen.append([])
             groups.setdefault((*self.key(node), p), []).append(row)
         for (tokens, tree, p), rows in groups.items():
-            request = _Request(rows)
+            request = _Request(rows, list(tokens))
 
             def emit(i: int, ids: list[int], rows: list[int] = rows) -> None:
                 self.events.put((rows[i], ids))
 
             future = self.pool.submit(
-                self.complete, list(tokens), len(rows), p, tree, emit, request.all_stopped
+                self.complete, request.prompt, len(rows), p, tree, emit, request.all_stopped
             )
             self.running[future] = request
 
@@ -213,7 +214,7 @@ class LiveExtend:
                 gens = future.result()  # a failed request raises here, ending the call
             except Stopped:
                 continue  # every row was stopped; the stream was closed
-            self.requests.append((list(self.key(self.nodes[request.rows[0]])[0]), gens))
+            self.requests.append((request.prompt, gens))
             for row, gen in zip(request.rows, gens, strict=True):
                 if row not in self.stopped:
                     self._finish(step, row, gen)

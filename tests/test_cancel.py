@@ -43,7 +43,7 @@ def test_a_run_cancelled_mid_decode_stops_and_releases(tiny_backend: Any) -> Non
     finally:
         del tiny_backend.session
     assert len(steps) <= 6  # the rows stopped at the step after the event was set
-    assert tiny_backend.tree.total.held == 0 and tiny_backend.tree.total.nodes == 0
+    assert tiny_backend.tree.accounts.total.held == 0 and tiny_backend.tree.accounts.total.nodes == 0
 
 
 def test_a_cancelled_wrapper_refuses_work_but_lets_cleanup_through(tiny_backend: Any) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from branchwise.backends.accel import ASKSConfig
 from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, Host, Setup
-from branchwise.backends.hf.tree import Segment, common_prefix
+from branchwise.backends.hf.segment import Segment, common_prefix
 
 
 def layer_weights(n_layers: int, alpha: float) -> torch.Tensor:

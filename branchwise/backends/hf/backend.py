@@ -213,7 +213,7 @@ class HFBackend:
         self.device, self.dtype, self.eos_ids, self.pad_id = param.device, param.dtype, eos_ids, pad_id
         self.kv_token_bytes = kv_bytes_per_token(parts, param.dtype)
         self.tree = self.engine.tree
-        self._default = Session(self.engine, share, accel or Accel(), ledger=self.tree.total)
+        self._default = Session(self.engine, share, accel or Accel(), ledger=self.tree.accounts.total)
 
     @property
     def max_context(self) -> int | None:
@@ -257,14 +257,14 @@ class HFBackend:
     def cache_bytes(self) -> int:
         """Byte budget of the prefix cache across requests (0 = off): finished requests' exact KV
         stays in the tree, and a `prefill` computes only what no cached path already holds."""
-        return self.tree.cache_budget
+        return self.tree.prefix.budget
 
     @cache_bytes.setter
     def cache_bytes(self, value: int) -> None:
         if value < 0:
             raise ValueError(f"cache_bytes={value} must be >= 0")
         with self.engine.lock:
-            self.tree.cache_budget = int(value)
+            self.tree.prefix.budget = int(value)
             self.tree.trim()
 
     @property

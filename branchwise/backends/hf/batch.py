@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from branchwise.backends.base import FinishReason
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import SharedSegment, Weights, bias_of, cascade, fused_cascade
-from branchwise.backends.hf.tree import Block, KVTree, Segment
+from branchwise.backends.hf.segment import Block, Segment
+from branchwise.backends.hf.tree import KVTree
 
 Broadcast = Literal["cascade", "copy"]
 """How rows read shared ancestors: one batched product per segment, or per-row copies (baseline)."""
@@ -471,7 +472,7 @@ class Batch:
 
         The block is owned by the row's run; nothing points at it yet (see `point_at`)."""
         keys, values = self.own_kv(pos, row, slot, slot + n)
-        return tree.seal_block([k.clone() for k in keys], [v.clone() for v in values], row.seg.owner)
+        return tree.blocks.seal([k.clone() for k in keys], [v.clone() for v in values], row.seg.owner)
 
     def point_at(self, tree: KVTree, pos: int, row: Row, slot: int, logical: int, block: Block) -> None:
         """Replace the row's own KV slots `slot .. slot + block.tokens` by a reference to `block`.
@@ -483,7 +484,7 @@ class Batch:
         own = torch.arange(row.kv_len, device=self.ctx.lens.device)
         keep = own[(own < slot) | (own >= slot + n)]
         self.keep_own(pos, row, keep)
-        tree.ref_block(row.seg, logical, block)
+        tree.blocks.ref(row.seg, logical, block)
         self.pool().point(pos, block)
 
     def advance(self, present: Sequence[int], feeds: Sequence[Sequence[int]]) -> None:

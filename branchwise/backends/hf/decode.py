@@ -44,7 +44,7 @@ from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.grammar import Grammars, RowGrammars
 from branchwise.backends.hf.hooks import Acceleration, overrides
 from branchwise.backends.hf.sampling import pick_tokens
-from branchwise.backends.hf.tree import Segment
+from branchwise.backends.hf.segment import Segment
 from branchwise.backends.text import Detokenize, TextTail, finish_text
 from branchwise.constraints import Constraint
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from branchwise.backends.hf.tree import common_prefix
+from branchwise.backends.hf.segment import common_prefix
 
 ULPS = 8
 """Default tie tolerance in units of the dtype's machine epsilon, relative to the largest logit."""

@@ -44,7 +44,9 @@ from branchwise.backends.accel import AccelConfig
 from branchwise.backends.base import FinishReason, KVStats, ShareMode
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import Batch, Row
-from branchwise.backends.hf.tree import Block, KVTree, Ledger, Segment
+from branchwise.backends.hf.ledger import Ledger
+from branchwise.backends.hf.segment import Block, Segment
+from branchwise.backends.hf.tree import KVTree
 
 if TYPE_CHECKING:
     from torch import nn

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from branchwise.backends.base import Admit, Admitted, NodeId
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun
-from branchwise.backends.hf.tree import Segment
+from branchwise.backends.hf.segment import Segment
 
 if TYPE_CHECKING:
     from branchwise.backends.hf.session import Session

@@ -154,7 +154,7 @@ class KVPool:
 
     def used(self) -> int:
         """Every byte of KV held now: live nodes and blocks, the prefix cache, batch tails."""
-        return self.tree.total.held + self.tree.cache.held + self.tails
+        return self.tree.accounts.total.held + self.tree.accounts.cache.held + self.tails
 
     def room(self) -> int | None:
         """Bytes admission may still promise (None: unbounded): the budget less the watermark, what
@@ -163,7 +163,7 @@ class KVPool:
         if self.budget is None:
             return None
         limit = int(self.budget * (1.0 - self.watermark))
-        return limit - self.used() - self.reserved + self.tree.cache.held
+        return limit - self.used() - self.reserved + self.tree.accounts.cache.held
 
     def over(self, extra: int = 0) -> int:
         """Bytes above the budget once `extra` more are held (<= 0: it fits)."""
@@ -173,9 +173,9 @@ class KVPool:
         """Evict prefix-cache nodes (least recently used first) until `need` more bytes fit the
         budget or the cache is empty of unpinned nodes; returns how many nodes went."""
         over = self.over(need)
-        if over <= 0 or not self.tree.cache.held:
+        if over <= 0 or not self.tree.accounts.cache.held:
             return 0
-        return self.tree.trim(max(0, self.tree.cache.held - over))
+        return self.tree.trim(max(0, self.tree.accounts.cache.held - over))
 
     def reserve_tails(self, nbytes: int) -> None:
         """A batch is about to allocate `nbytes` of tails: let the prefix cache yield; tails larger
@@ -223,7 +223,7 @@ class KVPool:
         return {
             "budget_bytes": self.budget,
             "used_bytes": self.used(),
-            "bytes_held": self.tree.total.held,
-            "cache_bytes": self.tree.cache.held,
+            "bytes_held": self.tree.accounts.total.held,
+            "cache_bytes": self.tree.accounts.cache.held,
             "preemptions": self.preemptions,
         }

@@ -30,7 +30,7 @@ import torch
 
 from branchwise.backends.accel import ProbeConfig
 from branchwise.backends.hf.hooks import Acceleration, Host, Setup
-from branchwise.backends.hf.tree import Segment
+from branchwise.backends.hf.segment import Segment
 
 
 class KVProbe:

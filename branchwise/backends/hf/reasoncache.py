@@ -54,7 +54,7 @@ from branchwise.backends.hf.reasoncache_filter import (
     lexical_similarity,
     structurally_equal,
 )
-from branchwise.backends.hf.tree import Block, Segment
+from branchwise.backends.hf.segment import Block, Segment
 from branchwise.backends.hf.vocab import token_texts
 
 

@@ -20,7 +20,7 @@ from branchwise.backends.accel import RSBCMConfig
 from branchwise.backends.hf.attention import Weights
 from branchwise.backends.hf.batch import AttentionTap, Batch, Row
 from branchwise.backends.hf.hooks import Acceleration, Host, Setup
-from branchwise.backends.hf.tree import Segment
+from branchwise.backends.hf.segment import Segment
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,12 @@ from branchwise.backends.hf.decode import DecodeRun, decode
 from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, Builds, HiddenCapture, KVEdits, overrides
 from branchwise.backends.hf.intake import Intake, alone_chunk
+from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.plugins import EntropyTrace, build_plugins, layer_trace
 from branchwise.backends.hf.pool import TAIL_SLACK, KVPool
 from branchwise.backends.hf.runner import Runner
-from branchwise.backends.hf.tree import KVTree, Ledger, Segment, common_prefix, common_suffix
+from branchwise.backends.hf.segment import Segment, common_prefix, common_suffix
+from branchwise.backends.hf.tree import KVTree
 from branchwise.constraints import Constraint
 from branchwise.toolcalls import render_messages, template_has_tools
 
@@ -258,7 +260,7 @@ class Session:
         check_context(len(ids), 0, self.engine.max_context, "token_ids")
         with self.engine.lock:
             tree = self.tree
-            if tree.cache_budget > 0 and self.share == "exact" and self.exact_kv:
+            if tree.prefix.budget > 0 and self.share == "exact" and self.exact_kv:
                 node, hit = tree.match(ids)
                 self.stats.cache_hit_tokens += hit
                 self.stats.cache_miss_tokens += len(ids) - hit
@@ -378,13 +380,13 @@ class Session:
         if len(nodes) != len(token_ids):
             raise ValueError(f"token_ids has {len(token_ids)} entries for {len(nodes)} nodes")
         with self.engine.lock:
-            evictions = self.tree.evictions
+            evictions = self.tree.prefix.evictions
             for node, ids in zip(nodes, token_ids, strict=True):
                 seg = self.tree.growable(node)
                 checked = self.engine.check_ids(ids, "token_ids")
                 check_context(path_length(seg) + len(checked), 0, self.engine.max_context, "node + token_ids")
                 seg.tokens.extend(checked)
-            self.stats.cache_evictions += self.tree.evictions - evictions
+            self.stats.cache_evictions += self.tree.prefix.evictions - evictions
 
     def extend(
         self,
@@ -403,9 +405,9 @@ class Session:
         for c in {params.constraint, *(constraints or ()), *(p.constraint for p in own)} - {None}:
             self.engine.grammars.compile(c)  # type: ignore[arg-type]  # refuse a bad one before any work
         with self.engine.lock:
-            evictions = self.tree.evictions
+            evictions = self.tree.prefix.evictions
             segs = [self.tree.growable(n) for n in nodes]
-            self.stats.cache_evictions += self.tree.evictions - evictions
+            self.stats.cache_evictions += self.tree.prefix.evictions - evictions
             if len({s.id for s in segs}) != len(segs):
                 raise ValueError("nodes must be distinct; fork a node to decode it several times")
             if not segs:
@@ -493,13 +495,13 @@ class Session:
     def release(self, nodes: Sequence[NodeId]) -> None:
         with self.engine.lock:
             releasers = overrides(self.plugins, "on_release")
-            evictions = self.tree.evictions
+            evictions = self.tree.prefix.evictions
             for node in nodes:
                 for seg in self.tree.release(node):
                     for plugin in releasers:
                         plugin.on_release(seg)
             self.tree.trim()
-            self.stats.cache_evictions += self.tree.evictions - evictions
+            self.stats.cache_evictions += self.tree.prefix.evictions - evictions
 
     def free(self, seg: Segment) -> None:
         """Release a segment an acceleration made for its own use."""
@@ -535,7 +537,7 @@ class Session:
                 cache_hit_tokens=s.cache_hit_tokens,
                 cache_miss_tokens=s.cache_miss_tokens,
                 cache_evictions=s.cache_evictions,
-                cache_bytes=self.tree.cache.held,
+                cache_bytes=self.tree.accounts.cache.held,
                 budget_bytes=self.engine.pool.budget,
                 used_bytes=self.engine.pool.used(),
                 preemptions=self.engine.pool.preemptions,
@@ -616,7 +618,7 @@ class Session:
         logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
         self.stats.tokens_computed += sum(len(f) for f in feeds)
         self.stats.forward_calls += 1
-        self.tree.note_transient(self.ledger, batch.ctx.nbytes)
+        self.tree.accounts.note_transient(self.ledger, batch.ctx.nbytes)
         return logits
 
     def _capture(self, batch: Batch) -> Callable[[int, Row], None]:

@@ -37,6 +37,7 @@ from branchwise.backends.base import KVStats
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import AttentionTap, Batch, Row
 from branchwise.backends.hf.hooks import Acceleration, Forward, KVEdits, Setup
+from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.skipkv_policy import (
     SentenceTracker,
     SteeringVector,
@@ -51,7 +52,6 @@ from branchwise.backends.hf.skipkv_policy import (
     steering_strength,
     token_importance,
 )
-from branchwise.backends.hf.tree import Segment
 
 
 @dataclass

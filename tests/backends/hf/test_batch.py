@@ -16,7 +16,9 @@ from torch import nn
 
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import AttentionTap, Batch, Broadcast
-from branchwise.backends.hf.tree import KVTree, Ledger, Segment
+from branchwise.backends.hf.ledger import Ledger
+from branchwise.backends.hf.segment import Segment
+from branchwise.backends.hf.tree import KVTree
 
 LAYERS, HEADS, KV_HEADS, DIM = 2, 4, 2, 8
 SCALE = DIM**-0.5
@@ -291,7 +293,7 @@ def test_capture_writes_back_exactly_the_rows_own_kv() -> None:
         torch.testing.assert_close(a.keys[layer], torch.cat([old_a[layer], steps[layer][2][0]], 1))
         torch.testing.assert_close(c.values[layer][:, 1:], steps[layer][3][1])
     slot = 2 * LAYERS * KV_HEADS * DIM * 4
-    assert run.held == held + 2 * slot and tree.total.held == run.held
+    assert run.held == held + 2 * slot and tree.accounts.total.held == run.held
     batch.ctx.tail_k[0].zero_()
     assert a.keys[0].abs().sum() > 0  # independent tensors: the batch's buffers may go
 
@@ -337,7 +339,7 @@ def test_pointing_a_row_at_a_sealed_block_changes_nothing_it_attends_to() -> Non
     row = batch.rows[0]
     full = [batch.ctx.tail_k[layer][0, :, :3].clone() for layer in range(LAYERS)]
     block = batch.seal(tree, 0, row, slot=0, n=2)
-    assert block.refs == 0 and block.owner is run and tree.blocks_live == 1
+    assert block.refs == 0 and block.owner is run and tree.blocks.live == 1
     torch.testing.assert_close(block.keys[1], full[1][:, :2])
     batch.point_at(tree, 0, row, slot=0, logical=0, block=block)
     assert block.refs == 1 and row.kv_len == 1 and row.computed == 3 and batch.ctx.lens.tolist() == [1, 1]
@@ -366,7 +368,7 @@ def test_a_block_is_laid_out_once_however_many_rows_read_it() -> None:
     gen = torch.Generator().manual_seed(9)
     reader = _node(tree, n["prompt"], [10, 11, 13], run, 0, gen)
     reader.n_computed = 2
-    tree.ref_block(reader, 0, block)
+    tree.blocks.ref(reader, 0, block)
     batch = Batch.assemble([n["a"], n["b"], reader], extra=1, parts=PARTS, dtype=torch.float32, device=CPU)
     pool = batch.ctx.pool
     assert pool is not None and pool.used == block.tokens == 2 and list(pool.slots) == [block.id]

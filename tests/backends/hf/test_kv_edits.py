@@ -8,7 +8,9 @@ import torch
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.batch import Batch
 from branchwise.backends.hf.hooks import KVEdits
-from branchwise.backends.hf.tree import KVTree, Ledger, Segment
+from branchwise.backends.hf.ledger import Ledger
+from branchwise.backends.hf.segment import Segment
+from branchwise.backends.hf.tree import KVTree
 
 
 def _fill(tree: KVTree, seg: Segment, backend: HFBackend, start: float) -> None:

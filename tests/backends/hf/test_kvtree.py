@@ -12,7 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from branchwise.backends.hf.tree import KVTree, Ledger, Segment, splittable
+from branchwise.backends.hf.ledger import Ledger
+from branchwise.backends.hf.prefix_cache import PrefixCache
+from branchwise.backends.hf.segment import Segment, splittable
+from branchwise.backends.hf.tree import KVTree
 
 LAYERS, HEADS, DIM = 2, 2, 3
 SLOT_BYTES = 2 * LAYERS * HEADS * DIM * 4  # keys + values, float32, per token
@@ -43,7 +46,7 @@ def _slots(seg: Segment) -> list[int]:
 
 
 def _cached_tree(budget: int = 1 << 20) -> tuple[KVTree, Ledger]:
-    tree = KVTree(cache_budget=budget)
+    tree = KVTree(prefix=PrefixCache(budget=budget))
     return tree, Ledger()
 
 
@@ -55,11 +58,11 @@ def _cached_tree(budget: int = 1 << 20) -> tuple[KVTree, Ledger]:
 def test_a_released_exact_node_moves_to_the_cache_ledger_without_its_pending_token() -> None:
     tree, run = _cached_tree()
     root = _node(tree, None, [1, 2, 3, 4], run, pending=1)
-    assert (run.held, tree.total.held, run.nodes) == (3 * SLOT_BYTES, 3 * SLOT_BYTES, 1)
+    assert (run.held, tree.accounts.total.held, run.nodes) == (3 * SLOT_BYTES, 3 * SLOT_BYTES, 1)
     assert tree.release(root.id) == []  # kept, not freed
-    assert root.cached and root.tokens == [1, 2, 3] and tree.cache_roots == {root.id: root}
-    assert (run.held, run.nodes, tree.total.held, tree.total.nodes) == (0, 0, 0, 0)
-    assert (tree.cache.held, tree.cache.nodes) == (3 * SLOT_BYTES, 1)
+    assert root.cached and root.tokens == [1, 2, 3] and tree.prefix.roots == {root.id: root}
+    assert (run.held, run.nodes, tree.accounts.total.held, tree.accounts.total.nodes) == (0, 0, 0, 0)
+    assert (tree.accounts.cache.held, tree.accounts.cache.nodes) == (3 * SLOT_BYTES, 1)
     assert run.peak == 3 * SLOT_BYTES  # a run's peak survives the hand-over
     assert root.id in tree and len(tree) == 1
     with pytest.raises(KeyError):
@@ -78,8 +81,8 @@ def test_what_the_cache_refuses_is_freed_at_once() -> None:
     assert [s.id for s in tree.release(inexact.id)] == [inexact.id]
     assert [s.id for s in tree.release(nothing.id)] == [nothing.id]
     assert [s.id for s in tree.release(copy.id)] == [copy.id]
-    assert tree.release(prompt.id) == [] and list(tree.cache_roots) == [prompt.id]
-    assert tree.cache.held == 2 * SLOT_BYTES and run.held == 0 and len(tree) == 1
+    assert tree.release(prompt.id) == [] and list(tree.prefix.roots) == [prompt.id]
+    assert tree.accounts.cache.held == 2 * SLOT_BYTES and run.held == 0 and len(tree) == 1
 
 
 def test_a_child_under_an_inexact_chain_is_not_kept() -> None:
@@ -89,7 +92,7 @@ def test_a_child_under_an_inexact_chain_is_not_kept() -> None:
     kid = _node(tree, root, [3], run)
     tree.release(root.id)
     assert {s.id for s in tree.release(kid.id)} == {kid.id, root.id}
-    assert tree.cache.held == 0 and len(tree) == 0 and tree.total.held == 0
+    assert tree.accounts.cache.held == 0 and len(tree) == 0 and tree.accounts.total.held == 0
 
 
 def test_cache_off_frees_released_nodes_as_before() -> None:
@@ -97,7 +100,7 @@ def test_cache_off_frees_released_nodes_as_before() -> None:
     root = _node(tree, None, [1, 2, 3], run)
     assert [s.id for s in tree.release(root.id)] == [root.id]
     assert tree.match([1, 2, 3, 4]) == (None, 0)
-    assert len(tree) == 0 and tree.cache.held == 0
+    assert len(tree) == 0 and tree.accounts.cache.held == 0
 
 
 def test_cached_children_keep_their_released_parent_in_the_cache_with_them() -> None:
@@ -108,8 +111,13 @@ def test_cached_children_keep_their_released_parent_in_the_cache_with_them() -> 
     assert not root.cached
     assert tree.release(kid.id) == []
     assert root.cached and kid.cached and root.cache_kids == {kid.id: kid}
-    assert tree.cache_roots == {root.id: root} and kid.tokens == [3]
-    assert (tree.cache.nodes, tree.cache.held, tree.total.held, run.held) == (2, 3 * SLOT_BYTES, 0, 0)
+    assert tree.prefix.roots == {root.id: root} and kid.tokens == [3]
+    assert (tree.accounts.cache.nodes, tree.accounts.cache.held, tree.accounts.total.held, run.held) == (
+        2,
+        3 * SLOT_BYTES,
+        0,
+        0,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,13 +161,15 @@ def test_match_leaves_the_last_token_to_compute() -> None:
 def test_a_match_inside_a_cached_node_splits_it_and_the_head_takes_its_index_place() -> None:
     tree, run = _cached_tree()
     root, a, b = _conversation(tree, run)
-    bytes_before = tree.cache.held
+    bytes_before = tree.accounts.cache.held
     head, k = tree.match([1, 2, 3, 5, 8, 8])
     assert k == 4 and head.tokens == [3, 5] and _slots(head) == [3, 5]
     assert head.cached and head.parent is root and root.cache_kids == {a.id: a, head.id: head}
     assert b.parent is head and head.cache_kids == {b.id: b} and b.tokens == [6] and _slots(b) == [6]
     assert tree.path_tokens(b) == [1, 2, 3, 5, 6]
-    assert tree.cache.held == bytes_before and tree.cache.nodes == 4  # same bytes, one more node
+    assert (
+        tree.accounts.cache.held == bytes_before and tree.accounts.cache.nodes == 4
+    )  # same bytes, one more node
     assert root.live_children == 2 and head.live_children == 1
     assert tree.match([1, 2, 3, 5, 6, 0]) == (b, 5)  # the split path still matches whole
 
@@ -170,12 +180,17 @@ def test_a_request_under_a_match_pins_its_path_until_released() -> None:
     node, k = tree.match([1, 2, 3, 5, 6, 7])
     assert (node, k) == (b, 5)
     req = _node(tree, node, [7], Ledger(), pending=1)  # the new request's node: a live child
-    tree.cache_budget = 0
+    tree.prefix.budget = 0
     assert tree.trim() == 1  # only `a`, the one leaf nothing reads
     assert a.id not in tree and {root.id, b.id} <= {s.id for s in tree.segments()}
-    assert tree.cache.held == 5 * SLOT_BYTES  # the pinned path stays, over the budget
+    assert tree.accounts.cache.held == 5 * SLOT_BYTES  # the pinned path stays, over the budget
     tree.release(req.id)  # nothing computed: freed, the pins go, and the cache trims later
-    assert tree.trim() == 2 and len(tree) == 0 and tree.cache.held == 0 and tree.cache.nodes == 0
+    assert (
+        tree.trim() == 2
+        and len(tree) == 0
+        and tree.accounts.cache.held == 0
+        and tree.accounts.cache.nodes == 0
+    )
 
 
 def test_match_ignores_inexact_cached_nodes() -> None:
@@ -197,10 +212,10 @@ def test_trim_evicts_least_recently_used_leaves_first() -> None:
     for seg in (a, b, c):
         tree.release(seg.id)  # cached in this order: a is the oldest
     assert tree.match([1, 1, 9]) == (a, 2)  # reading a makes it the most recent
-    tree.cache_budget = 2 * SLOT_BYTES  # room for one node
+    tree.prefix.budget = 2 * SLOT_BYTES  # room for one node
     assert tree.trim() == 2
-    assert list(tree.cache_roots) == [a.id] and tree.evictions == 2
-    assert tree.cache.held == 2 * SLOT_BYTES and tree.cache.nodes == 1
+    assert list(tree.prefix.roots) == [a.id] and tree.prefix.evictions == 2
+    assert tree.accounts.cache.held == 2 * SLOT_BYTES and tree.accounts.cache.nodes == 1
 
 
 def test_eviction_passes_over_live_nodes_and_its_index_follows_splits_and_drops() -> None:
@@ -216,9 +231,9 @@ def test_eviction_passes_over_live_nodes_and_its_index_follows_splits_and_drops(
     def cached() -> set[int]:
         return {s.id for s in tree.segments() if s.cached}
 
-    assert set(tree._cached) == cached() == {head.id, a.id}
-    tree.cache_budget = 0
-    assert tree.trim() == 2 and tree._cached == {} and cached() == set()
+    assert set(tree.prefix._cached) == cached() == {head.id, a.id}
+    tree.prefix.budget = 0
+    assert tree.trim() == 2 and tree.prefix._cached == {} and cached() == set()
     assert all(seg.id in tree and not seg.cached for seg in live)
 
 
@@ -230,10 +245,10 @@ def test_a_parent_is_evicted_only_once_it_became_a_leaf() -> None:
     tree.release(root.id)
     tree.match([1, 2, 9])  # the parent is more recent than its child, yet the child goes first
     assert root.last_used > kid.last_used
-    tree.cache_budget = 2 * SLOT_BYTES
+    tree.prefix.budget = 2 * SLOT_BYTES
     assert tree.trim() == 1 and kid.id not in tree and root.cache_kids == {} and root.live_children == 0
-    assert tree.trim(limit=0) == 1 and len(tree) == 0 and tree.cache.held == 0
-    assert tree.evictions == 2
+    assert tree.trim(limit=0) == 1 and len(tree) == 0 and tree.accounts.cache.held == 0
+    assert tree.prefix.evictions == 2
 
 
 def test_growing_a_live_node_drops_the_cached_children_it_invalidates() -> None:
@@ -243,8 +258,8 @@ def test_growing_a_live_node_drops_the_cached_children_it_invalidates() -> None:
     tree.release(kid.id)
     assert kid.cached and parent.cache_kids == {kid.id: kid} and parent.live_children == 1
     assert tree.growable(parent.id) is parent  # no ValueError: a cached child does not freeze it
-    assert kid.id not in tree and parent.live_children == 0 and tree.evictions == 1
-    assert tree.cache.held == 0 and run.held == 2 * SLOT_BYTES
+    assert kid.id not in tree and parent.live_children == 0 and tree.prefix.evictions == 1
+    assert tree.accounts.cache.held == 0 and run.held == 2 * SLOT_BYTES
 
 
 def test_a_live_child_still_freezes_a_node_with_cached_children() -> None:
@@ -255,7 +270,7 @@ def test_a_live_child_still_freezes_a_node_with_cached_children() -> None:
     tree.release(kid.id)
     with pytest.raises(ValueError, match="frozen"):
         tree.growable(parent.id)
-    assert kid.cached and tree.evictions == 0 and live.live_children == 0
+    assert kid.cached and tree.prefix.evictions == 0 and live.live_children == 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,7 +292,12 @@ def test_a_split_head_lives_exactly_as_long_as_something_below_it() -> None:
     assert {s.id for s in tree.release(old_child.id)} == {old_child.id, root.id}
     assert head.id in tree and head.live_children == 1
     assert {s.id for s in tree.release(fork.id)} == {fork.id, head.id}
-    assert len(tree) == 0 and (run.held, run.nodes, tree.total.held, tree.total.nodes) == (0, 0, 0, 0)
+    assert len(tree) == 0 and (run.held, run.nodes, tree.accounts.total.held, tree.accounts.total.nodes) == (
+        0,
+        0,
+        0,
+        0,
+    )
 
 
 def test_an_adopted_child_keeps_its_logical_parent_frozen_and_alive() -> None:
@@ -311,20 +331,20 @@ def test_shared_blocks_are_counted_once_and_freed_with_their_last_reader() -> No
     src = _node(tree, None, [1, 2, 3, 4, 5], run)
     held = run.held
     block = tree.seal_own(src, slot=1, logical=1, n=3)
-    assert run.held == held and tree.total.held == held  # bytes moved into the block, not copied
+    assert run.held == held and tree.accounts.total.held == held  # bytes moved into the block, not copied
     assert src.kv_tokens == 2 and _slots(src) == [1, 5] and block.tokens == 3
     assert [int(v) for v in block.keys[0][0, :, 0].tolist()] == [2, 3, 4]
-    assert block.refs == 1 and tree.blocks_live == 1 and not src.exact and not splittable(src)
+    assert block.refs == 1 and tree.blocks.live == 1 and not src.exact and not splittable(src)
     other = Ledger()
     reader = _node(tree, None, [7, 2, 3, 4], other)
-    tree.ref_block(reader, 1, block)
+    tree.blocks.ref(reader, 1, block)
     assert block.refs == 2 and other.held == 4 * SLOT_BYTES  # the reader pays nothing for the block
     tree.release(src.id)
-    assert block.refs == 1 and tree.blocks_live == 1 and block.keys  # still read
+    assert block.refs == 1 and tree.blocks.live == 1 and block.keys  # still read
     assert run.held == 3 * SLOT_BYTES  # its sealer keeps paying while anyone reads it
     tree.release(reader.id)
-    assert block.refs == 0 and tree.blocks_live == 0 and block.keys == []
-    assert run.held == 0 and other.held == 0 and tree.total.held == 0
+    assert block.refs == 0 and tree.blocks.live == 0 and block.keys == []
+    assert run.held == 0 and other.held == 0 and tree.accounts.total.held == 0
 
 
 def test_a_node_with_blocks_is_neither_cached_nor_split() -> None:
@@ -337,7 +357,7 @@ def test_a_node_with_blocks_is_neither_cached_nor_split() -> None:
     with pytest.raises(RuntimeError, match="shared by blocks"):
         tree.prefix_node(kid, 4)
     assert [s.id for s in tree.release(kid.id)] == [kid.id]
-    assert list(tree.cache_roots) == [] and tree.blocks_live == 0
+    assert list(tree.prefix.roots) == [] and tree.blocks.live == 0
 
 
 def test_an_evicted_node_shares_only_up_to_its_start() -> None:
@@ -358,7 +378,7 @@ def test_an_evicted_node_shares_only_up_to_its_start() -> None:
 
 
 def test_every_byte_is_in_exactly_one_of_a_run_and_the_cache() -> None:
-    tree = KVTree(cache_budget=1 << 20)
+    tree = KVTree(prefix=PrefixCache(budget=1 << 20))
     runs = [Ledger(), Ledger()]
     prompt = _node(tree, None, [1, 2, 3], runs[0])
     kids = [_node(tree, prompt, [4 + i, 9], runs[i], pending=1) for i in range(2)]
@@ -366,9 +386,9 @@ def test_every_byte_is_in_exactly_one_of_a_run_and_the_cache() -> None:
     def check() -> None:
         live = sum(s.kv_bytes for s in tree.segments() if not s.cached)
         cached = sum(s.kv_bytes for s in tree.segments() if s.cached)
-        assert tree.total.held == live == sum(r.held for r in runs)
-        assert tree.cache.held == cached
-        assert tree.total.nodes + tree.cache.nodes == len(tree)
+        assert tree.accounts.total.held == live == sum(r.held for r in runs)
+        assert tree.accounts.cache.held == cached
+        assert tree.accounts.total.nodes + tree.accounts.cache.nodes == len(tree)
 
     check()
     tree.release(prompt.id)
@@ -379,9 +399,9 @@ def test_every_byte_is_in_exactly_one_of_a_run_and_the_cache() -> None:
     check()
     tree.release(kids[1].id)
     check()
-    assert tree.total.held == 0 and tree.cache.held == 5 * SLOT_BYTES
-    tree.cache_budget = 0
+    assert tree.accounts.total.held == 0 and tree.accounts.cache.held == 5 * SLOT_BYTES
+    tree.prefix.budget = 0
     tree.trim()
     check()
-    assert len(tree) == 0 and tree.cache.nodes == 0 and tree.total.nodes == 0
+    assert len(tree) == 0 and tree.accounts.cache.nodes == 0 and tree.accounts.total.nodes == 0
     assert runs[0].peak == 4 * SLOT_BYTES and runs[1].peak == SLOT_BYTES

@@ -15,8 +15,10 @@ import torch
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, ASKSConfig, RSBCMConfig, SkipKVConfig
 from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.ledger import Ledger
+from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.session import Session
-from branchwise.backends.hf.tree import KVTree, Ledger, Segment
+from branchwise.backends.hf.tree import KVTree
 
 PROMPT = "Count: one two three four five six seven."
 OTHER = " Then eight nine ten, and what comes next?"
@@ -110,5 +112,5 @@ def test_shareable_prefix_stops_before_a_lossy_segment() -> None:
     assert k == 2 and head.tokens == [1, 2] and root.parent is head
     assert tree.shareable_prefix(mid, 5) == (root, 4)  # root now holds [3, 4] under the head
     lossy_root = node(None, [1, 2, 3])
-    tree.ref_block(lossy_root, 0, tree.seal_block([torch.zeros(1, 2, 2)], [torch.zeros(1, 2, 2)], run))
+    tree.blocks.ref(lossy_root, 0, tree.blocks.seal([torch.zeros(1, 2, 2)], [torch.zeros(1, 2, 2)], run))
     assert tree.shareable_prefix(lossy_root, 2) == (None, 0)

@@ -90,9 +90,9 @@ def test_the_prefix_cache_yields_before_rows_are_preempted(tiny_llama_dir: Path)
     cached = backend.kv_stats().cache_bytes
     ids = backend.encode("Another question entirely, with its own words.")
     backend.kv_budget = cached // 2 + (len(ids) + 4 * 8) * tb * 2
-    evicted = backend.tree.evictions
+    evicted = backend.tree.prefix.evictions
     decode(backend, ids, 4, 8)
-    assert backend.tree.evictions > evicted and backend.kv_stats().preemptions == 0
+    assert backend.tree.prefix.evictions > evicted and backend.kv_stats().preemptions == 0
 
 
 def test_context_window_is_checked_before_any_work(tiny_llama_dir: Path) -> None:

@@ -13,7 +13,10 @@ import torch
 from branchwise.backends.accel import Accel, RSBCMConfig
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.tree import KVTree, Ledger, Segment
+from branchwise.backends.hf.ledger import Ledger
+from branchwise.backends.hf.prefix_cache import PrefixCache
+from branchwise.backends.hf.segment import Segment
+from branchwise.backends.hf.tree import KVTree
 
 GREEDY = DecodeParams(max_tokens=6, min_tokens=6)
 BASE = "Question: How many apples are left? Let's think step by step about the problem. " * 2
@@ -37,8 +40,8 @@ def cached_segments(backend: HFBackend) -> list[Segment]:
 
 def check_ledgers(backend: HFBackend) -> None:
     tree = backend.tree
-    assert tree.cache.held == sum(s.kv_bytes for s in cached_segments(backend))
-    assert tree.total.held == sum(s.kv_bytes for s in tree.segments() if not s.cached)
+    assert tree.accounts.cache.held == sum(s.kv_bytes for s in cached_segments(backend))
+    assert tree.accounts.total.held == sum(s.kv_bytes for s in tree.segments() if not s.cached)
 
 
 def test_greedy_tokens_equal_with_and_without_the_cache(tiny_arch_dir: Path) -> None:
@@ -81,7 +84,7 @@ def test_cache_off_behaves_as_today(tiny_llama_dir: Path) -> None:
         _, stats = request(backend, ids)
         assert stats["tokens_computed"] == len(ids) + GREEDY.max_tokens - 1
         assert stats["cache_hit_tokens"] == stats["cache_miss_tokens"] == stats["cache_evictions"] == 0
-        assert len(backend.tree) == 0 and backend.tree.cache.held == 0
+        assert len(backend.tree) == 0 and backend.tree.accounts.cache.held == 0
 
 
 def test_a_live_branch_pins_what_it_reads(tiny_llama_dir: Path) -> None:
@@ -95,12 +98,12 @@ def test_a_live_branch_pins_what_it_reads(tiny_llama_dir: Path) -> None:
     pinned = [s for s in backend.tree.get(root).kv_ancestors()]
     backend.cache_bytes = 1  # everything unpinned must go; the matched path must stay
     assert all(s.id in backend.tree for s in pinned) and all(s.cached for s in pinned)
-    assert backend.tree.cache.held == sum(s.kv_bytes for s in pinned) > 1
+    assert backend.tree.accounts.cache.held == sum(s.kv_bytes for s in pinned) > 1
     kids = run.fork(root, 2)
     assert [g.token_ids for g in run.extend(kids, GREEDY)] == request(plain, [*base, 5, 6, 7], n=2)[0]
     run.release([*kids, root])
     assert run.kv_stats().cache_evictions > 0  # the pins went; the cache came back to its budget
-    assert backend.tree.cache.held <= 1 and len(backend.tree) == 0
+    assert backend.tree.accounts.cache.held <= 1 and len(backend.tree) == 0
     check_ledgers(backend)
 
 
@@ -116,18 +119,18 @@ def test_lru_evicts_least_recently_used_leaves_first(tiny_llama_dir: Path) -> No
     tail = backend.encode(" Therefore, so")
     for ids in (a, b, c, a + tail):  # the last one touches a and leaves its tail below a
         prompt_only(ids)
-    roots = backend.tree.cache_roots
+    roots = backend.tree.prefix.roots
     assert sorted(s.tokens for s in roots.values()) == sorted([a, b, c])
     order = []
-    while backend.tree.cache.held:
+    while backend.tree.accounts.cache.held:
         before = {s.id: s for s in cached_segments(backend)}
-        backend.cache_bytes = backend.tree.cache.held - 1
+        backend.cache_bytes = backend.tree.accounts.cache.held - 1
         gone = [s for i, s in before.items() if i not in backend.tree]
-        assert len(gone) == 1 and backend.tree.cache.held <= backend.cache_bytes
+        assert len(gone) == 1 and backend.tree.accounts.cache.held <= backend.cache_bytes
         check_ledgers(backend)
         order.append(gone[0].tokens)
     assert order == [b, c, tail, a]  # b and c were used before a; a's tail is a leaf before a
-    assert backend.tree.evictions == 4 and len(backend.tree) == 0
+    assert backend.tree.prefix.evictions == 4 and len(backend.tree) == 0
 
 
 def test_stats_report_hits_misses_and_evictions(tiny_llama_dir: Path) -> None:
@@ -138,7 +141,7 @@ def test_stats_report_hits_misses_and_evictions(tiny_llama_dir: Path) -> None:
     assert (first["cache_hit_tokens"], first["cache_miss_tokens"]) == (0, len(ids))
     assert (again["cache_hit_tokens"], again["cache_miss_tokens"]) == (len(ids) - 1, 1)
     assert again["tokens_computed"] == 1 + GREEDY.max_tokens - 1
-    backend.cache_bytes = backend.tree.cache.held  # full: the next request must evict
+    backend.cache_bytes = backend.tree.accounts.cache.held  # full: the next request must evict
     _, third = request(backend, backend.encode("The quick brown fox"))
     assert third["cache_evictions"] > 0 and third["cache_bytes"] <= backend.cache_bytes
 
@@ -149,17 +152,17 @@ def test_inexact_kv_never_enters_the_cache(tiny_llama_dir: Path) -> None:
     ids = backend.encode(BASE)
     accel = Accel(rsbcm=RSBCMConfig(capacity_blocks=2, block_tokens=4))
     _, stats = request(backend, ids, accel=accel)
-    assert backend.tree.cache.held == 0 and stats["cache_hit_tokens"] == 0
+    assert backend.tree.accounts.cache.held == 0 and stats["cache_hit_tokens"] == 0
     request(backend, ids)  # a plain run fills the cache ...
     _, stats = request(backend, ids, accel=accel)
     assert stats["cache_hit_tokens"] == 0  # ... which an inexact run does not read
     assert request(backend, ids)[0] == request(plain, ids)[0]
-    tree = KVTree(cache_budget=1 << 20)
+    tree = KVTree(prefix=PrefixCache(budget=1 << 20))
     seg = tree.add(None, False, [1, 2, 3], Ledger())
     tree.set_kv(seg, [torch.zeros(1, 3, 2)], [torch.zeros(1, 3, 2)])
     seg.n_computed = 3
     tree.keep_kv(seg, torch.tensor([True, False, True]))
-    assert tree.release(seg.id) == [seg] and tree.cache.held == 0
+    assert tree.release(seg.id) == [seg] and tree.accounts.cache.held == 0
 
 
 def test_growing_a_node_drops_its_cached_children(tiny_llama_dir: Path) -> None:
@@ -196,7 +199,7 @@ def test_concurrent_sessions_share_the_cache_safely(tiny_llama_dir: Path) -> Non
     with ThreadPoolExecutor(max_workers=4) as pool:
         concurrent = list(pool.map(lambda p: conversation(backend, p), prompts))
     assert concurrent == serial
-    assert backend.kv_stats().bytes_held == 0 and backend.tree.cache.held > 0
+    assert backend.kv_stats().bytes_held == 0 and backend.tree.accounts.cache.held > 0
     check_ledgers(backend)
 
 

@@ -13,6 +13,7 @@ from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.attention import SharedSegment, fused_attention, fused_cascade
 from branchwise.backends.hf.batch import BlockPool
+from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.reasoncache import ReasonCache, StepBoundaries
 from branchwise.backends.hf.reasoncache_filter import (
     BlockNorms,
@@ -24,7 +25,7 @@ from branchwise.backends.hf.reasoncache_filter import (
     structurally_equal,
     tree_edit_distance,
 )
-from branchwise.backends.hf.tree import KVTree, Ledger
+from branchwise.backends.hf.tree import KVTree
 
 # ---------------------------------------------------------------------------------------------- tree
 
@@ -42,25 +43,25 @@ def test_block_is_freed_exactly_when_its_last_reference_goes() -> None:
     run = Ledger()
     a = tree.add(None, False, [1, 2, 3, 4], run)
     b = tree.add(None, False, [1, 2, 3, 4], run)
-    block = tree.seal_block(*_kv(), run)
+    block = tree.blocks.seal(*_kv(), run)
     nbytes = block.nbytes
-    assert run.held == nbytes and tree.total.held == nbytes and tree.blocks_live == 1
-    tree.ref_block(a, 0, block)
-    tree.ref_block(b, 0, block)
+    assert run.held == nbytes and tree.accounts.total.held == nbytes and tree.blocks.live == 1
+    tree.blocks.ref(a, 0, block)
+    tree.blocks.ref(b, 0, block)
     assert block.refs == 2 and not a.exact
     tree.release(a.id)
-    assert block.refs == 1 and block.keys and run.held == nbytes and tree.blocks_live == 1
+    assert block.refs == 1 and block.keys and run.held == nbytes and tree.blocks.live == 1
     tree.release(b.id)
-    assert block.refs == 0 and not block.keys and run.held == 0 and tree.total.held == 0
-    assert tree.blocks_live == 0
+    assert block.refs == 0 and not block.keys and run.held == 0 and tree.accounts.total.held == 0
+    assert tree.blocks.live == 0
 
 
 def test_ref_count_never_goes_negative() -> None:
     tree = KVTree()
     run = Ledger()
     a = tree.add(None, False, [1], run)
-    block = tree.seal_block(*_kv(), run)
-    tree.ref_block(a, 0, block)
+    block = tree.blocks.seal(*_kv(), run)
+    tree.blocks.ref(a, 0, block)
     a.blocks.append((4, block))  # a corrupt table: the block is listed twice but counted once
     with pytest.raises(AssertionError, match="lost more references"):
         tree.release(a.id)
@@ -75,11 +76,11 @@ def test_seal_own_moves_a_nodes_slots_into_a_block_it_references() -> None:
     seg.n_computed = 6
     held = run.held
     block = tree.seal_own(seg, 2, 2, 3)
-    assert run.held == held and tree.total.held == held  # moved, not copied
+    assert run.held == held and tree.accounts.total.held == held  # moved, not copied
     assert seg.kv_tokens == 3 and seg.blocks == [(2, block)] and block.refs == 1
     assert torch.equal(block.keys[1], keys[1][:, 2:5]) and torch.equal(seg.values[0][:, 2:], values[0][:, 5:])
     tree.release(seg.id)
-    assert run.held == 0 and tree.blocks_live == 0
+    assert run.held == 0 and tree.blocks.live == 0
 
 
 def test_a_node_with_shared_blocks_is_never_split() -> None:
@@ -89,7 +90,7 @@ def test_a_node_with_shared_blocks_is_never_split() -> None:
     keys, values = _kv(tokens=4)
     tree.set_kv(seg, keys, values)
     seg.n_computed = 8
-    tree.ref_block(seg, 4, tree.seal_block(*_kv(seed=1), run))
+    tree.blocks.ref(seg, 4, tree.blocks.seal(*_kv(seed=1), run))
     with pytest.raises(RuntimeError, match="shared by blocks"):
         tree.prefix_node(seg, 2)
 
@@ -231,7 +232,7 @@ def test_forced_reuse_of_identical_blocks_keeps_greedy_logits(backend: HFBackend
     assert 0 < stats["reasoncache_amsr"] < 1
     dense.release([*d_kids, d_root])
     session.release([*kids, root])
-    assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks_live == 0
+    assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks.live == 0
 
 
 def test_shared_prefix_blocks_are_never_rewritten(backend: HFBackend) -> None:
@@ -250,7 +251,7 @@ def test_shared_prefix_blocks_are_never_rewritten(backend: HFBackend) -> None:
     grand = session.fork(kids[0], 2)
     session.extend(grand, DecodeParams(max_tokens=4, temperature=0.0))
     session.release(grand + kids + [root])
-    assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks_live == 0
+    assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks.live == 0
 
 
 def test_an_earlier_tree_step_is_a_source_and_its_readers_see_the_same_kv(backend: HFBackend) -> None:
@@ -273,7 +274,7 @@ def test_an_earlier_tree_step_is_a_source_and_its_readers_see_the_same_kv(backen
     after = session.score_next([kids[0]], probe, [1, 2, 3])
     torch.testing.assert_close(torch.tensor(after), torch.tensor(before), atol=1e-5, rtol=1e-5)
     session.release(grand + kids + [root])
-    assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks_live == 0
+    assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks.live == 0
 
 
 @pytest.mark.parametrize("other", [{"rsbcm": RSBCMConfig()}, {"skipkv": SkipKVConfig(budget=64)}])

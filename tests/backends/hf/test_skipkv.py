@@ -130,7 +130,7 @@ def test_steering_changes_the_residual_only_at_delimiters(tiny_llama_dir) -> Non
     hook = parts.layers[layer].register_forward_pre_hook(lambda _m, args: captured.append(args[0].clone()))
     try:
         for steer in (None, Steering(layer, vector, delims, torch.tensor([1.5], device=backend.device))):
-            seg = backend.tree.add(None, False, list(ids), backend.tree.total)
+            seg = backend.tree.add(None, False, list(ids), backend.tree.accounts.total)
             batch = Batch.assemble([seg], 0, parts, backend.dtype, backend.device)
             backend.engine.runner.forward(batch.ctx, [ids], [] if steer is None else [steer])
             backend.tree.release(seg.id)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from branchwise.backends.hf.tree import KVTree, Ledger, common_prefix, common_suffix
+from branchwise.backends.hf.ledger import Ledger
+from branchwise.backends.hf.segment import common_prefix, common_suffix
+from branchwise.backends.hf.tree import KVTree
 
 
 def _kv(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -27,7 +29,7 @@ def test_children_freeze_and_free_their_parent() -> None:
     assert tree.release(root.id) == []  # still read by its children
     assert [s.id for s in tree.release(a.id)] == [a.id]
     assert {s.id for s in tree.release(b.id)} == {b.id, root.id}
-    assert len(tree) == 0 and run.held == 0 and run.nodes == 0 and tree.total.held == 0
+    assert len(tree) == 0 and run.held == 0 and run.nodes == 0 and tree.accounts.total.held == 0
     with pytest.raises(KeyError):
         tree.release(root.id)
 
@@ -57,9 +59,9 @@ def test_ledgers_count_per_owner_and_in_total() -> None:
     y = tree.add(None, False, [1, 2], b)
     tree.set_kv(x, *_kv(1))
     tree.set_kv(y, *_kv(2))
-    assert a.held * 2 == b.held and tree.total.held == a.held + b.held
-    assert (a.nodes, b.nodes, tree.total.nodes) == (1, 1, 2)
-    tree.note_transient(a, 100)
+    assert a.held * 2 == b.held and tree.accounts.total.held == a.held + b.held
+    assert (a.nodes, b.nodes, tree.accounts.total.nodes) == (1, 1, 2)
+    tree.accounts.note_transient(a, 100)
     assert a.peak == a.held + 100 and b.peak == b.held
     tree.keep_kv(y, torch.tensor([True, False]))
     assert b.held == a.held and b.peak == 2 * a.held

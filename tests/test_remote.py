@@ -647,16 +647,16 @@ def test_tool_votes_over_a_remote_backend_equal_the_local_ones(served: str, tiny
 
 
 def test_constraints_in_vllms_structured_outputs_field() -> None:
-    from branchwise.backends.remote import _structured_outputs
+    from branchwise.backends.remote_wire import structured_outputs
     from branchwise.constraints import Constraint
 
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
-    assert _structured_outputs(Constraint.of_json_schema(schema)) == {"json": schema}
-    assert _structured_outputs(Constraint.of_json_object()) == {"json_object": True}
-    assert _structured_outputs(Constraint.of_regex("[ab]+")) == {"regex": "[ab]+"}
-    assert _structured_outputs(Constraint.of_choice(["a", "b"])) == {"choice": ["a", "b"]}
+    assert structured_outputs(Constraint.of_json_schema(schema)) == {"json": schema}
+    assert structured_outputs(Constraint.of_json_object()) == {"json_object": True}
+    assert structured_outputs(Constraint.of_regex("[ab]+")) == {"regex": "[ab]+"}
+    assert structured_outputs(Constraint.of_choice(["a", "b"])) == {"choice": ["a", "b"]}
     tools = [{"type": "function", "function": {"name": "add", "parameters": schema}}]
-    tag = json.loads(_structured_outputs(Constraint.of_tools(tools, "required"))["structural_tag"])
+    tag = json.loads(structured_outputs(Constraint.of_tools(tools, "required"))["structural_tag"])
     assert tag["type"] == "structural_tag" and "add" in json.dumps(tag)
 
 

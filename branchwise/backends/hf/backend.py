@@ -42,12 +42,13 @@ from branchwise.backends.hf.arch import decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
+from branchwise.backends.hf.engine import Engine, check_broadcast
 from branchwise.backends.hf.hooks import Acceleration
 from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
 from branchwise.backends.hf.prepack import Prepacked
 from branchwise.backends.hf.prepack import prepack as pack_weights
-from branchwise.backends.hf.session import Engine, Session, check_broadcast
+from branchwise.backends.hf.session import Session
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)

@@ -289,7 +289,7 @@ class Acceleration:
     needs_cascade: bool = False
     """Whether the plug-in needs `broadcast="cascade"`: it reads attention per shared segment, which
     the per-row copies of `broadcast="copy"` do not have. Checked when a session is built
-    (`session.check_broadcast`), so the combination fails at construction, not mid-run."""
+    (`engine.check_broadcast`), so the combination fails at construction, not mid-run."""
 
     @classmethod
     def build(cls, cfg: Any, setup: Setup) -> Acceleration:

@@ -41,7 +41,7 @@ from branchwise.backends.hf.decode import DecodeRun
 from branchwise.backends.hf.segment import Segment
 
 if TYPE_CHECKING:
-    from branchwise.backends.hf.session import Session
+    from branchwise.backends.hf.compute import Computation
 
 __all__ = ["Intake", "pending_work"]
 
@@ -64,17 +64,17 @@ def pending_work(seg: Segment) -> int:
 class Intake:
     """The step-boundary policy of one `extend` call (see the module docstring)."""
 
-    def __init__(self, session: Session, run: DecodeRun, admit: Admit | None) -> None:
-        self.session = session
+    def __init__(self, computation: Computation, run: DecodeRun, admit: Admit | None) -> None:
+        self.computation = computation
         self.run = run
         self.outer = admit
-        self.pool = session.engine.pool
-        self.chunk = session.engine.prefill_chunk if not session.plugins else 0
+        self.pool = computation.engine.pool
+        self.chunk = computation.engine.prefill_chunk if not computation.plugins else 0
         """Prompt tokens computed per step while other rows decode (0: chunked prefill off). A run
         with accelerations computes prompts whole: their hooks observe a prompt's prefill in one
         forward."""
 
-        self.preemptible = not session.plugins
+        self.preemptible = not computation.plugins
         self.prefilling: list[Segment] = []
         self.preempted: list[Segment] = []
         self.ready: list[Segment] = []
@@ -110,13 +110,13 @@ class Intake:
         """Rows the decode loop preempted: free their KV; their tokens become pending."""
         for r in rows:
             seg = r.seg
-            self.session.tree.set_kv(seg, None, None)
+            self.computation.tree.set_kv(seg, None, None)
             seg.n_computed = 0
             seg.last_logits = None
             self.preempted.append(seg)
             self.pool.preemptions += 1
         if rows:
-            self.session.stats.bump("preempted_rows", len(rows))
+            self.computation.stats.bump("preempted_rows", len(rows))
 
     def finish(self) -> None:
         """The call ended: nothing is reserved any more, and the batch's tails are let go at once
@@ -181,7 +181,7 @@ class Intake:
 
     def _cap(self, seg: Segment) -> int:
         """Own KV tokens the row of `seg` may hold at most (its max_tokens, or an eviction's cap)."""
-        return self.session.row_kv_tokens(self.run.params_of(seg).max_tokens)
+        return self.computation.row_kv_tokens(self.run.params_of(seg).max_tokens)
 
     def _take(self, admitted: Sequence[Admitted]) -> None:
         """Number the scheduler's new rows (with their own parameters where given) and sort them
@@ -190,9 +190,9 @@ class Intake:
             return
         nodes = [a if isinstance(a, int) else a[0] for a in admitted]
         own = [None if isinstance(a, int) else a[1] for a in admitted]
-        segs = [self.session.tree.growable(n) for n in nodes]
+        segs = [self.computation.tree.growable(n) for n in nodes]
         self.run.join(segs, params=own if any(p is not None for p in own) else None)
-        self.session.stats.bump("admitted_rows", len(segs))
+        self.computation.stats.bump("admitted_rows", len(segs))
         for seg in segs:
             long = self.chunk and pending_work(seg) > self.chunk
             (self.prefilling if long else self.ready).append(seg)
@@ -202,7 +202,7 @@ class Intake:
         ready."""
         seg = self.prefilling[0]
         top = next(s for s in [*reversed(seg.kv_ancestors()), seg] if s.pending)
-        self.session.compute_part(top, size)
+        self.computation.compute_part(top, size)
         still: list[Segment] = []
         for s in self.prefilling:
             (still if pending_work(s) > self.chunk else self.ready).append(s)

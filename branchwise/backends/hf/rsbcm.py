@@ -143,7 +143,7 @@ class RSBCM(Acceleration):
 
     def on_batch(self, batch: Batch) -> None:
         if batch.broadcast == "copy":
-            # a backstop: `session.check_broadcast` refuses this when the session is built
+            # a backstop: `engine.check_broadcast` refuses this when the session is built
             raise ValueError("RSBCM needs broadcast='cascade' (block masses are kept per shared segment)")
         ancestors = {a.id: a for r in batch.rows for a in r.seg.kv_ancestors()}
         tracked = {s.key for s in batch.ctx.shared if self._evictable(ancestors[s.key])}

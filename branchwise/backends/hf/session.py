@@ -8,28 +8,26 @@ ledger of the bytes its nodes hold; the backend's lock serialises the operations
 never see each other half-way. Expensive builds (River's quantized layers, steering vectors,
 calibrations) live in the backend's build cache, not here, so a session is cheap to make.
 
-Data flow of `extend`: the nodes' pending tokens (and any uncomputed ancestors) are computed first
-(`compute`), a `Batch` arranges each row's KV for attention, the runner pushes the batch through the
-layers, and `decode.decode` samples until every row stops; rows' KV goes back into their nodes.
+Data flow of `extend`: the session checks the call (distinct growable nodes, the context window,
+each constraint compiles) and hands the nodes to its `Computation` (`compute.py`): their pending
+tokens (and any uncomputed ancestors) are computed first, a `Batch` arranges each row's KV for
+attention, the runner pushes the batch through the layers, and `decode.decode` samples until every
+row stops; rows' KV goes back into their nodes. What all sessions share is the `Engine`
+(`engine.py`).
 """
 
 from __future__ import annotations
 
-import functools
-import threading
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import (
     Admit,
     DecodeParams,
     Generation,
-    KVBudgetExceeded,
     KVStats,
     NodeId,
     ShareMode,
@@ -37,128 +35,20 @@ from branchwise.backends.base import (
     check_context,
     check_share,
 )
-from branchwise.backends.hf.arch import DecoderParts, kv_bytes_per_token
-from branchwise.backends.hf.batch import Batch, Broadcast, Row
-from branchwise.backends.hf.decode import DecodeRun, decode
-from branchwise.backends.hf.grammar import Grammars
-from branchwise.backends.hf.hooks import Acceleration, Builds, HiddenCapture, KVEdits, overrides
-from branchwise.backends.hf.intake import Intake, alone_chunk
+from branchwise.backends.hf.compute import Computation
+from branchwise.backends.hf.engine import Engine, check_broadcast
+from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, KVEdits, overrides
 from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.plugins import EntropyTrace, build_plugins, layer_trace
-from branchwise.backends.hf.pool import TAIL_SLACK, KVPool
-from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.segment import Segment, common_prefix, common_suffix
-from branchwise.backends.hf.tree import KVTree
 from branchwise.constraints import Constraint
-from branchwise.toolcalls import render_messages, template_has_tools
 
-COPY_TOKENS = 64
-COPY_MIN_SEGMENTS = 8
-"""In a batch reading more than `COPY_MIN_SEGMENTS` ancestors, those whose path holds at most
-`COPY_TOKENS` tokens are read from copies in each row's tail instead of as shared segments (one
-attention call per layer each). Measured on the 2-core CPU: 128 rows of 32 requests with ~50-token
-prompts decode about 10 % faster copied. A batch of few segments keeps them shared (the copies would
-only cost memory there), and a long prefix always stays shared."""
 A = TypeVar("A", bound=Acceleration)
 
 
 def path_length(seg: Segment) -> int:
     """Tokens on a node's path, root to its last (pending included): its context use."""
     return sum(len(a.tokens) for a in seg.kv_ancestors()) + len(seg.tokens)
-
-
-BROADCASTS: tuple[Broadcast, ...] = ("cascade", "copy")
-
-
-def check_broadcast(broadcast: str, plugins: Sequence[Acceleration]) -> None:
-    """Refuse a broadcast mode the run's accelerations cannot work with, naming both fields, when a
-    session is built or the backend's mode changes (rather than at the first batch, mid-run)."""
-    if broadcast not in BROADCASTS:
-        raise ValueError(f"broadcast={broadcast!r} is not one of {BROADCASTS}")
-    needs = [p.name for p in plugins if p.needs_cascade]
-    if needs and broadcast != "cascade":
-        fields = ", ".join(f"accel.{n}" for n in needs)
-        raise ValueError(
-            f"{fields} cannot run with broadcast={broadcast!r}: of the broadcast modes {BROADCASTS} it "
-            "allows only 'cascade' (it reads attention per shared segment, which per-row copies do "
-            f"not have); use broadcast='cascade' or turn {fields} off"
-        )
-
-
-@dataclass
-class Engine:
-    """What every session of one backend shares: the model, the KV tree, the runner, the lock and
-    the build cache."""
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    model_name: str
-    parts: DecoderParts
-    device: torch.device
-    dtype: torch.dtype
-    eos_ids: set[int]
-    pad_id: int
-    broadcast: Broadcast = "cascade"
-    tree: KVTree = field(default_factory=KVTree)
-    lock: threading.RLock = field(default_factory=threading.RLock)
-    builds: Builds = field(default_factory=Builds)
-    runner: Runner = field(init=False)
-    grammars: Grammars = field(init=False)
-    max_context: int | None = field(init=False)
-    """The model's context window in tokens (None where its config does not say)."""
-    pool: KVPool = field(init=False)
-    """Every byte of KV and its budget (`pool.py`)."""
-    prefill_chunk: int = 128
-    """Prompt tokens computed per decode step while other rows decode (0: whole prompts); alone,
-    `intake.ALONE_CHUNK` per forward (`intake.py`)."""
-
-    def __post_init__(self) -> None:
-        self.runner = Runner(self.parts, self.pad_id, self.device)
-        vocab = (
-            int(cast(int, self.parts.head.out_features))
-            if hasattr(self.parts.head, "out_features")
-            else len(self.tokenizer)
-        )
-        self.grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
-        self.pool = KVPool(self.tree, kv_bytes_per_token(self.parts, self.dtype), copy_tokens=COPY_TOKENS)
-        config = self.model.config
-        self.max_context = next(
-            (
-                int(v)
-                for v in (getattr(config, k, None) for k in ("max_position_embeddings", "n_positions"))
-                if isinstance(v, int) and v > 0
-            ),
-            None,
-        )
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
-        return cast(str, text)  # one sequence of ids decodes to one str
-
-    def chat_prompt(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
-    ) -> list[int]:
-        template = getattr(self.tokenizer, "chat_template", None)
-        native = template_has_tools(template)
-        rendered = render_messages(messages, tools, native=native)
-        if not template:
-            return self.encode("\n".join(m["content"] for m in rendered) + "\n")
-        extra: dict[str, Any] = {"tools": list(tools)} if tools and native else {}
-        text = self.tokenizer.apply_chat_template(
-            rendered, add_generation_prompt=True, tokenize=False, **extra
-        )
-        return self.encode(cast(str, text))  # tokenize=False: the rendered text
-
-    def check_ids(self, ids: Sequence[int], name: str) -> list[int]:
-        vocab = self.parts.embed.num_embeddings
-        out = [int(t) for t in ids]
-        bad = [t for t in out if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{name} holds ids outside [0, {vocab}): {bad[:5]}")
-        return out
 
 
 class Session:
@@ -192,10 +82,8 @@ class Session:
                 accel, self, tokenizer=engine.tokenizer, model_name=engine.model_name, builds=engine.builds
             )
         check_broadcast(engine.broadcast, self.plugins)
-        self.exact_kv = not self.plugins
-        """Whether this run's KV is what exact recompute gives. Conservative: any acceleration may
-        approximate or evict KV (River, SkipKV, RSBCM, ASKS), so a run with one neither inserts its
-        nodes into the prefix cache nor matches from it."""
+        self.computation = Computation(engine, self.plugins, self.stats, self.ledger)
+        self.exact_kv = self.computation.exact_kv
 
     # ------------------------------------------------------------------ settings
     def plugin(self, kind: type[A]) -> A | None:
@@ -232,13 +120,8 @@ class Session:
         """Worst-case KV bytes of ``n`` samples of a prompt decoding up to ``max_tokens`` each, under
         this run's accelerations (SkipKV's budget caps what a row keeps)."""
         mode = self.share if share is None else share
-        kept = self.row_kv_tokens(max_tokens)
+        kept = self.computation.row_kv_tokens(max_tokens)
         return self.engine.pool.job_cost(prompt_tokens, n, kept, mode == "exact")
-
-    def row_kv_tokens(self, max_tokens: int) -> int:
-        """Own KV tokens a row of this run holds at most while decoding `max_tokens` (the tightest
-        cap of its accelerations; `KVPool` reserves this much per row)."""
-        return min((p.row_kv_tokens(max_tokens) for p in self.plugins), default=max_tokens)
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:
@@ -417,7 +300,7 @@ class Session:
             ]
             i = max(range(len(segs)), key=lambda k: path_length(segs[k]) + wants[k])
             check_context(path_length(segs[i]), wants[i], self.engine.max_context, f"node {segs[i].id}")
-            return self._run(
+            return self.computation.run(
                 segs, params, on_step=on_step, admit=admit, constraints=constraints, row_params=row_params
             )
 
@@ -455,9 +338,9 @@ class Session:
                 )
                 if observer is None and trace is not None:
                     observer = layer_trace(self.parts, len(segs), cand, self.stats, trace)
-                self._materialize_ancestors(segs)
-                batch = self._assemble(segs, 0)
-                logits = self._forward(batch, batch.feeds, [] if observer is None else [observer])
+                self.computation.materialize_ancestors(segs)
+                batch = self.computation.assemble(segs, 0)
+                logits = self.computation.forward(batch, batch.feeds, [] if observer is None else [observer])
                 probs = torch.softmax(logits.float(), dim=-1)[:, cand]
                 return probs.tolist()
             finally:
@@ -483,10 +366,10 @@ class Session:
                 segs = [self.tree.get(k) for k in kids]
                 for seg in segs:
                     seg.tokens.extend(probe_ids)
-                self._materialize_ancestors(segs)
-                batch = self._assemble(segs, 0)
+                self.computation.materialize_ancestors(segs)
+                batch = self.computation.assemble(segs, 0)
                 capture = HiddenCapture()
-                self._forward(batch, batch.feeds, [capture])
+                self.computation.forward(batch, batch.feeds, [capture])
                 with torch.inference_mode():
                     return self.parts.norm(capture.states[-1]).float().cpu()
             finally:
@@ -523,6 +406,10 @@ class Session:
         """Whether an acceleration (CGEE level 1) says the verify pass is not needed."""
         return any(p.skip_verify(confidences) for p in self.plugins)
 
+    def compute(self, segs: Sequence[Segment], observers: Sequence[Acceleration] = ()) -> None:
+        """Compute the pending tokens of `segs` (ancestors first), watched by `observers` (`Host`)."""
+        self.computation.compute(segs, observers)
+
     # ------------------------------------------------------------------ statistics
     def kv_stats(self) -> KVStats:
         with self.engine.lock:
@@ -548,209 +435,3 @@ class Session:
         with self.engine.lock:
             self.stats.reset()
             self.ledger.peak = self.ledger.held
-
-    # ------------------------------------------------------------------ computation
-    def compute(self, segs: Sequence[Segment], observers: Sequence[Acceleration] = ()) -> None:
-        """Compute the pending tokens of `segs` (ancestors first), watched by `observers`."""
-        self._run(segs, None, observers)
-
-    def compute_part(self, seg: Segment, limit: int) -> None:
-        """Compute the next `limit` pending tokens of `seg` (its ancestors are computed): one chunk
-        of a chunked prefill. Only for runs without accelerations (their hooks see whole prompts)."""
-        self._materialize_ancestors([seg])
-        engine = self.engine
-        batch = Batch.assemble(
-            [seg],
-            0,
-            self.parts,
-            engine.dtype,
-            self.device,
-            engine.broadcast,
-            limit=limit,
-            reserve=engine.pool.reserve_tails,
-        )
-        engine.pool.track(batch.ctx)
-        logits = self._forward(batch, batch.feeds)
-        batch.advance([0], batch.feeds)
-        batch.capture(self.tree, 0, batch.rows[0])
-        seg.last_logits = None if seg.pending else logits[0].detach().clone()
-        self.stats.bump("prefill_chunks")
-
-    def _materialize_ancestors(self, segs: Sequence[Segment]) -> None:
-        """Compute pending tokens of shared ancestors, top-down, batching those at the same depth."""
-        while True:
-            todo: dict[int, Segment] = {}
-            for seg in segs:
-                for anc in seg.kv_ancestors():
-                    if anc.pending:
-                        todo[anc.id] = anc
-            if not todo:
-                return
-            ready = [a for a in todo.values() if not any(x.id in todo for x in a.kv_ancestors())]
-            self._run(ready, None)
-
-    def _assemble(self, segs: Sequence[Segment], extra: int) -> Batch:
-        engine = self.engine
-        # many short ancestors (many requests' prompts) are copied into the rows' tails
-        # (`Batch.assemble`); with an acceleration on, every ancestor stays a shared segment, the
-        # layout its hooks observe
-        copy_tokens = 0
-        if not self.plugins and len({a.id for s in segs for a in s.kv_ancestors()}) > COPY_MIN_SEGMENTS:
-            copy_tokens = COPY_TOKENS
-        batch = Batch.assemble(
-            segs,
-            extra,
-            self.parts,
-            engine.dtype,
-            self.device,
-            engine.broadcast,
-            copy_tokens,
-            reserve=engine.pool.reserve_tails,
-        )
-        engine.pool.track(batch.ctx)
-        for plugin in overrides(self.plugins, "on_batch"):
-            plugin.on_batch(batch)
-        return batch
-
-    def _forward(
-        self, batch: Batch, feeds: Sequence[Sequence[int]], observers: Sequence[Acceleration] = ()
-    ) -> torch.Tensor:
-        logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
-        self.stats.tokens_computed += sum(len(f) for f in feeds)
-        self.stats.forward_calls += 1
-        self.tree.accounts.note_transient(self.ledger, batch.ctx.nbytes)
-        return logits
-
-    def _capture(self, batch: Batch) -> Callable[[int, Row], None]:
-        capturers = overrides(self.plugins, "on_capture")
-
-        def capture(pos: int, row: Row) -> None:
-            batch.capture(self.tree, pos, row)
-            for plugin in capturers:
-                plugin.on_capture(batch, pos, row)
-
-        return capture
-
-    def _run(
-        self,
-        segs: Sequence[Segment],
-        params: DecodeParams | None,
-        observers: Sequence[Acceleration] = (),
-        on_step: StepListener | None = None,
-        admit: Admit | None = None,
-        constraints: Sequence[Constraint | None] | None = None,
-        row_params: Sequence[DecodeParams | None] | None = None,
-    ) -> list[Generation]:
-        """Compute pending tokens of `segs` and, with `params`, decode them as one batch.
-
-        `observers` watch the pending-token forward (they must not exit rows: their KV is kept);
-        `on_step` is told each decode step's tokens (`Backend.extend`). With `admit`, nodes it hands
-        in between steps join the decode: the batch is re-assembled from the rows still decoding
-        and the new ones (`decode.DecodeRun` keeps each row's state across batches).
-        """
-        if params is None:
-            self._batch(segs, None, observers)
-            return []
-        run = DecodeRun.start(
-            params,
-            segs,
-            eos_ids=self.engine.eos_ids,
-            detokenize=self.engine.decode,
-            device=self.device,
-            on_step=on_step,
-            grammars=self.engine.grammars,
-            constraints=constraints,
-            row_params=row_params,
-        )
-        intake = Intake(self, run, admit)
-        run.admit, run.pressure = intake.admit, intake.pressure
-        segs = intake.start(segs)
-        try:
-            while True:
-                if not segs:
-                    segs = intake.next_ready()
-                    if not segs:
-                        break
-                batch, start = self._batch(segs, params, observers, run)
-                intake.batch = batch
-                admitted = decode(
-                    batch,
-                    torch.stack(start),
-                    run,
-                    forward=functools.partial(self._forward, batch),
-                    capture=self._capture(batch),
-                    hooks=self.plugins,
-                    device=self.device,
-                )
-                for plugin in overrides(self.plugins, "after_batch"):
-                    plugin.after_batch(batch, True)
-                intake.dropped([r for r in batch.rows if r.preempted])
-                segs = [r.seg for r in batch.rows if r.finish is None and not r.preempted]
-                segs += [self.tree.get(n) for n in admitted]
-                observers = ()
-        finally:
-            intake.finish()
-        return run.generations()
-
-    def _batch(
-        self,
-        segs: Sequence[Segment],
-        params: DecodeParams | None,
-        observers: Sequence[Acceleration],
-        run: DecodeRun | None = None,
-    ) -> tuple[Batch, list[torch.Tensor]]:
-        """Compute the pending tokens of `segs` (ancestors first) and assemble their batch; returns it
-        with each row's next-token logits. Without `params` the rows' KV goes back into their nodes
-        at once (a prefill), each with its logits."""
-        self._materialize_ancestors(segs)
-        chunk = 0 if self.plugins else alone_chunk(self.engine.prefill_chunk)
-        for seg in segs if chunk else ():
-            while len(seg.pending) > chunk:  # a long prompt: its attention's memory stays bounded
-                self.compute_part(seg, chunk)
-        if not self.exact_kv:
-            for seg in segs:
-                seg.exact = False
-        pending = [s for s in segs if s.pending]
-        if (
-            params is not None
-            and pending
-            and len(pending) < len(segs)
-            and max(len(s.pending) for s in pending) > 1
-        ):
-            # a mixed batch would push dummy tokens through every row for the longest pending run
-            # (e.g. ASKS: reused branches have nothing to prefill, rejected ones a whole prompt)
-            self._batch(pending, None, observers)
-        extra = 0
-        if params is not None:
-            longest = max(run.params_of(s).max_tokens for s in segs) if run is not None else params.max_tokens
-            extra = min(longest, TAIL_SLACK)
-        try:
-            batch = self._assemble(segs, extra)
-        except KVBudgetExceeded:
-            if not extra:
-                raise
-            batch = self._assemble(segs, 0)  # no free slots ahead: the tails grow as rows do
-        feeds = batch.feeds
-        logits = None
-        if any(feeds):
-            logits = self._forward(batch, feeds, observers)
-        batch.advance(range(len(segs)), feeds)
-        for plugin in overrides(self.plugins, "after_pending"):
-            plugin.after_pending(batch, feeds)
-        start = []
-        for i, (r, f) in enumerate(zip(batch.rows, feeds, strict=True)):
-            if f:
-                assert logits is not None
-                start.append(logits[i])
-            else:
-                source = r.seg if r.seg.n_computed else r.seg.parent
-                assert source is not None and source.last_logits is not None
-                start.append(source.last_logits)
-        if params is None:
-            capture = self._capture(batch)
-            for i, r in enumerate(batch.rows):
-                capture(i, r)
-                r.seg.last_logits = start[i].detach().clone()
-            for plugin in overrides(self.plugins, "after_batch"):
-                plugin.after_batch(batch, False)
-        return batch, start

@@ -90,18 +90,18 @@ def test_short_ancestors_are_copied_into_tails_and_long_ones_stay_shared(
     per layer), a longer one stays shared; with an acceleration every ancestor stays shared, and so
     it does in a batch of few segments. Greedy tokens are the same either way."""
     from branchwise.backends.base import DecodeParams
-    from branchwise.backends.hf import session as session_module
-    from branchwise.backends.hf.session import COPY_TOKENS
+    from branchwise.backends.hf import compute as compute_module
+    from branchwise.backends.hf.engine import COPY_TOKENS
 
     few = backend.session()
     root = few.prefill(backend.encode("Count to five:"))
     kids = few.fork(root, 3)
     few.release([root])
     segs = [few.tree.get(k) for k in kids]
-    few._materialize_ancestors(segs)
-    assert len(few._assemble(segs, 0).ctx.shared) == 1  # one segment: shared, as always
+    few.computation.materialize_ancestors(segs)
+    assert len(few.computation.assemble(segs, 0).ctx.shared) == 1  # one segment: shared, as always
     few.release(kids)
-    monkeypatch.setattr(session_module, "COPY_MIN_SEGMENTS", 0)  # a one-prompt batch counts as many
+    monkeypatch.setattr(compute_module, "COPY_MIN_SEGMENTS", 0)  # a one-prompt batch counts as many
 
     session = backend.session()
     short = backend.encode("What is 12 + 7?")
@@ -112,8 +112,8 @@ def test_short_ancestors_are_copied_into_tails_and_long_ones_stay_shared(
         kids = session.fork(root, 3)
         session.release([root])
         segs = [session.tree.get(k) for k in kids]
-        session._materialize_ancestors(segs)
-        batch = session._assemble(segs, 0)
+        session.computation.materialize_ancestors(segs)
+        batch = session.computation.assemble(segs, 0)
         layouts[name] = ([s.key for s in batch.ctx.shared], [r.tail_start for r in batch.rows])
         session.release(kids)
     assert layouts["short"] == ([], [len(short)] * 3)
@@ -129,8 +129,8 @@ def test_short_ancestors_are_copied_into_tails_and_long_ones_stay_shared(
         run.release([root])
         if name == "shared":
             segs = [run.tree.get(k) for k in kids]
-            run._materialize_ancestors(segs)
-            assert len(run._assemble(segs, 0).ctx.shared) == 1
+            run.computation.materialize_ancestors(segs)
+            assert len(run.computation.assemble(segs, 0).ctx.shared) == 1
         tokens[name] = [g.token_ids for g in run.extend(kids, params)]
         run.release(kids)
     assert tokens["copied"] == tokens["shared"]

@@ -1,0 +1,254 @@
+"""How one run's nodes are computed: pending tokens pushed through the layers in batches, and decoded.
+
+Why apart from the session: the session is the `Backend` API of a run (tree operations, text,
+budgets, statistics); this is the machinery under `extend`, `score_next` and a plug-in's
+`Host.compute`: materialize a node's uncomputed ancestors, assemble the batch (`Batch`), run the
+forward with the run's hooks (`Runner`), decode (`decode.decode`, with `Intake` letting rows join
+and leave at step boundaries) and capture the rows' KV back into their nodes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from branchwise.backends.base import Admit, DecodeParams, Generation, KVBudgetExceeded, KVStats, StepListener
+from branchwise.backends.hf.batch import Batch, Row
+from branchwise.backends.hf.decode import DecodeRun, decode
+from branchwise.backends.hf.engine import COPY_MIN_SEGMENTS, COPY_TOKENS, Engine
+from branchwise.backends.hf.hooks import Acceleration, overrides
+from branchwise.backends.hf.intake import Intake, alone_chunk
+from branchwise.backends.hf.ledger import Ledger
+from branchwise.backends.hf.pool import TAIL_SLACK
+from branchwise.backends.hf.segment import Segment
+from branchwise.constraints import Constraint
+
+
+class Computation:
+    """The computing half of one run: its engine, its plug-ins (the hooks every forward calls), and
+    the statistics and ledger its forwards count into."""
+
+    def __init__(self, engine: Engine, plugins: list[Acceleration], stats: KVStats, ledger: Ledger) -> None:
+        self.engine = engine
+        self.tree = engine.tree
+        self.parts = engine.parts
+        self.device = engine.device
+        self.plugins = plugins
+        self.stats = stats
+        self.ledger = ledger
+        self.exact_kv = not plugins
+        """Whether this run's KV is what exact recompute gives. Conservative: any acceleration may
+        approximate or evict KV (River, SkipKV, RSBCM, ASKS), so a run with one neither inserts its
+        nodes into the prefix cache nor matches from it."""
+
+    def row_kv_tokens(self, max_tokens: int) -> int:
+        """Own KV tokens a row of this run holds at most while decoding `max_tokens` (the tightest
+        cap of its accelerations; `KVPool` reserves this much per row)."""
+        return min((p.row_kv_tokens(max_tokens) for p in self.plugins), default=max_tokens)
+
+    def compute(self, segs: Sequence[Segment], observers: Sequence[Acceleration] = ()) -> None:
+        """Compute the pending tokens of `segs` (ancestors first), watched by `observers`."""
+        self.run(segs, None, observers)
+
+    def compute_part(self, seg: Segment, limit: int) -> None:
+        """Compute the next `limit` pending tokens of `seg` (its ancestors are computed): one chunk
+        of a chunked prefill. Only for runs without accelerations (their hooks see whole prompts)."""
+        self.materialize_ancestors([seg])
+        engine = self.engine
+        batch = Batch.assemble(
+            [seg],
+            0,
+            self.parts,
+            engine.dtype,
+            self.device,
+            engine.broadcast,
+            limit=limit,
+            reserve=engine.pool.reserve_tails,
+        )
+        engine.pool.track(batch.ctx)
+        logits = self.forward(batch, batch.feeds)
+        batch.advance([0], batch.feeds)
+        batch.capture(self.tree, 0, batch.rows[0])
+        seg.last_logits = None if seg.pending else logits[0].detach().clone()
+        self.stats.bump("prefill_chunks")
+
+    def materialize_ancestors(self, segs: Sequence[Segment]) -> None:
+        """Compute pending tokens of shared ancestors, top-down, batching those at the same depth."""
+        while True:
+            todo: dict[int, Segment] = {}
+            for seg in segs:
+                for anc in seg.kv_ancestors():
+                    if anc.pending:
+                        todo[anc.id] = anc
+            if not todo:
+                return
+            ready = [a for a in todo.values() if not any(x.id in todo for x in a.kv_ancestors())]
+            self.run(ready, None)
+
+    def assemble(self, segs: Sequence[Segment], extra: int) -> Batch:
+        engine = self.engine
+        # many short ancestors (many requests' prompts) are copied into the rows' tails
+        # (`Batch.assemble`); with an acceleration on, every ancestor stays a shared segment, the
+        # layout its hooks observe
+        copy_tokens = 0
+        if not self.plugins and len({a.id for s in segs for a in s.kv_ancestors()}) > COPY_MIN_SEGMENTS:
+            copy_tokens = COPY_TOKENS
+        batch = Batch.assemble(
+            segs,
+            extra,
+            self.parts,
+            engine.dtype,
+            self.device,
+            engine.broadcast,
+            copy_tokens,
+            reserve=engine.pool.reserve_tails,
+        )
+        engine.pool.track(batch.ctx)
+        for plugin in overrides(self.plugins, "on_batch"):
+            plugin.on_batch(batch)
+        return batch
+
+    def forward(
+        self, batch: Batch, feeds: Sequence[Sequence[int]], observers: Sequence[Acceleration] = ()
+    ) -> torch.Tensor:
+        logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
+        self.stats.tokens_computed += sum(len(f) for f in feeds)
+        self.stats.forward_calls += 1
+        self.tree.accounts.note_transient(self.ledger, batch.ctx.nbytes)
+        return logits
+
+    def _capture(self, batch: Batch) -> Callable[[int, Row], None]:
+        capturers = overrides(self.plugins, "on_capture")
+
+        def capture(pos: int, row: Row) -> None:
+            batch.capture(self.tree, pos, row)
+            for plugin in capturers:
+                plugin.on_capture(batch, pos, row)
+
+        return capture
+
+    def run(
+        self,
+        segs: Sequence[Segment],
+        params: DecodeParams | None,
+        observers: Sequence[Acceleration] = (),
+        on_step: StepListener | None = None,
+        admit: Admit | None = None,
+        constraints: Sequence[Constraint | None] | None = None,
+        row_params: Sequence[DecodeParams | None] | None = None,
+    ) -> list[Generation]:
+        """Compute pending tokens of `segs` and, with `params`, decode them as one batch.
+
+        `observers` watch the pending-token forward (they must not exit rows: their KV is kept);
+        `on_step` is told each decode step's tokens (`Backend.extend`). With `admit`, nodes it hands
+        in between steps join the decode: the batch is re-assembled from the rows still decoding
+        and the new ones (`decode.DecodeRun` keeps each row's state across batches).
+        """
+        if params is None:
+            self._batch(segs, None, observers)
+            return []
+        run = DecodeRun.start(
+            params,
+            segs,
+            eos_ids=self.engine.eos_ids,
+            detokenize=self.engine.decode,
+            device=self.device,
+            on_step=on_step,
+            grammars=self.engine.grammars,
+            constraints=constraints,
+            row_params=row_params,
+        )
+        intake = Intake(self, run, admit)
+        run.admit, run.pressure = intake.admit, intake.pressure
+        segs = intake.start(segs)
+        try:
+            while True:
+                if not segs:
+                    segs = intake.next_ready()
+                    if not segs:
+                        break
+                batch, start = self._batch(segs, params, observers, run)
+                intake.batch = batch
+                admitted = decode(
+                    batch,
+                    torch.stack(start),
+                    run,
+                    forward=functools.partial(self.forward, batch),
+                    capture=self._capture(batch),
+                    hooks=self.plugins,
+                    device=self.device,
+                )
+                for plugin in overrides(self.plugins, "after_batch"):
+                    plugin.after_batch(batch, True)
+                intake.dropped([r for r in batch.rows if r.preempted])
+                segs = [r.seg for r in batch.rows if r.finish is None and not r.preempted]
+                segs += [self.tree.get(n) for n in admitted]
+                observers = ()
+        finally:
+            intake.finish()
+        return run.generations()
+
+    def _batch(
+        self,
+        segs: Sequence[Segment],
+        params: DecodeParams | None,
+        observers: Sequence[Acceleration],
+        run: DecodeRun | None = None,
+    ) -> tuple[Batch, list[torch.Tensor]]:
+        """Compute the pending tokens of `segs` (ancestors first) and assemble their batch; returns it
+        with each row's next-token logits. Without `params` the rows' KV goes back into their nodes
+        at once (a prefill), each with its logits."""
+        self.materialize_ancestors(segs)
+        chunk = 0 if self.plugins else alone_chunk(self.engine.prefill_chunk)
+        for seg in segs if chunk else ():
+            while len(seg.pending) > chunk:  # a long prompt: its attention's memory stays bounded
+                self.compute_part(seg, chunk)
+        if not self.exact_kv:
+            for seg in segs:
+                seg.exact = False
+        pending = [s for s in segs if s.pending]
+        if (
+            params is not None
+            and pending
+            and len(pending) < len(segs)
+            and max(len(s.pending) for s in pending) > 1
+        ):
+            # a mixed batch would push dummy tokens through every row for the longest pending run
+            # (e.g. ASKS: reused branches have nothing to prefill, rejected ones a whole prompt)
+            self._batch(pending, None, observers)
+        extra = 0
+        if params is not None:
+            longest = max(run.params_of(s).max_tokens for s in segs) if run is not None else params.max_tokens
+            extra = min(longest, TAIL_SLACK)
+        try:
+            batch = self.assemble(segs, extra)
+        except KVBudgetExceeded:
+            if not extra:
+                raise
+            batch = self.assemble(segs, 0)  # no free slots ahead: the tails grow as rows do
+        feeds = batch.feeds
+        logits = None
+        if any(feeds):
+            logits = self.forward(batch, feeds, observers)
+        batch.advance(range(len(segs)), feeds)
+        for plugin in overrides(self.plugins, "after_pending"):
+            plugin.after_pending(batch, feeds)
+        start = []
+        for i, (r, f) in enumerate(zip(batch.rows, feeds, strict=True)):
+            if f:
+                assert logits is not None
+                start.append(logits[i])
+            else:
+                source = r.seg if r.seg.n_computed else r.seg.parent
+                assert source is not None and source.last_logits is not None
+                start.append(source.last_logits)
+        if params is None:
+            capture = self._capture(batch)
+            for i, r in enumerate(batch.rows):
+                capture(i, r)
+                r.seg.last_logits = start[i].detach().clone()
+            for plugin in overrides(self.plugins, "after_batch"):
+                plugin.after_batch(batch, False)
+        return batch, start

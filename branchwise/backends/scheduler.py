@@ -43,6 +43,12 @@ Seeded sampling and batching: the backend seeds one generator per `extend` call,
 requests decoded in one batch would share a random stream and differ from their serial results. A
 request that samples (temperature > 0) with a seed is therefore decoded in its own batch unless
 ``batch_seeded=True`` (faster, but the streams then depend on the batch).
+
+This module holds the queue and its drainer: what callers call, what is taken into a batch or a
+running decode and within which limits (rows, requests, KV memory), and the worker thread. The
+records they pass around (`Job`, `BatchStats`, the errors) are `scheduler_jobs`; what happens
+inside one shared decode pass (rows made, steps routed, jobs admitted and answered) is
+`scheduler_router`.
 """
 
 from __future__ import annotations
@@ -54,11 +60,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 from branchwise.backends.base import (
-    Admitted,
     Backend,
     Cancelled,
     DecodeParams,
@@ -67,142 +71,13 @@ from branchwise.backends.base import (
     KVBudgetExceeded,
     KVStats,
     NodeId,
-    ShareMode,
 )
+from branchwise.backends.scheduler_jobs import BatchStats, InvalidPrompt, Job, QueueFull
+from branchwise.backends.scheduler_router import Router
 
 __all__ = ["BatchStats", "Cancelled", "InvalidPrompt", "Job", "QueueFull", "Scheduler"]
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-    """The scheduler's queue holds ``max_queued_rows`` branches already; retry later."""
-
-
-class InvalidPrompt(ValueError):
-    """The backend refused one request's prompt (e.g. a token id outside the vocabulary).
-
-    Only that request fails: the other requests of its batch are decoded as usual.
-    """
-
-
-@dataclass
-class BatchStats:
-    """How well concurrent requests were batched.
-
-    ``extend_calls`` counts backend `extend` calls made for requests; ``requests`` the requests
-    they served; ``rows`` the branches decoded (a request with ``n`` samples is ``n`` rows);
-    ``rejected`` the requests refused because the queue was full; ``cancelled`` those their caller
-    cancelled before they were answered (waiting, or mid-decode); ``admitted`` those that joined an
-    `extend` already decoding (continuous batching; they count in that call's requests and rows).
-    """
-
-    extend_calls: int = 0
-    requests: int = 0
-    rows: int = 0
-    max_requests_per_call: int = 0
-    max_rows_per_call: int = 0
-    rejected: int = 0
-    admitted: int = 0
-    cancelled: int = 0
-    histogram: dict[int, int] = field(default_factory=dict)
-    """requests per `extend` call -> how many calls had that many"""
-
-    @property
-    def mean_requests_per_call(self) -> float:
-        return self.requests / self.extend_calls if self.extend_calls else 0.0
-
-    @property
-    def mean_rows_per_call(self) -> float:
-        return self.rows / self.extend_calls if self.extend_calls else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "extend_calls": self.extend_calls,
-            "requests": self.requests,
-            "rows": self.rows,
-            "mean_requests_per_call": round(self.mean_requests_per_call, 3),
-            "mean_rows_per_call": round(self.mean_rows_per_call, 3),
-            "max_requests_per_call": self.max_requests_per_call,
-            "max_rows_per_call": self.max_rows_per_call,
-            "rejected": self.rejected,
-            "admitted": self.admitted,
-            "cancelled": self.cancelled,
-            "histogram": dict(sorted(self.histogram.items())),
-        }
-
-
-@dataclass(eq=False)
-class Job:
-    """One request: ``n`` samples of ``prompt`` decoded with ``params``.
-
-    ``share=None`` leaves the KV sharing of the ``n`` samples to the backend's default.
-    ``on_step`` (optional) is called from the worker thread after each decode step that concerns
-    the job, with its branch indices (0..n-1) as rows; like any `extend` listener it must return at
-    once. ``on_done`` (optional) is called from the worker thread once the job has a result or an
-    error; the asyncio bridge of `Scheduler.submit_async` uses it to wake the event loop.
-    """
-
-    prompt: list[int]
-    n: int
-    params: DecodeParams
-    share: ShareMode | None = None
-    on_step: Callable[[DecodeStep], None] | None = None
-    on_done: Callable[[Job], None] | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    generations: list[Generation] | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
-    batch_requests: int = 0
-    batch_rows: int = 0
-    nodes: list[NodeId] | None = None
-    """Decode these existing nodes (the caller's, never released here) instead of prefilling
-    `prompt` and forking it: a strategy's generate step (`Job.decoding`)."""
-    tokens_computed: float = 0.0
-    forward_calls: float = 0.0
-    """The job's share of its `extend` call's computed tokens (by the tokens its rows generated)
-    and the forwards it rode in."""
-    shared: bool = False
-    """Whether its `extend` call decoded another job's rows too (set when the call ends)."""
-
-    @classmethod
-    def decoding(
-        cls,
-        nodes: Sequence[NodeId],
-        params: DecodeParams,
-        on_step: Callable[[DecodeStep], None] | None = None,
-    ) -> Job:
-        """A job that decodes the caller's `nodes` (see `nodes`)."""
-        return cls(prompt=[], n=len(nodes), params=params, nodes=list(nodes), on_step=on_step)
-
-    def group_key(self, batch_seeded: bool, mixed: bool = False) -> tuple[Any, ...]:
-        """Jobs with equal keys are decoded in one `extend`: equal decoding parameters, or any where
-        the backend decodes rows with their own (`mixed`); a seeded sampling job stays alone unless
-        `batch_seeded` (see the module docstring)."""
-        alone = self.params.seed is not None and self.params.temperature > 0 and not batch_seeded
-        if mixed:
-            return (id(self) if alone else None,)
-        return (self.params, self.share, id(self) if alone else None)
-
-    def result(self) -> list[Generation]:
-        """Wait for the worker; the generations, or the error the batch raised."""
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        assert self.generations is not None
-        return self.generations
-
-    def _fail(self, error: BaseException) -> None:
-        """Answer the job with `error` (a refused prompt, a cancellation)."""
-        self.error = error
-        self._finish()
-
-    def _finish(self) -> None:
-        if self.done.is_set():  # answered early (see `_Router`); the batch's end changes nothing
-            return
-        self.done.set()
-        if self.on_done is not None:
-            self.on_done(self)
 
 
 class Scheduler:
@@ -458,7 +333,15 @@ class Scheduler:
         """Prefill each prompt once, fork it n times and decode all branches in ONE `extend`; with
         continuous batching, compatible requests that queue meanwhile join that `extend`."""
         backend = self.backend
-        router = _Router(self, jobs[0].group_key(self.batch_seeded, self._mixes))
+        router = Router(
+            backend,
+            self.stats,
+            jobs[0].group_key(self.batch_seeded, self._mixes),
+            max_rows=self.max_rows,
+            mixes=self._mixes,
+            queued_rows=self.queued_rows,
+            take=self._admit,
+        )
         read_stats = getattr(backend, "kv_stats", None)  # a minimal backend may keep no counters
         before = read_stats() if read_stats is not None else None
         try:
@@ -492,7 +375,7 @@ class Scheduler:
         finally:
             st = self.stats
             if read_stats is not None and before is not None:
-                self._account(router, before, read_stats())
+                router.account(before, read_stats())
             if router.jobs:  # the call's final size, admitted requests included
                 st.max_requests_per_call = max(st.max_requests_per_call, len(router.jobs))
                 st.max_rows_per_call = max(st.max_rows_per_call, len(router.children))
@@ -504,22 +387,6 @@ class Scheduler:
                     log.debug("release after a failed batch", exc_info=True)
             for job in router.jobs:
                 job._finish()
-
-    @staticmethod
-    def _account(router: _Router, before: KVStats, after: KVStats) -> None:
-        """Hand the call's computed tokens to its jobs by the tokens their rows generated; each
-        rode every forward of the call."""
-        made = {
-            job: max(sum(len(g.token_ids) for g in gens if g is not None), 1)
-            for job, gens in router.ended.items()
-        }
-        total = sum(made.values())
-        tokens = after.tokens_computed - before.tokens_computed
-        forwards = after.forward_calls - before.forward_calls
-        for job, n in made.items():
-            job.tokens_computed += tokens * n / total
-            job.forward_calls += forwards
-            job.shared = len(made) > 1
 
     def _admit(self, key: tuple[Any, ...], room: int) -> list[Job]:
         """Take queued jobs that may join a running decode of group `key`, at most `room` rows.
@@ -543,26 +410,6 @@ class Scheduler:
                 room -= job.n
         return taken
 
-    def _fork_prompt(self, job: Job) -> list[int]:
-        """Prefill the job's whole prompt (a backend with a prefix cache reuses what it holds) and
-        fork it into ``n`` branches."""
-        backend = self.backend
-        root = backend.prefill(job.prompt)
-        if job.n == 1 and len(job.prompt) <= PLAIN_ROW_TOKENS:
-            # One sample of a short prompt shares it with nobody: decode the prompt's own node. It
-            # is a plain row (a one-row shared segment would cost one more attention product per
-            # layer), and its KV is the exact prompt, so a backend with a prefix cache keeps it for
-            # the next request that starts the same way (DSPy's candidates, an agent's next turn).
-            return [root]
-        try:
-            # A long prompt stays a segment its rows read, out of the batch's tails: a row's tail
-            # holds its own tokens, and every row of a batch gets room for the longest one's.
-            share = job.share if job.n > 1 else "exact"
-            return backend.fork(root, job.n, share=share)
-        finally:
-            # the children keep the root's KV alive; releasing it now frees it with them
-            backend.release([root])
-
 
 def _extend_takes(backend: Backend, name: str) -> bool:
     """Whether the backend's `extend` takes the argument `name`: ``on_step`` (older backends do not;
@@ -576,172 +423,8 @@ def _extend_takes(backend: Backend, name: str) -> bool:
     return name == "on_step" and any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-PLAIN_ROW_TOKENS = 256
-"""A one-sample request with a prompt up to this long decodes its prompt's node as a plain row; a
-longer one decodes a child that reads the prompt (`Scheduler._fork_prompt`)."""
-
 MEMORY_POLL_S = 0.05
 """How often a request waiting for KV memory held outside the scheduler looks again."""
-
-ADMIT_EVERY = 4
-"""Steps a few waiting requests may wait to join a running decode together (`_Router.admit`)."""
-
-
-class _Router:
-    """One `extend`'s step listener: hands each job its branches' steps, answers a job once all its
-    branches have ended while others still decode, stops the branches of jobs cancelled meanwhile,
-    and (continuous batching) admits queued jobs into the running decode.
-
-    Runs on the worker thread between decode steps. Per step it walks the step's rows once; a job
-    without a listener costs a dictionary lookup per branch.
-    """
-
-    def __init__(self, scheduler: Scheduler, key: tuple[Any, ...]) -> None:
-        self.scheduler = scheduler
-        self.key = key
-        self.jobs: dict[Job, tuple[int, int]] = {}
-        """Each joined job's rows in the call (start, end), in joining order."""
-        self.children: list[int] = []
-        self.owner: list[tuple[Job, int]] = []
-        self.ended: dict[Job, list[Generation | None]] = {}
-        self.left: dict[Job, int] = {}
-        self.rows_left = 0
-        self.steps = 0
-        self.admitted_at = 0
-        self.finished: list[Job] = []
-        """Jobs whose rows all ended (answered or cancelled), in order."""
-        self.retiring = 0
-        """`finished[:retiring]` had ended when the batch was last re-assembled: none of their rows
-        is in the batch now, so their nodes can be released before the call ends."""
-        self.released: set[int] = set()
-
-    def join(self, job: Job) -> bool:
-        """Prefill and fork `job`'s prompt; its branches become the call's next rows. A job cancelled
-        meanwhile fails with `Cancelled`, a prompt the backend refuses fails that job alone
-        (`InvalidPrompt`); the call goes on without it."""
-        if job.cancelled:
-            job._fail(Cancelled("the request was cancelled before it was decoded"))
-            return False
-        if job.nodes is not None:
-            kids = list(job.nodes)
-            self.released.update(kids)  # the caller's nodes: never released here
-        else:
-            try:
-                kids = self.scheduler._fork_prompt(job)
-            except ValueError as exc:
-                job._fail(InvalidPrompt(str(exc)))
-                return False
-        a = len(self.children)
-        self.children.extend(kids)
-        self.jobs[job] = (a, a + len(kids))
-        self.owner.extend((job, i) for i in range(len(kids)))
-        self.ended[job] = [None] * job.n
-        self.left[job] = job.n
-        self.rows_left += job.n
-        st = self.scheduler.stats
-        st.requests += 1  # counted before decoding: a job answered mid-call finds itself counted
-        st.rows += job.n
-        job.batch_requests, job.batch_rows = len(self.jobs), len(self.children)
-        return True
-
-    def admit(self, alive: int) -> Sequence[Admitted]:
-        """`extend`'s ``admit``: queued jobs of this group that fit beside the `alive` rows.
-
-        Admitting re-assembles the batch (about one copy of its rows' own KV), so a few newcomers
-        beside many decoding rows wait up to `ADMIT_EVERY` steps to come in together; a batch that
-        has shrunk to four times the waiting rows or less takes them at once."""
-        sched = self.scheduler
-        self.steps += 1
-        self._release_retired()
-        room = sched.max_rows - alive
-        if room < 1:
-            return []
-        waiting = sched.queued_rows()
-        if not waiting or (waiting * 4 < alive and self.steps - self.admitted_at < ADMIT_EVERY):
-            return []
-        self.admitted_at = self.steps
-        # the batch is re-assembled from the rows still decoding: the jobs that ended by now leave it
-        self.retiring = len(self.finished)
-        before = len(self.children)
-        for job in sched._admit(self.key, room):
-            if self.join(job):
-                sched.stats.admitted += 1
-        new = self.children[before:]
-        if not sched._mixes:
-            return new
-        return [(node, job.params) for node, (job, _) in zip(new, self.owner[before:], strict=True)]
-
-    def _release_retired(self) -> None:
-        """Release the nodes of jobs that ended before the last re-assembly (continuous batching).
-
-        Without this a call that keeps admitting would hold every answered request's KV until it
-        ends, which under a steady load is never. A job's rows leave the batch only when it is
-        re-assembled (before that, a finished row may still be copied back into its node), so its
-        nodes are released at the first step boundary after that."""
-        if not self.retiring:
-            return
-        nodes = [
-            n
-            for job in self.finished[: self.retiring]
-            for n in self.children[slice(*self.jobs[job])]
-            if n not in self.released
-        ]
-        del self.finished[: self.retiring]
-        self.retiring = 0
-        if nodes:
-            self.scheduler.backend.release(nodes)
-            self.released.update(nodes)
-
-    def unreleased(self) -> list[int]:
-        """The call's nodes not released yet (the rest go when the call ends)."""
-        return [n for n in self.children if n not in self.released]
-
-    def __call__(self, step: DecodeStep) -> list[int] | None:
-        owner = self.owner
-        steps: dict[Job, DecodeStep] = {}
-        for row, tokens in step.tokens.items():
-            job, i = owner[row]
-            if job.on_step is not None and not job.done.is_set():
-                steps.setdefault(job, DecodeStep({}, {})).tokens[i] = tokens
-        answered = []
-        for row, gen in step.finished.items():
-            job, i = owner[row]
-            self.ended[job][i] = gen
-            self.left[job] -= 1
-            self.rows_left -= 1
-            if job.on_step is not None and not job.done.is_set():
-                steps.setdefault(job, DecodeStep({}, {})).finished[i] = gen
-            if not self.left[job]:
-                answered.append(job)
-                self.finished.append(job)
-        for job, own in steps.items():
-            listener = job.on_step
-            if listener is None:
-                continue
-            try:
-                listener(own)
-            except Exception:  # a consumer's bug must not stop everyone's decoding
-                log.exception("a job's step listener failed; it hears no more steps")
-                job.on_step = None
-        if not self.rows_left:  # the call ends now: answer with the others, once released
-            answered = []
-        for job in answered:
-            if not job.done.is_set() and not job.cancelled:
-                job.generations = [g for g in self.ended[job] if g is not None]
-                job._finish()
-        return self._drop()
-
-    def _drop(self) -> list[int] | None:
-        """The rows of jobs cancelled since the last step (those jobs fail with `Cancelled` now)."""
-        drop: list[int] | None = None
-        for job, (a, b) in self.jobs.items():
-            if job.cancelled and not job.done.is_set():
-                job._fail(Cancelled("the request was cancelled while it was decoded"))
-                self.rows_left -= self.left[job]  # its rows stop now, unreported
-                self.left[job] = 0
-                self.finished.append(job)
-                drop = [*(drop or []), *range(a, b)]
-        return drop
 
 
 class _Through:

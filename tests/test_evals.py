@@ -7,6 +7,7 @@ tested); the quick suite on the embedded model runs end to end in the slow test.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 from branchwise.evals.datasets import DatasetConfig, DatasetUnavailable, extract_code, run_humaneval
 from branchwise.evals.harness import ROWS_FILE, SuiteMismatch, coerce_options, read_rows, run_suite
 from branchwise.evals.report import format_markdown, summarize, write_report
-from branchwise.evals.stats import bootstrap_ci
+from branchwise.evals.stats import MIN_PROBLEMS, bootstrap_ci
 from branchwise.evals.suite import SuiteConfig, SuiteError, load_suite
 from branchwise.reasoners.answers import extract_answer_tag
 from branchwise.reasoners.tasks import check_game24, extract_expression
@@ -410,18 +411,18 @@ def _rows(
 
 def test_summary_speedup_agreement_and_ci() -> None:
     rows = _rows(
-        {"base": [2.0, 4.0, 6.0, 8.0], "fast": [1.0, 2.0, 3.0, 4.0]},
-        {"base": ["1", "1", "0", "2"], "fast": ["1", "1", "0", "3"]},
+        {"base": [2.0, 4.0, 6.0, 8.0, 10.0], "fast": [1.0, 2.0, 3.0, 4.0, 5.0]},
+        {"base": ["1", "1", "0", "2", "0"], "fast": ["1", "1", "0", "3", "4"]},
     )
     base, fast = summarize(rows + rows[:1], baseline="base")  # a duplicated row is ignored
-    assert base.is_baseline and base.n == 4 and base.speedup is None
+    assert base.is_baseline and base.n == 5 and base.speedup is None
     assert fast.speedup == pytest.approx(2.0) and fast.speedup_ci == pytest.approx((2.0, 2.0))
-    assert fast.agreement == pytest.approx(0.75) and fast.accuracy == pytest.approx(0.5)
+    assert fast.agreement == pytest.approx(0.6) and fast.accuracy == pytest.approx(0.4)
     lo, hi = fast.accuracy_ci
-    assert 0.0 <= lo <= 0.5 <= hi <= 1.0
+    assert 0.0 <= lo <= 0.4 <= hi <= 1.0
     assert fast.kv_peak_mean_bytes == 2**20 and base.kv_peak_mean_bytes == 2**21
     table = format_markdown([base, fast])
-    assert "2.00× [2.00, 2.00]" in table and "75%" in table and "verify-skip" not in table
+    assert "2.00× [2.00, 2.00]" in table and "60%" in table and "verify-skip" not in table
 
 
 def test_cgee_columns_appear_when_rows_carry_them() -> None:
@@ -445,6 +446,27 @@ def test_bootstrap_ci_is_reproducible() -> None:
     x = np.array([0.0, 1.0, 1.0, 0.0, 1.0])
     assert bootstrap_ci([x], np.mean) == bootstrap_ci([x], np.mean)
     assert bootstrap_ci([np.array([])], np.mean)[0] != bootstrap_ci([np.array([])], np.mean)[0]  # nan
+
+
+def test_bootstrap_ci_needs_min_problems() -> None:
+    """Two to four problems have 3 to 35 distinct resamples: no CI below MIN_PROBLEMS, one from it
+    on, for an accuracy and for a paired ratio alike (the data have spread, so any CI is finite)."""
+    import numpy as np
+
+    assert MIN_PROBLEMS == 5
+    correct = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    base, cell = np.array([2.0, 5.0, 3.0, 8.0, 4.0, 6.0]), np.array([1.0, 4.0, 2.0, 2.0, 3.0, 5.0])
+
+    def ratio(b: np.ndarray, c: np.ndarray) -> float:
+        return float(b.sum() / c.sum())
+
+    for n in range(1, len(correct) + 1):
+        cis = [bootstrap_ci([correct[:n]], np.mean), bootstrap_ci([base[:n], cell[:n]], ratio)]
+        for lo, hi in cis:
+            if n < MIN_PROBLEMS:
+                assert math.isnan(lo) and math.isnan(hi), (n, lo, hi)
+            else:
+                assert lo < hi, (n, lo, hi)
 
 
 def test_report_and_cli(tmp_path: Path, tiny_llama_dir: Path) -> None:
@@ -519,6 +541,7 @@ def test_quick_suite_end_to_end(tmp_path: Path, embedded_dir: Path) -> None:
     assert len(rows) == len(set(_keys(rows))) == json.loads((out / "suite.json").read_text())["expected_rows"]
     assert not [r for r in rows if r["error"]]
     report = (out / "report.md").read_text()
+    assert f"at least {MIN_PROBLEMS} problems" in " ".join(report.split())  # 2 a dataset: no CIs
     for cell in suite.cells():
         assert f"| {cell.dataset.display_name} | {cell.strategy.label} | {cell.accel.label} |" in report
     for name in ("accuracy_vs_cost.png", "speedup.png", "kv_peak.png"):
@@ -532,15 +555,19 @@ def test_quick_suite_end_to_end(tmp_path: Path, embedded_dir: Path) -> None:
 
 
 def _two_datasets(long: str = "") -> list[dict[str, Any]]:
-    """Cells of a dataset with three problems and of one with a single problem (its CIs undefined)."""
+    """Cells of a dataset with MIN_PROBLEMS problems and of one with one problem fewer (its CIs
+    undefined)."""
     many = _rows(
-        {"base": [2.0, 4.0, 6.0], f"fast{long}": [1.0, 3.0, 2.0]},
-        {"base": ["1", "0", "1"], f"fast{long}": ["1", "1", "0"]},
+        {"base": [2.0, 4.0, 6.0, 3.0, 5.0], f"fast{long}": [1.0, 3.0, 2.0, 2.0, 4.0]},
+        {"base": ["1", "0", "1", "1", "0"], f"fast{long}": ["1", "1", "0", "0", "1"]},
     )
-    one = _rows({"base": [2.0], f"fast{long}": [1.5]}, {"base": ["1"], f"fast{long}": ["0"]})
-    for r in one:
-        r["dataset"], r["cell"] = "single", r["cell"].replace("m/d/", "m/single/")
-    return many + one
+    few = _rows(
+        {"base": [2.0, 3.0, 4.0, 5.0], f"fast{long}": [1.5, 2.0, 3.5, 2.5]},
+        {"base": ["1", "0", "1", "1"], f"fast{long}": ["0", "0", "1", "1"]},
+    )
+    for r in few:
+        r["dataset"], r["cell"] = "few", r["cell"].replace("m/d/", "m/few/")
+    return many + few
 
 
 def _extents(fig: Any) -> tuple[Any, Any]:
@@ -577,15 +604,18 @@ def test_accuracy_vs_cost_legend_lies_inside_the_figure_and_off_the_panels() -> 
                 assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
             title = fig._suptitle.get_window_extent(renderer)  # type: ignore[union-attr]
             assert not box.overlaps(title) and _inside(title, bbox)
-            # the caption says why a one-problem cell has no error bar
-            assert "none for a cell with a single problem" in fig.get_supxlabel()
+            # the caption says why a cell of fewer than MIN_PROBLEMS problems has no error bar
+            assert f"none for a cell of fewer than {MIN_PROBLEMS} problems" in fig.get_supxlabel()
+            bars = {ax.get_title(): sum(1 for c in ax.containers if c[2]) for ax in fig.axes}
+            assert bars == {"d": 2, "few": 0}, bars  # error bars on d's two cells only
         finally:
             plt.close(fig)
 
 
-def test_speedup_ci_is_drawn_iff_a_cell_has_two_paired_problems() -> None:
-    """A CI needs at least two paired problems (one has no spread to resample): such a bar gets its
-    error bar, a one-problem bar none and says so, as does the title; every label is inside."""
+def test_speedup_ci_is_drawn_iff_a_cell_has_min_paired_problems() -> None:
+    """A CI needs at least MIN_PROBLEMS paired problems (fewer have a handful of distinct resamples):
+    such a bar gets its error bar, one of fewer none and says so, as does the title with the minimum;
+    every label is inside."""
     import matplotlib.pyplot as plt
     from matplotlib.container import ErrorbarContainer
 
@@ -600,15 +630,16 @@ def test_speedup_ci_is_drawn_iff_a_cell_has_two_paired_problems() -> None:
         drawn = {c.get_label() for c in ax.containers if isinstance(c, ErrorbarContainer)}
         assert drawn == {"ci:d/s/fast"}
         values = {t.get_text() for c in ax.child_axes for t in c.get_yticklabels()}
-        assert any("n=3" in v and "[" in v for v in values), values
-        assert any(v.endswith("n=1, no CI") for v in values), values
-        assert "1 cell with one paired problem: no CI" in " ".join(fig.get_suptitle().split())
+        assert any(f"n={MIN_PROBLEMS}" in v and "[" in v for v in values), values
+        assert any(v.endswith(f"n={MIN_PROBLEMS - 1}, no CI") for v in values), values
+        title = " ".join(fig.get_suptitle().split())
+        assert f"no CI for 1 cell of fewer than {MIN_PROBLEMS} paired problems" in title, title
         for text in [*ax.get_yticklabels(), *(t for c in ax.child_axes for t in c.get_yticklabels())]:
             assert _inside(text.get_window_extent(renderer), bbox), text.get_text()
         assert _inside(fig._suptitle.get_window_extent(renderer), bbox)  # type: ignore[union-attr]
     finally:
         plt.close(fig)
-    # every cell with two or more problems: error bars on all, no "no CI" note
+    # every cell with MIN_PROBLEMS or more problems: error bars on all, no "no CI" note
     many = [s for s in summaries if s.dataset == "d"]
     fig = speedup_figure(many, "base")
     assert fig is not None
@@ -624,4 +655,9 @@ def test_report_caption_says_when_there_is_no_ci(tmp_path: Path) -> None:
     paths = write_report(tmp_path, baseline="base")
     assert [p.name for p in paths.plots] == ["accuracy_vs_cost.png", "speedup.png", "kv_peak.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths.plots)
-    assert "none for a cell of one problem" in paths.markdown.read_text()
+    text = paths.markdown.read_text()
+    assert f"given only for a cell of at least {MIN_PROBLEMS} problems" in " ".join(text.split()), text
+    # the table: a CI for the cells of MIN_PROBLEMS problems, the value alone for those of fewer
+    rows = {(c[1], c[3]): line for line in text.splitlines() if (c := line.split(" | "))[0] == "| m"}
+    assert "% [" in rows["d", "fast"] and "× [" in rows["d", "fast"], rows
+    assert "[" not in rows["few", "fast"] and "×" in rows["few", "fast"], rows

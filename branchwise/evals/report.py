@@ -10,6 +10,11 @@ is set). Comparisons are **paired** over the problems both cells finished withou
   measure that matters for a lossy acceleration on a model too small to be accurate);
 * accuracy has its own bootstrap 95 % CI over the cell's problems.
 
+A CI needs at least ``MIN_PROBLEMS`` (five) problems, paired ones for a speedup (fewer have too few
+distinct resamples for a percentile interval to mean anything, see ``branchwise.evals.stats``): a
+cell with fewer has none, its table entry is the value alone, and the plots and the report's caption
+say why.
+
 Cost columns: mean latency, mean generated tokens, mean and max KV peak bytes. Columns for the CGEE
 work (verify-skip rate from ``verify_skipped``/``verify_calls``, decision flips from ``cgee_flip``)
 appear only when rows carry those keys with data. Plots use matplotlib's Agg backend (no display).
@@ -28,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from branchwise.evals.harness import CONFIG_FILE, ROWS_FILE, read_rows
-from branchwise.evals.stats import N_RESAMPLES, bootstrap_ci
+from branchwise.evals.stats import MIN_PROBLEMS, N_RESAMPLES, bootstrap_ci
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -326,11 +331,11 @@ def accuracy_vs_cost_figure(summaries: list[CellSummary]) -> Figure:
             text.set_fontweight("bold")
     # The caption goes under the panels (constrained layout reserves room for a supxlabel): as a
     # long suptitle it ran under the legend, which takes the top right corner.
-    one_problem = any(not _has_ci(s.accuracy_ci) for s in summaries)
+    too_few = any(s.n < MIN_PROBLEMS for s in summaries)
     fig.suptitle("Accuracy vs cost")
     fig.supxlabel(
         "error bars: bootstrap 95% CI of accuracy over problems"
-        + ("; none for a cell with a single problem" if one_problem else ""),
+        + (f"; none for a cell of fewer than {MIN_PROBLEMS} problems" if too_few else ""),
         fontsize=9,
     )
     return fig
@@ -398,8 +403,8 @@ def bars_figure(
 
 
 def speedup_bars(summaries: list[CellSummary]) -> list[Bar]:
-    """The speedup bars of the non-baseline cells; each names its paired problem count, and one with
-    fewer than two paired problems says it has no CI (one problem has no spread to resample)."""
+    """The speedup bars of the non-baseline cells; each names its paired problem count, and one
+    without a CI (as a rule: fewer than ``MIN_PROBLEMS`` paired problems) says it has none."""
     one_model = len({x.model for x in summaries}) == 1
     out = []
     for s in summaries:
@@ -419,10 +424,14 @@ def speedup_figure(summaries: list[CellSummary], baseline: str | None) -> Figure
     bars = speedup_bars(summaries)
     if not bars:
         return None
-    missing = sum(1 for b in bars if not _has_ci(b.ci))
+    no_ci = [s for s in summaries if s.speedup is not None and not _has_ci(s.speedup_ci)]
+    few = sum(1 for s in no_ci if s.paired < MIN_PROBLEMS)
+    other = len(no_ci) - few
     note = "error bars: bootstrap 95% CI over paired problems (n)"
-    if missing:
-        note += f"; {missing} cell{'s' if missing > 1 else ''} with one paired problem: no CI"
+    if few:
+        note += f"; no CI for {few} cell{'s' if few > 1 else ''} of fewer than {MIN_PROBLEMS} paired problems"
+    if other:
+        note += f"; no CI for {other} cell{'s' if other > 1 else ''} whose resampled speedup was not finite"
     return bars_figure(
         bars,
         title=f"Speedup vs baseline '{baseline}'",
@@ -506,7 +515,8 @@ def write_report(run_dir: str | Path, baseline: str | None = None) -> ReportPath
         "",
         f"{done}; baseline acceleration: `{baseline}`. Speedup = Σ baseline latency / Σ latency over "
         "problems both cells finished (paired); CIs are percentile bootstraps over problems "
-        f"({N_RESAMPLES} resamples; none for a cell of one problem, which has no spread to resample). "
+        f"({N_RESAMPLES} resamples), given only for a cell of at least {MIN_PROBLEMS} problems (paired "
+        "ones for a speedup): fewer have too few distinct resamples for the interval to mean anything. "
         "Agreement = same final answer as the baseline on those problems.",
         "",
         table,

@@ -16,9 +16,16 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy.stats import bootstrap
 
-__all__ = ["N_RESAMPLES", "bootstrap_ci"]
+__all__ = ["MIN_PROBLEMS", "N_RESAMPLES", "bootstrap_ci"]
 
 N_RESAMPLES = 2000
+
+# Fewest problems (rows) a CI is given for. n problems have only C(2n - 1, n) distinct resamples
+# (3 for two, 10 for three, 35 for four, 126 for five), so below five the percentiles are read off a
+# handful of values and the interval does not describe the uncertainty (with two problems it is the
+# span between the two problems' own values, whatever their spread says about a third). Five is a
+# floor, not a guarantee: an interval over few problems is still rough.
+MIN_PROBLEMS = 5
 
 
 def bootstrap_ci(
@@ -33,10 +40,11 @@ def bootstrap_ci(
 
     ``columns`` are equal-length per-problem samples (one for an accuracy, baseline and accelerated
     latency for a speedup); ``statistic`` gets the resampled columns as arrays. NaN when there are
-    fewer than two problems (no spread to resample) or the statistic is not finite on a resample.
+    fewer than ``MIN_PROBLEMS`` problems (too few distinct resamples for the percentiles to mean
+    anything, see ``MIN_PROBLEMS``) or the statistic is not finite on a resample.
     """
     data = tuple(np.asarray(c, dtype=float) for c in columns)
-    if not data or len(data[0]) < 2:
+    if not data or len(data[0]) < MIN_PROBLEMS:
         return (math.nan, math.nan)
     result = bootstrap(
         data,

@@ -1,15 +1,17 @@
 """Every Python snippet of README.md and docs/*.md is run, or is listed here (`SERVING_NOT_RUN`) with
-why not; so is every shell snippet of docs/SERVING.md.
+why not; so is every shell snippet of those documents (`SHELL_RUN`, `SHELL_NOT_RUN`).
 
 Why: a snippet that fails as written is the first thing a newcomer meets (the DSPy one once raised
-`AdapterParseError` on the embedded model). The fast test only checks that each snippet is
+`AdapterParseError` on the embedded model). The fast tests only check that each snippet is
 accounted for, so a new one cannot slip in untested; the slow tests run them on the embedded
-model, each document's snippets in order as one script (later snippets use names earlier ones
-define, as a reader would), after a preamble defining what the text leaves to the reader.
+model, each document's Python snippets in order as one script (later snippets use names earlier
+ones define, as a reader would), after a preamble defining what the text leaves to the reader, and
+each runnable shell snippet with bash as written.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import signal
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,6 +78,7 @@ EDITS: dict[tuple[str, int], tuple[str, str]] = {
 }
 
 SERVING = "docs/SERVING.md"
+README = "README.md"
 
 # docs/SERVING.md: its first shell line starts `branchwise serve` on the embedded model (on a free
 # port for 8000) and its client snippets run against that server as written, but for the URL's port
@@ -85,19 +89,8 @@ SERVING_NOT_RUN: dict[tuple[str, int], str] = {
     "(AdapterParseError), and DSPy sends no response_format to a model name its catalog does not "
     "know, so nothing constrains it; the in-process DSPy snippets of INTEGRATIONS.md do run",
     ("python", 6): "two vLLM servers on two machines (gpu-a, gpu-b)",
-    ("bash", 1): "binds every interface on port 8000, which a test cannot assume free; the key and "
-    "Host checks it shows are tested in tests/test_serve_security.py",
-    ("bash", 2): "vLLM on a GPU, a 7B model from the hub",
-    ("bash", 3): "vLLM on four to sixteen GPUs, a 72B model from the hub",
-    ("bash", 4): "installs vLLM's CPU build into a new virtualenv from PyPI (a network, minutes)",
-    ("bash", 5): "`serve --endpoint` in front of two vLLM servers on two machines (gpu-a, gpu-b) of a "
-    "7B model",
-    ("bash", 6): "eval against two servers on two machines (gpu-a, gpu-b)",
 }
-# Snippet 0's second line (serve Qwen2.5-1.5B) is not run either: it downloads the model.
-SERVE_LINE = "branchwise serve --host 127.0.0.1 --port 8000"
 SERVING_RUN: dict[tuple[str, int], str] = {
-    ("bash", 0): "the `serving_url` fixture, its first line",
     ("python", 0): "test_serving_openai_snippets_run",
     ("python", 1): "test_serving_openai_snippets_run",
     ("python", 3): "test_serving_langchain_snippet_runs (skips without langchain-openai)",
@@ -110,15 +103,107 @@ SERVING_RUN: dict[tuple[str, int], str] = {
 COUNTS = {"README.md": 6, "docs/INTEGRATIONS.md": 10, "docs/SERVING.md": 7, "docs/ARCHITECTURE.md": 0}
 
 
+DOCS = sorted({README, *(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))})
+
+
 def test_every_snippet_is_accounted_for() -> None:
-    docs = {"README.md", *(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))}
-    assert {d: len(snippets(d)) for d in sorted(docs)} == dict(sorted(COUNTS.items()))
-    # SERVING.md: each Python and shell snippet is run or listed with why not, never both
-    found = {("python", i) for i in range(len(snippets(SERVING)))}
-    found |= {("bash", i) for i in range(len(snippets(SERVING, "bash")))}
-    assert found == set(SERVING_RUN) | set(SERVING_NOT_RUN)
+    assert {d: len(snippets(d)) for d in DOCS} == dict(sorted(COUNTS.items()))
+    # SERVING.md: each Python snippet is run or listed with why not, never both
+    assert {("python", i) for i in range(len(snippets(SERVING)))} == set(SERVING_RUN) | set(SERVING_NOT_RUN)
     assert not set(SERVING_RUN) & set(SERVING_NOT_RUN)
-    assert snippets(SERVING, "bash")[0].splitlines()[0].split("#")[0].strip() == SERVE_LINE
+
+
+# --------------------------------------------------------------------------------------------------
+# Shell snippets: each is run (`SHELL_RUN`: by what) or listed with why not (`SHELL_NOT_RUN`)
+# --------------------------------------------------------------------------------------------------
+
+# The fence languages of a shell snippet, and those of the docs' other blocks (bare ones are trees
+# of files). A block under any other language fails the fast test until it is sorted into one.
+SHELL_LANGS = ("bash", "sh", "shell", "console", "zsh")
+OTHER_LANGS = ("python", "yaml", "")
+
+
+def shell_snippets(doc: str) -> list[str]:
+    """`doc`'s shell blocks in order, whatever their language among `SHELL_LANGS`."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    langs = "|".join(SHELL_LANGS)
+    pattern = rf"^( *)```(?:{langs})\n(.*?)^\1```"
+    return [textwrap.dedent(m.group(2)) for m in re.finditer(pattern, text, re.M | re.S)]
+
+
+def commands(code: str) -> list[str]:
+    """A shell snippet's command lines, less comments and blank lines."""
+    return [c for line in code.splitlines() if (c := line.split("#")[0].strip())]
+
+
+# README's and SERVING.md's `serve` line: the `serving_url` fixture runs it (on a free port).
+SERVE_LINE = "branchwise serve --host 127.0.0.1 --port 8000"
+# README's eval lines: tests/test_evals.py's quick-suite test runs the same `eval` and `report`.
+QUICK_SUITE = ["branchwise eval examples/suites/quick.yaml --out runs/quick", "branchwise report runs/quick"]
+
+# What runs each snippet: a test or fixture, `file.py::name` when not in this file, then a note.
+SHELL_RUN: dict[tuple[str, int], str] = {
+    (README, 4): "test_readme_strategy_commands_run: the first two lines as written, the third on the "
+    "file they wrote shrunk by SHRINK (as written: 8 branches of up to 96 tokens a step, up to 8 "
+    "steps, each scored by a judge; minutes of CPU)",
+    (README, 5): "tests/test_evals.py::test_quick_suite_end_to_end: the same eval (with --no-progress) "
+    "and report, through the CLI's app (QUICK_SUITE)",
+    (README, 6): "serving_url: SERVE_LINE, as SERVING.md's first",
+    (SERVING, 0): "serving_url: its first line, SERVE_LINE (the second, serving Qwen2.5-1.5B, is not "
+    "run: it downloads the model)",
+}
+# Two of README's snippets are its quick start, which CI runs as written (`.ci/run`).
+CI_RUN = "`.ci/run` runs it verbatim in a brand-new virtualenv with empty caches, as CI"
+SHELL_NOT_RUN: dict[tuple[str, int], str] = {
+    (README, 0): f"the quick start's main command, installs from PyPI: {CI_RUN}",
+    (README, 1): f"the quick start's install and whole test suite (this file included): {CI_RUN}",
+    (README, 2): "downloads Qwen2.5-1.5B-Instruct (about 3 GB) from the hub",
+    (README, 3): "installs torch and the extras from PyPI (a network, minutes)",
+    ("docs/INTEGRATIONS.md", 0): "installs from PyPI (a network); the suite's environment has the "
+    "extra, `.[all]`",
+    ("docs/INTEGRATIONS.md", 1): "installs from PyPI (a network); the suite's environment has the "
+    "extra, `.[all]`",
+    (SERVING, 1): "binds every interface on port 8000, which a test cannot assume free; the key and "
+    "Host checks it shows are tested in tests/test_serve_security.py",
+    (SERVING, 2): "vLLM on a GPU, a 7B model from the hub",
+    (SERVING, 3): "vLLM on four to sixteen GPUs, a 72B model from the hub",
+    (SERVING, 4): "installs vLLM's CPU build into a new virtualenv from PyPI (a network, minutes)",
+    (SERVING, 5): "`serve --endpoint` in front of two vLLM servers on two machines (gpu-a, gpu-b) of a "
+    "7B model",
+    (SERVING, 6): "eval against two servers on two machines (gpu-a, gpu-b)",
+}
+
+
+def test_every_shell_snippet_is_accounted_for() -> None:
+    """Each shell block of README.md and docs/*.md is run or listed with why not, never both; a
+    block whose fence language is neither a shell's nor one of `OTHER_LANGS` fails here."""
+    fences = {
+        (doc, m.group(1))
+        for doc in DOCS
+        for m in re.finditer(r"^ *```(\S*)\n", (ROOT / doc).read_text(encoding="utf-8"), re.M)
+    }
+    unsorted = {f for f in fences if f[1] not in SHELL_LANGS + OTHER_LANGS}
+    assert not unsorted, f"fences neither shell nor known otherwise: {sorted(unsorted)}"
+    found = {(doc, i) for doc in DOCS for i in range(len(shell_snippets(doc)))}
+    assert found == set(SHELL_RUN) | set(SHELL_NOT_RUN), (
+        f"not accounted for: {sorted(found - set(SHELL_RUN) - set(SHELL_NOT_RUN))}; "
+        f"listed but absent: {sorted((set(SHELL_RUN) | set(SHELL_NOT_RUN)) - found)}"
+    )
+    assert not set(SHELL_RUN) & set(SHELL_NOT_RUN)
+    for key, where in SHELL_RUN.items():  # the test or fixture named exists
+        file, _, name = where.split(": ", 1)[0].rpartition("::")
+        assert f"def {name}(" in (ROOT / (file or "tests/test_doc_snippets.py")).read_text(), (key, where)
+
+
+def test_shell_snippets_run_elsewhere_are_what_is_run() -> None:
+    """A snippet run by another test, or by CI, is the command that one runs."""
+    ci_run = (ROOT / ".ci" / "run").read_text()
+    for key in [(README, 0), (README, 1)]:
+        code = shell_snippets(key[0])[key[1]].strip()
+        assert "\n" not in code and f"'{code}'" in ci_run, (key, code)
+    assert commands(shell_snippets(README)[5]) == QUICK_SUITE
+    assert commands(shell_snippets(README)[6]) == [SERVE_LINE]
+    assert commands(shell_snippets(SERVING)[0])[0] == SERVE_LINE
 
 
 def script(doc: str, skip: set[int] = frozenset()) -> str:  # type: ignore[assignment]
@@ -159,6 +244,53 @@ def test_integrations_snippets_run(embedded_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("langgraph")
     out = run_script(script("docs/INTEGRATIONS.md"), tmp_path)
     assert out.strip(), out
+
+
+def run_shell(code: str, cwd: Path) -> str:
+    """Run shell `code` as written with bash (stopping at the first failing command) in `cwd`, this
+    interpreter's `branchwise` first on PATH; its stdout and stderr, after asserting it succeeded."""
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "branchwise").exists():  # the suite may run without its environment's scripts
+        bin_dir = cwd / ".bin"
+        bin_dir.mkdir(exist_ok=True)
+        shim = bin_dir / "branchwise"
+        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m branchwise "$@"\n')
+        shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd,
+        env=env,
+    )
+    assert proc.returncode == 0, f"{code}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout + proc.stderr
+
+
+# What README's strategy-file run is shrunk to (each key must be in the file `show` wrote).
+SHRINK = {"generate": {"n": 2, "max_tokens": 8}, "loop": {"max_iterations": 1}, "select": {"width": 2}}
+
+
+@pytest.mark.slow
+def test_readme_strategy_commands_run(embedded_dir: Path, tmp_path: Path) -> None:
+    """README's strategy-file lines: `show` writes beam.yaml, `validate` passes it, and the No-KV
+    `run --strategy beam.yaml` answers, on the file shrunk by `SHRINK` (see `SHELL_RUN`)."""
+    show_validate, run_line = shell_snippets(README)[4].rstrip("\n").rsplit("\n", 1)
+    assert commands(run_line)[0].startswith("branchwise run ") and "beam.yaml" in run_line
+    out = run_shell(show_validate, tmp_path)
+    assert "ok beam_search" in out, out
+    strategy = yaml.safe_load((tmp_path / "beam.yaml").read_text())
+    shrunk = 0
+    for node in strategy["nodes"]:
+        for key, value in SHRINK.get(node["kind"], {}).items():
+            assert key in node, (node, key)
+            node[key], shrunk = value, shrunk + 1
+    assert shrunk >= len(SHRINK), strategy
+    (tmp_path / "beam.yaml").write_text(yaml.safe_dump(strategy, sort_keys=False))
+    out = run_shell(run_line, tmp_path)
+    assert "answer:" in out, out
 
 
 # --------------------------------------------------------------------------------------------------

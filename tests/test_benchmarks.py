@@ -187,6 +187,14 @@ def test_rksc_rsbcm_quick() -> None:
     assert out["overhead_ms_per_problem"] == pytest.approx((lat["kv+rsbcm"] - lat["kv"]) * 1e3, abs=0.2)
     check_ci(out["overhead_ci95_ms"], cfg["problems"])
     assert 0.0 <= out["answer_agreement_vs_no_eviction"] <= 1.0
+    # RSBCM's tracking alone: a capacity never reached evicts nothing, and its cost is measured
+    track = out["tracking_only"]
+    assert track["evictions"] == 0
+    assert track["overhead_ms_per_problem"] == pytest.approx(
+        (lat["kv+rsbcm-track"] - lat["kv"]) * 1e3, abs=0.2
+    )
+    check_ci(track["overhead_ci95_ms"], cfg["problems"])
+    assert 0.0 <= track["answer_agreement_vs_no_eviction"] <= 1.0
 
 
 @pytest.mark.slow

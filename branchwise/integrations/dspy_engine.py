@@ -2,7 +2,7 @@
 `dspy.lm15.Response`, so ``dspy.LM("branchwise/<name>", engine=...)`` runs on a local backend.
 
 Why its own module: it is the forward-compatible half of the DSPy plug-in (DSPy 3.5 keeps this
-contract and drops the legacy `BaseLM.forward` that `BranchwiseLM` in `integrations/dspy.py`
+contract and drops the legacy `BaseLM.forward` that `BranchwiseLM` in `integrations/dspy_lm.py`
 implements), and it shares nothing with that legacy LM but the backend and the scheduler.
 DSPy owns the cache, retries, history and the ``n`` fan-out (it sends the ``n`` candidates as ``n``
 one-sample requests); every request goes whole through the backend's shared `Scheduler`, so

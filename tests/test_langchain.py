@@ -25,7 +25,8 @@ from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 from branchwise.backends.base import DecodeParams, DecodeStep, Generation
-from branchwise.integrations.langchain import ChatBranchwise, _chat_messages, as_runnable
+from branchwise.integrations.langchain import ChatBranchwise, as_runnable
+from branchwise.integrations.langchain_convert import chat_messages
 from branchwise.toolcalls import ToolCallStream, parse_tool_calls, split_calls
 
 QUESTIONS = [
@@ -408,7 +409,7 @@ def test_history_of_calls_and_results_is_openai_shaped(tiny_backend: Any) -> Non
         ),
         ToolMessage("84", tool_call_id="c1"),
     ]
-    assert _chat_messages(history) == [
+    assert chat_messages(history) == [
         {"role": "system", "content": "Use tools."},
         {"role": "user", "content": "What is 12 * 7?"},
         {
@@ -426,7 +427,7 @@ def test_history_of_calls_and_results_is_openai_shaped(tiny_backend: Any) -> Non
     ]
     # the tiny model's ChatML template has no tool format: the fallback prompt shows both as blocks
     chat = _chat(tiny_backend)
-    prompt = tiny_backend.decode(tiny_backend.chat_prompt(_chat_messages(history)))
+    prompt = tiny_backend.decode(tiny_backend.chat_prompt(chat_messages(history)))
     assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 7"}}' in prompt
     assert "<tool_response>\n84\n</tool_response>" in prompt
     assert isinstance(chat.bind_tools([calculator]).invoke(history), AIMessage)

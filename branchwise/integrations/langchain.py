@@ -33,6 +33,11 @@ Text is held back where a stop string may begin (the server's rule, `TextStream`
 bound from where a ``<tool_call>`` tag may begin until it is known to be prose or a call; each
 call is one ``tool_call_chunk`` when its block closes. The chunks add up to the ``invoke`` reply.
 A consumer that stops reading cancels the rest of the decoding.
+
+This module holds the chat model, the plug-in's documented import path (`as_runnable` included).
+What the chat model only translates lives in `langchain_convert.py` (LangChain's messages, tools and
+streamed parts to and from branchwise's shapes, with no model in sight), and `as_runnable` in
+`langchain_runnable.py` (it runs a `Reasoner`, not this model).
 """
 
 from __future__ import annotations
@@ -41,28 +46,19 @@ import asyncio
 import contextlib
 import json
 import queue
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.messages import (
-    AIMessage,
-    AIMessageChunk,
-    BaseMessage,
-    ChatMessage,
-    FunctionMessage,
-    HumanMessage,
-    SystemMessage,
-    ToolMessage,
-)
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -77,171 +73,11 @@ from branchwise.backends.base import (
     check_share,
 )
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
-from branchwise.backends.text import TextStream
-from branchwise.constraints import Constraint
-from branchwise.toolcalls import ToolCall, ToolCallStream, normalize_tool_choice, normalize_tools, split_calls
-
-if TYPE_CHECKING:
-    from branchwise.reasoners.reasoner import Reasoner
+from branchwise.integrations.langchain_convert import ChatRequest, StreamPieces, chat_messages, lc_tool_call
+from branchwise.integrations.langchain_runnable import as_runnable
+from branchwise.toolcalls import ToolCall, normalize_tool_choice, normalize_tools, split_calls
 
 __all__ = ["ChatBranchwise", "as_runnable"]
-
-
-def _content_text(content: Any, *, assistant: bool = False) -> str:
-    """The text of a message's content. An assistant's non-text blocks (``tool_use``, reasoning, ...)
-    are dropped: its calls travel in ``tool_calls``. Other roles accept text (and JSON) only."""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if isinstance(part, str):
-            parts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text":
-            parts.append(str(part.get("text", "")))
-        elif isinstance(part, dict) and part.get("type") == "json":
-            parts.append(json.dumps(part.get("json"), ensure_ascii=False))
-        elif assistant:
-            continue
-        else:
-            raise ValueError("ChatBranchwise accepts text content only (no images, audio or files)")
-    return "".join(parts)
-
-
-def _call_id(call: Mapping[str, Any], i: int, j: int) -> str:
-    return str(call.get("id") or f"call_{i}_{j}")
-
-
-def _chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as OpenAI-shaped dicts for `Backend.chat_prompt`: an assistant's tool calls
-    as ``tool_calls`` (arguments as JSON text), a tool's result as role ``tool`` with its
-    ``tool_call_id`` (and the tool's name where known)."""
-    out: list[dict[str, Any]] = []
-    names: dict[str, str] = {}  # tool_call_id -> tool name, to name results that do not say
-    for i, m in enumerate(messages):
-        if isinstance(m, SystemMessage):
-            out.append({"role": "system", "content": _content_text(m.content)})
-        elif isinstance(m, HumanMessage):
-            out.append({"role": "user", "content": _content_text(m.content)})
-        elif isinstance(m, AIMessage):
-            entry: dict[str, Any] = {"role": "assistant", "content": _content_text(m.content, assistant=True)}
-            if m.tool_calls:
-                entry["tool_calls"] = []
-                for j, call in enumerate(m.tool_calls):
-                    cid = _call_id(call, i, j)
-                    names[cid] = call["name"]
-                    entry["tool_calls"].append(
-                        {
-                            "id": cid,
-                            "type": "function",
-                            "function": {
-                                "name": call["name"],
-                                "arguments": json.dumps(call.get("args") or {}, ensure_ascii=False),
-                            },
-                        }
-                    )
-            out.append(entry)
-        elif isinstance(m, ToolMessage):
-            entry = {"role": "tool", "content": _content_text(m.content), "tool_call_id": m.tool_call_id}
-            name = m.name or names.get(m.tool_call_id)
-            if name:
-                entry["name"] = name
-            out.append(entry)
-        elif isinstance(m, FunctionMessage):  # the legacy function-calling result
-            out.append({"role": "tool", "content": _content_text(m.content), "name": m.name})
-        elif isinstance(m, ChatMessage):
-            role = {"human": "user", "ai": "assistant"}.get(m.role, m.role)
-            out.append({"role": role, "content": _content_text(m.content, assistant=role == "assistant")})
-        else:
-            out.append({"role": "user", "content": _content_text(m.content)})
-    return out
-
-
-def _lc_tool_call(call: ToolCall) -> dict[str, Any]:
-    return {"name": call.name, "args": call.arguments, "id": call.id, "type": "tool_call"}
-
-
-class _Pieces:
-    """One streamed reply's parts as it is decoded: text released where no stop string can begin
-    any more (`TextStream`, the server's rule), then split into prose and calls when tools are
-    bound. Together the parts are what `_message` makes of the finished reply. Each part comes with
-    its call index (the position among the reply's calls; 0 for prose)."""
-
-    def __init__(self, detokenize: Callable[[Sequence[int]], str], params: DecodeParams, tools: Any) -> None:
-        self.text = TextStream(detokenize, params)
-        self.splitter = ToolCallStream(tools) if tools else None
-        self.calls = 0
-
-    def _indexed(self, parts: list[str | ToolCall]) -> list[tuple[str | ToolCall, int]]:
-        out = []
-        for part in parts:
-            out.append((part, self.calls if isinstance(part, ToolCall) else 0))
-            self.calls += isinstance(part, ToolCall)
-        return out
-
-    def _parts(self, delta: str) -> list[str | ToolCall]:
-        if self.splitter is None:
-            return [delta] if delta else []
-        return self.splitter.push(delta) if delta else []
-
-    def push(self, tokens: Sequence[int]) -> list[tuple[str | ToolCall, int]]:
-        return self._indexed(self._parts(self.text.push(tokens)))
-
-    def finish(self, text: str) -> list[tuple[str | ToolCall, int]]:
-        """The rest, given the finished reply's text (as the backend cut it)."""
-        parts = self._parts(self.text.finish(text))
-        if self.splitter is not None:
-            parts += self.splitter.finish()
-        return self._indexed(parts)
-
-
-def _tools_of(tools: Any) -> list[dict[str, Any]]:
-    """Any tools LangChain accepts (BaseTool, functions, pydantic/TypedDict classes, OpenAI or
-    Anthropic dicts) as normalized OpenAI function tools."""
-    if not isinstance(tools, Sequence) or isinstance(tools, str):  # one tool
-        tools = [tools]
-    return normalize_tools([convert_to_openai_tool(t) for t in tools])
-
-
-class _Request:
-    """What one call asks for: the prompt's messages and tools, and the decode constraint."""
-
-    def __init__(self, kwargs: Mapping[str, Any]) -> None:
-        tools = kwargs.get("tools")
-        self.tools: list[dict[str, Any]] = _tools_of(tools) if tools else []
-        choice = kwargs.get("tool_choice")
-        if choice is not None and not self.tools:
-            raise ValueError("tool_choice: no tools are bound (use bind_tools)")
-        self.tool_choice = normalize_tool_choice(choice, self.tools) if self.tools else "none"
-        constraints = []
-        if self.tools and self.tool_choice != "none":
-            parallel = kwargs.get("parallel_tool_calls")
-            constraints.append(
-                Constraint.of_tools(
-                    self.tools,
-                    self.tool_choice,
-                    parallel_tool_calls=True if parallel is None else bool(parallel),
-                )
-            )
-        response_format = kwargs.get("response_format")
-        if isinstance(response_format, type):  # a pydantic class or a TypedDict, as ChatOpenAI takes
-            constraints.append(Constraint.of_json_schema(convert_to_json_schema(response_format)))
-        elif response_format is not None:
-            made = Constraint.from_response_format(response_format)
-            if made is not None:
-                constraints.append(made)
-        if kwargs.get("constraint") is not None:
-            constraints.append(Constraint.model_validate(kwargs["constraint"]))
-        if len(constraints) > 1:
-            raise ValueError(
-                "ChatBranchwise decodes under one constraint per call: bind tools (with a tool_choice "
-                "other than 'none'), a response_format or a constraint, not several"
-            )
-        self.constraint: Constraint | None = constraints[0] if constraints else None
-        self.prompt_tools = self.tools if self.tools and self.tool_choice != "none" else []
-
-    @property
-    def calls_tools(self) -> bool:
-        return self.constraint is not None and self.constraint.kind == "tool_calls"
 
 
 class ChatBranchwise(BaseChatModel):
@@ -424,7 +260,7 @@ class ChatBranchwise(BaseChatModel):
     # ------------------------------------------------------------------ generation
     def _job(
         self, messages: Sequence[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[list[int], Job, bool, _Request]:
+    ) -> tuple[list[int], Job, bool, ChatRequest]:
         def opt(name: str) -> Any:
             value = kwargs.get(name)
             return getattr(self, name) if value is None else value
@@ -435,7 +271,7 @@ class ChatBranchwise(BaseChatModel):
         stops = stop if stop is not None else kwargs.get("stop", self.stop)
         if isinstance(stops, str):
             stops = [stops]
-        request = _Request(kwargs)
+        request = ChatRequest(kwargs)
         params = DecodeParams(
             temperature=float(opt("temperature")),
             top_p=float(opt("top_p")),
@@ -444,7 +280,7 @@ class ChatBranchwise(BaseChatModel):
             seed=opt("seed"),
             constraint=request.constraint,
         )
-        chat = _chat_messages(messages)
+        chat = chat_messages(messages)
         if request.prompt_tools:
             prompt_ids = self.backend.chat_prompt(chat, tools=request.prompt_tools)
         else:
@@ -453,7 +289,7 @@ class ChatBranchwise(BaseChatModel):
         return prompt_ids, job, bool(opt("logprobs")), request
 
     def _message(
-        self, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool, request: _Request
+        self, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool, request: ChatRequest
     ) -> dict[str, Any]:
         """Content, tool calls, usage and metadata of one sample's reply (AIMessage keyword arguments)."""
         content = gen.text
@@ -489,13 +325,18 @@ class ChatBranchwise(BaseChatModel):
         )
         return {
             "content": content,
-            "tool_calls": [_lc_tool_call(c) for c in calls],
+            "tool_calls": [lc_tool_call(c) for c in calls],
             "usage_metadata": usage,
             "response_metadata": metadata,
         }
 
     def _result(
-        self, prompt_ids: list[int], gens: list[Generation], job: Job, want_logprobs: bool, request: _Request
+        self,
+        prompt_ids: list[int],
+        gens: list[Generation],
+        job: Job,
+        want_logprobs: bool,
+        request: ChatRequest,
     ) -> ChatResult:
         generations = []
         for g in gens:
@@ -545,8 +386,8 @@ class ChatBranchwise(BaseChatModel):
         gens = await self._scheduler.submit_async(job)
         return self._result(prompt_ids, gens, job, want_logprobs, request)
 
-    def _pieces(self, request: _Request, params: DecodeParams) -> _Pieces:
-        return _Pieces(self.backend.decode, params, request.tools if request.calls_tools else None)
+    def _pieces(self, request: ChatRequest, params: DecodeParams) -> StreamPieces:
+        return StreamPieces(self.backend.decode, params, request.tools if request.calls_tools else None)
 
     def _chunk(self, part: str | ToolCall, index: int) -> ChatGenerationChunk:
         if isinstance(part, str):
@@ -557,7 +398,7 @@ class ChatBranchwise(BaseChatModel):
         return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[call]))
 
     def _last_chunk(
-        self, prompt_ids: list[int], job: Job, want_logprobs: bool, request: _Request
+        self, prompt_ids: list[int], job: Job, want_logprobs: bool, request: ChatRequest
     ) -> ChatGenerationChunk:
         """The closing chunk: usage and metadata of the whole reply."""
         (gen,) = job.result()
@@ -641,66 +482,3 @@ class ChatBranchwise(BaseChatModel):
         finally:
             if not job.done.is_set():  # the consumer stopped reading (or was cancelled)
                 self._scheduler.cancel(job)
-
-
-# --------------------------------------------------------------------------------------------------
-# A whole strategy as one Runnable
-# --------------------------------------------------------------------------------------------------
-
-
-def _question(value: Any, input_key: str) -> str:
-    """The question in what an LCEL step receives: a string, a dict (``input_key``), a prompt value,
-    a message or a list of messages (the last human message)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict):
-        if input_key not in value:
-            raise KeyError(f"the input dict has no {input_key!r} key (keys: {sorted(value)})")
-        return _question(value[input_key], input_key)
-    to_messages = getattr(value, "to_messages", None)  # ChatPromptValue / StringPromptValue
-    if callable(to_messages):
-        value = to_messages()
-    if isinstance(value, BaseMessage):
-        return _content_text(value.content)
-    if isinstance(value, Sequence):
-        humans = [m for m in value if isinstance(m, HumanMessage)]
-        if humans:
-            return _content_text(humans[-1].content)
-    raise TypeError(f"cannot read a question from {type(value).__name__}")
-
-
-def _output(result: Any) -> dict[str, Any]:
-    chosen = next((b for b in result.branches if b.selected), result.branches[0] if result.branches else None)
-    return {
-        "answer": result.answer,
-        "votes": dict(result.votes),
-        "support": result.support,
-        "text": chosen.text if chosen is not None else "",
-        "strategy": result.strategy,
-        "kv_stats": dict(result.kv_stats),
-        "result": result,
-    }
-
-
-def as_runnable(
-    reasoner: Reasoner, *, input_key: str = "question", name: str | None = None
-) -> Runnable[Any, dict[str, Any]]:
-    """A whole branchwise strategy as one LangChain `Runnable` (an LCEL step or a LangGraph node).
-
-    Input: a question string, a dict holding it under `input_key`, a prompt value or messages (the
-    last human message is the question). Output: a dict with ``answer``, ``votes``, ``support``,
-    ``text`` (the chosen branch), ``strategy``, ``kv_stats`` and ``result`` (the full
-    `ReasoningResult`). ``ainvoke`` awaits `Reasoner.arun` (the strategy in a worker thread), so
-    concurrent async runs do not block the event loop.
-
-    (This is the ``Reasoner.as_runnable()`` of the integration: a function here, so `Reasoner`
-    itself does not depend on langchain-core.)
-    """
-
-    def run(value: Any) -> dict[str, Any]:
-        return _output(reasoner.run(_question(value, input_key)))
-
-    async def arun(value: Any) -> dict[str, Any]:
-        return _output(await reasoner.arun(_question(value, input_key)))
-
-    return RunnableLambda(run, afunc=arun, name=name or f"branchwise-{reasoner.strategy.name}")

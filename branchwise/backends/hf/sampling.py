@@ -3,6 +3,12 @@
 Why separate: the decode loop stays about KV and batching; what a "sample" is lives here, together
 with the per-token statistics CGEE needs (top-1 probability and the chosen token's log-probability,
 both at temperature 1, i.e. the model's own distribution).
+
+A sample is drawn by inverting each row's cumulative distribution at one uniform number (`draw`),
+not with `torch.multinomial`: on a CPU, multinomial draws one exponential variate per vocabulary
+entry (its Gumbel-style kernel), which measured 9.5 ms per step for 8 rows of a 49,152-token
+vocabulary on 2 cores, against 0.3 ms for the cumulative sum and one search: 5-8 % of a sampled
+decode step of a small model. Both are exact samplers of the same distribution.
 """
 
 from __future__ import annotations
@@ -36,9 +42,24 @@ def pick_tokens(
     else:
         assert not isinstance(top_p, torch.Tensor)
         probs = _nucleus(torch.softmax(logits / temperature, dim=-1), top_p)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = draw(probs, generator)
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, top1, chosen
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs` [B, V] (non-negative, each row with positive mass; it need not
+    sum to 1): the first index whose cumulative mass exceeds a uniform fraction of the row's total.
+
+    The cumulative sum is in float64, so a token is taken with its probability up to float64
+    rounding, and a token of probability 0 (masked by top-p or a grammar) never: its cumulative
+    mass equals its predecessor's, which the strict search never stops at. The uniform number is a
+    float32 one in [0, 1), so its product with the total stays below the total and the search
+    always lands inside the vocabulary.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float32)
+    return torch.searchsorted(cdf, u.to(torch.float64) * cdf[:, -1:], right=True).squeeze(-1)
 
 
 def _nucleus(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
@@ -65,5 +86,5 @@ def _sample_rows(
         return tokens
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
     probs = _nucleus(torch.softmax(scaled, dim=-1), top_p)
-    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    sampled = draw(probs, generator)
     return torch.where(greedy, tokens, sampled)

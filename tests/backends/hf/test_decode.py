@@ -238,3 +238,27 @@ def test_rows_with_their_own_temperature_and_top_p() -> None:
         assert torch.allclose(chosen, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
         seen.add(int(tokens[2]))
     assert len(seen) > 5  # the hot row really samples
+
+
+def test_draw_samples_each_token_with_its_probability_and_never_a_masked_one() -> None:
+    """The sampler inverts each row's cumulative distribution: over many draws each token's
+    frequency matches its probability (a chi-square test at 0.1 %), tokens of probability 0 are
+    never drawn (also at the vocabulary's ends), rows need not be normalised, and a seeded
+    generator repeats its draws."""
+    import torch
+    from scipy.stats import chisquare
+
+    from branchwise.backends.hf.sampling import draw
+
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
+    rows = probs.repeat(4000, 1) * 3.0  # unnormalised on purpose
+    tokens = draw(rows, torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=7)
+    assert counts[probs == 0].sum() == 0
+    support = probs > 0
+    assert chisquare(counts[support].numpy(), (probs[support] * len(tokens)).numpy()).pvalue > 1e-3
+    again = draw(rows, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, again)
+    one_hot = torch.zeros(50, 9)
+    one_hot[:, 8] = 1.0  # all mass on the last token
+    assert draw(one_hot, None).eq(8).all()

@@ -2,7 +2,7 @@
 
 Why its own module: this is where a token gets sampled (`sampling.pick_tokens`) and where a branch
 ends (EOS, a stop string, the step delimiter, max_tokens, or an acceleration's `stop_reason`). It
-owns no KV: `forward` (the runner, bound to the session) and `capture` (copy a row's KV back into
+owns no KV: `forward` (the runner, bound to the run's `Computation`) and `capture` (copy a row's KV back into
 its node) are passed in, so this loop reads as what it is.
 
 Stop checks are incremental: each row keeps a running detokenization (`TextTail`) that decodes only
@@ -16,12 +16,12 @@ step when absent; the listener does the detokenizing for its own consumers, off 
 Continuous batching: an optional `admit` callback (`AdmitNodes`) is asked at each step boundary for new
 nodes to decode in the same call. When it hands some in, this loop stops there as if the batch had
 ended for now (rows' KV captured into their nodes, their sampled-but-unfed token left pending) and
-the session assembles one batch of the rows still decoding and the new ones; `DecodeRun` carries
+the run's `Computation` assembles one batch of the rows still decoding and the new ones; `DecodeRun` carries
 each row's tokens, stop state and index across those batches, so a row's result does not depend
 on when others joined (beyond the batch composition every batched decode already has).
 
 The KV budget: an optional `pressure` callback names rows to preempt at a step boundary; they leave
-the batch at once, uncaptured (their KV is dropped by the session and recomputed when they rejoin,
+the batch at once, uncaptured (their KV is dropped by the `Computation` and recomputed when they rejoin,
 through the same re-assembly as admitted rows), and keep their tokens in `DecodeRun.carried`.
 """
 

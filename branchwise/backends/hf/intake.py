@@ -4,7 +4,7 @@ back, long prompts prefilled one chunk per step, and the scheduler's new request
 Why here and not in the scheduler: the scheduler (`backends/scheduler.py`) is generic over any
 `Backend` and decides *which* requests may join (first come, first served, equal decoding
 parameters, a row bound and the worst-case KV the backend says they need). Only the local backend
-can decide *how* they join without stalling the batch, so the session's decode loop asks this
+can decide *how* they join without stalling the batch, so the decode loop (`Computation.run`) asks this
 object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
 
 - **Chunked prefill.** A newcomer whose prompt has more than `chunk` tokens to compute does not
@@ -79,9 +79,9 @@ class Intake:
         self.preempted: list[Segment] = []
         self.ready: list[Segment] = []
         self.batch: Batch | None = None
-        """The batch being decoded (set by the session before each `decode`)."""
+        """The batch being decoded (set by `Computation.run` before each `decode`)."""
 
-    # ------------------------------------------------------------------ the session's loop
+    # ------------------------------------------------------------------ the decode loop's calls
     def start(self, segs: Sequence[Segment]) -> list[Segment]:
         """The call's first rows: those with a long prompt wait in `prefilling` when newcomers may
         join meanwhile (without a scheduler there is nobody to let through: prompts are computed

@@ -39,7 +39,7 @@ AUTO_FRACTION = 0.5
 loaded), leaving the rest to activations, the allocator's slack and the rest of the process."""
 
 TAIL_SLACK = 128
-"""Free slots per row a decode batch's tails are assembled with, at most (`Session._assemble`)."""
+"""Free slots per row a decode batch's tails are assembled with, at most (`Computation.assemble`)."""
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -131,7 +131,7 @@ class KVPool:
     reserved: int = 0
     """Bytes the running decode's rows may still grow by (worst case; set at each step boundary)."""
     copy_tokens: int = 0
-    """Prompts up to this many tokens may be copied into each row's tail (`Session._assemble`)."""
+    """Prompts up to this many tokens may be copied into each row's tail (`Computation.assemble`)."""
     preemptions: int = 0
     overruns: int = 0
     """Decode steps that ran above the budget because nothing could yield (a lone row, or rows of
@@ -208,7 +208,7 @@ class KVPool:
         Per row it counts what a decode really holds, not only the tokens: a row's own KV twice
         (its node keeps what it had when a batch was re-assembled for a newcomer, its tail holds
         that again plus what it adds until the batch ends), the free slots a batch's tails are
-        assembled with (`Session._assemble`'s ``extra``: up to 128 per row), and, when many short
+        assembled with (`Computation.assemble`'s ``extra``: up to 128 per row), and, when many short
         prompts decode together, its own copy of its prompt in its tail (`copy_tokens`). Counting
         the tokens alone made admission promise room that decoding then took back by preemption;
         the tails are rectangular (every row gets the longest row's room), which paged KV blocks

@@ -9,7 +9,7 @@ looks for an earlier step of the same question (this branch's, its earlier tree 
 sibling's, live or finished) that the new step repeats (stage 1), then for each block sealed during the new step the nearest sealed block of those
 candidate steps by KV distance (stage 2, PAT threshold). An admitted block is *shared*:
 
-- the source block becomes a physical `tree.Block` unless it already is one: copied once out of its
+- the source block becomes a physical `segment.Block` unless it already is one: copied once out of its
   row's tail (the slots leave the tail, the row points at it: `KVEdits.seal_row`), or, for a node
   outside the decode, moved out of the node's KV (`KVEdits.seal`), so it is held once either way;
 - the new block's slots leave the current row's tail and the row points at the same block

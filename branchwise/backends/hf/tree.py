@@ -7,7 +7,7 @@ children is frozen (growing it would change what they read); a released node is 
 no child needs it any more, and then its parent is checked in turn.
 
 This module knows nothing about the model: it stores the tensors it is given and answers
-structural questions. The runner computes the tensors, the session decides when. The tree is the
+structural questions. The runner computes the tensors, the run's `Computation` (`compute.py`) decides when. The tree is the
 one place that changes nodes; three parts it composes keep their own rules:
 
 - `Accounts` (`ledger.py`): the bytes and nodes of each owner (a run), of all live KV and of the

@@ -262,3 +262,24 @@ def test_draw_samples_each_token_with_its_probability_and_never_a_masked_one() -
     one_hot = torch.zeros(50, 9)
     one_hot[:, 8] = 1.0  # all mass on the last token
     assert draw(one_hot, None).eq(8).all()
+    first = torch.zeros(50, 9)
+    first[:, 0] = 1.0  # all mass on the first token, the rest 0 (the search must not run past it)
+    assert draw(first, None).eq(0).all()
+    for bad in (torch.zeros(2, 9), torch.full((2, 9), float("nan")), torch.full((2, 9), float("inf"))):
+        with pytest.raises(RuntimeError, match="cannot sample"):
+            draw(bad, None)
+
+
+def test_draw_held_at_the_last_token_with_mass_when_rounding_overshoots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A uniform number that rounding carries to the row's total would search past the end, onto
+    trailing tokens of probability 0: the draw is held at the last token with mass."""
+    import torch
+
+    from branchwise.backends.hf import sampling
+
+    probs = torch.zeros(3, 10)
+    probs[:, :3] = torch.tensor([0.2, 0.3, 0.5])
+    monkeypatch.setattr(sampling.torch, "rand", lambda *shape, **kw: torch.ones(*shape, dtype=kw["dtype"]))
+    assert sampling.draw(probs, None).tolist() == [2, 2, 2]

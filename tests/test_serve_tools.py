@@ -219,7 +219,11 @@ def test_a_strategy_votes_on_tool_calls(client: Any) -> None:
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0}},
+    # bounded, so a reply ends within max_tokens whatever the random model samples
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }

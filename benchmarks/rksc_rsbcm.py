@@ -48,39 +48,38 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [padded_prompt(backend, q, args.prefix) for q, _, _ in problems]
     for cond in ("kv", "kv+rsbcm", "kv+rsbcm-track"):
         solve(backend, prompts[0], suffixes, args.tokens, cond)  # warm-up
-    times: dict[str, list[float]] = {"kv": [], "kv+rsbcm": [], "kv+rsbcm-track": []}
-    agree, evictions, freed = [], [], []
-    track_agree, track_evictions = [], []
+    rsbcm_conds = ("kv+rsbcm", "kv+rsbcm-track")
+    times: dict[str, list[float]] = {c: [] for c in ("kv", *rsbcm_conds)}
+    agree: dict[str, list[bool]] = {c: [] for c in rsbcm_conds}
+    evictions: dict[str, list[int]] = {c: [] for c in rsbcm_conds}
+    freed = []
     for prompt in prompts:
         base = solve(backend, prompt, suffixes, args.tokens, "kv")
-        backend.reset_stats()
-        evicting = solve(backend, prompt, suffixes, args.tokens, "kv+rsbcm")
-        extra = backend.kv_stats().extra
-        evictions.append(int(extra.get("rsbcm_evictions", 0)))
-        freed.append(int(extra.get("rsbcm_evicted_tokens", 0)) * backend.kv_token_bytes)
         times["kv"].append(base.seconds)
-        times["kv+rsbcm"].append(evicting.seconds)
-        agree.append(base.answers[base.decision] == evicting.answers[evicting.decision])
-        backend.reset_stats()
-        tracking = solve(backend, prompt, suffixes, args.tokens, "kv+rsbcm-track")
-        track_evictions.append(int(backend.kv_stats().extra.get("rsbcm_evictions", 0)))
-        times["kv+rsbcm-track"].append(tracking.seconds)
-        track_agree.append(base.answers[base.decision] == tracking.answers[tracking.decision])
+        for cond in rsbcm_conds:
+            backend.reset_stats()
+            run = solve(backend, prompt, suffixes, args.tokens, cond)
+            extra = backend.kv_stats().extra
+            evictions[cond].append(int(extra.get("rsbcm_evictions", 0)))
+            times[cond].append(run.seconds)
+            agree[cond].append(base.answers[base.decision] == run.answers[run.decision])
+            if cond == "kv+rsbcm":
+                freed.append(int(extra.get("rsbcm_evicted_tokens", 0)) * backend.kv_token_bytes)
     diffs, (low, high) = overhead(times["kv"], times["kv+rsbcm"])
     track_diffs, (track_low, track_high) = overhead(times["kv"], times["kv+rsbcm-track"])
     bench.emit(
         {
             "task": args.task,
             "expected_evictions": len(prompts) * max(0, args.branches - args.capacity),
-            "observed_evictions": sum(evictions),
-            "evictions_per_problem": evictions,
-            "answer_agreement_vs_no_eviction": round(statistics.fmean(agree), 3),
+            "observed_evictions": sum(evictions["kv+rsbcm"]),
+            "evictions_per_problem": evictions["kv+rsbcm"],
+            "answer_agreement_vs_no_eviction": round(statistics.fmean(agree["kv+rsbcm"]), 3),
             "overhead_ms_per_problem": round(statistics.fmean(diffs), 1),
             "overhead_ci95_ms": [round(low, 1), round(high, 1)],
             "kv_bytes_freed_per_problem": round(statistics.fmean(freed)),
             "tracking_only": {
-                "evictions": sum(track_evictions),
-                "answer_agreement_vs_no_eviction": round(statistics.fmean(track_agree), 3),
+                "evictions": sum(evictions["kv+rsbcm-track"]),
+                "answer_agreement_vs_no_eviction": round(statistics.fmean(agree["kv+rsbcm-track"]), 3),
                 "overhead_ms_per_problem": round(statistics.fmean(track_diffs), 1),
                 "overhead_ci95_ms": [round(track_low, 1), round(track_high, 1)],
             },

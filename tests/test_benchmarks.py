@@ -243,6 +243,19 @@ def test_prefix_cache_quick() -> None:
         assert on["cache_hit_tokens"] > 0 and on["tokens_computed"] < off["tokens_computed"]
 
 
+def test_linear_kernels_quick() -> None:
+    """Every kernel times the same bytes; each ratio is the packed kernel's time over its own."""
+    out = run_quick("linear_kernels.py")
+    assert out["weights"] > 0 and out["weight_mb"] > 0
+    row = out["m1"]
+    assert set(row) == {"packed", "dense", "read"}  # no vLLM in this Python: its kernel is not claimed
+    for name, got in row.items():
+        assert got["ms"] > 0
+        assert got["vs_packed"] == round(row["packed"]["ms"] / got["ms"], 3), name
+        # MB per ms is GB per s (both figures are rounded in the JSON)
+        assert abs(got["gb_per_s"] - out["weight_mb"] / got["ms"]) <= 0.02 * got["gb_per_s"], name
+
+
 @pytest.mark.slow
 def test_agent_quick(embedded_dir: Path) -> None:
     pytest.importorskip("dspy")

@@ -395,3 +395,27 @@ def test_serve_streams_concurrent_requests_side_by_side_on_vllm(fronted: str, ba
         replies = list(pool.map(ask, range(4)))
     assert [used for used, _ in replies] == [2 * (8 + 4 * i) for i in range(4)]
     assert all(text.strip() for _, text in replies)
+
+
+def test_linear_kernels_benchmark_times_vllms_own_matmul_beside_torchs() -> None:
+    """`benchmarks/linear_kernels.py --vllm-python` runs its measurement inside vLLM's Python and
+    times vLLM's oneDNN matmul beside the local backend's packed kernel, on the same weights."""
+    python = os.environ.get("BRANCHWISE_VLLM_PYTHON")
+    if not python:
+        pytest.fail("set BRANCHWISE_VLLM_PYTHON to the Python of vLLM's virtualenv (CI's vLLM stage does)")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "linear_kernels.py", "--quick", "--threads", "1", "--vllm-python", python],
+        cwd=root / "benchmarks",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["measured_in"] == python
+    row = out["m1"]
+    assert set(row) == {"packed", "dense", "read", "vllm"}
+    assert row["vllm"]["ms"] > 0 and row["vllm"]["vs_packed"] == round(
+        row["packed"]["ms"] / row["vllm"]["ms"], 3
+    )

@@ -4,7 +4,10 @@ bandwidth that implies.
 B independent prompts of equal length (no shared prefix: this measures the decode engine, not
 sharing) decode `--tokens` greedy tokens each, B = each of `--batches`. Prefill is excluded the same
 way on both sides: the time of a 1-token decode from the same prompts is subtracted from the time of
-a `--tokens` decode, so tokens/s = B·(tokens − 1) / (t_tokens − t_1).
+a `--tokens` decode, so tokens/s = B·(tokens − 1) / (t_tokens − t_1). A third arm runs branchwise's
+loop with every decoder layer computed by transformers' own modules instead of `backends/hf/layer.py`
+(the same arithmetic without the module plumbing): its ratio is what that module buys, and its
+tokens must be equal.
 
 Bandwidth. A decode step streams every weight the step uses once (all parameters except an untied
 input embedding, of which only B rows are read) plus the KV each row attends to. So
@@ -19,13 +22,14 @@ token without downloading one.
 
 from __future__ import annotations
 
+import statistics
 import time
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from _common import Bench, BenchParser, set_threads
-from prefix_sharing import PASSAGE, exact_tokens, median_time
+from prefix_sharing import PASSAGE, exact_tokens
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
@@ -110,6 +114,34 @@ def parameter_count(backend: HFBackend) -> int:
     return count - backend.prepacked.extra_bytes // backend.dtype.itemsize
 
 
+Arm = Callable[[list[list[int]], int], list[list[int]]]
+
+
+def interleaved(
+    arms: dict[str, Arm], prompts: list[list[int]], tokens: int, repeats: int
+) -> tuple[dict[str, float], dict[str, list[list[int]]]]:
+    """Decode steps per second of each arm, (tokens − 1) / (median t(tokens) − median t(1)), and its
+    last tokens. Repeat-major with the arms' order reversed every other repeat, after one warm-up
+    each, so a machine that drifts during the run weighs on every arm alike."""
+    full: dict[str, list[float]] = {name: [] for name in arms}
+    one: dict[str, list[float]] = {name: [] for name in arms}
+    out: dict[str, list[list[int]]] = {}
+    for fn in arms.values():
+        fn(prompts, tokens)
+    for r in range(repeats):
+        for name, fn in arms.items() if r % 2 == 0 else reversed(arms.items()):
+            for n, times in ((tokens, full[name]), (1, one[name])):
+                start = time.perf_counter()
+                got = fn(prompts, n)  # token lists: waits for the device's queued work
+                times.append(time.perf_counter() - start)
+                if n == tokens:
+                    out[name] = got
+    rates = {
+        name: (tokens - 1) / (statistics.median(full[name]) - statistics.median(one[name])) for name in arms
+    }
+    return rates, out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = BenchParser(__doc__, {"batches": [1, 2], "tokens": 8, "prompt": 32, "repeats": 1})
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="rows decoded together")
@@ -138,34 +170,44 @@ def main(argv: list[str] | None = None) -> None:
         backend.release(roots)
         return [g.token_ids for g in gens]
 
+    def transformers_layers(prompts: list[list[int]], tokens: int) -> list[list[int]]:
+        lean = backend.engine.runner.lean
+        lean.enabled = False
+        try:
+            return ours(prompts, tokens)
+        finally:
+            lean.enabled = True
+
     def generate(prompts: list[list[int]], tokens: int) -> list[list[int]]:
         return backend.hf_generate(prompts, tokens, exact_length=True)  # type: ignore[return-value]
 
     weights = weight_bytes(backend.model)
     peak = peak_gbps(args.peak_gbps)
+    arms = {"branchwise": ours, "transformers_layers": transformers_layers, "hf_generate": generate}
     rows = []
     for b in args.batches:
         prompts = [passage[i : i + args.prompt] for i in range(b)]  # equal lengths, all different
         bench.log(f"B={b}")
         result: dict[str, Any] = {"batch": b}
-        tokens: dict[str, list[list[int]]] = {}
-        for name, fn in (("branchwise", ours), ("hf_generate", generate)):
-            # both return token lists, which waits for the device's queued work
-            t_full, tokens[name] = median_time(partial(fn, prompts, args.tokens), args.repeats)
-            t_one, _ = median_time(partial(fn, prompts, 1), args.repeats)
-            steps_per_s = (args.tokens - 1) / (t_full - t_one)
+        steps_per_s, tokens = interleaved(arms, prompts, args.tokens, args.repeats)
+        for name, rate in steps_per_s.items():
             context = args.prompt + args.tokens / 2
             step_bytes = weights + b * context * backend.kv_token_bytes
-            gbps = step_bytes * steps_per_s / 1e9
+            gbps = step_bytes * rate / 1e9
             result[name] = {
-                "tokens_per_s": round(b * steps_per_s, 2),
-                "ms_per_step": round(1000 / steps_per_s, 3),
+                "tokens_per_s": round(b * rate, 2),
+                "ms_per_step": round(1000 / rate, 3),
                 "achieved_gbps": round(gbps, 2),
                 "fraction_of_peak": None if peak is None else round(gbps / peak, 4),
             }
         result["speedup_vs_hf_generate"] = round(
             result["branchwise"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"], 3
         )
+        # the same loop with each decoder layer run by transformers (backends/hf/layer.py's baseline)
+        result["speedup_vs_transformers_layers"] = round(
+            result["branchwise"]["tokens_per_s"] / result["transformers_layers"]["tokens_per_s"], 3
+        )
+        result["tokens_equal_vs_transformers_layers"] = tokens["branchwise"] == tokens["transformers_layers"]
         agreement = greedy_agreement(backend.model, prompts, tokens["hf_generate"], tokens["branchwise"])
         result["greedy_agreement_vs_hf_generate"] = agreement.as_dict()
         rows.append(result)

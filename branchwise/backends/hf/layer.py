@@ -79,6 +79,8 @@ class Lean:
     """Which layers `forward` may compute (see the module docstring); built once per model."""
 
     def __init__(self, layers: Iterable[nn.Module], device: torch.device) -> None:
+        self.enabled = True
+        """False runs every layer through transformers (what `benchmarks/decode.py` compares with)."""
         self.modules: dict[int, list[nn.Module]] = {}
         """Per eligible layer (by id): every module in it, whose hooks are checked per forward."""
         if device.type != "cpu":
@@ -90,7 +92,8 @@ class Lean:
     def layers(self) -> set[int]:
         """Ids of the layers `forward` computes now: eligible ones with no hook in them."""
         if (
-            torch_module._global_forward_hooks
+            not self.enabled
+            or torch_module._global_forward_hooks
             or torch_module._global_forward_pre_hooks
             or torch_module._global_forward_hooks_always_called
         ):

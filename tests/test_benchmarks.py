@@ -517,9 +517,6 @@ def test_decode_quick(embedded_dir: Path) -> None:
         assert ours["tokens_per_s"] == pytest.approx(row["batch"] * 1000 / ours["ms_per_step"], rel=1e-2)
         assert ours["fraction_of_peak"] is None  # no GPU here and no --peak-gbps given
         assert row["greedy_agreement_vs_hf_generate"]["identical"] is True  # fp32: generate()'s tokens
-        plain = row["transformers_layers"]["tokens_per_s"]
-        assert row["speedup_vs_transformers_layers"] == ratio(ours["tokens_per_s"], plain)
-        assert row["tokens_equal_vs_transformers_layers"] is True  # bitwise the same layers
     assert 0 < out["weight_bytes_per_step"] <= 4 * out["parameters"]
 
 

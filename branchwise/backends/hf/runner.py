@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from branchwise.backends.hf import layer
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, Forward, overrides
@@ -30,7 +29,6 @@ class Runner:
         self.parts = parts
         self.pad_id = pad_id
         self.device = device
-        self.lean = layer.Lean(parts.layers, device)
 
     @torch.inference_mode()
     def forward(
@@ -62,11 +60,8 @@ class Runner:
         h = parts.embed(ids)
         cos, sin = parts.rotary(h, pos)
         rope = [pos, cos, sin]  # rebound when rows exit
-        lean = self.lean.layers()
 
         def run_layer(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            if id(block) in lean:  # the same arithmetic without transformers' plumbing (layer.py)
-                return layer.forward(block, x, rope[1], rope[2], ctx)
             return block(
                 x,
                 attention_mask=None,

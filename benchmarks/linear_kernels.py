@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 QUICK = {"rows": [1], "repeats": 2}
-KERNELS = ("packed", "dense", "read")
 
 
 def checkpoint_weights(model_dir: Path, dtype: torch.dtype) -> list[torch.Tensor]:

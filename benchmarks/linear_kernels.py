@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -103,7 +104,7 @@ def measure(
                     times[name].append(time.perf_counter() - start)
             row: dict[str, Any] = {}
             for name, got in times.items():
-                t = sorted(got)[len(got) // 2]
+                t = statistics.median(got)
                 row[name] = {"ms": round(t * 1e3, 2), "gb_per_s": round(nbytes / t / 1e9, 2)}
             for name in row:
                 row[name]["vs_packed"] = round(row["packed"]["ms"] / row[name]["ms"], 3)

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     times: dict[str, list[float]] = {c: [] for c in ("kv", *rsbcm_conds)}
     agree: dict[str, list[bool]] = {c: [] for c in rsbcm_conds}
     evictions: dict[str, list[int]] = {c: [] for c in rsbcm_conds}
-    freed = []
+    freed: dict[str, list[int]] = {c: [] for c in rsbcm_conds}
     for prompt in prompts:
         base = solve(backend, prompt, suffixes, args.tokens, "kv")
         times["kv"].append(base.seconds)
@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             evictions[cond].append(int(extra.get("rsbcm_evictions", 0)))
             times[cond].append(run.seconds)
             agree[cond].append(base.answers[base.decision] == run.answers[run.decision])
-            if cond == "kv+rsbcm":
-                freed.append(int(extra.get("rsbcm_evicted_tokens", 0)) * backend.kv_token_bytes)
+            freed[cond].append(int(extra.get("rsbcm_evicted_tokens", 0)) * backend.kv_token_bytes)
     diffs, (low, high) = overhead(times["kv"], times["kv+rsbcm"])
     track_diffs, (track_low, track_high) = overhead(times["kv"], times["kv+rsbcm-track"])
     bench.emit(
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             "answer_agreement_vs_no_eviction": round(statistics.fmean(agree["kv+rsbcm"]), 3),
             "overhead_ms_per_problem": round(statistics.fmean(diffs), 1),
             "overhead_ci95_ms": [round(low, 1), round(high, 1)],
-            "kv_bytes_freed_per_problem": round(statistics.fmean(freed)),
+            "kv_bytes_freed_per_problem": round(statistics.fmean(freed["kv+rsbcm"])),
             "tracking_only": {
                 "evictions": sum(evictions["kv+rsbcm-track"]),
                 "answer_agreement_vs_no_eviction": round(statistics.fmean(agree["kv+rsbcm-track"]), 3),

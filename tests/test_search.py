@@ -269,16 +269,30 @@ def test_ets_rejects_malformed_trees() -> None:
 class _RaisingSolver(pulp.LpSolver):
     """Stands in for a missing or crashing CBC."""
 
-    def actualSolve(self, lp: pulp.LpProblem, **kwargs: object) -> int:
+    def actualSolve(self, lp: pulp.LpProblem, **kwargs: object) -> object:
         raise pulp.PulpSolverError("cbc binary missing")
+
+
+def _report(solver: pulp.LpSolver, lp: pulp.LpProblem, *, solution: bool) -> object:
+    """End a fake solve the way the installed PuLP does: PuLP <= 3 records the outcome on the problem
+    and returns its status; PuLP 4 (no solve state on the problem) returns an ``LpSolveStats``."""
+    if hasattr(lp, "assignStatus"):  # PuLP <= 3: a time-limited stop reads "optimal" + integer feasible
+        if solution:
+            lp.assignStatus(pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible)
+        else:
+            lp.assignStatus(pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
+        return lp.status
+    from pulp.apis.core import clocks  # PuLP 4's timer for buildStats
+
+    status = pulp.LpSolveStatus.TimeLimit if solution else pulp.LpSolveStatus.NotSolved
+    return solver.buildStats(lp, status, solution, start=clocks())
 
 
 class _NoSolutionSolver(pulp.LpSolver):
     """Stands in for CBC hitting its time limit before finding any integer solution."""
 
-    def actualSolve(self, lp: pulp.LpProblem, **kwargs: object) -> int:
-        lp.assignStatus(pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
-        return lp.status
+    def actualSolve(self, lp: pulp.LpProblem, **kwargs: object) -> object:
+        return _report(self, lp, solution=False)
 
 
 class _FeasibleSolver(pulp.LpSolver):
@@ -289,10 +303,9 @@ class _FeasibleSolver(pulp.LpSolver):
         self.keep = set(keep)
         self.n_leaves = n_leaves
 
-    def actualSolve(self, lp: pulp.LpProblem, **kwargs: object) -> int:
+    def actualSolve(self, lp: pulp.LpProblem, **kwargs: object) -> object:
         lp.assignVarsVals({f"x_{i}": float(i in self.keep) for i in range(self.n_leaves)})
-        lp.assignStatus(pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible)
-        return lp.status
+        return _report(self, lp, solution=True)
 
 
 def test_ets_fallback_when_the_solver_raises() -> None:
@@ -330,6 +343,64 @@ def test_ets_real_cbc_reports_its_solve_time() -> None:
     assert sel.solver_status == "optimal" and sel.solve_time_s > 0
     with pytest.raises(ValueError):
         ets_select(T1, LEAVES, [0.4, 0.3, 0.3], time_limit=0.0)
+
+
+def _pulp3(status: int, solution: int) -> tuple[object, object]:
+    """PuLP <= 3's shape: the outcome on the problem, ``solve`` returning the status code."""
+    return types.SimpleNamespace(status=status, sol_status=solution), status
+
+
+def _pulp4(status: int, has_solution: bool, name: str) -> tuple[object, object]:
+    """PuLP 4's shape: a problem with no solve state, ``solve`` returning an ``LpSolveStats``."""
+    return types.SimpleNamespace(), types.SimpleNamespace(
+        status=status, has_solution=has_solution, status_str=name
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "want"),
+    [
+        # PuLP <= 3: LpStatusOptimal (1) + LpSolutionOptimal (1) / LpSolutionIntegerFeasible (2)
+        (_pulp3(1, 1), "optimal"),
+        (_pulp3(1, 2), "feasible"),  # CBC stopped by its time limit with an incumbent
+        (_pulp3(0, 0), "not solved"),  # ... and without one
+        (_pulp3(-1, -1), "infeasible"),
+        (_pulp3(1, 0), "no solution"),  # a status claiming success without a solution
+        (_pulp3(7, 0), "undefined"),
+        # PuLP 4: LpSolveStatus.Optimal (1), TimeLimit (-4), NotSolved (0), Infeasible (-1)
+        (_pulp4(1, True, "Optimal"), "optimal"),
+        (_pulp4(-4, True, "TimeLimit"), "feasible"),
+        (_pulp4(-4, False, "TimeLimit"), "time limit"),
+        (_pulp4(0, False, "NotSolved"), "not solved"),
+        (_pulp4(-1, False, "Infeasible"), "infeasible"),
+        (_pulp4(1, False, "Optimal"), "no solution"),
+    ],
+)
+def test_solve_status_reads_both_pulp_apis(shape: tuple[object, object], want: str) -> None:
+    """PuLP 4 (Python >= 3.12) dropped ``LpProblem.sol_status``: both shapes give the same outcome,
+    whichever PuLP is installed, so "feasible" still means "compare with greedy" and no solution
+    still means "greedy"."""
+    from branchwise.reasoners.search.pulp_compat import solve_status
+
+    assert solve_status(*shape) == want
+
+
+def test_pulp3_codes_match_the_installed_pulp() -> None:
+    """The codes the compat layer hard-codes are PuLP's own where PuLP still names them."""
+    from branchwise.reasoners.search import pulp_compat
+
+    if hasattr(pulp, "LpSolveStatus"):  # PuLP 4 keeps the old status values in its enum
+        assert {int(s): s.name for s in pulp.LpSolveStatus if int(s) in pulp_compat.PULP3_STATUS} == {
+            0: "NotSolved",
+            1: "Optimal",
+            -1: "Infeasible",
+            -2: "Unbounded",
+            -3: "Undefined",
+        }
+    if hasattr(pulp, "LpSolutionOptimal"):  # PuLP <= 3
+        assert pulp.LpSolutionOptimal == pulp_compat.SOLUTION_OPTIMAL
+        assert pulp.LpSolutionIntegerFeasible == pulp_compat.SOLUTION_INTEGER_FEASIBLE
+        assert {k: v.lower() for k, v in pulp.LpStatus.items()} == pulp_compat.PULP3_STATUS
 
 
 # --------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from typing import Literal
 
 import pulp
 
+from branchwise.reasoners.search.pulp_compat import binary_variable, solve_status
 from branchwise.reasoners.search.rebase import (
     DEFAULT_TEMPERATURE,
     rebase_allocation,
@@ -74,14 +75,6 @@ DEFAULT_TIME_LIMIT_S = 5.0
 """CBC's wall-clock limit per step; App. C reports the whole ETS overhead under 2 % of a step."""
 
 _GAIN_EPS = 1e-12  # greedy stops when no leaf improves the objective by more than float noise
-
-
-def _binary(lp: pulp.LpProblem, name: str) -> pulp.LpVariable:
-    """A binary variable owned by ``lp``: PuLP >= 3.3 wants ``add_variable`` (a bare ``LpVariable``
-    warns that it goes away in 4.0); older PuLP (the dependency allows 2.8) only has ``LpVariable``."""
-    if hasattr(lp, "add_variable"):
-        return lp.add_variable(name, cat=pulp.LpBinary)
-    return pulp.LpVariable(name, cat=pulp.LpBinary)
 
 
 def default_solver(time_limit: float = DEFAULT_TIME_LIMIT_S) -> pulp.LpSolver:
@@ -415,9 +408,9 @@ class ETSProblem:
     def build_lp(self) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
         """The PuLP model of App. B (with the corrected coverage constraint unless ``coverage="all"``)."""
         lp = pulp.LpProblem("ets_prune", pulp.LpMaximize)
-        x = [_binary(lp, f"x_{i}") for i in range(len(self.leaves))]
-        y = [_binary(lp, f"y_{j}") for j in range(len(self.internal))]
-        z = [_binary(lp, f"z_{k}") for k in range(self.n_clusters)]
+        x = [binary_variable(lp, f"x_{i}") for i in range(len(self.leaves))]
+        y = [binary_variable(lp, f"y_{j}") for j in range(len(self.internal))]
+        z = [binary_variable(lp, f"z_{k}") for k in range(self.n_clusters)]
         objective = pulp.lpSum(w * xi for w, xi in zip(self.weights, x, strict=True))
         objective -= (self.lambda_b / self.n_nodes) * (pulp.lpSum(y) + pulp.lpSum(x))
         if z:
@@ -462,7 +455,7 @@ class ETSProblem:
         cmd = solver if solver is not None else default_solver(time_limit)
         start = time.perf_counter()
         try:
-            lp.solve(cmd)
+            result = lp.solve(cmd)
         except Exception as exc:  # CBC missing/crashed, or an injected solver failing: fall back, say why
             elapsed = time.perf_counter() - start
             return self.selection(
@@ -474,15 +467,8 @@ class ETSProblem:
             )
         elapsed = time.perf_counter() - start
 
-        sol_status = lp.sol_status
-        if sol_status == pulp.LpSolutionOptimal:
-            status = "optimal"
-        elif sol_status == pulp.LpSolutionIntegerFeasible:
-            status = "feasible"
-        else:
-            status = pulp.LpStatus.get(lp.status, "undefined").lower()
-            if status == "optimal":  # status claims success but no solution was found
-                status = "no solution"
+        status = solve_status(lp, result)  # PuLP 3 and 4 report a solve differently
+        if status not in ("optimal", "feasible"):
             return self.selection(
                 self.greedy_mask(), solver_status=status, used_fallback=True, solve_time_s=elapsed
             )

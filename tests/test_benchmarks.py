@@ -164,7 +164,8 @@ def test_rksc_prefix_sweep_quick() -> None:
         assert set(lat) == {"nokv", "kv"}
         assert speed["ratio_of_means"] == ratio(lat["nokv"], lat["kv"])
         check_ci(speed["ci95"], out["config"]["problems"])
-        assert speed["cv"] >= 0.0
+        # the spread of positive per-problem ratios: pstdev/mean of n of them is at most sqrt(n - 1)
+        assert 0.0 <= speed["cv"] <= math.sqrt(out["config"]["problems"] - 1) + 1e-3
     assert out["sweep"]["128"]["prompt_tokens_mean"] < out["sweep"]["256"]["prompt_tokens_mean"]
 
 
@@ -316,7 +317,7 @@ def test_skipkv_quick() -> None:
             assert row["length_ratio_vs_fullkv"] == ratio(row["mean_length"], full["mean_length"])
             assert row["final_kv_ratio_vs_fullkv"] == ratio(row["final_kv_bytes"], full["final_kv_bytes"])
             # a compression evicts at least one token (it runs only above budget)
-            assert row["evicted_tokens"] >= row["compressions"] >= 0
+            assert row["evicted_tokens"] >= row["compressions"]
             assert (row["evicted_tokens"] == 0) == ("note" in row)  # a note says why nothing went
         assert methods["skipkv"]["order"] == "grouped"
         assert methods["rkv"]["order"] == methods["skipkv_ungrouped"]["order"] == "original"
@@ -584,7 +585,8 @@ def test_structured_quick() -> None:
     out = run_quick("structured.py")
     assert set(out["compile"]) == {"tool_calls(2 tools)", "json_schema(nested)", "json_object"}
     for row in out["compile"].values():
-        assert row["cold_ms"] > 0 and row["cached_ms"] >= 0
+        # the second compile is a cache hit (a dict lookup), the first runs the grammar compiler
+        assert row["cached_ms"] < row["cold_ms"]
     assert [row["batch"] for row in out["per_token_cost"]] == [1, 2]
     for row in out["per_token_cost"]:
         assert row["steps_timed_on"] > 0 and row["steps_timed_off"] > 0
@@ -606,7 +608,7 @@ def test_kv_budget_quick() -> None:
     assert dense["share"] == "none" and all(m["share"] == "exact" for k, m in methods.items() if k != "dense")
     # the budget admits about --budget-requests dense requests at their worst case
     assert dense["admitted_worst_case_requests"] == int(cfg["budget_requests"])
-    for row in methods.values():
+    for name, row in methods.items():
         # every question's n branches came back, and the rates are the counts over the wall time
         assert row["branches"] == cfg["questions"] * cfg["n"]
         assert 0 < row["generated_tokens"] <= row["branches"] * cfg["max_tokens"]
@@ -620,7 +622,10 @@ def test_kv_budget_quick() -> None:
         assert row["within_budget"] == (row["peak_used_bytes"] <= budget)
         assert 1 <= row["max_rows_per_call"] <= row["branches"]
         assert row["max_rows_per_call"] == cfg["n"] * row["max_requests_per_call"]
-        assert row["preemptions"] >= 0 and row["overruns"] >= 0
+        # rows of a run with accelerations are never preempted (their state follows the KV): a step
+        # over the budget there is an overrun instead
+        if name in ("skipkv", "reasoncache", "rsbcm"):
+            assert row["preemptions"] == 0, row
         assert 0.0 <= row["accuracy_branch"] <= 1.0 and 0.0 <= row["accuracy_vote"] <= 1.0
     assert dense["throughput_vs_dense"] == 1.0 and "agreement_vs_dense" not in dense
     assert all(0.0 <= m["agreement_vs_dense"] <= 1.0 for k, m in methods.items() if k != "dense")

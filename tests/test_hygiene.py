@@ -1,0 +1,123 @@
+"""Every test can fail: a scan of the test files' syntax for tests that check nothing.
+
+Why a test: a test with no assertion passes whatever the code does, and so does a non-strict
+``xfail`` (a pass is an XPASS, a failure an XFAIL: both green). Neither shows in a run; both look
+like coverage to a reader. This file reads every ``tests/**/test_*.py`` and fails on
+
+* a ``test_*`` function with no check in its body: no ``assert``, no ``raise``, no
+  ``pytest.raises`` / ``warns`` / ``fail``, no call of a checking helper (a name starting with
+  ``assert``, ``check``, ``expect`` or ``verify``), no call of a standard suite's own test through
+  ``super()``, and no call of a helper named in `CHECKING_HELPERS`;
+* an ``xfail`` mark that is not ``strict=True``.
+
+What it cannot see: an assertion that cannot fail (``x >= 0`` on a count). Those were removed by
+reading (``grep -nE '>=\\s*0(\\.0)?\\b' tests``), not by this scan.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+CHECK_PREFIXES = ("assert", "check", "expect", "verify")
+"""A call of a function whose name (less leading underscores) starts with one of these checks."""
+
+CHECKS = {"raises", "warns", "fail", "deprecated_call"}
+"""`pytest` calls that check (``pytest.raises`` and friends)."""
+
+CHECKING_HELPERS: dict[str, set[str]] = {
+    # error(r, status) asserts the status code, the JSON error shape and returns the error
+    "test_serve_security.py": {"error"},
+    # run_script(...) asserts that the documented script exits 0
+    "test_doc_snippets.py": {"run_script"},
+}
+"""Helpers that check without a name saying so, by file. Each must itself hold an ``assert``
+(`test_checking_helpers_assert`), so this list cannot excuse a helper that checks nothing."""
+
+
+def _name(call: ast.Call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def _is_super_test(call: ast.Call) -> bool:
+    """``super().test_x(...)``: a standard suite's test, whose asserts are the suite's."""
+    f = call.func
+    return (
+        isinstance(f, ast.Attribute)
+        and f.attr.startswith("test_")
+        and isinstance(f.value, ast.Call)
+        and _name(f.value) == "super"
+    )
+
+
+def checks(fn: ast.FunctionDef | ast.AsyncFunctionDef, helpers: set[str]) -> bool:
+    """Whether `fn`'s body holds anything that can make it fail."""
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assert | ast.Raise):
+            return True
+        if isinstance(node, ast.Call):
+            name = _name(node)
+            if name in CHECKS or name in helpers or name.lstrip("_").startswith(CHECK_PREFIXES):
+                return True
+            if _is_super_test(node):
+                return True
+    return False
+
+
+def _test_files() -> Iterator[tuple[Path, ast.Module]]:
+    for path in sorted(TESTS.rglob("test_*.py")):
+        yield path, ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _functions(tree: ast.Module) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node
+
+
+def test_every_test_function_checks_something() -> None:
+    empty = [
+        f"{path.relative_to(TESTS)}:{fn.lineno} {fn.name}"
+        for path, tree in _test_files()
+        for fn in _functions(tree)
+        if fn.name.startswith("test_") and not checks(fn, CHECKING_HELPERS.get(path.name, set()))
+    ]
+    assert not empty, "tests that check nothing (pass whatever the code does):\n" + "\n".join(empty)
+
+
+def test_checking_helpers_assert() -> None:
+    for file, names in CHECKING_HELPERS.items():
+        tree = ast.parse((TESTS / file).read_text(encoding="utf-8"))
+        defs = {fn.name: fn for fn in _functions(tree)}
+        for name in names:
+            assert name in defs, f"{file}: no helper {name} (drop it from CHECKING_HELPERS)"
+            assert any(isinstance(n, ast.Assert) for n in ast.walk(defs[name])), (
+                f"{file}: {name} asserts nothing"
+            )
+
+
+def test_every_xfail_is_strict() -> None:
+    loose = []
+    for path, tree in _test_files():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("mark.xfail")):
+                continue
+            strict = {k.arg: k.value for k in node.keywords}.get("strict")
+            if not (isinstance(strict, ast.Constant) and strict.value is True):
+                loose.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+    assert not loose, (
+        "xfail marks without strict=True (green whether the test passes or fails):\n" + "\n".join(loose)
+    )
+
+
+def test_the_scan_sees_a_test_without_a_check() -> None:
+    """The scan itself can fail: a body with only a call is flagged; one with an assert is not."""
+    (empty,) = _functions(ast.parse("def test_x():\n    run()\n"))
+    (full,) = _functions(ast.parse("def test_x():\n    assert run()\n"))
+    (helper,) = _functions(ast.parse("def test_x():\n    error(run(), 400)\n"))
+    assert not checks(empty, set()) and checks(full, set())
+    assert not checks(helper, set()) and checks(helper, {"error"})

@@ -9,6 +9,7 @@ test sets, not a timing it hopes for.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -486,8 +487,11 @@ def test_stream_sends_tokens_while_the_batch_still_decodes(
     assert rest[-1]["usage"]["completion_tokens"] == 2 * len(ANSWER)
 
 
-def test_a_client_leaving_mid_stream_stops_its_branches(stepping: tuple[str, SteppingBackend, Any]) -> None:
+def test_a_client_leaving_mid_stream_stops_its_branches(
+    stepping: tuple[str, SteppingBackend, Any], caplog: pytest.LogCaptureFixture
+) -> None:
     url, backend, scheduler = stepping
+    caplog.set_level(logging.INFO, logger="branchwise.serve")
     body = {"prompt": "go", "n": 2, "stream": True, "max_tokens": 100}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
         first = next(e for e in _events(r.iter_lines()) if e["choices"][0]["text"])
@@ -499,6 +503,9 @@ def test_a_client_leaving_mid_stream_stops_its_branches(stepping: tuple[str, Ste
     assert backend.stopped_at == {0: 2, 1: 2}  # stopped at the next step, not after len(ANSWER)
     wait_until(lambda: not backend.prompts, "the branches are released")
     assert scheduler.idle()
+    # docs/SERVING.md: each client that disconnects before its answer is one INFO line, no traceback
+    gone = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert [(r.levelno, r.exc_info) for r in gone] == [(logging.INFO, None)], caplog.records
 
 
 # --------------------------------------------------------------------------------------------------

@@ -189,9 +189,13 @@ class Stream:
             raise draining()
 
     def cancel(self) -> None:
-        """Cancel the job unless it has ended (the client left): the scheduler stops its branches."""
+        """Cancel the job unless it has ended (the client left): the scheduler stops its branches.
+        A client that left mid-stream is one INFO line, as one that left a waiting request is
+        (`app.handle`); the drain's drop is said by `sse` instead."""
         if not self.work.done():
             self.work.cancel()
+            if not self.drop.is_set():
+                log.info("a streamed request's client went away; its branches were stopped")
 
     async def close(self) -> None:
         """Run after the response: a response task cancelled by a disconnect may leave the

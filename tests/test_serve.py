@@ -230,6 +230,22 @@ def test_strategy_extension_matches_a_local_run(client: Any, tiny_backend: Any) 
     assert r.choices[0].message.content in {b.text for b in local.branches}
 
 
+def test_strategy_reply_carries_the_run_notes(served: str, tiny_backend: Any) -> None:
+    """An acceleration that never acted says so in the run's notes, and the server passes them on
+    (``branchwise.notes``, which OpenAI clients ignore)."""
+    from branchwise.backends.accel import Accel, ASKSConfig
+
+    body = {"messages": MSGS, "branchwise": {"strategy": "self-consistency", "branches": 2, "tokens": 4}}
+    tiny_backend.accel = Accel(asks=ASKSConfig())  # one prompt: ASKS's gate never runs
+    try:
+        r = httpx.post(f"{served}/v1/chat/completions", json=body, timeout=120)
+    finally:
+        tiny_backend.accel = Accel()
+    assert r.status_code == 200, r.text
+    notes = r.json()["branchwise"]["notes"]
+    assert any(n.startswith("asks: no fork met a differently phrased prompt") for n in notes), notes
+
+
 def test_strategy_spec_is_accepted_and_bad_ones_are_400(served: str) -> None:
     from branchwise.strategies import self_consistency
 

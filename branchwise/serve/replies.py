@@ -187,6 +187,8 @@ def strategy_reply(result: Any) -> tuple[str, str, dict[str, Any], int]:
         "value": None if result.tool_calls else _jsonable(result.value),
         "kv_stats": result.kv_stats,
         "timings": result.timings,
+        # what did not apply or fell back (an acceleration that never acted): said over HTTP too
+        "notes": list(result.notes),
         "branches": [
             {"text": b.text, "answer": b.answer, "scores": b.scores, "selected": b.selected}
             for b in result.branches

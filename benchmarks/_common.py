@@ -145,6 +145,84 @@ class Bench:
         print(json.dumps(envelope))
 
 
+HF_STATIC_HELP = (
+    "transformers' generate with cache_implementation='static', the baseline a user picks for speed: "
+    "auto (default) as transformers runs it, compiled (torch.compile, CUDA graphs) on CUDA and "
+    "uncompiled on the CPU, where transformers does not compile; compiled: compile on every device "
+    "(on a 2-core CPU ~1 minute per batch shape); off: leave the arm out (the JSON says so)"
+)
+
+
+def add_hf_static_option(parser: argparse.ArgumentParser) -> None:
+    """`--hf-static auto|compiled|off` (`HF_STATIC_HELP`)."""
+    parser.add_argument(
+        "--hf-static", choices=["auto", "compiled", "off"], default="auto", help=HF_STATIC_HELP
+    )
+
+
+class StaticGenerate:
+    """`model.generate(..., cache_implementation="static")`, greedy, on a left-padded batch: the
+    baseline a user would pick for speed, since transformers compiles the decode step of a static
+    cache (torch.compile, mode reduce-overhead: CUDA graphs) by itself on a GPU.
+
+    Why its own arm beside `HFBackend.hf_generate` (dynamic cache, eager): on a GPU the two differ
+    by ~5x, and a claim against the eager one only would flatter branchwise. `report()` says whether
+    the forward was compiled in this run, so a CPU figure (uncompiled unless `mode="compiled"`) is
+    never read as the compiled baseline.
+    """
+
+    def __init__(self, backend: HFBackend, mode: str) -> None:
+        if mode not in ("auto", "compiled"):
+            raise ValueError(f"mode={mode!r} is not one of 'auto', 'compiled'")
+        self.backend, self.mode = backend, mode
+        self.compile_config: Any = None
+        if mode == "compiled":
+            from transformers import CompileConfig
+
+            self.compile_config = CompileConfig()
+            # transformers' own switch to compile off accelerators ("useful for testing purposes")
+            self.compile_config._compile_all_devices = True
+
+    def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        backend = self.backend
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), backend.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(list(p))
+            mask[i, width - len(p) :] = 1
+        model: Any = backend.model  # GenerationMixin's generate is not on PreTrainedModel's type
+        extra = {} if self.compile_config is None else {"compile_config": self.compile_config}
+        out = model.generate(  # generate runs under no_grad itself; inference_mode is left out for the graphs
+            input_ids=ids.to(backend.device),
+            attention_mask=mask.to(backend.device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=backend.pad_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            cache_implementation="static",
+            **extra,
+        )
+        return [row[width:].tolist() for row in out.cpu()]
+
+    def report(self) -> dict[str, Any]:
+        """How the arm ran: `compiled` is whether transformers built its compiled forward (it keeps
+        it as `_compiled_call` on the model), with a note wherever that is not the GPU baseline."""
+        compiled = hasattr(self.backend.model, "_compiled_call")
+        note = None
+        if not compiled and self.backend.device.type == "cpu" and self.mode == "auto":
+            note = (
+                "uncompiled: transformers compiles the static-cache step only on accelerators, so on "
+                "the CPU this arm is the static cache run eagerly (--hf-static compiled forces a compile)"
+            )
+        elif not compiled:
+            note = "transformers did not compile the static-cache step here: not the compiled baseline"
+        return {"mode": self.mode, "compiled": compiled, "note": note}
+
+
 def start(name: str, args: argparse.Namespace, **backend_options: Any) -> Bench:
     """Pin the threads, then load the backend (`--model`, `--device`, `--dtype`, plus
     `backend_options`) and start the clock.

@@ -2,10 +2,14 @@
 bandwidth that implies.
 
 B independent prompts of equal length (no shared prefix: this measures the decode engine, not
-sharing) decode `--tokens` greedy tokens each, B = each of `--batches`. Prefill is excluded the same
-way on both sides: the time of a 1-token decode from the same prompts is subtracted from the time of
-a `--tokens` decode, so tokens/s = B·(tokens − 1) / (t_tokens − t_1). The two arms alternate repeat
-by repeat, so a machine that drifts during the run weighs on both alike.
+sharing) decode `--tokens` greedy tokens each, B = each of `--batches`. Three arms: branchwise,
+`model.generate()` (dynamic cache, eager) and `model.generate(cache_implementation="static")`, which
+transformers compiles with CUDA graphs on a GPU (`--hf-static`: on the CPU it runs uncompiled unless
+asked, and the JSON's `hf_static` says how it ran). Prefill is excluded the same way on every side:
+the time of a 1-token decode from the same prompts is subtracted from the time of a `--tokens`
+decode, so tokens/s = B·(tokens − 1) / (t_tokens − t_1). The arms alternate repeat by repeat, so a
+machine that drifts during the run weighs on all alike; the first (warm-up) call of the static arm
+at each B is where transformers compiles it.
 
 Bandwidth. A decode step streams every weight the step uses once (all parameters except an untied
 input embedding, of which only B rows are read) plus the KV each row attends to. So
@@ -14,8 +18,8 @@ steps/s. `--peak-gbps` (default: the datasheet figure of a known GPU, else none)
 fraction of peak; at B = 1 that fraction is how close the loop is to the memory roofline.
 
 `--random-config 1b` replaces the model with a randomly initialised ~1.2B Llama (TinyLlama's shape
-with the embedded tokenizer's vocabulary), built in-process: what a 1B-class checkpoint costs per
-token without downloading one.
+with the embedded tokenizer's vocabulary; `random_checkpoint.py`), built in-process: what a 1B-class
+checkpoint costs per token without downloading one.
 """
 
 from __future__ import annotations
@@ -26,14 +30,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _common import Bench, BenchParser, set_threads
+from _common import Bench, BenchParser, StaticGenerate, add_hf_static_option, set_threads
 from prefix_sharing import PASSAGE, exact_tokens
+from random_checkpoint import RANDOM_CONFIGS, random_backend
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.arch import linear_params
 from branchwise.backends.hf.backend import resolve_device, resolve_dtype
-from branchwise.backends.hf.embedded import embedded_model_dir
 from branchwise.backends.hf.fidelity import greedy_agreement
 from branchwise.backends.hf.prepack import PackedLinear
 
@@ -50,38 +54,6 @@ PEAK_GBPS = {  # HBM bandwidth from the vendors' datasheets, by a substring of t
     "A10G": 600.0,
     "L4": 300.0,
 }
-
-RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
-    # TinyLlama-1.1B's shape; the vocabulary is the embedded tokenizer's (so ~1.2B parameters)
-    "1b": {
-        "hidden_size": 2048,
-        "intermediate_size": 5632,
-        "num_hidden_layers": 22,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "tie_word_embeddings": False,
-    },
-}
-
-
-def random_backend(name: str, device: torch.device, dtype: torch.dtype) -> HFBackend:
-    """A randomly initialised Llama of `RANDOM_CONFIGS[name]` with the embedded model's tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=8192,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        **RANDOM_CONFIGS[name],
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    model.config._name_or_path = f"random-llama-{name}"
-    return HFBackend.from_model(model, tokenizer, cache_bytes=0)
 
 
 def peak_gbps(given: float | None) -> float | None:
@@ -148,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median) after one warm-up")
     parser.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS), default=None)
     parser.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth to compare with")
+    add_hf_static_option(parser)
     args = parser.parse_args(argv)
     if args.tokens < 2:
         parser.error(f"--tokens must be at least 2 (got {args.tokens}): one token is the subtracted prefill")
@@ -173,7 +146,10 @@ def main(argv: list[str] | None = None) -> None:
 
     weights = weight_bytes(backend.model)
     peak = peak_gbps(args.peak_gbps)
-    arms = {"branchwise": ours, "hf_generate": generate}
+    arms: dict[str, Arm] = {"branchwise": ours, "hf_generate": generate}
+    static = None if args.hf_static == "off" else StaticGenerate(backend, args.hf_static)
+    if static is not None:
+        arms["hf_static"] = static
     rows = []
     for b in args.batches:
         prompts = [passage[i : i + args.prompt] for i in range(b)]  # equal lengths, all different
@@ -195,6 +171,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         agreement = greedy_agreement(backend.model, prompts, tokens["hf_generate"], tokens["branchwise"])
         result["greedy_agreement_vs_hf_generate"] = agreement.as_dict()
+        if static is not None:
+            result["speedup_vs_hf_static"] = round(
+                result["branchwise"]["tokens_per_s"] / result["hf_static"]["tokens_per_s"], 3
+            )
+            agreement = greedy_agreement(backend.model, prompts, tokens["hf_static"], tokens["branchwise"])
+            result["greedy_agreement_vs_hf_static"] = agreement.as_dict()
         rows.append(result)
     bench.emit(
         {
@@ -202,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             "weight_bytes_per_step": weights,
             "kv_bytes_per_token": backend.kv_token_bytes,
             "peak_gbps": peak,
+            "hf_static": {"mode": "off", "skipped": "--hf-static off"} if static is None else static.report(),
             "rows": rows,
         },
         config={"model_source": args.random_config or "checkpoint"},

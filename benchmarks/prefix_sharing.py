@@ -4,7 +4,11 @@ B branches share an n-token problem prefix, each appends its own s-token hint an
 greedily. Three paths, same model, same run:
 - `share="none"`: every branch recomputes prefix + hint (batched; logits at each row's last token);
 - `share="exact"`: the prefix is computed once and held once; all branches read it per step;
-- `hf_generate`: `model.generate` on the B left-padded prompts (what users do today).
+- `hf_generate`: `model.generate` on the B left-padded prompts (what users do today);
+- `hf_static`: the same with `cache_implementation="static"`, which transformers compiles with CUDA
+  graphs on a GPU (the baseline a user picks for speed; `--hf-static`, and the JSON's `hf_static`
+  says whether it was compiled: on the CPU it is not unless asked). The same work as `generate` with
+  `num_return_sequences=B` on one prompt, but with each branch's own hint, so its tokens compare.
 Prints one JSON object (last line): median latencies, ratios, KV bytes, and whether the greedy
 tokens of the three paths agree: identical, or up to near-ties (`fidelity.py`; what bf16 can promise).
 """
@@ -16,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import BenchParser, start
+from _common import BenchParser, StaticGenerate, add_hf_static_option, start
 from _rksc import hint_suffixes
 
 from branchwise.backends import DecodeParams
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suffix", type=int, default=16, help="tokens of each branch hint (paper: 16)")
     parser.add_argument("--tokens", "-t", type=int, default=8, help="decoded tokens per branch (paper: 8)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up")
+    add_hf_static_option(parser)
     args = parser.parse_args(argv)
 
     bench = start("prefix_sharing", args)
@@ -93,15 +98,25 @@ def main(argv: list[str] | None = None) -> None:
     backend.broadcast = "cascade"
     t_hf, (tok_hf, kv_hf) = median_time(hf, args.repeats)
     prompts = [prefix + s for s in suffixes]
+    static = None if args.hf_static == "off" else StaticGenerate(backend, args.hf_static)
+    latency = {"none": t_none, "exact": t_exact, "exact_copy_broadcast": t_copy, "hf_generate": t_hf}
+    agreements = [
+        ("exact_vs_none", tok_none, tok_exact),
+        ("exact_vs_hf_generate", tok_hf, tok_exact),
+        ("copy_vs_none", tok_none, tok_copy),
+    ]
+    static_results: dict[str, Any] = {"hf_static": {"mode": "off", "skipped": "--hf-static off"}}
+    if static is not None:  # its warm-up call is where transformers compiles it
+        latency["hf_static"], tok_static = median_time(lambda: static(prompts, args.tokens), args.repeats)
+        agreements.append(("exact_vs_hf_static", tok_static, tok_exact))
+        static_results = {
+            "hf_static": static.report(),
+            "speedup_exact_vs_hf_static": round(latency["hf_static"] / t_exact, 3),
+        }
     one_branch = (args.prefix + args.suffix + args.tokens) * backend.kv_token_bytes
     bench.emit(
         {
-            "latency_s": {
-                "none": round(t_none, 4),
-                "exact": round(t_exact, 4),
-                "exact_copy_broadcast": round(t_copy, 4),
-                "hf_generate": round(t_hf, 4),
-            },
+            "latency_s": {name: round(t, 4) for name, t in latency.items()},
             "speedup_exact_vs_none": round(t_none / t_exact, 3),
             "speedup_exact_vs_hf_generate": round(t_hf / t_exact, 3),
             "speedup_cascade_vs_copy_broadcast": round(t_copy / t_exact, 3),
@@ -116,12 +131,9 @@ def main(argv: list[str] | None = None) -> None:
             "tokens_computed": {"none": kv_none["tokens_computed"], "exact": kv_exact["tokens_computed"]},
             "greedy_agreement": {
                 name: greedy_agreement(backend.model, prompts, ref, cand).as_dict()
-                for name, ref, cand in (
-                    ("exact_vs_none", tok_none, tok_exact),
-                    ("exact_vs_hf_generate", tok_hf, tok_exact),
-                    ("copy_vs_none", tok_none, tok_copy),
-                )
+                for name, ref, cand in agreements
             },
+            **static_results,
         }
     )
 

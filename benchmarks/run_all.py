@@ -18,7 +18,10 @@ Profiles. `quick`: every benchmark's `--quick` smoke settings (minutes on a CPU)
 settings of the papers' tables and of the GPU checklist (prefix sharing at B = 8/32/64 and a 4k
 prefix, RKSC Tables 1-2 and verify isolation, ETS vs REBASE at widths 64 and 256, SkipKV, River,
 ReasonCache, decode at B = 1/8 on the model and on a random ~1B Llama, throughput at a fixed KV
-budget); hours on a CPU.
+budget); hours on a CPU. `gpu-check`: the two runs of `gpu_check.sh` (decode at B = 1/8/64 and the
+1,024-token prefix at 8 branches, 64 tokens each, both against transformers' compiled static
+cache), sized to finish in minutes on one H100/H200 with `--model` the random ~1.2B Llama of
+`random_checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -94,6 +97,14 @@ PROFILES: dict[str, list[Run]] = {
         Run("serve_load", "serve_load"),
         Run("kv_budget", "kv_budget"),
     ],
+    "gpu-check": [
+        Run(
+            "decode",
+            "decode",
+            ["--batches", "1", "8", "64", "--tokens", "64", "--prompt", "128", "--repeats", "2"],
+        ),
+        Run("prefix_sharing", "prefix_sharing", ["--prefix", "1024", "--tokens", "64", "--repeats", "2"]),
+    ],
 }
 
 HEADLINES: dict[str, list[str]] = {
@@ -101,6 +112,8 @@ HEADLINES: dict[str, list[str]] = {
     "prefix_sharing": [
         "speedup_exact_vs_none",
         "speedup_exact_vs_hf_generate",
+        "speedup_exact_vs_hf_static",
+        "hf_static.compiled",
         "speedup_cascade_vs_copy_broadcast",
         "kv_ratio_exact_vs_none",
         "greedy_agreement.*.match_up_to_ties",
@@ -149,9 +162,12 @@ HEADLINES: dict[str, list[str]] = {
     "decode": [
         "rows.*.branchwise.tokens_per_s",
         "rows.*.hf_generate.tokens_per_s",
+        "rows.*.hf_static.tokens_per_s",
         "rows.*.speedup_vs_hf_generate",
-        "rows.*.branchwise.fraction_of_peak",
-        "rows.*.greedy_agreement_vs_hf_generate.match_up_to_ties",
+        "rows.*.speedup_vs_hf_static",
+        "rows.*.*.fraction_of_peak",
+        "rows.*.greedy_agreement_vs_hf_*.match_up_to_ties",
+        "hf_static.compiled",
     ],
     "structured": [
         "per_token_cost.*.overhead",
@@ -196,6 +212,8 @@ def run_profile(args: argparse.Namespace) -> int:
     out = Path(args.out)
     done = {entry["id"] for entry in read_results([out]) if entry.get("ok")} if out.exists() else set()
     common = ["--device", args.device, "--dtype", args.dtype]
+    if args.model is not None:
+        common += ["--model", args.model]
     if args.threads is not None:
         common += ["--threads", str(args.threads)]
     failed = 0
@@ -313,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--device", default="auto", help="passed to every benchmark")
     run.add_argument("--dtype", default="auto", help="passed to every benchmark")
     run.add_argument("--threads", type=int, default=None, help="passed to every benchmark")
+    run.add_argument("--model", default=None, help="passed to every benchmark (default: each one's own)")
     run.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before it is stopped")
     show = sub.add_parser("table", help="print the Markdown table of results files")
     show.add_argument("paths", nargs="+", type=Path)

@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,15 @@ import pytest
 from branchwise.evals.stats import MIN_PROBLEMS
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def check_static_report(out: dict[str, Any]) -> None:
+    """The static-cache arm says how it ran: compiled only where transformers compiles (CUDA), and
+    on the CPU a note that says this is not the compiled baseline."""
+    static = out["hf_static"]
+    assert static["mode"] == out["config"]["hf_static"] == "auto"
+    assert static["compiled"] is (out["device"] == "cuda")
+    assert (static["note"] is None) == static["compiled"]
 
 
 def run_quick(script: str, *extra: str) -> dict[str, Any]:
@@ -219,15 +229,20 @@ def test_rksc_asks_quick() -> None:
 @pytest.mark.usefixtures("rksc_ready")
 def test_prefix_sharing_quick() -> None:
     out = run_quick("prefix_sharing.py")
+    # (the one run of this benchmark in the suite: every arm's greedy tokens are compared below)
+    assert {"exact_vs_none", "exact_vs_hf_generate", "copy_vs_none"} <= set(out["greedy_agreement"])
     lat, kv = out["latency_s"], out["kv_peak_bytes"]
     assert out["speedup_exact_vs_none"] == ratio(lat["none"], lat["exact"])
     assert out["speedup_exact_vs_hf_generate"] == ratio(lat["hf_generate"], lat["exact"])
     assert out["speedup_cascade_vs_copy_broadcast"] == ratio(lat["exact_copy_broadcast"], lat["exact"])
+    assert out["speedup_exact_vs_hf_static"] == ratio(lat["hf_static"], lat["exact"])
+    check_static_report(out)
     assert out["kv_ratio_exact_vs_none"] == pytest.approx(kv["exact"] / kv["none"], abs=1e-4)
     # sharing holds the prefix once and computes it once, and changes no greedy token
     assert kv["exact"] < kv["none"]
     assert out["tokens_computed"]["exact"] < out["tokens_computed"]["none"]
-    # fp32 on this machine: identical, not merely up to ties
+    # fp32 on this machine: identical, not merely up to ties (the static cache's tokens too)
+    assert "exact_vs_hf_static" in out["greedy_agreement"]
     assert all(a["identical"] and a["match_up_to_ties"] for a in out["greedy_agreement"].values()), out[
         "greedy_agreement"
     ]
@@ -511,13 +526,17 @@ def test_benchmarks_run_without_the_prefix_cache_unless_they_ask(monkeypatch: py
 def test_decode_quick(embedded_dir: Path) -> None:
     out = run_quick("decode.py")
     assert [row["batch"] for row in out["rows"]] == out["config"]["batches"]
+    check_static_report(out)
     for row in out["rows"]:
-        ours, hf = row["branchwise"], row["hf_generate"]
+        ours, hf, static = row["branchwise"], row["hf_generate"], row["hf_static"]
         assert row["speedup_vs_hf_generate"] == ratio(ours["tokens_per_s"], hf["tokens_per_s"])
+        assert row["speedup_vs_hf_static"] == ratio(ours["tokens_per_s"], static["tokens_per_s"])
+        assert static["tokens_per_s"] == pytest.approx(row["batch"] * 1000 / static["ms_per_step"], rel=1e-2)
         # tokens/s is B rows over the time per step; bandwidth is bytes per step over that time
         assert ours["tokens_per_s"] == pytest.approx(row["batch"] * 1000 / ours["ms_per_step"], rel=1e-2)
         assert ours["fraction_of_peak"] is None  # no GPU here and no --peak-gbps given
         assert row["greedy_agreement_vs_hf_generate"]["identical"] is True  # fp32: generate()'s tokens
+        assert row["greedy_agreement_vs_hf_static"]["identical"] is True  # and the static cache's
     assert 0 < out["weight_bytes_per_step"] <= 4 * out["parameters"]
 
 
@@ -578,6 +597,126 @@ def test_run_all_table_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     assert "| river | cpu" not in text and text.count("| river |") == 1  # the rerun replaced the failure
     with pytest.raises(SystemExit, match="no run"):
         run_all.main(["run", "--out", str(out), "--only", "nope"])
+
+
+def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`gpu-check` runs decode at B = 1/8/64 and the self-consistency prefix shape, each given the
+    `--model` that `gpu_check.sh` builds."""
+    run_all = _script(monkeypatch, "run_all")
+    calls: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_: Any) -> Any:
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 1, stdout="", stderr="no CUDA")
+
+    monkeypatch.setattr(run_all.subprocess, "run", fake_run)
+    args = ["run", "--profile", "gpu-check", "--out", str(tmp_path / "r.jsonl"), "--model", "/m 1b"]
+    assert run_all.main([*args, "--device", "cuda"]) == 1  # both runs failed, and say so
+    assert [Path(c[1]).name for c in calls] == ["decode.py", "prefix_sharing.py"]
+    assert all(c[-2:] == ["--model", "/m 1b"] for c in calls)
+    assert calls[0][2:8] == ["--batches", "1", "8", "64", "--tokens", "64"]
+
+
+def _gpu_check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"PYTHON": sys.executable},
+    )
+
+
+def test_gpu_check_script_plans_its_stages_and_refuses_without_cuda(tmp_path: Path) -> None:
+    """The GPU check cannot rot unseen on CPU-only CI: it parses, its dry run lists every stage
+    with its time limit, bad usage is exit 2, and without CUDA it stops at once with exit 3."""
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    plan = _gpu_check(str(tmp_path / "out dir"), "--dry-run", cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    lines = plan.stdout.splitlines()
+    stages = ["checkpoints", "decode", "prefix_sharing", "gpu_tests", "cuda_suite"]
+    assert [line.split()[0] for line in lines[1:]] == stages
+    assert all("(timeout " in line for line in lines[1:])
+    assert "random_checkpoint.py build --llama-1b" in plan.stdout and "out\\ dir" in plan.stdout
+    assert "--profile gpu-check --device cuda --dtype bfloat16" in plan.stdout
+    assert "-m gpu" in plan.stdout and "--backend-device cuda" in plan.stdout
+    assert f"BRANCHWISE_CACHE_DIR={tmp_path / 'out dir' / 'cache'}" in lines[0]
+    for bad in (["--stages", "nope"], ["--budget", "5"], ["--source", str(tmp_path / "absent")], []):
+        assert _gpu_check(*([str(tmp_path)] if bad else []), *bad).returncode == 2, bad
+    import torch
+
+    if not torch.cuda.is_available():
+        refused = _gpu_check(str(tmp_path / "run"))
+        assert refused.returncode == 3 and "no CUDA device" in refused.stderr
+        assert not (tmp_path / "run" / "cache").exists()  # nothing was built
+
+
+def test_random_checkpoints_load_as_the_embedded_model_and_as_a_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    """`build` makes the embedded name load from a config + tokenizer folder (random weights,
+    marked so), keeps what is there on a rerun, and writes the random Llama folder; without a
+    source or the package it stops with how to get one. Tiny shapes stand in for the real ones."""
+    import torch
+
+    from branchwise.backends.hf import HFBackend
+    from branchwise.backends.hf.embedded import EmbeddedModelMissing, embedded_model_dir
+
+    rc = _script(monkeypatch, "random_checkpoint")
+    monkeypatch.setenv("BRANCHWISE_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (source / name).write_bytes((tiny_llama_dir / name).read_bytes())
+    made = rc.build_embedded(tmp_path / "cache", source)
+    assert made["action"] == "random" and made["random_weights"] is True
+    assert embedded_model_dir() == tmp_path / "cache" / "models" / "smollm2-135m-instruct"
+    backend = HFBackend(device="cpu", cache_bytes=0)
+    assert backend.model.config.hidden_size == json.loads((source / "config.json").read_text())["hidden_size"]
+    assert rc.build_embedded(tmp_path / "cache", source)["action"] == "kept"
+
+    def missing() -> Path:
+        raise EmbeddedModelMissing()
+
+    monkeypatch.setattr(rc, "find_embedded_gguf", missing)
+    with pytest.raises(SystemExit, match=r"random_checkpoint\.py source SRC_DIR"):
+        rc.build_embedded(tmp_path / "other", None)
+    (source / "config.json").unlink()  # a tokenizer alone: the shape comes from EMBEDDED_CONFIG
+    monkeypatch.setattr(
+        rc,
+        "EMBEDDED_CONFIG",
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "vocab_size": 600,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
+    )
+    assert rc.build_embedded(tmp_path / "third", source)["shape"] == "EMBEDDED_CONFIG"
+
+    monkeypatch.setitem(
+        rc.RANDOM_CONFIGS,
+        "1b",
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
+    )
+    monkeypatch.setenv("BRANCHWISE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = tmp_path / "models" / "random-llama-1b"
+    assert rc.build_llama("1b", folder, torch.device("cpu"), torch.bfloat16)["action"] == "random"
+    loaded = HFBackend(str(folder), device="cpu", dtype="bfloat16", cache_bytes=0)
+    assert loaded.model.config.num_hidden_layers == 2 and loaded.model.config.vocab_size == len(
+        loaded.tokenizer
+    )
+    assert rc.build_llama("1b", folder, torch.device("cpu"), torch.bfloat16)["action"] == "kept"
 
 
 @pytest.mark.slow

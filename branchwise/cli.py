@@ -318,9 +318,29 @@ def strategy_validate(path: Annotated[Path, typer.Argument(exists=True, dir_okay
     try:
         strat = _read_strategy(path)
     except ValueError as err:
-        err_console.print(f"error: {err}", style="red", soft_wrap=True, highlight=False, markup=False)
+        # every problem, not only the first (a YAML/JSON error stays the one line it is)
+        problems = _all_problems(path) or [str(err)]
+        for problem in problems:
+            err_console.print(f"error: {problem}", style="red", soft_wrap=True, highlight=False, markup=False)
         raise typer.Exit(1) from None
     console.print(f"[green]ok[/green] {strat.name}: {json.dumps([n.id for n in strat.compile().nodes()])}")
+
+
+def _all_problems(path: Path) -> list[str]:
+    """`registry.strategy_problems` of the file's document, each prefixed with the file; [] when it
+    does not parse (then `_read_strategy`'s own message says why)."""
+    import yaml
+
+    from branchwise.reasoners.registry import strategy_problems
+
+    try:
+        text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    return [f"invalid strategy {path}: {p}" for p in strategy_problems(data)]
 
 
 def _gym_questions(task: str, size: int, seed: int) -> list[str]:

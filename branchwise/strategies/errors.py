@@ -10,7 +10,7 @@ from __future__ import annotations
 import yaml
 from pydantic import ValidationError
 
-__all__ = ["describe_validation_error", "describe_yaml_error"]
+__all__ = ["describe_validation_error", "describe_yaml_error", "validation_problems"]
 
 
 def describe_yaml_error(err: yaml.YAMLError) -> str:
@@ -21,11 +21,16 @@ def describe_yaml_error(err: yaml.YAMLError) -> str:
     return f"invalid YAML at {where}: {problem}"
 
 
-def describe_validation_error(err: ValidationError) -> str:
-    """Each problem as ``where: what (got value)``, joined by ``;`` on one line."""
+def validation_problems(err: ValidationError) -> list[str]:
+    """Each problem as ``where: what (got value)``, one string each."""
     parts = []
     for e in err.errors():
         where = ".".join(str(x) for x in e["loc"]) or "file"
         shown = where != "file" and not isinstance(e["input"], (dict, list))
         parts.append(f"{where}: {e['msg']}" + (f" (got {e['input']!r})" if shown else ""))
-    return "; ".join(parts)
+    return parts
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """Each problem as ``where: what (got value)``, joined by ``;`` on one line."""
+    return "; ".join(validation_problems(err))

@@ -26,7 +26,7 @@ from typing_extensions import TypedDict
 
 from branchwise.backends.base import DecodeParams, DecodeStep, Generation
 from branchwise.integrations.langchain import ChatBranchwise, as_runnable
-from branchwise.integrations.langchain_convert import chat_messages
+from branchwise.integrations.langchain_convert import ResponseTagFilter, chat_messages, strip_tool_responses
 from branchwise.toolcalls import ToolCallStream, parse_tool_calls, split_calls
 
 QUESTIONS = [
@@ -538,38 +538,115 @@ def test_langgraph_react_agent_loop_sends_calls_and_results_back() -> None:
     assert [t["function"]["name"] for t in backend.tools[-1]] == ["calculator"]
 
 
+# --------------------------------------------------------------------------------------------------
+# agents: langchain.agents.create_agent, the first turn's tool choice, echoed tool results
+# --------------------------------------------------------------------------------------------------
+
+ECHO = "<tool_response>\n84\n</tool_response>"
+
+
+@pytest.mark.parametrize(
+    ("text", "clean"),
+    [
+        (ECHO, "84"),
+        ("The answer is " + ECHO + ".", "The answer is 84."),
+        (ECHO + "\n" + ECHO, "84\n84"),
+        ("no tags at all \n", "no tags at all"),
+        ("<tool_response>84", "84"),
+    ],
+)
+def test_echoed_tool_response_tags_are_dropped_whole_and_streamed(text: str, clean: str) -> None:
+    assert strip_tool_responses(text) == clean
+    for size in (1, 2, 3, 5, 7):  # any split of the stream adds up to the whole reply's cleaning
+        tags = ResponseTagFilter()
+        pieces = [tags.push(text[i : i + size]) for i in range(0, len(text), size)]
+        assert "".join(pieces) + tags.finish() == clean
+        assert "tool_response" not in "".join(pieces)
+
+
+def _history(answered: bool) -> list[Any]:
+    msgs: list[Any] = [HumanMessage("What is 12 * 7?")]
+    if answered:
+        call = {"name": "calculator", "args": {"expression": "12 * 7"}, "id": "call_1", "type": "tool_call"}
+        msgs += [AIMessage("", tool_calls=[call]), ToolMessage("84", tool_call_id="call_1")]
+    return msgs
+
+
+@pytest.mark.parametrize(
+    ("first", "given", "answered", "expected"),
+    [
+        ("required", None, False, "required"),  # an agent's first turn
+        ("required", None, True, "auto"),  # a tool result is in: the model decides
+        ("required", "auto", False, "auto"),  # a tool_choice the caller gave wins
+        ("calculator", None, False, "calculator"),
+        (None, None, False, "auto"),  # the default: OpenAI's auto
+    ],
+)
+def test_first_tool_choice_applies_until_a_tool_result_is_in(
+    first: Any, given: Any, answered: bool, expected: str
+) -> None:
+    backend = ScriptedBackend("84")
+    chat = ChatBranchwise(backend=backend, first_tool_choice=first)
+    chat.bind_tools([calculator], tool_choice=given).invoke(_history(answered))
+    constraint = backend.params[-1].constraint
+    assert constraint is not None and constraint.tool_choice == expected
+
+
+def test_first_tool_choice_counts_results_after_the_last_question_only() -> None:
+    backend = ScriptedBackend("84")
+    chat = ChatBranchwise(backend=backend, first_tool_choice="required")
+    chat.bind_tools([calculator]).invoke([*_history(True), AIMessage("84"), HumanMessage("And 6 * 7?")])
+    assert (
+        backend.params[-1].constraint is not None and backend.params[-1].constraint.tool_choice == "required"
+    )
+    chat.invoke("No tools bound here.")  # without tools the setting asks for nothing
+    assert backend.params[-1].constraint is None
+
+
+def test_a_bad_first_tool_choice_names_the_field() -> None:
+    chat = ChatBranchwise(backend=ScriptedBackend("x"), first_tool_choice="no_such_tool")
+    with pytest.raises(ValueError, match="first_tool_choice"):
+        chat.bind_tools([calculator]).invoke("What is 12 * 7?")
+
+
+def test_a_reply_after_a_tool_result_drops_echoed_tags_in_invoke_and_stream() -> None:
+    chat = ChatBranchwise(backend=ScriptedBackend(ECHO))
+    msg = chat.bind_tools([calculator]).invoke(_history(True))
+    assert msg.content == "84" and msg.tool_calls == []
+    streamed = _aggregate(list(chat.bind_tools([calculator]).stream(_history(True))))
+    assert streamed.content == "84"
+    # a first turn has no tool result to echo: its text is the model's own
+    assert ChatBranchwise(backend=ScriptedBackend(ECHO)).invoke("Hi").content == ECHO
+
+
+def test_create_agent_calls_the_tool_first_and_answers_without_tags() -> None:
+    """`langchain.agents.create_agent` binds the tools itself (no tool_choice): `first_tool_choice`
+    makes its first turn a call; the answer after the result is cleaned of echoed tags."""
+    agents = pytest.importorskip("langchain.agents")
+    backend = ScriptedBackend(_block("calculator", {"expression": "12 * 7"}), ECHO)
+    llm = ChatBranchwise(backend=backend, first_tool_choice="required")
+    agent = agents.create_agent(model=llm, tools=[calculator])
+    out = agent.invoke({"messages": [("user", "What is 12 * 7?")]}, {"recursion_limit": 6})
+    kinds = [type(m).__name__ for m in out["messages"]]
+    assert kinds == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"]
+    assert out["messages"][2].content == "84" and out["messages"][-1].content == "84"
+    assert [p.constraint.tool_choice for p in backend.params if p.constraint] == ["required", "auto"]
+
+
 @pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # create_react_agent moved to langchain.agents
-def test_langgraph_react_agent_calls_the_tool_then_answers(embedded_dir: Any) -> None:
-    """LangGraph's prebuilt ReAct agent, unchanged, on the embedded model: it calls the calculator,
-    reads the result and answers.
-
-    The 135M model rarely decides to call a tool under ``tool_choice="auto"``, so the agent is
-    given a model-selection callable (a documented `create_react_agent` input): the first turn
-    requires a call, later turns (a tool result is in the conversation) leave the choice to the
-    model. What the model calls, with which arguments, and what it answers is its own.
-    """
-    pytest.importorskip("langgraph")
-    import torch
-    from langgraph.prebuilt import create_react_agent
-
+def test_embedded_create_agent_calls_the_tool_then_answers(embedded_dir: Any) -> None:
+    """`create_agent(model=ChatBranchwise(first_tool_choice="required"), tools=[...])` as the docs
+    write it, on the embedded model: the first turn calls the calculator, the tool runs, and the
+    final answer carries no ``<tool_response>`` tag. Which expression the 135M model writes, and what
+    it answers, is its own (greedy, so the same each run)."""
+    agents = pytest.importorskip("langchain.agents")
     from branchwise.backends.hf import HFBackend
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # faster on a shared 2-core machine
-    try:
-        llm = ChatBranchwise(backend=HFBackend(embedded_dir), max_tokens=40)
-
-        def pick_model(state: Any, runtime: Any) -> Any:
-            answered = any(isinstance(m, ToolMessage) for m in state["messages"])
-            choice = "auto" if answered else "required"
-            return llm.bind_tools([calculator], tool_choice=choice, parallel_tool_calls=False)
-
-        agent = create_react_agent(pick_model, [calculator])
-        question = "What is 12 * 7? Use the calculator."
-        out = agent.invoke({"messages": [("user", question)]}, {"recursion_limit": 8})
-    finally:
-        torch.set_num_threads(threads)
+    llm = ChatBranchwise(backend=HFBackend(embedded_dir), first_tool_choice="required")
+    agent = agents.create_agent(model=llm, tools=[calculator])
+    out = agent.invoke(
+        {"messages": [("user", "What is 12 * 7? Use the calculator.")]}, {"recursion_limit": 8}
+    )
     messages = out["messages"]
     first = messages[1]
     assert isinstance(first, AIMessage) and [c["name"] for c in first.tool_calls] == ["calculator"]
@@ -578,6 +655,5 @@ def test_langgraph_react_agent_calls_the_tool_then_answers(embedded_dir: Any) ->
     assert result.status == "success", result.content  # the model's expression evaluated
     final = messages[-1]
     assert isinstance(final, AIMessage) and not final.tool_calls
-    # the answer carries the result (greedy, so deterministic; the 135M model echoes the tool
-    # response block it was shown: '<tool_response>\n84\n</tool_response>')
+    assert "tool_response" not in final.content
     assert result.content in final.content

@@ -73,7 +73,13 @@ from branchwise.backends.base import (
     check_share,
 )
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
-from branchwise.integrations.langchain_convert import ChatRequest, StreamPieces, chat_messages, lc_tool_call
+from branchwise.integrations.langchain_convert import (
+    ChatRequest,
+    StreamPieces,
+    chat_messages,
+    lc_tool_call,
+    strip_tool_responses,
+)
 from branchwise.integrations.langchain_runnable import as_runnable
 from branchwise.toolcalls import ToolCall, normalize_tool_choice, normalize_tools, split_calls
 
@@ -113,6 +119,11 @@ class ChatBranchwise(BaseChatModel):
     """KV sharing of the ``n`` samples: ``"exact"`` (prompt KV held once) or ``"none"``"""
     dtype: str = "auto"
     device: str = "auto"
+    first_tool_choice: str | dict[str, Any] | bool | None = None
+    """``tool_choice`` for an agent's first turn: a call with tools bound, no ``tool_choice`` given,
+    and no tool result after the last user message. ``"required"`` makes a model that seldom calls
+    tools on its own (the embedded 135M) act before it answers, while LangChain's agents (which bind
+    tools without a ``tool_choice``) stay unchanged; later turns are ``"auto"``. None: always auto."""
 
     _scheduler: Scheduler = PrivateAttr()
 
@@ -271,7 +282,8 @@ class ChatBranchwise(BaseChatModel):
         stops = stop if stop is not None else kwargs.get("stop", self.stop)
         if isinstance(stops, str):
             stops = [stops]
-        request = ChatRequest(kwargs)
+        chat = chat_messages(messages)
+        request = self._request(chat, kwargs)
         params = DecodeParams(
             temperature=float(opt("temperature")),
             top_p=float(opt("top_p")),
@@ -280,13 +292,27 @@ class ChatBranchwise(BaseChatModel):
             seed=opt("seed"),
             constraint=request.constraint,
         )
-        chat = chat_messages(messages)
         if request.prompt_tools:
             prompt_ids = self.backend.chat_prompt(chat, tools=request.prompt_tools)
         else:
             prompt_ids = self.backend.chat_prompt(chat)
         job = Job(prompt=prompt_ids, n=n, params=params, share=self.share)
         return prompt_ids, job, bool(opt("logprobs")), request
+
+    def _request(self, chat: list[dict[str, Any]], kwargs: dict[str, Any]) -> ChatRequest:
+        """The call's `ChatRequest`, with `first_tool_choice` applied on an agent's first turn."""
+        last_user = max((i for i, m in enumerate(chat) if m["role"] == "user"), default=-1)
+        answered = any(m["role"] == "tool" for m in chat[last_user + 1 :])
+        first = self.first_tool_choice
+        if first is not None and kwargs.get("tools") and kwargs.get("tool_choice") is None and not answered:
+            try:
+                request = ChatRequest({**kwargs, "tool_choice": first})
+            except ValueError as err:
+                raise ValueError(f"first_tool_choice: {err}") from None
+        else:
+            request = ChatRequest(kwargs)
+        request.after_tool_results = any(m["role"] == "tool" for m in chat)
+        return request
 
     def _message(
         self, prompt_ids: list[int], gen: Generation, job: Job, want_logprobs: bool, request: ChatRequest
@@ -296,6 +322,8 @@ class ChatBranchwise(BaseChatModel):
         calls: list[ToolCall] = []
         if request.calls_tools:
             content, calls = split_calls(gen.text, request.tools)
+        if request.after_tool_results:
+            content = strip_tool_responses(content)
         metadata: dict[str, Any] = {
             # OpenAI's words (the backend's own reason is in ["branchwise"]["finish_reason"]); a reply
             # cut by max_tokens says so even after a call (its next block may be cut off)
@@ -387,7 +415,12 @@ class ChatBranchwise(BaseChatModel):
         return self._result(prompt_ids, gens, job, want_logprobs, request)
 
     def _pieces(self, request: ChatRequest, params: DecodeParams) -> StreamPieces:
-        return StreamPieces(self.backend.decode, params, request.tools if request.calls_tools else None)
+        return StreamPieces(
+            self.backend.decode,
+            params,
+            request.tools if request.calls_tools else None,
+            strip_responses=request.after_tool_results,
+        )
 
     def _chunk(self, part: str | ToolCall, index: int) -> ChatGenerationChunk:
         if isinstance(part, str):

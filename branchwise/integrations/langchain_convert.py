@@ -11,6 +11,7 @@ without depending on the chat model.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -30,7 +31,15 @@ from branchwise.backends.text import TextStream
 from branchwise.constraints import Constraint
 from branchwise.toolcalls import ToolCall, ToolCallStream, normalize_tool_choice, normalize_tools
 
-__all__ = ["ChatRequest", "StreamPieces", "chat_messages", "content_text", "lc_tool_call"]
+__all__ = [
+    "ChatRequest",
+    "ResponseTagFilter",
+    "StreamPieces",
+    "chat_messages",
+    "content_text",
+    "lc_tool_call",
+    "strip_tool_responses",
+]
 
 
 def content_text(content: Any, *, assistant: bool = False) -> str:
@@ -106,16 +115,85 @@ def lc_tool_call(call: ToolCall) -> dict[str, Any]:
     return {"name": call.name, "args": call.arguments, "id": call.id, "type": "tool_call"}
 
 
+# A tool's result reaches the model inside <tool_response> tags (the Hermes format of chat templates
+# with tools, and `render_messages`' fallback); a small model answering after one often copies the
+# tags around its answer. The tags (each with the newline inside its block) are dropped from the
+# reply's prose.
+_RESPONSE_TAG = re.compile(r"<tool_response>\n?|\n?</tool_response>")
+_TAG_FORMS = ("<tool_response>\n", "\n</tool_response>")
+
+
+def strip_tool_responses(text: str) -> str:
+    """`text` without echoed ``<tool_response>`` tags (their content stays), stripped: the answer a
+    model gave by copying the tool's result block is the result itself."""
+    return _RESPONSE_TAG.sub("", text).strip()
+
+
+class ResponseTagFilter:
+    """`strip_tool_responses` for streamed prose: the pieces it returns add up to
+    ``strip_tool_responses(whole)``. It holds back a tail that may still grow into a tag (or be the
+    newline a tag swallows) and whitespace that may turn out to end the reply."""
+
+    def __init__(self) -> None:
+        self.raw = ""
+        self.sent = 0
+
+    def _held(self) -> int:
+        for k in range(min(len(self.raw), max(map(len, _TAG_FORMS))), 0, -1):
+            tail = self.raw[-k:]
+            if any(form.startswith(tail) for form in _TAG_FORMS):
+                return k
+        return 0
+
+    def _emit(self, cleaned: str) -> str:
+        new = cleaned[self.sent :]
+        self.sent = max(self.sent, len(cleaned))
+        return new
+
+    def push(self, delta: str) -> str:
+        self.raw += delta
+        held = self._held()
+        safe = self.raw[: len(self.raw) - held] if held else self.raw
+        return self._emit(_RESPONSE_TAG.sub("", safe).lstrip().rstrip())
+
+    def finish(self) -> str:
+        return self._emit(strip_tool_responses(self.raw))
+
+
 class StreamPieces:
     """One streamed reply's parts as it is decoded: text released where no stop string can begin
     any more (`TextStream`, the server's rule), then split into prose and calls when tools are
     bound. Together the parts are what `ChatBranchwise._message` makes of the finished reply. Each part comes with
     its call index (the position among the reply's calls; 0 for prose)."""
 
-    def __init__(self, detokenize: Callable[[Sequence[int]], str], params: DecodeParams, tools: Any) -> None:
+    def __init__(
+        self,
+        detokenize: Callable[[Sequence[int]], str],
+        params: DecodeParams,
+        tools: Any,
+        *,
+        strip_responses: bool = False,
+    ) -> None:
         self.text = TextStream(detokenize, params)
         self.splitter = ToolCallStream(tools) if tools else None
         self.calls = 0
+        self.tags = ResponseTagFilter() if strip_responses else None
+
+    def _cleaned(self, parts: list[str | ToolCall], final: bool) -> list[str | ToolCall]:
+        """Prose through the tag filter (when the history holds tool results); calls as they are."""
+        if self.tags is None:
+            return parts
+        out: list[str | ToolCall] = []
+        for part in parts:
+            if isinstance(part, str):
+                part = self.tags.push(part)
+            elif rest := self.tags.finish():  # prose ends where the calls begin
+                out.append(rest)
+            if part:
+                out.append(part)
+        if final and (rest := self.tags.finish()):
+            out.append(rest)
+        return out
 
     def _indexed(self, parts: list[str | ToolCall]) -> list[tuple[str | ToolCall, int]]:
         out = []
@@ -130,14 +208,14 @@ class StreamPieces:
         return self.splitter.push(delta) if delta else []
 
     def push(self, tokens: Sequence[int]) -> list[tuple[str | ToolCall, int]]:
-        return self._indexed(self._parts(self.text.push(tokens)))
+        return self._indexed(self._cleaned(self._parts(self.text.push(tokens)), final=False))
 
     def finish(self, text: str) -> list[tuple[str | ToolCall, int]]:
         """The rest, given the finished reply's text (as the backend cut it)."""
         parts = self._parts(self.text.finish(text))
         if self.splitter is not None:
             parts += self.splitter.finish()
-        return self._indexed(parts)
+        return self._indexed(self._cleaned(parts, final=True))
 
 
 def _tools_of(tools: Any) -> list[dict[str, Any]]:
@@ -184,6 +262,9 @@ class ChatRequest:
             )
         self.constraint: Constraint | None = constraints[0] if constraints else None
         self.prompt_tools = self.tools if self.tools and self.tool_choice != "none" else []
+        # set by the chat model from the history: whether the reply's prose is cleaned of echoed
+        # <tool_response> tags (`strip_tool_responses`)
+        self.after_tool_results = False
 
     @property
     def calls_tools(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from branchwise.schema_limits import check_choices, check_pattern
 from branchwise.toolcalls import (
     TOOL_CALL_OPEN,
     ToolCall,
@@ -100,10 +101,19 @@ class Constraint(BaseModel):
     @classmethod
     def _regex(cls, value: str | None) -> str | None:
         if value is not None:
+            check_pattern(value)
             try:
                 re.compile(value)
             except re.error as err:
                 raise ValueError(f"pattern: not a valid regular expression ({err})") from None
+            except RecursionError:  # Python's regex parser recurses on nested groups
+                raise ValueError("groups nested too deep for the regular expression parser") from None
+        return value
+
+    @field_validator("choices")
+    @classmethod
+    def _choices(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        check_choices(value)
         return value
 
     @field_validator("tools", mode="before")
@@ -272,6 +282,8 @@ class Constraint(BaseModel):
             value = json.loads(text)
         except json.JSONDecodeError as err:
             raise OutputError(f"output is not complete JSON ({err.msg} at char {err.pos})") from None
+        except RecursionError:  # an open schema (``{}``, json_object) lets a model nest without end
+            raise OutputError("output is JSON nested too deep to read") from None
         if self.kind == "json_object" and not isinstance(value, dict):
             raise OutputError("output is JSON but not an object")
         if self.json_schema is not None:

@@ -30,6 +30,8 @@ from typing import Any
 import jsonschema
 from pydantic import BaseModel, Field, create_model
 
+from branchwise.schema_limits import SchemaSize, check_tool_count
+
 __all__ = [
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
@@ -94,12 +96,15 @@ class ToolCall(BaseModel):
         }
 
 
-def check_json_schema(schema: Any, field: str) -> dict[str, Any]:
-    """`schema` as a dict, or a ValueError naming `field` when it is not a valid JSON Schema."""
+def check_json_schema(schema: Any, field: str, size: SchemaSize | None = None) -> dict[str, Any]:
+    """`schema` as a dict, or a ValueError naming `field` when it is not a valid JSON Schema or passes
+    a limit of `branchwise.schema_limits` (measured first, iteratively: jsonschema's check recurses);
+    `size` adds it to the totals of a constraint's other schemas (a tool call constraint's tools)."""
     if isinstance(schema, type) and issubclass(schema, BaseModel):
         schema = schema.model_json_schema()
     if not isinstance(schema, Mapping):
         raise ValueError(f"{field}: a JSON Schema is an object, got {type(schema).__name__}")
+    (size or SchemaSize()).add(schema, field)
     schema = dict(schema)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
@@ -144,8 +149,10 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
     parameters that are a valid JSON Schema object. Errors name ``tools[i]...``."""
     if isinstance(tools, Mapping) or not isinstance(tools, Sequence) or isinstance(tools, str):
         raise ValueError("tools: expected a list of tools")
+    check_tool_count(tools)
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
+    size = SchemaSize()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if isinstance(tool, BaseModel):
@@ -169,7 +176,7 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
             raise ValueError(f"{where}.name: {name!r} is defined twice")
         seen.add(name)
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        params = check_json_schema(params, f"{where}.parameters")
+        params = check_json_schema(params, f"{where}.parameters", size)
         if params.get("type", "object") != "object":
             raise ValueError(
                 f"{where}.parameters.type: a tool's arguments are an object, got {params.get('type')!r}"

@@ -8,6 +8,7 @@ KV than before (both polled, bounded).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +20,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from branchwise.schema_limits import MAX_CHOICES, MAX_ENUM_VALUES, MAX_SCHEMA_DEPTH  # noqa: E402
 from branchwise.serve import create_app  # noqa: E402
+from branchwise.serve.errors import MAX_BODY_DEPTH  # noqa: E402
 from branchwise.serve.runner import serve_in_thread  # noqa: E402
 
 MSGS = [{"role": "user", "content": "What is 12 + 7?"}]
@@ -189,3 +192,158 @@ def test_a_strategy_past_its_deadline_is_504_and_stops(short_deadline: str, tiny
 def test_health_reports_the_kv_figures(served: str) -> None:
     kv = httpx.get(f"{served}/health").json()["kv"]
     assert {"used_bytes", "cache_bytes", "preemptions"} <= set(kv)
+
+
+# ------------------------------------------------------------------ schemas, grammars and token ids
+
+
+class Lines(logging.Handler):
+    """Every record logged while installed (the server logs from its own thread)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def logged() -> Iterator[list[logging.LogRecord]]:
+    """The server's and uvicorn's log records during one test."""
+    lines = Lines()
+    loggers = [logging.getLogger(n) for n in ("branchwise", "uvicorn", "uvicorn.error")]
+    for lg in loggers:
+        lg.addHandler(lines)
+    try:
+        yield lines.records
+    finally:
+        for lg in loggers:
+            lg.removeHandler(lines)
+
+
+def nested(levels: int) -> dict[str, Any]:
+    """An object schema `levels` properties deep (two JSON levels each), as the outside probe sent."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _schema_body(where: str, schema: dict[str, Any]) -> dict[str, Any]:
+    if where == "response_format":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    return {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]}
+
+
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+@pytest.mark.parametrize("levels", [94, 98, 200])
+def test_a_deep_schema_is_400_naming_the_depth_limit(
+    served: str, logged: list[logging.LogRecord], where: str, levels: int
+) -> None:
+    """Once a 500 with a 1,920-line traceback (94-98 levels) or "malformed JSON" (99+): the schema
+    is refused by its depth, or the body by the JSON parser's, both naming the schema's limit."""
+    r = chat(served, max_tokens=1, **_schema_body(where, nested(levels)))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] in (where, "body") and f"{MAX_SCHEMA_DEPTH} levels" in err["message"], err
+    assert "malformed" not in err["message"]
+    if err["param"] == "body":  # deeper than the parser reads: its limit is named too
+        assert f"more than {MAX_BODY_DEPTH} levels" in err["message"]
+    assert not [rec for rec in logged if rec.exc_info or rec.levelno >= logging.ERROR]
+
+
+def test_a_schema_within_the_depth_limit_is_served(served: str) -> None:
+    r = chat(served, max_tokens=4, temperature=0, **_schema_body("response_format", nested(20)))
+    assert r.status_code == 200, r.text
+
+
+def test_an_enum_of_100000_strings_is_400(served: str, logged: list[logging.LogRecord]) -> None:
+    schema = {"type": "object", "properties": {"a": {"enum": [f"value-{i}" for i in range(100_000)]}}}
+    message = error(
+        chat(served, max_tokens=1, **_schema_body("response_format", schema)), 400, "response_format"
+    )
+    assert f"more than {MAX_ENUM_VALUES} values" in message
+    assert not [rec for rec in logged if rec.exc_info]
+
+
+def test_a_choice_of_100000_strings_is_400(served: str) -> None:
+    constraint = {"kind": "choice", "choices": [f"value-{i}" for i in range(100_000)]}
+    message = error(chat(served, max_tokens=1, branchwise={"constraint": constraint}), 400, "branchwise")
+    assert message.startswith("branchwise.constraint.choices") and f"limit of {MAX_CHOICES}" in message
+
+
+def test_a_grammar_compiling_never_stalls_another_requests_decode(
+    served: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request's grammar compiles (held here until released) while two others, one free and one
+    with a grammar of its own, are decoded and answered; the first is answered once it is released.
+    Before, the compile ran on the scheduler's one worker (and under the cache's lock): both waited."""
+    from branchwise.backends.hf import grammar
+
+    real = grammar._compile
+    slow, quick = ["slow-one", "slow-two"], ["quick-one", "quick-two"]
+    started, release = threading.Event(), threading.Event()
+
+    def held(compiler: Any, constraint: Any) -> Any:
+        if list(constraint.choices) == slow:
+            started.set()
+            release.wait(120)
+        return real(compiler, constraint)
+
+    monkeypatch.setattr(grammar, "_compile", held)
+    out: dict[str, Any] = {}
+
+    def ask_slow() -> None:
+        out["slow"] = chat(
+            served, max_tokens=24, branchwise={"constraint": {"kind": "choice", "choices": slow}}
+        )
+
+    first = threading.Thread(target=ask_slow)
+    first.start()
+    try:
+        assert started.wait(60), "the slow grammar never started compiling"
+        free = chat(served, timeout=30, max_tokens=4, temperature=0)
+        own = chat(
+            served, timeout=30, max_tokens=24, branchwise={"constraint": {"kind": "choice", "choices": quick}}
+        )
+        assert free.status_code == 200 and own.status_code == 200, (free.text, own.text)
+        assert own.json()["choices"][0]["message"]["content"] in quick
+        assert "slow" not in out and not release.is_set()  # answered while the compile still ran
+        assert httpx.get(f"{served}/health").json()["busy"] is True  # the compiling request counts
+    finally:
+        release.set()
+        first.join(60)
+    assert out["slow"].status_code == 200, out["slow"].text
+    assert out["slow"].json()["choices"][0]["message"]["content"] in slow
+
+
+def test_detokenize_refuses_booleans(served: str) -> None:
+    message = error(httpx.post(f"{served}/detokenize", json={"tokens": [5, True]}), 400, "tokens")
+    assert message.startswith("tokens[1]") and "true" in message
+
+
+def test_a_token_prompt_of_booleans_is_400(served: str) -> None:
+    r = httpx.post(f"{served}/v1/completions", json={"prompt": [True, 5], "max_tokens": 1})
+    assert r.status_code == 400, r.text
+
+
+def test_a_body_deeper_than_the_parser_reads_is_400_not_malformed(served: str) -> None:
+    deep = "[" * (MAX_BODY_DEPTH + 50) + "]" * (MAX_BODY_DEPTH + 50)
+    for path in ("/detokenize", "/v1/chat/completions"):
+        r = httpx.post(
+            f"{served}{path}", content=f'{{"tokens": {deep}}}', headers={"Content-Type": "application/json"}
+        )
+        message = error(r, 400, "body")
+        assert f"more than {MAX_BODY_DEPTH} levels" in message and "malformed" not in message
+
+
+def test_the_body_depth_limit_is_the_parsers() -> None:
+    """`MAX_BODY_DEPTH` names the JSON parser's own limit: a body that deep parses, one level more
+    does not (fails when a new pydantic-core moves its limit)."""
+    from branchwise.serve.errors import RequestError, json_object
+
+    within = "[" * (MAX_BODY_DEPTH - 1) + "]" * (MAX_BODY_DEPTH - 1)
+    assert json_object(f'{{"a": {within}}}'.encode())
+    with pytest.raises(RequestError, match=f"more than {MAX_BODY_DEPTH} levels"):
+        json_object(f'{{"a": [{within}]}}'.encode())

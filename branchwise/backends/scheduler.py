@@ -60,6 +60,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, cast
 
 from branchwise.backends.base import (
@@ -131,6 +132,7 @@ class Scheduler:
         self._running = 0
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._compiling: set[Job] = set()  # jobs queued once their grammar is compiled (`_grammar`)
         self._listens = _extend_takes(backend, "on_step")
         self._admits = continuous and self._listens and _extend_takes(backend, "admit")
         self._mixes = self._admits and _extend_takes(backend, "row_params")
@@ -145,22 +147,28 @@ class Scheduler:
 
     # ------------------------------------------------------------------ callers
     def enqueue(self, job: Job) -> Job:
-        """Queue `job` without waiting; raises `QueueFull`, `KVBudgetExceeded` (the job alone could
-        never fit the backend's KV budget) or, once closed, `RuntimeError`."""
+        """Queue `job` without waiting (a constrained one once its grammar is compiled, `_grammar`);
+        raises `QueueFull`, `KVBudgetExceeded` (the job alone could never fit the backend's KV budget),
+        the backend's error for a grammar it refused already or, once closed, `RuntimeError`."""
         self._check_fits(job)
+        grammar = self._grammar(job)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the scheduler was closed")
-            if self.max_queued_rows is not None and self._rows_queued() + job.n > self.max_queued_rows:
+            waiting = self._rows_queued() + sum(j.n for j in self._compiling)
+            if self.max_queued_rows is not None and waiting + job.n > self.max_queued_rows:
                 self.stats.rejected += 1
-                raise QueueFull(
-                    f"{self._rows_queued()} branches are queued (limit {self.max_queued_rows}); retry later"
-                )
-            self._queue.append(job)
+                raise QueueFull(f"{waiting} branches are queued (limit {self.max_queued_rows}); retry later")
+            if grammar is None:
+                self._queue.append(job)
+            else:  # queued once its grammar is compiled (`_compiled`)
+                self._compiling.add(job)
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 self._worker.start()
             self._cv.notify_all()
+        if grammar is not None:
+            grammar.add_done_callback(lambda done: self._compiled(job, done))
         return job
 
     def submit(self, job: Job) -> list[Generation]:
@@ -203,7 +211,9 @@ class Scheduler:
             try:
                 self._queue.remove(job)
             except ValueError:
-                return  # taken by the worker: its router stops the job's branches
+                if job not in self._compiling:
+                    return  # taken by the worker: its router stops the job's branches
+                self._compiling.discard(job)
         job._fail(Cancelled("the request was cancelled before it was decoded"))
 
     def queued_rows(self) -> int:
@@ -214,7 +224,7 @@ class Scheduler:
     def idle(self) -> bool:
         """Nothing queued and no batch being decoded."""
         with self._cv:
-            return not self._queue and not self._running
+            return not self._queue and not self._running and not self._compiling
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new requests; the queued ones still finish. With `timeout`, wait for the worker."""
@@ -224,6 +234,31 @@ class Scheduler:
             worker = self._worker
         if timeout is not None and worker is not None:
             worker.join(timeout)
+
+    def _grammar(self, job: Job) -> Future[Any] | None:
+        """The job's grammar compiling off this thread (the backend's ``prepare_constraint``; None: none
+        to wait for; a compile error is raised). Why: a big grammar compiles for seconds, and the worker
+        decodes everyone's requests; the job joins the queue once its grammar is ready."""
+        prepare = getattr(self.backend, "prepare_constraint", None)
+        if prepare is None or job.params.constraint is None:
+            return None
+        future: Future[Any] = prepare(job.params.constraint)
+        if future.done():
+            future.result()  # a grammar the engine refuses fails here, before anything is queued
+        return None if future.done() else future
+
+    def _compiled(self, job: Job, grammar: Future[Any]) -> None:
+        """Queue `job` now that its grammar is compiled; fail it alone if it could not be (or if the
+        scheduler was closed meanwhile); one cancelled meanwhile was answered by `cancel`."""
+        with self._cv:
+            if job not in self._compiling:
+                return
+            self._compiling.discard(job)
+        try:
+            grammar.result()
+            self.enqueue(job)
+        except Exception as err:
+            job._fail(err)
 
     # ------------------------------------------------------------------ worker
     def _rows_queued(self) -> int:

@@ -515,8 +515,15 @@ def create_app(
     async def detokenize(request: Request) -> Response:
         async def run(body: bytes, _: Request) -> Response:
             tokens = json_object(body).get("tokens")
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+            if not isinstance(tokens, list):
                 raise RequestError(400, "tokens: give a list of token ids (integers >= 0)", "tokens")
+            for i, t in enumerate(tokens):  # `type`, not isinstance: JSON's true is no token id
+                if type(t) is not int or t < 0:
+                    raise RequestError(
+                        400,
+                        f"tokens[{i}]: a token id is an integer >= 0 (got {json.dumps(t)[:40]})",
+                        "tokens",
+                    )
             server.check_ids(tokens, "tokens")
             return JSONResponse({"prompt": backend.decode(tokens)})
 

@@ -7,14 +7,26 @@ strategy runner all refuse requests; a client must get the same JSON body from e
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
+import pydantic_core
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["ClientGone", "RequestError", "draining", "error_body", "json_object", "parse", "validation_error"]
+from branchwise.schema_limits import MAX_SCHEMA_DEPTH
+
+__all__ = [
+    "MAX_BODY_DEPTH",
+    "ClientGone",
+    "RequestError",
+    "draining",
+    "error_body",
+    "json_object",
+    "parse",
+    "too_deep",
+    "validation_error",
+]
 
 KINDS = {
     400: "invalid_request_error",
@@ -28,6 +40,12 @@ KINDS = {
     504: "timeout",
 }
 """OpenAI's error ``type`` per status (anything else: ``server_error``)."""
+
+MAX_BODY_DEPTH = 201
+"""How deep a request body's JSON may nest (the body's own object is level 1): the limit of the JSON
+parser that reads it, pydantic-core's, fixed in that library (its recursion limit of 200 counts the
+levels below the first). A deeper body is valid JSON all the same, so it is refused naming this
+depth and the schema depth limit (`branchwise.schema_limits.MAX_SCHEMA_DEPTH`), not as malformed."""
 
 
 def error_body(
@@ -69,6 +87,16 @@ def draining() -> RequestError:
     return RequestError(503, "the server is shutting down; retry on another server or later")
 
 
+def too_deep() -> RequestError:
+    """The 400 of a body nested deeper than `MAX_BODY_DEPTH`."""
+    return RequestError(
+        400,
+        f"body: JSON nested more than {MAX_BODY_DEPTH} levels deep, the limit of this server "
+        f"(a JSON Schema in it may nest at most {MAX_SCHEMA_DEPTH} levels)",
+        "body",
+    )
+
+
 def validation_error(err: ValidationError) -> RequestError:
     """One 400 naming each bad field, what is allowed and the value sent."""
     parts, params = [], []
@@ -76,11 +104,15 @@ def validation_error(err: ValidationError) -> RequestError:
         loc = ".".join(str(x) for x in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "json_invalid":
+            if "recursion limit" in str(e["ctx"].get("error", "")):
+                return too_deep()
             loc, msg = "body", f"malformed JSON ({e['ctx'].get('error', 'invalid')})"
         elif not loc and ": " in msg:  # a model-level check names its field itself: "n: ..."
             loc, msg = msg.split(": ", 1)
         shown = loc and not isinstance(e.get("input"), dict | list) and e["type"] != "missing"
-        parts.append(f"{loc or 'body'}: {msg}" + (f" (got {e['input']!r})" if shown else ""))
+        got = repr(e.get("input"))
+        got = got if len(got) <= 80 else got[:77] + "..."  # a long input (a huge regex) is not echoed
+        parts.append(f"{loc or 'body'}: {msg}" + (f" (got {got})" if shown else ""))
         params.append(re.split(r"[.\[]", loc)[0] if loc else "body")
     return RequestError(400, "; ".join(parts), param=params[0] if params else None)
 
@@ -95,9 +127,11 @@ def parse(model: type[BaseModel], body: bytes) -> Any:
 
 def json_object(body: bytes) -> dict[str, Any]:
     """The body as a JSON object (the small vLLM endpoints take no pydantic model)."""
-    try:
-        data = json.loads(body or b"{}")
+    try:  # the parser `parse` uses: the same depth limit, the same error
+        data = pydantic_core.from_json(body or b"{}")
     except ValueError as err:
+        if "recursion limit" in str(err):
+            raise too_deep() from None
         raise RequestError(400, f"body: malformed JSON ({err})", "body") from None
     if not isinstance(data, dict):
         raise RequestError(400, "body: must be a JSON object", "body")

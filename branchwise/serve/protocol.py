@@ -48,7 +48,8 @@ __all__ = [
     "MessageToolCall",
 ]
 
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, strict=True)]
+"""A token id: strict, so that JSON's ``true`` is refused rather than read as token 1."""
 MAX_N = 128
 MAX_TOKENS = 131072
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -314,6 +315,11 @@ class HFBackend:
 
     def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
         return self._default.kv_cost(prompt_tokens, n, max_tokens, share)
+
+    def prepare_constraint(self, constraint: Constraint) -> Future[Any]:
+        """Compile `constraint`'s grammar off the caller's thread (`Grammars.prepare`): a scheduler
+        queues a constrained request only once this is done, so no decode waits for its compile."""
+        return self.engine.grammars.prepare(constraint)
 
     @property
     def broadcast(self) -> Broadcast:

@@ -27,6 +27,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 
 from branchwise.constraints import Constraint, ConstraintError
 
-__all__ = ["ConstraintError", "GrammarStats", "Grammars", "RowGrammars"]
+__all__ = ["COMPILE_WORKERS", "ConstraintError", "GrammarStats", "Grammars", "RowGrammars"]
 
 _LOG_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
 """The position prefix of xgrammar's C++ error messages (time, source file and line)."""
@@ -55,9 +56,23 @@ class GrammarStats:
     last_compile_s: float = 0.0
 
 
+COMPILE_WORKERS = 2
+"""Threads that compile grammars ahead of decoding (`Grammars.prepare`, called by the scheduler when
+a request is queued). xgrammar releases the GIL while it compiles, so a compile there never stalls
+the decode loop; two let a small grammar compile beside a large one instead of waiting behind it."""
+
+
 @dataclass(eq=False)
 class Grammars:
-    """The engine's grammar compiler and its cache of compiled constraints (see the module docstring)."""
+    """The engine's grammar compiler and its cache of compiled constraints (see the module docstring).
+
+    Why compiles happen off the caller's thread: a large grammar takes seconds to compile, and the
+    caller that needs it is often the one thread that decodes every request (the scheduler's worker,
+    holding the engine). `prepare` starts a compile on a worker of its own and returns a future; the
+    scheduler queues the request only once it is done, so its decode finds the grammar cached. The
+    cache's lock is held only to look up and store, never while compiling: a cache hit never waits for
+    another constraint's compile, and a constraint asked for twice while compiling compiles once.
+    """
 
     tokenizer: PreTrainedTokenizerBase
     vocab_size: int
@@ -65,32 +80,79 @@ class Grammars:
     stats: GrammarStats = field(default_factory=GrammarStats)
     _compiler: xgr.GrammarCompiler | None = None
     _cache: dict[str, xgr.CompiledGrammar] = field(default_factory=dict)
+    _pending: dict[str, Future[xgr.CompiledGrammar]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _compiler_lock: threading.Lock = field(default_factory=threading.Lock)
+    _workers: ThreadPoolExecutor | None = None
 
     def compiler(self) -> xgr.GrammarCompiler:
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.eos_ids)
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-        return self._compiler
+        with self._compiler_lock:  # built once, by whichever thread compiles first
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.eos_ids)
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            return self._compiler
 
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        """The constraint's compiled grammar, compiled on first use and cached by its canonical key."""
+        """The constraint's compiled grammar, compiled on first use (in this thread, unless a compile
+        of it is under way already: then that one is awaited) and cached by its canonical key."""
+        key, future, mine = self._claim(constraint)
+        if mine:
+            self._build(key, constraint, future)
+        return future.result()
+
+    def prepare(self, constraint: Constraint) -> Future[xgr.CompiledGrammar]:
+        """The constraint's compiled grammar as a future: done at once on a cache hit, else compiled
+        by a worker of this cache (`COMPILE_WORKERS`). A constraint the engine cannot compile
+        fails the future with `ConstraintError`."""
+        key, future, mine = self._claim(constraint)
+        if mine:
+            with self._lock:
+                if self._workers is None:
+                    self._workers = ThreadPoolExecutor(
+                        COMPILE_WORKERS, thread_name_prefix="branchwise-grammar"
+                    )
+                workers = self._workers
+            workers.submit(self._build, key, constraint, future)
+        return future
+
+    def _claim(self, constraint: Constraint) -> tuple[str, Future[xgr.CompiledGrammar], bool]:
+        """(key, the future of its grammar, whether the caller must compile it)."""
         key = constraint.key()
         with self._lock:
+            future: Future[xgr.CompiledGrammar] | None = self._pending.get(key)
+            if future is not None:
+                return key, future, False
+            future = Future()
             hit = self._cache.get(key)
             if hit is not None:
                 self.stats.cache_hits += 1
-                return hit
-            start = time.perf_counter()
+                future.set_result(hit)
+                return key, future, False
+            self._pending[key] = future
+            return key, future, True
+
+    def _build(self, key: str, constraint: Constraint, future: Future[xgr.CompiledGrammar]) -> None:
+        """Compile `constraint` into the cache and settle `future` (with the grammar or the error)."""
+        start = time.perf_counter()
+        try:
             compiled = _compile(self.compiler(), constraint)
-            took = time.perf_counter() - start
+        except BaseException as err:
+            with self._lock:
+                self._pending.pop(key, None)
+            future.set_exception(err)
+            if not isinstance(err, Exception):
+                raise
+            return
+        took = time.perf_counter() - start
+        with self._lock:
             self.stats.compiled += 1
             self.stats.compile_s += took
             self.stats.last_compile_s = took
             self._cache[key] = compiled
-            return compiled
+            self._pending.pop(key, None)
+        future.set_result(compiled)
 
     def clear(self) -> None:
         with self._lock:

@@ -202,3 +202,25 @@ def test_bad_limits_are_refused_in_one_line() -> None:
     result = CliRunner().invoke(app, ["serve", "--max-strategy-branches", "0"])
     assert result.exit_code == 2
     assert "Invalid value for '--max-strategy-branches': 0 is not in the range 1<=x<=4096" in result.output
+
+
+# ------------------------------------------------------------------ the process ends with the drain
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_serve_ends_the_process_right_after_the_drain(monkeypatch: pytest.MonkeyPatch, started: bool) -> None:
+    """After a drain `serve` exits 0 at once, skipping the interpreter's teardown (a full garbage
+    collection of the model's objects took 6-9 s, past the one decode step SERVING.md promises);
+    a server that never started returns to its caller instead."""
+    from branchwise.serve import runner
+
+    def run(self: Any, sockets: Any = None) -> None:
+        self.started = started
+
+    exits: list[int] = []
+    monkeypatch.setattr(runner.DrainingServer, "run", run)
+    monkeypatch.setattr(runner.os, "_exit", exits.append)
+    monkeypatch.setattr(runner.logging, "shutdown", lambda *_: None)  # keep this process's handlers open
+    with socket.socket() as sock:
+        runner.serve(object(), sock, drain_timeout_s=1.0)
+    assert exits == ([0] if started else [])

@@ -17,8 +17,11 @@ no second model load.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
@@ -87,9 +90,27 @@ def _drain_hook(app: Any) -> Callable[[], None] | None:
 
 
 def serve(app: Any, sock: socket.socket, drain_timeout_s: float, log_level: str = "info") -> None:
-    """Serve `app` on the bound `sock` until SIGTERM / SIGINT, then drain (module docstring)."""
+    """Serve `app` on the bound `sock` until SIGTERM / SIGINT, then drain (module docstring), and end
+    the process with status 0; returns only if the server never started.
+
+    Why end it here: once the drain is over nothing is left to do, but the interpreter's own
+    teardown would still run a full garbage collection over every object of the model, the KV tree
+    and the libraries (measured: 6 to 9 s on a loaded 2-core CPU after a burst), so the process
+    would outlive the drain by seconds instead of the one decode step the documentation promises.
+    Logs and standard streams are flushed first."""
     server = DrainingServer(_config(app, drain_timeout_s, log_level), _drain_hook(app))
     server.run(sockets=[sock])
+    if server.started:
+        _exit_now()
+
+
+def _exit_now() -> None:
+    """Flush what the process wrote, then exit 0 without the interpreter's teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 @contextmanager

@@ -10,7 +10,7 @@ import difflib
 import json
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import ValidationError
@@ -18,8 +18,23 @@ from rich.console import Console
 from rich.table import Table
 
 from branchwise import cli_backend
-from branchwise.cli_params import DeviceOption, DtypeOption, one_line, ranged
+from branchwise.backends.accel import Accel
+from branchwise.cli_accel import AccelCommand, accel_options
+from branchwise.cli_params import (
+    DeviceOption,
+    DtypeOption,
+    EndpointOption,
+    ModelOption,
+    knob,
+    one_line,
+    ranged,
+)
 from branchwise.strategies import MAX_SEED, PREBUILT, Strategy
+from branchwise.strategies.prebuilt import Knobs
+
+if TYPE_CHECKING:
+    from branchwise.backends.base import Backend
+    from branchwise.reasoners import Result
 
 app = typer.Typer(
     help="Multi-branch LLM reasoning with shared KV: run strategies, inspect strategy graphs.",
@@ -62,6 +77,11 @@ def _verifier_names() -> list[str]:
     return verifier_names()
 
 
+VERIFIER_HELP = (
+    f"{(Knobs.model_fields['verifier'].description or '').rstrip('.')}: {', '.join(_verifier_names())}"
+)
+
+
 def _read_strategy(path: Path) -> Strategy:
     """Load, validate and compile a strategy file; every failure is a ``ValueError`` of one line."""
     from branchwise.reasoners.registry import check_names
@@ -79,32 +99,19 @@ def _read_strategy(path: Path) -> Strategy:
     return strategy
 
 
-def _load_strategy(
-    name: str,
-    *,
-    branches: int | None = None,
-    temperature: float | None = None,
-    tokens: int | None = None,
-    seed: int | None = None,
-    verifier: str | None = None,
-    depth: int | None = None,
-) -> Strategy:
-    """A prebuilt name (the knobs set its parameters), or a path to a JSON/YAML strategy file."""
+def _load_strategy(name: str, **knobs: Any) -> Strategy:
+    """A prebuilt name (the knobs, `strategies.prebuilt.Knobs` fields, set its parameters), or a path
+    to a JSON/YAML strategy file."""
+    given = {key: value for key, value in knobs.items() if value is not None}
     if name in PREBUILT:
+        verifier = given.get("verifier")
         if verifier is not None and verifier not in _verifier_names():
             raise typer.BadParameter(
                 f"{verifier!r} is not a verifier; allowed: {', '.join(_verifier_names())}",
                 param_hint="--verifier",
             )
         try:
-            return PREBUILT[name](
-                branches=branches,
-                temperature=temperature,
-                tokens=tokens,
-                seed=seed,
-                verifier=verifier,
-                depth=depth,
-            )
+            return PREBUILT[name](**given)
         except ValidationError as err:
             raise typer.BadParameter(f"{name}: {one_line(err)}", param_hint="--strategy") from None
         except ValueError as err:
@@ -117,7 +124,7 @@ def _load_strategy(
             f"{name!r} is neither a prebuilt strategy ({', '.join(PREBUILT)}) nor a file{hint}",
             param_hint="--strategy",
         )
-    if any(v is not None for v in (branches, temperature, tokens, verifier, depth)):
+    if set(given) - {"seed"}:
         raise typer.BadParameter(
             "--n, --temperature, --max-tokens, --verifier and --depth set a prebuilt strategy's "
             "parameters; a strategy file carries its own",
@@ -129,98 +136,37 @@ def _load_strategy(
         raise typer.BadParameter(str(err), param_hint="--strategy") from None
 
 
-@app.command()
+@app.command(cls=AccelCommand)
+@accel_options()
 def run(
     questions: Annotated[
         list[str], typer.Argument(metavar="QUESTION", help="One or more questions to answer.")
     ],
     strategy: Annotated[str, typer.Option(help=STRATEGY_HELP)] = "self-consistency",
-    n: Annotated[
-        int | None,
-        ranged("Branches per question (n, or the search width); default: the strategy's.", 1, 4096),
-    ] = None,
+    n: Annotated[int | None, knob("branches")] = None,
     share: Annotated[
         Share, typer.Option(help="KV sharing: none (No-KV baseline) or exact (prefix reuse).")
     ] = Share.exact,
-    temperature: Annotated[
-        float | None, ranged("Sampling temperature; default: the strategy's.", 0.0, 5.0)
-    ] = None,
-    max_tokens: Annotated[
-        int | None,
-        ranged("Tokens per answer (per step in tree searches); default: the strategy's.", 1, 131072),
-    ] = None,
-    depth: Annotated[
-        int | None,
-        ranged(
-            "Reasoning steps of a step search (beam search, DVTS, REBASE, ETS, tree-of-thoughts).", 1, 10000
-        ),
-    ] = None,
-    seed: Annotated[int, ranged("Sampling seed (reproducible runs).", 0, MAX_SEED)] = 0,
-    verifier: Annotated[
-        str | None,
-        typer.Option(
-            help="Verifier of best-of-n and the step searches (default: theirs): "
-            + ", ".join(_verifier_names())
-        ),
-    ] = None,
-    model: Annotated[
-        str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
-    ] = None,
+    temperature: Annotated[float | None, knob("temperature")] = None,
+    max_tokens: Annotated[int | None, knob("tokens")] = None,
+    depth: Annotated[int | None, knob("depth")] = None,
+    seed: Annotated[int, knob("seed")] = 0,
+    verifier: Annotated[str | None, knob("verifier", VERIFIER_HELP)] = None,
+    model: ModelOption = None,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
-    endpoint: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="URL of an OpenAI-compatible server (vLLM, SGLang, branchwise serve) to run on; --model "
-            "names its model. Repeatable: servers of one model, each question's branch tree on one of them."
-        ),
-    ] = None,
+    endpoint: EndpointOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full results as JSON lines.")] = False,
-    cgee: Annotated[bool, typer.Option(help="CGEE verify skip + entropy exit (RKSC §2.3).")] = False,
-    asks_tau: Annotated[float | None, ranged("ASKS similarity gate τ (off if unset).", 0.0, 1.0)] = None,
-    rsbcm_capacity: Annotated[int | None, ranged("RSBCM capacity in KV blocks (off if unset).", 1)] = None,
-    probe: Annotated[
-        bool, typer.Option(help="KV probe: time share vs recompute per 64-token bucket.")
-    ] = False,
     variant: Annotated[
         list[str] | None, typer.Option(help="An alternative phrasing of the question (repeatable).")
     ] = None,
-    river_threshold: Annotated[
-        float | None,
-        ranged("River early exit onto quantized layers at this similarity (off if unset).", -1.0, 1.0),
-    ] = None,
-    skipkv_budget: Annotated[
-        int | None,
-        ranged("SkipKV: KV tokens each branch's generation may keep (off if unset).", 2),
-    ] = None,
-    steer: Annotated[
-        bool, typer.Option(help="SkipKV adaptive steering (needs `branchwise steering build` first).")
-    ] = False,
-    reasoncache: Annotated[
-        bool, typer.Option(help="ReasonCache: share near-identical KV blocks across steps and branches.")
-    ] = False,
+    *,
+    accel: Accel,
 ) -> None:
     """Answer QUESTIONS with a multi-branch strategy and print the answer, the vote and the KV/time summary."""
-    from branchwise.backends.accel import (
-        Accel,
-        ASKSConfig,
-        CGEEConfig,
-        ProbeConfig,
-        ReasonCacheConfig,
-        RiverConfig,
-        RSBCMConfig,
-        SkipKVConfig,
-        SteeringConfig,
-    )
     from branchwise.reasoners import Reasoner
 
-    for i, question in enumerate(questions):
-        if not question.strip():
-            raise typer.BadParameter(
-                f"question {i + 1} is empty; give the text to answer", param_hint="QUESTIONS"
-            )
-    if steer and not skipkv_budget:
-        raise typer.BadParameter("--steer needs --skipkv-budget (steering is part of SkipKV)")
+    _check_questions(questions)
     strat = _load_strategy(
         strategy,
         branches=n,
@@ -230,25 +176,7 @@ def run(
         verifier=verifier,
         depth=depth,
     )
-    try:
-        accel = Accel(
-            asks=ASKSConfig(tau=asks_tau) if asks_tau is not None else None,
-            cgee=CGEEConfig() if cgee else None,
-            rsbcm=RSBCMConfig(capacity_blocks=rsbcm_capacity) if rsbcm_capacity else None,
-            probe=ProbeConfig() if probe else None,
-            river=RiverConfig(threshold=river_threshold) if river_threshold is not None else None,
-            skipkv=SkipKVConfig(budget=skipkv_budget, steering=SteeringConfig() if steer else None)
-            if skipkv_budget
-            else None,
-            reasoncache=ReasonCacheConfig() if reasoncache else None,
-        )
-    except ValidationError as err:
-        raise typer.BadParameter(f"these accelerations cannot run together: {one_line(err)}") from None
-    backend = (
-        cli_backend.remote_backend(endpoint, model, accel)
-        if endpoint
-        else cli_backend.load_backend(model, device, dtype)
-    )
+    backend = _run_backend(endpoint, model, device, dtype, accel)
     reasoner = Reasoner(strat, backend=backend, share=share.value, accel=accel)
     if variant:
         results = [reasoner.run(q, variants=variant) for q in questions]
@@ -257,53 +185,78 @@ def run(
     for result in results:
         if as_json:
             print(result.model_dump_json())
-            continue
-        console.rule(result.question)
-        console.print(f"[bold]answer:[/bold] {result.answer}   (support {result.support:.0%})")
-        votes = Table("answer", "votes", title="vote")
-        for ans, count in sorted(result.votes.items(), key=lambda kv: -kv[1]):
-            votes.add_row(ans, f"{count:g}")
-        console.print(votes)
-        kv = result.kv_stats
-        summary = Table("metric", "value", title=f"{result.strategy}, share={result.share}")
-        summary.add_row("total time", f"{result.timings['total']:.2f} s")
-        for op, secs in result.timings.items():
-            if op != "total":
-                summary.add_row(f"  {op}", f"{secs:.2f} s")
-        summary.add_row("KV peak", f"{kv['peak_bytes'] / 2**20:.1f} MiB")
-        summary.add_row(
-            "tokens computed / reused", f"{kv['tokens_computed']:.0f} / {kv['tokens_reused']:.0f}"
-        )
-        summary.add_row("branches", str(len(result.branches)))
-        if result.verify_calls:
-            summary.add_row("verify skipped (CGEE)", f"{result.verify_skipped} / {result.verify_calls}")
-        if kv.get("river_tokens"):
-            summary.add_row(
-                "River backbone layers / token", f"{kv['river_backbone_layers'] / kv['river_tokens']:.2f}"
+        else:
+            _print_result(result)
+
+
+#: The acceleration counters the summary table shows when a run has them (River's is a ratio, apart).
+SUMMARY_COUNTERS = (
+    "asks_reused",
+    "asks_rejected",
+    "rsbcm_evictions",
+    "verify_exits",
+    "skipkv_evicted_tokens",
+    "reasoncache_blocks_reused",
+    "reasoncache_amsr",
+)
+
+
+def _check_questions(questions: list[str]) -> None:
+    for i, question in enumerate(questions):
+        if not question.strip():
+            raise typer.BadParameter(
+                f"question {i + 1} is empty; give the text to answer", param_hint="QUESTIONS"
             )
-        for key in (
-            "asks_reused",
-            "asks_rejected",
-            "rsbcm_evictions",
-            "verify_exits",
-            "skipkv_evicted_tokens",
-            "reasoncache_blocks_reused",
-            "reasoncache_amsr",
-        ):
-            if key in kv:
-                summary.add_row(key.replace("_", " "), f"{kv[key]:g}")
-        console.print(summary)
-        for note in result.notes:
-            console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _run_backend(
+    endpoint: list[str] | None, model: str | None, device: str, dtype: str, accel: Accel
+) -> Backend:
+    """The servers of ``--endpoint`` (which must be able to run ``accel``), else the local model."""
+    if endpoint:
+        return cli_backend.remote_backend(endpoint, model, accel)
+    return cli_backend.load_backend(model, device, dtype)
+
+
+def _print_result(result: Result) -> None:
+    """One question's answer, vote table, KV/time summary and notes, for a person to read."""
+    console.rule(result.question)
+    console.print(f"[bold]answer:[/bold] {result.answer}   (support {result.support:.0%})")
+    votes = Table("answer", "votes", title="vote")
+    for ans, count in sorted(result.votes.items(), key=lambda kv: -kv[1]):
+        votes.add_row(ans, f"{count:g}")
+    console.print(votes)
+    console.print(_summary(result))
+    for note in result.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _summary(result: Result) -> Table:
+    kv = result.kv_stats
+    summary = Table("metric", "value", title=f"{result.strategy}, share={result.share}")
+    summary.add_row("total time", f"{result.timings['total']:.2f} s")
+    for op, secs in result.timings.items():
+        if op != "total":
+            summary.add_row(f"  {op}", f"{secs:.2f} s")
+    summary.add_row("KV peak", f"{kv['peak_bytes'] / 2**20:.1f} MiB")
+    summary.add_row("tokens computed / reused", f"{kv['tokens_computed']:.0f} / {kv['tokens_reused']:.0f}")
+    summary.add_row("branches", str(len(result.branches)))
+    if result.verify_calls:
+        summary.add_row("verify skipped (CGEE)", f"{result.verify_skipped} / {result.verify_calls}")
+    if kv.get("river_tokens"):
+        summary.add_row(
+            "River backbone layers / token", f"{kv['river_backbone_layers'] / kv['river_tokens']:.2f}"
+        )
+    for key in SUMMARY_COUNTERS:
+        if key in kv:
+            summary.add_row(key.replace("_", " "), f"{kv[key]:g}")
+    return summary
 
 
 @strategy_app.command("show")
 def strategy_show(
     name: Annotated[str, typer.Argument(help=STRATEGY_HELP)],
-    n: Annotated[
-        int | None,
-        ranged("Branches (n, or the search width) of a prebuilt strategy.", 1, 4096),
-    ] = None,
+    n: Annotated[int | None, knob("branches")] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.yaml,
 ) -> None:
     """Print a strategy graph (loadable by `strategy validate` and `run --strategy`); the plan goes to stderr."""
@@ -358,9 +311,7 @@ def _gym_questions(task: str, size: int, seed: int) -> list[str]:
 
 @app.command()
 def calibrate(
-    model: Annotated[
-        str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
-    ] = None,
+    model: ModelOption = None,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     task: Annotated[str, typer.Option(help="reasoning-gym task for held-out questions.")] = "gsm_symbolic",
@@ -390,9 +341,7 @@ app.add_typer(steering_app, name="steering")
 
 @steering_app.command("build")
 def steering_build(
-    model: Annotated[
-        str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
-    ] = None,
+    model: ModelOption = None,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     task: Annotated[str, typer.Option(help="reasoning-gym task the traces are sampled on.")] = "gsm_symbolic",

@@ -13,9 +13,10 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from branchwise.strategies.errors import describe_validation_error as one_line
+from branchwise.strategies.prebuilt import Knobs
 
 # one_line: a pydantic error on one line, for usage errors
-__all__ = ["DeviceOption", "DtypeOption", "one_line", "ranged"]
+__all__ = ["DeviceOption", "DtypeOption", "EndpointOption", "ModelOption", "knob", "one_line", "ranged"]
 
 N = TypeVar("N", int, float)
 
@@ -41,3 +42,28 @@ DtypeOption = Annotated[
         help="Weights' number format: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16."
     ),
 ]
+# The options every command that loads a model or reaches a server shares (`run`, `serve`,
+# `calibrate`, `steering build`), declared once so their names and help never drift apart.
+ModelOption = Annotated[
+    str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
+]
+EndpointOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="URL of an OpenAI-compatible server (vLLM, SGLang, branchwise serve) to run on instead of a "
+        "local model; --model names its model. Repeatable: servers of one model, each branch tree on one "
+        "of them."
+    ),
+]
+
+
+def knob(name: str, help: str | None = None) -> Any:
+    """The option of one prebuilt-strategy knob (`strategies.prebuilt.Knobs`): its help and range are
+    the field's, so the knobs are declared once, beside the builders that take them."""
+    info = Knobs.model_fields[name]
+    text = help or info.description or name
+    bounds = {type(m).__name__: m for m in info.metadata}
+    if "Ge" not in bounds:
+        return typer.Option(help=text)
+    high = bounds.get("Le")
+    return ranged(text, bounds["Ge"].ge, None if high is None else high.le)

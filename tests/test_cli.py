@@ -8,10 +8,21 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 import yaml
 from typer.testing import CliRunner
 
+from branchwise.backends.accel import (
+    Accel,
+    ASKSConfig,
+    CGEEConfig,
+    ProbeConfig,
+    RiverConfig,
+    SkipKVConfig,
+    SteeringConfig,
+)
 from branchwise.cli import app
+from branchwise.cli_accel import AccelCommand, accel_options, bounds_text
 from branchwise.strategies import PREBUILT, Strategy, best_of_n, self_consistency
 
 runner = CliRunner()
@@ -196,9 +207,9 @@ BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
     (["run", "q", "--strategy", "{good}", "--n", "3"], "a strategy file carries its own"),
     (["run", "q", "--strategy", "beam-search", "--n", "70000"], "'--n': 70000 is not in the range"),
     (["run", "q", "--asks-tau", "2"], "'--asks-tau': 2.0 is not in the range 0.0<=x<=1.0"),
-    (["run", "q", "--rsbcm-capacity", "0"], "'--rsbcm-capacity': 0 is not in the range x>=1"),
+    (["run", "q", "--rsbcm-capacity", "0"], "'--rsbcm-capacity': 0 is not in the range 1<=x<=10000000"),
     (["run", "q", "--river-threshold", "1.5"], "'--river-threshold': 1.5 is not in the range"),
-    (["run", "q", "--skipkv-budget", "1"], "'--skipkv-budget': 1 is not in the range x>=2"),
+    (["run", "q", "--skipkv-budget", "1"], "'--skipkv-budget': 1 is not in the range 2<=x<=10000000"),
     (["run", "q", "--steer"], "--steer needs --skipkv-budget"),
     (
         ["run", "q", "--model", "/nonexistent/model"],
@@ -252,3 +263,76 @@ def test_bad_command_line_exits_2_with_one_line(
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1, result.output
     assert expected.format(**strategy_files) in errors[0], errors[0]
+
+
+def _capture_accel(*args: str) -> tuple[int, str, list[Accel]]:
+    """Parse ``args`` with the generated acceleration options and return the `Accel` they build."""
+    seen: list[Accel] = []
+
+    def command(accel: Accel) -> None:
+        seen.append(accel)
+
+    app = typer.Typer(rich_markup_mode=None)
+    app.command(cls=AccelCommand)(accel_options()(command))
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.output, seen
+
+
+def test_run_help_lists_every_setting_of_every_acceleration_with_its_range() -> None:
+    """The options come from the registry: each acceleration a section, each field an option whose
+    help carries the field's range (nothing in the CLI names an acceleration)."""
+    out = runner.invoke(app, ["run", "--help"], terminal_width=400).output
+    records: dict[str, str] = {}  # each option's help, by its first flag
+    for line in out.splitlines():
+        if line.startswith("  --"):
+            flag, _, text = line.strip().partition(" ")
+            records[flag] = text
+        elif line.startswith("    ") and records:
+            records[flag] += " " + line.strip()
+    for name, config in Accel.configs().items():
+        assert f"Acceleration {name}:" in out
+        for field, info in config.model_fields.items():
+            flag = config.cli_names.get(field, f"--{name}-{field.replace('_', '-')}")
+            assert flag in records, flag
+            if (allowed := bounds_text(info)) is not None:
+                assert f"[{allowed}" in records[flag], (flag, records[flag])
+
+
+def test_acceleration_options_build_the_accel() -> None:
+    code, output, seen = _capture_accel(
+        *("--cgee-level2", "--no-cgee-level1", "--river-bits", "4", "--river-head", "backbone"),
+        *("--skipkv-budget", "16", "--steer", "--steer-gamma", "0.5", "--skipkv-keywords", "Hmm"),
+        *("--asks", "--probe-override", "share"),
+    )
+    assert code == 0, output
+    assert seen == [
+        Accel(
+            asks=ASKSConfig(),
+            probe=ProbeConfig(override="share"),
+            cgee=CGEEConfig(level1=False, level2=True),
+            river=RiverConfig(bits=4, head="backbone"),
+            skipkv=SkipKVConfig(budget=16, keywords=("Hmm",), steering=SteeringConfig(gamma=0.5)),
+        )
+    ]
+    assert _capture_accel()[2] == [Accel()]
+    assert _capture_accel("--no-cgee")[2] == [Accel()]
+
+
+ACCEL_ERRORS: list[tuple[list[str], str]] = [
+    (["--no-cgee", "--cgee-level2"], "--no-cgee turns it off, but --cgee-level2 sets it"),
+    (["--steer-gamma", "0.5"], "--steer-gamma needs --skipkv-budget"),
+    (["--skipkv-budget", "6", "--skipkv-window", "10"], "window=10 must not exceed budget=6"),
+    (["--rsbcm", "--skipkv-budget", "8"], "these accelerations cannot run together: "),
+    (["--cgee-theta", "0"], "'--cgee-theta': 0.0 is not in the range 0.0<x<=100.0"),
+    (["--river-bits", "2"], "'--river-bits'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"), ACCEL_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, list) else ""
+)
+def test_bad_acceleration_options_name_the_option(args: list[str], expected: str) -> None:
+    code, output, seen = _capture_accel(*args)
+    assert code == 2 and not seen, output
+    errors = [line for line in output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and expected in errors[0], output

@@ -9,16 +9,34 @@ The fields of `Accel` are the registry of accelerations; everything that differs
 is needed without torch is declared on each config class, beside the settings it depends on:
 `internals` / `needs_model()` (what the remote backend must refuse), `excludes` (what it cannot run
 with) and `notes(stats)` (what a result says when it never acted). `EXCLUSIVE`, `Accel.notes` and
-`Accel.needs_model` only collect those declarations.
+`Accel.needs_model` only collect those declarations. The command line generates its options from
+the fields (descriptions and ranges: help and checks; `cli_names`: shorter names) and the composition
+tests run every allowed combination from each config's `examples`: a new acceleration needs neither.
 """
 
 from __future__ import annotations
 
 import typing
 from collections.abc import Mapping
-from typing import ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+@dataclass(frozen=True)
+class Examples:
+    """Settings an acceleration declares so the composition tests build every allowed combination
+    from them alone (no per-acceleration table a new one must join); they double as worked examples."""
+
+    acting: Mapping[str, Any]
+    """Settings under which it acts even on a tiny random model (lossy where it must be)."""
+    acted: tuple[str, ...]
+    """Run statistics (`kv_stats` keys) any of which above 0 shows that it acted."""
+    lossless: Mapping[str, Any] | None = None
+    """Settings under which it is exact by design (greedy tokens equal share="none"'s), if any."""
+    changed: tuple[str, ...] = field(default=())
+    """Run statistics that count what it approximated: all 0 under `lossless`."""
 
 
 class AccelConfig(BaseModel):
@@ -33,6 +51,10 @@ class AccelConfig(BaseModel):
     excludes: ClassVar[Mapping[str, str]] = {}
     """Other accelerations (fields of `Accel`) this one cannot run with, each with why. A pair is
     declared once, on either side; `Accel` rejects it at construction, naming both."""
+    examples: ClassVar[Examples | None] = None
+    """Settings the composition tests run it with; every registered acceleration declares them."""
+    cli_names: ClassVar[Mapping[str, str]] = {}
+    """Shorter command-line names of fields than the generated `--<accel>-<field>` (kept flags)."""
 
     def needs_model(self) -> list[str]:
         """What of these settings needs the model's internals (so a remote backend refuses them),
@@ -51,6 +73,12 @@ class ASKSConfig(AccelConfig):
     """RKSC §2.2: share the root KV with branches whose hidden states stay close to the root's (Eq. 2)."""
 
     internals: ClassVar[str | None] = "ASKS (hidden states)"
+    examples: ClassVar[Examples | None] = Examples(  # probe_recompute: no shared prompt was left to gate
+        acting={"tau": 0.0},
+        acted=("asks_reused", "asks_rejected", "probe_recompute"),
+        lossless={"tau": 1.0},
+        changed=("asks_reused",),
+    )
 
     tau: float = Field(0.82, ge=0.0, le=1.0, description="similarity threshold τ")
     alpha: float = Field(1.5, ge=0.0, le=10.0, description="layer-weight exponent α_w")
@@ -72,8 +100,11 @@ class ProbeConfig(AccelConfig):
     """RKSC §2.2 KV probe: time recompute vs share once per 64-token prefix bucket and cache the verdict."""
 
     internals: ClassVar[str | None] = "the KV probe (timing KV reuse)"
+    examples: ClassVar[Examples | None] = Examples(
+        acting={"repeats": 1}, acted=("probe_share", "probe_recompute"), lossless={"repeats": 1}
+    )
 
-    bucket_tokens: int = Field(64, ge=1, le=65536)
+    bucket_tokens: int = Field(64, ge=1, le=65536, description="prefix tokens per timed bucket")
     repeats: int = Field(3, ge=1, le=20, description="timings per path; the minimum is used")
     suffix_tokens: int = Field(
         16,
@@ -115,8 +146,26 @@ class CGEEConfig(AccelConfig):
     PAPER_L_MIN: ClassVar[int] = 2
     PAPER_THETA_DEC: ClassVar[float] = 0.72
     PAPER_R_DEC: ClassVar[float] = 0.10
+    examples: ClassVar[Examples | None] = Examples(
+        # level 1 rarely skips (so level 2 exits run); the decode gate fires after the 9th token
+        acting={
+            "level2": True,
+            "cost_aware": False,
+            "tau_conf": 0.99,
+            "theta": 99.0,
+            "epsilon": 99.0,
+            "l_min": 1,
+            "decode_gate": True,
+            "theta_dec": 0.0,
+            "r_dec": 0.0,
+            "decode_gate_min_tokens": 9,
+        },
+        acted=("verify_rows", "decode_gate_stops"),
+        lossless={"level1": False, "level2": True, "theta": 1e-9},  # `lossless()`, never low enough to exit
+        changed=("verify_exits", "cgee_verify_skips", "decode_gate_stops"),
+    )
 
-    level1: bool = True
+    level1: bool = Field(True, description="skip the verify pass when generation confidence is decisive")
     level2: bool = Field(
         False,
         description="off by default: on the embedded model the verify pass does not get faster "
@@ -161,9 +210,15 @@ class CGEEConfig(AccelConfig):
     decode_gate: bool = Field(
         False, description="App. I.1: stop decoding once one branch is decisively confident"
     )
-    theta_dec: float = Field(PAPER_THETA_DEC, ge=0.0, le=1.0)
-    r_dec: float = Field(PAPER_R_DEC, ge=0.0, le=1.0)
-    decode_gate_min_tokens: int = Field(4, ge=1, le=100000)
+    theta_dec: float = Field(
+        PAPER_THETA_DEC, ge=0.0, le=1.0, description="decode gate: the leading branch's confidence θ_dec"
+    )
+    r_dec: float = Field(
+        PAPER_R_DEC, ge=0.0, le=1.0, description="decode gate: its margin over the next r_dec"
+    )
+    decode_gate_min_tokens: int = Field(
+        4, ge=1, le=100000, description="decode gate: tokens every branch decodes before it may stop"
+    )
 
     def needs_model(self) -> list[str]:
         out = []
@@ -208,9 +263,16 @@ class RSBCMConfig(AccelConfig):
     """RKSC §2.4: hold KV in blocks; above capacity evict the lowest ω = mass·score/(depth+1) blocks."""
 
     internals: ClassVar[str | None] = "RSBCM (KV block eviction)"
+    examples: ClassVar[Examples | None] = Examples(
+        acting={"capacity_blocks": 3, "block_tokens": 4},
+        acted=("rsbcm_evictions",),
+        lossless={"capacity_blocks": 10_000},
+        changed=("rsbcm_evictions",),
+    )
+    cli_names: ClassVar[Mapping[str, str]] = {"capacity_blocks": "--rsbcm-capacity"}
 
-    capacity_blocks: int = Field(2000, ge=1, le=10_000_000)
-    block_tokens: int = Field(16, ge=1, le=65536)
+    capacity_blocks: int = Field(2000, ge=1, le=10_000_000, description="KV blocks held before eviction")
+    block_tokens: int = Field(16, ge=1, le=65536, description="KV tokens per block")
     pin_prompt: bool = Field(
         True, description="never evict depth-0 segments (the prompt every branch shares)"
     )
@@ -252,6 +314,12 @@ class RiverConfig(AccelConfig):
     """
 
     internals: ClassVar[str | None] = "River (layer-level early exit)"
+    examples: ClassVar[Examples | None] = Examples(
+        acting={"threshold": -1.0, "entry_layer": 0, "prefill": True},
+        acted=("river_exits",),
+        lossless={"threshold": 1.0, "entry_layer": 0},
+        changed=("river_exits",),
+    )
 
     threshold: float = Field(
         0.95,
@@ -342,6 +410,14 @@ class SkipKVConfig(AccelConfig):
     excludes: ClassVar[Mapping[str, str]] = {
         "rsbcm": "both evict a branch's KV and would each keep its own, diverging, slot map",
     }
+    examples: ClassVar[Examples | None] = Examples(
+        # steering with the model's saved vector (the tests save one)
+        acting={"budget": 6, "interval": 4, "window": 2, "query_window": 4, "steering": {}},
+        acted=("skipkv_compressions",),
+        lossless={"budget": 64, "interval": 4},
+        changed=("skipkv_evicted_tokens",),
+    )
+    cli_names: ClassVar[Mapping[str, str]] = {"steering": "--steer"}
 
     budget: int = Field(..., ge=2, le=10_000_000, description="KV tokens a branch's generated part may keep")
     interval: int = Field(128, ge=1, le=100_000, description="decode steps between compressions Δt")
@@ -358,7 +434,9 @@ class SkipKVConfig(AccelConfig):
         description="each (layer, KV head) keeps its own best slots, as the paper's Eq. 4-6 selection "
         "(the same count per head); False: one slot set for all layers and heads (scores averaged)",
     )
-    steering: SteeringConfig | None = None
+    steering: SteeringConfig | None = Field(
+        None, description="adaptive steering (needs `branchwise steering build` first)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SkipKVConfig:
@@ -418,6 +496,12 @@ class ReasonCacheConfig(AccelConfig):
         "its own slot map",
         "rsbcm": "would both rewrite a branch's KV (RSBCM evicts blocks that ReasonCache may have shared)",
     }
+    examples: ClassVar[Examples | None] = Examples(
+        acting={"block_tokens": 2, "mode": "random", "random_rate": 1.0},
+        acted=("reasoncache_blocks_reused",),
+        lossless={"tau_strict": 1.0, "tau_soft": 1.0},  # no step is ever similar enough
+        changed=("reasoncache_blocks_reused",),
+    )
 
     block_tokens: int = Field(16, ge=1, le=4096, description="KV slots per block (vLLM's default 16)")
     tau_strict: float = Field(0.9, ge=0.0, le=1.0, description="τ_strict, the threshold with no history")

@@ -17,23 +17,14 @@ from typing import Annotated, Any
 import typer
 
 from branchwise.backends.base import check_share
-from branchwise.cli_params import DeviceOption, DtypeOption, ranged
+from branchwise.cli_params import DeviceOption, DtypeOption, EndpointOption, ModelOption, ranged
 
 
 def serve_command(
-    model: Annotated[
-        str | None, typer.Option(help="HF hub id or local path; default: the embedded model.")
-    ] = None,
+    model: ModelOption = None,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
-    endpoint: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="Serve through an OpenAI-compatible server (vLLM, SGLang, another branchwise serve) "
-            "instead of a local model; --model names its model. Repeatable: servers of one model, each "
-            "request's branch tree on one of them."
-        ),
-    ] = None,
+    endpoint: EndpointOption = None,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 exposes it to the network).")] = (
         "127.0.0.1"
     ),

@@ -31,6 +31,7 @@ from .nodes import MAX_SEED, AggregateNode, GenerateNode, LoopNode, Node, ScoreN
 
 __all__ = [
     "PREBUILT",
+    "Knobs",
     "Prebuilt",
     "StepParams",
     "beam_search",
@@ -341,9 +342,42 @@ def tree_of_thoughts(
     )
 
 
+class Knobs(SpecModel):
+    """The generic knobs a front end sets on any prebuilt strategy; ``None`` keeps the builder's own
+    default. Declared once, here: the CLI generates its ``--n``, ``--temperature``, ``--max-tokens``,
+    ``--depth``, ``--seed`` and ``--verifier`` options from these fields (their descriptions and
+    ranges are the options' help and checks), and `Prebuilt` validates what any front passes."""
+
+    branches: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Branches per question (n, or the search width); default: the strategy's.",
+    )
+    temperature: float | None = Field(
+        None, ge=0.0, le=5.0, description="Sampling temperature; default: the strategy's."
+    )
+    tokens: int | None = Field(
+        None,
+        ge=1,
+        le=131072,
+        description="Tokens per answer (per step in tree searches); default: the strategy's.",
+    )
+    depth: int | None = Field(
+        None,
+        ge=1,
+        le=10000,
+        description="Reasoning steps of a step search (beam search, DVTS, REBASE, ETS, tree-of-thoughts).",
+    )
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Sampling seed (reproducible runs).")
+    verifier: str | None = Field(
+        None, description="Verifier of best-of-n and the step searches (default: theirs)."
+    )
+
+
 @dataclass(frozen=True)
 class Prebuilt:
-    """How a front end (the CLI, a suite file) drives one prebuilt strategy with generic knobs.
+    """How a front end (the CLI, a suite file) drives one prebuilt strategy with the generic `Knobs`.
 
     ``branches`` and ``tokens`` name the builder's own parameters for "how many branches" and
     "tokens per generate", which differ (``n``, ``width``, ``n_generate``; ``max_tokens`` or
@@ -357,30 +391,17 @@ class Prebuilt:
     verifier: bool
     summary: str
 
-    def __call__(
-        self,
-        *,
-        branches: int | None = None,
-        temperature: float | None = None,
-        tokens: int | None = None,
-        seed: int | None = None,
-        verifier: str | None = None,
-        depth: int | None = None,
-    ) -> Strategy:
-        """Build the strategy; ``None`` keeps the builder's own default for that knob."""
-        if verifier is not None and not self.verifier:
+    def __call__(self, **knobs: Any) -> Strategy:
+        """Build the strategy from `Knobs` fields (a bad name or value is a ``ValidationError``
+        naming it); ``None`` keeps the builder's own default for that knob."""
+        k = Knobs.model_validate(knobs)
+        if k.verifier is not None and not self.verifier:
             raise ValueError(f"{self.build.__name__} chooses its own verifier; it takes no verifier name")
-        if depth is not None and not self.steps:
+        if k.depth is not None and not self.steps:
             raise ValueError(f"{self.build.__name__} answers in one step; it takes no depth")
-        knobs = {
-            "depth": depth,
-            self.branches: branches,
-            "temperature": temperature,
-            self.tokens: tokens,
-            "seed": seed,
-            "verifier": verifier,
-        }
-        return self.build(**{k: v for k, v in knobs.items() if v is not None})
+        renamed = {"branches": self.branches, "tokens": self.tokens}
+        given = k.model_dump(exclude_none=True)
+        return self.build(**{renamed.get(name, name): value for name, value in given.items()})
 
     @property
     def steps(self) -> bool:

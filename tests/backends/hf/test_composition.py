@@ -1,145 +1,161 @@
 """Every combination of accelerations the config allows runs under self-consistency and beam search;
-lossless settings keep greedy tokens equal to share="none"; forbidden pairs fail at construction."""
+lossless settings keep greedy tokens equal to share="none"; forbidden pairs fail at construction.
+
+The combinations and the settings come from the registry alone: the fields of `Accel`, each
+config's `excludes` and its declared `examples` (settings that make it act, the statistics that
+show it did, settings that keep it exact). A new acceleration joins every test here by declaring
+them; nothing below names one. The last test shows it with a toy acceleration, which also gets its
+command-line options with no CLI edit.
+"""
 
 from __future__ import annotations
 
 import itertools
+import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
+import typer
+from pydantic import Field
+from typer.testing import CliRunner
 
-from branchwise.backends.accel import (
-    EXCLUSIVE,
-    Accel,
-    ASKSConfig,
-    CGEEConfig,
-    ProbeConfig,
-    ReasonCacheConfig,
-    RiverConfig,
-    RSBCMConfig,
-    SkipKVConfig,
-    SteeringConfig,
-)
-from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.skipkv_policy import SteeringVector
+from branchwise.backends.accel import Accel, AccelConfig, Examples
+from branchwise.backends.hf import HFBackend, plugins
+from branchwise.backends.hf.hooks import Acceleration, Exit, Forward, Host, Setup
+from branchwise.backends.hf.skipkv_policy import SteeringVector, steering_path
 from branchwise.reasoners import Reasoner
-from branchwise.strategies import beam_search, self_consistency
+from branchwise.strategies import Strategy, beam_search, self_consistency
 
-NAMES = tuple(Accel.configs())  # every registered acceleration: a new one must join the lists below
 QUESTION = "What is 12 + 7?"
 VARIANTS = ["What is 12 + 7?", "Compute 12 + 7.", "What is 12 plus 7?"]
 
 
-def _allowed(names: tuple[str, ...]) -> bool:
-    return not any(a in names and b in names for a, b, _ in EXCLUSIVE)
+def examples(config: type[AccelConfig]) -> Examples:
+    assert config.examples is not None, f"{config.__name__} declares no `examples` for its tests"
+    return config.examples
 
 
-PAIRS = [pair for pair in itertools.combinations(NAMES, 2) if _allowed(pair)]
-# "all of them together": every largest set of accelerations no exclusive pair rules out
-EVICTING = ("rsbcm", "skipkv", "reasoncache")  # pairwise exclusive: one of them at a time
-ALL = [tuple(n for n in NAMES if n not in EVICTING or n == keep) for keep in EVICTING]
+def exclusive(registry: type[Accel]) -> list[tuple[str, str]]:
+    return [(a, b) for a, config in registry.configs().items() for b in config.excludes]
 
 
-@pytest.fixture(scope="module")
-def backend(tiny_model_dir) -> HFBackend:
-    return HFBackend(tiny_model_dir("llama"))
+def allowed(registry: type[Accel], names: tuple[str, ...]) -> bool:
+    return not any(a in names and b in names for a, b in exclusive(registry))
 
 
-@pytest.fixture(scope="module")
-def vector_path(backend: HFBackend, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("steering") / "v.pt"
-    d = backend.parts.embed.embedding_dim
-    SteeringVector(layer=1, vector=torch.full((d,), 0.05), n_exec=2, n_nonexec=1, model="tiny").save(path)
-    return path
+def pairs(registry: type[Accel]) -> list[tuple[str, ...]]:
+    return [p for p in itertools.combinations(registry.configs(), 2) if allowed(registry, p)]
 
 
-def _acting(names: tuple[str, ...], vector_path: Path) -> Accel:
-    """Settings under which every acceleration acts on a tiny model (lossy where it must be)."""
-    configs = {
-        "asks": ASKSConfig(tau=0.0),
-        "probe": ProbeConfig(repeats=1),
-        # level 1 rarely skips (so level 2 exits run); the decode gate fires after the 9th token
-        "cgee": CGEEConfig(
-            level2=True,
-            cost_aware=False,
-            tau_conf=0.99,
-            theta=99.0,
-            epsilon=99.0,
-            l_min=1,
-            decode_gate=True,
-            theta_dec=0.0,
-            r_dec=0.0,
-            decode_gate_min_tokens=9,
-        ),
-        "rsbcm": RSBCMConfig(capacity_blocks=3, block_tokens=4),
-        "river": RiverConfig(threshold=-1.0, entry_layer=0, prefill=True),
-        "skipkv": SkipKVConfig(
-            budget=6,
-            interval=4,
-            window=2,
-            query_window=4,
-            steering=SteeringConfig(vector_path=str(vector_path)),
-        ),
-        "reasoncache": ReasonCacheConfig(block_tokens=2, mode="random", random_rate=1.0),
-    }
-    return Accel(**{name: configs[name] for name in names})
+def largest(registry: type[Accel]) -> list[tuple[str, ...]]:
+    """ "All of them together": every largest set of accelerations no exclusive pair rules out."""
+    names = tuple(registry.configs())
+    out: list[tuple[str, ...]] = []
+    for size in range(len(names), 0, -1):
+        for group in itertools.combinations(names, size):
+            if allowed(registry, group) and not any(set(group) <= set(kept) for kept in out):
+                out.append(group)
+    return out
 
 
-def _lossless(names: tuple[str, ...]) -> Accel:
-    """Settings under which each acceleration is exact by design."""
-    configs = {
-        "asks": ASKSConfig(tau=1.0),
-        "probe": ProbeConfig(repeats=1),
-        "cgee": CGEEConfig.lossless(theta=1e-9),
-        "rsbcm": RSBCMConfig(capacity_blocks=10_000),
-        "river": RiverConfig(threshold=1.0, entry_layer=0),
-        "skipkv": SkipKVConfig(budget=64, interval=4),
-        "reasoncache": ReasonCacheConfig(tau_strict=1.0, tau_soft=1.0),  # no step is ever similar enough
-    }
-    return Accel(**{name: configs[name] for name in names})
+def acting(registry: type[Accel], names: tuple[str, ...]) -> Accel:
+    """Settings under which every acceleration of ``names`` acts on a tiny model (lossy where it must be)."""
+    configs = registry.configs()
+    return registry(**{n: configs[n].model_validate(dict(examples(configs[n]).acting)) for n in names})
 
 
-def _strategies() -> list:
+def lossless(registry: type[Accel], names: tuple[str, ...]) -> Accel:
+    """Settings under which each acceleration of ``names`` is exact by design."""
+    configs = registry.configs()
+    settings = {n: examples(configs[n]).lossless for n in names}
+    return registry(**{n: configs[n].model_validate(dict(s)) for n, s in settings.items() if s is not None})
+
+
+def strategies() -> list[Strategy]:
     return [
         self_consistency(n=3, max_tokens=12, seed=0),
         beam_search(width=4, depth=2, verifier="judge", max_step_tokens=8, step_delimiter="\n", seed=0),
     ]
 
 
-@pytest.mark.parametrize("names", PAIRS + ALL, ids=lambda names: "+".join(names))
-def test_allowed_combinations_run_under_both_strategies(backend: HFBackend, vector_path: Path, names) -> None:
-    accel = _acting(names, vector_path)
+def check_acting(backend: HFBackend, registry: type[Accel], names: tuple[str, ...]) -> None:
+    """Both strategies run with ``names`` acting, each acceleration shows it acted, nothing leaks."""
+    accel = acting(registry, names)
     acted: dict[str, float] = {}
-    for strategy in _strategies():
+    for strategy in strategies():
         result = Reasoner(strategy, backend=backend, accel=accel).run(QUESTION, variants=VARIANTS)
         assert result.branches, names
         assert result.kv_stats["tokens_computed"] > 0
         for key, value in result.kv_stats.items():
             acted[key] = acted.get(key, 0.0) + value
-    # each acceleration of the combination really acted in at least one of the two runs
-    for name in names:
-        if name == "asks" and acted.get("probe_recompute"):
-            continue  # the probe found recompute faster for a fork on this tiny model: nothing to gate
-        assert any(acted.get(key, 0) > 0 for key in EVIDENCE[name]), (name, sorted(acted.items()))
+    configs = registry.configs()
+    for name in names:  # each acceleration of the combination really acted in at least one of the runs
+        assert any(acted.get(key, 0) > 0 for key in examples(configs[name]).acted), (
+            name,
+            sorted(acted.items()),
+        )
     assert backend.kv_stats().live_nodes == 0 and backend.kv_stats().bytes_held == 0
 
 
-@pytest.mark.parametrize("names", PAIRS + ALL, ids=lambda names: "+".join(names))
-def test_lossless_combinations_keep_greedy_tokens(backend: HFBackend, names) -> None:
+def check_lossless(backend: HFBackend, registry: type[Accel], names: tuple[str, ...]) -> None:
+    """Greedy tokens equal share="none"'s, and no acceleration counted an approximation."""
     greedy = self_consistency(n=3, temperature=0.0, max_tokens=10)
     reference = Reasoner(greedy, backend=backend, share="none").run(QUESTION, variants=VARIANTS)
-    got = Reasoner(greedy, backend=backend, share="exact", accel=_lossless(names)).run(
+    got = Reasoner(greedy, backend=backend, share="exact", accel=lossless(registry, names)).run(
         QUESTION, variants=VARIANTS
     )
     assert [b.text for b in got.branches] == [b.text for b in reference.branches]
-    assert got.kv_stats.get("river_exits", 0) == 0 and got.kv_stats.get("skipkv_evicted_tokens", 0) == 0
-    assert got.kv_stats.get("rsbcm_evictions", 0) == 0 and got.kv_stats.get("asks_reused", 0) == 0
-    assert got.kv_stats.get("reasoncache_blocks_reused", 0) == 0
+    configs = registry.configs()
+    changed = {key: got.kv_stats.get(key, 0) for n in names for key in examples(configs[n]).changed}
+    assert not any(changed.values()), changed
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HFBackend]:
+    """The tiny model, with a steering vector saved where a run looks for the model's own (the
+    examples steer with it), in a cache of this module's own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BRANCHWISE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        model = HFBackend(tiny_model_dir("llama"))
+        d = model.parts.embed.embedding_dim
+        vector = SteeringVector(layer=1, vector=torch.full((d,), 0.05), n_exec=2, n_nonexec=1, model="tiny")
+        vector.save(steering_path(model.model_name))
+        yield model
+
+
+def test_every_registered_acceleration_declares_its_examples() -> None:
+    for name, config in Accel.configs().items():
+        ex = examples(config)
+        config.model_validate(dict(ex.acting))  # valid settings, or the tests below could not run
+        if ex.lossless is not None:
+            config.model_validate(dict(ex.lossless))
+        assert ex.acted, name
+
+
+@pytest.mark.parametrize("names", pairs(Accel) + largest(Accel), ids="+".join)
+def test_allowed_combinations_run_under_both_strategies(backend: HFBackend, names: tuple[str, ...]) -> None:
+    check_acting(backend, Accel, names)
+
+
+@pytest.mark.parametrize("names", pairs(Accel) + largest(Accel), ids="+".join)
+def test_lossless_combinations_keep_greedy_tokens(backend: HFBackend, names: tuple[str, ...]) -> None:
+    check_lossless(backend, Accel, names)
+
+
+def test_largest_sets_cover_every_acceleration_and_exclude_each_forbidden_pair() -> None:
+    groups = largest(Accel)
+    assert set().union(*groups) == set(Accel.configs())
+    for a, b in exclusive(Accel):
+        assert not any(a in g and b in g for g in groups)
 
 
 def test_rksc_without_rsbcm_plus_river_and_skipkv(backend: HFBackend) -> None:
     """The probe's timing runs no longer swap the backend's accel (this used to crash at the first fork)."""
+    from branchwise.backends.accel import RiverConfig, SkipKVConfig
+
     accel = Accel(
         **{
             **dict(Accel.rksc()),
@@ -156,31 +172,20 @@ def test_rksc_without_rsbcm_plus_river_and_skipkv(backend: HFBackend) -> None:
     assert result.kv_stats.get("probe_share", 0) + result.kv_stats.get("probe_recompute", 0) == 1
 
 
-@pytest.mark.parametrize(("a", "b"), [(a, b) for a, b, _ in EXCLUSIVE])
-def test_forbidden_pairs_fail_at_construction_naming_both(a: str, b: str, vector_path: Path) -> None:
-    others = tuple(n for n in NAMES if n not in (a, b) and _allowed((n, a)) and _allowed((n, b)))
-    acting = _acting(others, vector_path)
-    both = {a: getattr(_acting((a,), vector_path), a), b: getattr(_acting((b,), vector_path), b)}
+@pytest.mark.parametrize(("a", "b"), exclusive(Accel))
+def test_forbidden_pairs_fail_at_construction_naming_both(a: str, b: str) -> None:
+    names = tuple(Accel.configs())
+    others = tuple(n for n in names if n not in (a, b) and allowed(Accel, (n, a)) and allowed(Accel, (n, b)))
+    both = {a: getattr(acting(Accel, (a,)), a), b: getattr(acting(Accel, (b,)), b)}
     with pytest.raises(ValueError, match=rf"{a}.*{b}|{b}.*{a}"):
         Accel(**both)
     with pytest.raises(ValueError, match=rf"{a}.*{b}|{b}.*{a}"):
-        Accel(**{**dict(acting), **both})
+        Accel(**{**dict(acting(Accel, others)), **both})
 
 
-EVIDENCE = {
-    "asks": ("asks_reused", "asks_rejected"),
-    "probe": ("probe_share", "probe_recompute"),
-    "cgee": ("verify_rows", "decode_gate_stops"),
-    "rsbcm": ("rsbcm_evictions",),
-    "river": ("river_exits",),
-    "skipkv": ("skipkv_compressions",),
-    "reasoncache": ("reasoncache_blocks_reused",),
-}
-
-
-@pytest.mark.parametrize("keep", EVICTING)
+@pytest.mark.parametrize("group", largest(Accel), ids="+".join)
 def test_constrained_rows_hold_their_grammar_under_every_acceleration(
-    backend: HFBackend, vector_path: Path, keep: str
+    backend: HFBackend, group: tuple[str, ...]
 ) -> None:
     """With every acceleration acting (River exiting from layer 0, CGEE's decode gate firing after
     9 tokens, eviction), each row's output still follows its grammar and ends whole: the mask acts
@@ -188,8 +193,7 @@ def test_constrained_rows_hold_their_grammar_under_every_acceleration(
     from branchwise.backends.base import DecodeParams
     from branchwise.constraints import Constraint
 
-    names = next(group for group in ALL if keep in group)
-    session = backend.session(accel=_acting(names, vector_path))
+    session = backend.session(accel=acting(Accel, group))
     c = Constraint.of_regex(r"(yes|no), [0-9]{2,12}\.")
     root = session.prefill(session.chat_prompt([{"role": "user", "content": QUESTION}]))
     kids = session.fork(root, 3)
@@ -198,3 +202,76 @@ def test_constrained_rows_hold_their_grammar_under_every_acceleration(
     for g in gens:
         assert g.finish_reason in ("eos", "confident"), g
         c.parse(g.text)
+
+
+# --- a new acceleration: one module (the config and the plug-in below) and one registration line
+
+
+class ToyConfig(AccelConfig):
+    """Counts the decoder layers the backend runs, every `every`-th one."""
+
+    internals: ClassVar[str | None] = "Toy (the layer loop)"
+    examples: ClassVar[Examples | None] = Examples(
+        acting={"every": 1}, acted=("toy_layers",), lossless={"every": 2}
+    )
+
+    every: int = Field(1, ge=1, le=64, description="count every k-th layer")
+
+    def notes(self, stats: Mapping[str, float]) -> list[str]:
+        return [] if stats.get("toy_layers") else ["toy: no layer ran"]
+
+
+class Toy(Acceleration):
+    name = "toy"
+    config = ToyConfig
+
+    def __init__(self, host: Host, every: int) -> None:
+        self.host, self.every = host, every
+
+    @classmethod
+    def build(cls, cfg: ToyConfig, setup: Setup) -> Toy:
+        return cls(setup.host, cfg.every)
+
+    def after_layer(self, fwd: Forward, index: int, h_in: torch.Tensor, h: torch.Tensor) -> Exit | None:
+        if index % self.every == 0:
+            self.host.stats.bump("toy_layers")
+        return None
+
+
+class ToyAccel(Accel):
+    toy: ToyConfig | None = None  # registration: the field (and, below, the line in plugins.PLUGINS)
+
+
+def test_a_toy_acceleration_gets_its_cli_options_and_its_composition_coverage(
+    backend: HFBackend, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from branchwise import cli
+    from branchwise.cli_accel import AccelCommand, accel_options
+
+    monkeypatch.setattr(plugins, "PLUGINS", (*plugins.PLUGINS, Toy))
+
+    # composition: the toy joins a pair with every other acceleration and every largest set (what
+    # the tests above are parametrized with); one of each kind runs here, to keep this test short
+    toy_pairs = [p for p in pairs(ToyAccel) if "toy" in p]
+    assert len(toy_pairs) == len(Accel.configs())
+    assert [tuple(n for n in g if n != "toy") for g in largest(ToyAccel)] == largest(Accel)
+    check_acting(backend, ToyAccel, largest(ToyAccel)[0])
+    check_lossless(backend, ToyAccel, ("toy", "river"))
+
+    # the command line: `run`'s own function, its options generated from the registry with the toy
+    app = typer.Typer(rich_markup_mode=None)
+    app.command(cls=AccelCommand)(accel_options(ToyAccel)(cli.run.__wrapped__))  # type: ignore[attr-defined]
+    runner = CliRunner()
+    shown = runner.invoke(app, ["--help"], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    assert "Acceleration toy:" in shown.output and "--toy / --no-toy" in shown.output
+    assert "--toy-every" in shown.output and "count every k-th layer [1<=x<=64; default 1]" in shown.output
+    bad = runner.invoke(app, ["q", "--toy-every", "0"])
+    assert bad.exit_code == 2 and "'--toy-every': 0 is not in the range 1<=x<=64" in bad.output
+    args = ["What is 12 + 7?", "--n", "2", "--max-tokens", "3", "--model", str(tiny_llama_dir), "--json"]
+    ran = runner.invoke(app, [*args, "--toy-every", "2"])
+    assert ran.exit_code == 0, ran.output
+    stats = json.loads(ran.stdout.strip().splitlines()[-1])["kv_stats"]
+    assert stats["toy_layers"] > 0
+    off = runner.invoke(app, args)
+    assert "toy_layers" not in json.loads(off.stdout.strip().splitlines()[-1])["kv_stats"]

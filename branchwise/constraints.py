@@ -21,6 +21,7 @@ from typing import Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from branchwise.schema_budget import shortest_text
 from branchwise.schema_limits import check_choices, check_pattern
 from branchwise.toolcalls import (
     TOOL_CALL_OPEN,
@@ -281,7 +282,9 @@ class Constraint(BaseModel):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as err:
-            raise OutputError(f"output is not complete JSON ({err.msg} at char {err.pos})") from None
+            least = shortest_text(self.json_schema) if self.json_schema is not None else None
+            need = f"; the shortest JSON this schema allows is {len(least)} characters" if least else ""
+            raise OutputError(f"output is not complete JSON ({err.msg} at char {err.pos}){need}") from None
         except RecursionError:  # an open schema (``{}``, json_object) lets a model nest without end
             raise OutputError("output is JSON nested too deep to read") from None
         if self.kind == "json_object" and not isinstance(value, dict):

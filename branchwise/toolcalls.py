@@ -45,6 +45,7 @@ __all__ = [
     "normalize_tools",
     "parse_tool_calls",
     "render_messages",
+    "repeats_a_call",
     "split_calls",
     "template_has_tools",
     "tool_names",
@@ -224,57 +225,103 @@ def normalize_tool_choice(choice: Any, tools: Sequence[Mapping[str, Any]]) -> st
     )
 
 
+def _read_block(body: str, names: set[str] | None) -> ToolCall | None:
+    """The call a block's body holds, or None (not JSON, no name, a tool not in `names`, ...)."""
+    try:
+        parsed = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    name, args = parsed.get("name"), parsed.get("arguments", parsed.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(name, str) or not isinstance(args, dict) or (names is not None and name not in names):
+        return None
+    return ToolCall(name=name, arguments=args)
+
+
+def _cut_open_block(text: str) -> str:
+    """`text` without a last ``<tool_call>`` block that never closes (a call cut by ``max_tokens``)."""
+    start = text.rfind(TOOL_CALL_OPEN)
+    if start >= 0 and TOOL_CALL_CLOSE not in text[start:]:
+        return text[:start]
+    return text
+
+
 def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
     """Split a reply into its prose and its ``<tool_call>`` blocks.
 
     A block counts as a call when its body is a JSON object with a ``name`` (of one of `tools`, when
-    given) and object ``arguments`` (or ``parameters``); anything else stays in the prose, as the
-    model wrote it. The prose is stripped.
+    given) and object ``arguments`` (or ``parameters``); any other closed block stays in the prose,
+    as the model wrote it. Two rules end a reply early, so no front end returns (or runs) a call
+    twice or shows half a call: a call identical to an earlier one of the same reply (same name,
+    same canonical arguments: a small model repeating itself) ends the reply there, and it and all
+    after it are dropped; a last block that never closes (cut by ``max_tokens``) is dropped, not
+    kept as prose. The prose is stripped.
     """
     names = set(tool_names(tools)) if tools else None
     calls: list[ToolCall] = []
+    seen: set[str] = set()
     kept: list[str] = []
     last = 0
     for m in _BLOCK.finditer(text):
-        try:
-            body = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(body, dict):
-            continue
-        name, args = body.get("name"), body.get("arguments", body.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                continue
-        if (
-            not isinstance(name, str)
-            or not isinstance(args, dict)
-            or (names is not None and name not in names)
-        ):
+        call = _read_block(m.group(1), names)
+        if call is None:
             continue
         kept.append(text[last : m.start()])
+        if call.canonical() in seen:  # a repeat ends the reply
+            return "".join(kept).strip(), calls
+        seen.add(call.canonical())
         last = m.end()
-        calls.append(ToolCall(name=name, arguments=args))
-    kept.append(text[last:])
+        calls.append(call)
+    kept.append(_cut_open_block(text[last:]))
     return "".join(kept).strip(), calls
+
+
+def repeats_a_call(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> bool:
+    """Whether `text` holds a call identical to an earlier call of it (where `parse_tool_calls`
+    ends the reply): the decode loop stops a row there instead of letting it repeat the call until
+    ``max_tokens``."""
+    if text.count(TOOL_CALL_CLOSE) < 2:
+        return False
+    names = set(tool_names(tools)) if tools else None
+    seen: set[str] = set()
+    for m in _BLOCK.finditer(text):
+        call = _read_block(m.group(1), names)
+        if call is not None:
+            if call.canonical() in seen:
+                return True
+            seen.add(call.canonical())
+    return False
 
 
 class ToolCallStream:
     """A reply's text in, piece by piece; its content (strings) and tool calls out, in order.
 
     Content is the text outside ``<tool_call>...</tool_call>`` blocks; a block whose body is a call
-    of one of `tools` becomes a `ToolCall`, any other block stays content as written (an unclosed
-    one too). Whitespace next to a call block (the newlines around it) is not content. Text that
-    might be the start of ``<tool_call>`` and whitespace that might precede one are held back until
-    the next characters decide, so however the text is cut, the pieces add up to `split_calls` of
-    the whole: what a streamed reply releases is what the finished one says.
+    of one of `tools` becomes a `ToolCall`, any other closed block stays content as written.
+    Whitespace next to a call block (the newlines around it) is not content. Text that might be the
+    start of ``<tool_call>`` and whitespace that might precede one are held back until the next
+    characters decide, so however the text is cut, the pieces add up to `split_calls` of the whole:
+    what a streamed reply releases is what the finished one says.
+
+    `parse_tool_calls`' two rules hold here too: a call identical to an earlier one ends the reply
+    (it and all after it are dropped: `repeated`), and a block still open at the end (cut by
+    ``max_tokens``) is dropped, not released as content (`cut`).
     """
 
     def __init__(self, tools: Sequence[Mapping[str, Any]]) -> None:
         self.tools = tools
         self.calls: list[ToolCall] = []
+        self.repeated = False
+        """A call repeated an earlier one: the reply ended there (the repeat was not returned)."""
+        self.cut = False
+        """The reply ended inside a block (cut by ``max_tokens``): that partial call was dropped."""
+        self._seen: set[str] = set()
         self._buf = ""
         self._in_block = False
         self._after_call = False  # whitespace right after a call is not content
@@ -282,6 +329,8 @@ class ToolCallStream:
 
     def push(self, text: str) -> list[str | ToolCall]:
         """Take more of the reply's text; what is now decided."""
+        if self.repeated:  # the reply has ended
+            return []
         self._buf += text
         out: list[str | ToolCall] = []
         while True:
@@ -293,7 +342,12 @@ class ToolCallStream:
                 self._in_block = False
                 block = TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE
                 rest, calls = parse_tool_calls(block, self.tools)
+                if len(calls) == 1 and not rest and calls[0].canonical() in self._seen:
+                    self.repeated = True  # the reply ends before the repeat
+                    self._buf = self._space = ""
+                    return out
                 if len(calls) == 1 and not rest:
+                    self._seen.add(calls[0].canonical())
                     self._space = ""
                     self._after_call = True
                     self.calls.append(calls[0])
@@ -319,12 +373,14 @@ class ToolCallStream:
             return out
 
     def finish(self) -> list[str | ToolCall]:
-        """The end of the reply: what was held back is content after all (an unclosed block too)."""
+        """The end of the reply: what was held back is content after all, except a block still open
+        (a call cut by ``max_tokens``), which is dropped with the whitespace before it."""
         out: list[str | ToolCall] = []
-        rest = (TOOL_CALL_OPEN if self._in_block else "") + self._buf
-        if self._after_call:
-            rest = rest.lstrip()
-        self._content(out, self._space + rest)
+        if self._in_block:
+            self.cut = True
+        elif not self.repeated:
+            rest = self._buf.lstrip() if self._after_call else self._buf
+            self._content(out, self._space + rest)
         self._buf, self._space, self._in_block = "", "", False
         return out
 

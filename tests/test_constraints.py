@@ -18,6 +18,7 @@ from branchwise.toolcalls import (
     normalize_tools,
     parse_tool_calls,
     render_messages,
+    repeats_a_call,
     template_has_tools,
 )
 
@@ -119,13 +120,15 @@ def test_parse_replies() -> None:
     prose, calls = parse_tool_calls(text, tools)
     assert prose == "Let me add." and calls[0].name == "add" and calls[0].arguments == {"a": 2, "b": 3.0}
     assert calls[0].canonical() == ToolCall(name="add", arguments={"b": 3, "a": 2}).canonical()
-    # broken JSON, an unknown tool and a block cut by max_tokens stay prose
+    # broken JSON and an unknown tool stay prose; a block cut by max_tokens is dropped
     for bad in [
         '<tool_call>{"name": "add", "arguments": {</tool_call>',
         '<tool_call>{"name": "mul", "arguments": {}}</tool_call>',
-        "<tool_call>\n{",
     ]:
         assert parse_tool_calls(bad, tools) == (bad.strip(), [])
+    assert parse_tool_calls("Adding. <tool_call>\n{", tools) == ("Adding.", [])
+    cut = parse_tool_calls(text + '<tool_call>\n{"name": "add", "argu', tools)
+    assert cut[0] == "Let me add." and [c.canonical() for c in cut[1]] == [calls[0].canonical()]
     c = Constraint.of_tools(tools, "required")
     with pytest.raises(OutputError, match="tool call"):
         c.parse("no call here")
@@ -133,11 +136,30 @@ def test_parse_replies() -> None:
     assert openai["type"] == "function" and json.loads(openai["function"]["arguments"]) == {"a": 2, "b": 3.0}
 
 
+def test_a_repeated_call_ends_the_reply() -> None:
+    """A call identical to an earlier one (canonically: key order, 3 vs 3.0, whitespace) ends the
+    reply: it and all after it are dropped, prose included; different calls all count."""
+    tools = normalize_tools([ADD])
+
+    def block(args: str) -> str:
+        return f'<tool_call>\n{{"name": "add", "arguments": {args}}}\n</tool_call>'
+
+    one, other, again = block('{"a": 2, "b": 3}'), block('{"a": 1, "b": 1}'), block('{ "b": 3.0, "a": 2 }')
+    text = f"Adding.\n{one}\n{other}\n{again}\nthen more {one}"
+    prose, calls = parse_tool_calls(text, tools)
+    assert prose == "Adding." and [c.arguments for c in calls] == [{"a": 2, "b": 3}, {"a": 1, "b": 1}]
+    assert repeats_a_call(text, tools) and not repeats_a_call(f"{one}\n{other}", tools)
+    parsed = Constraint.of_tools(tools, "required").parse(text)
+    assert [c.canonical() for c in parsed] == [c.canonical() for c in calls]
+
+
 def test_parse_json_outputs() -> None:
     c = Constraint.of_json_schema(Answer)
     assert c.parse('{"value": 19, "why": "12 + 7"}') == {"value": 19, "why": "12 + 7"}
     with pytest.raises(OutputError, match="complete JSON"):
         c.parse('{"value": 19, "wh')
+    with pytest.raises(OutputError, match="shortest JSON this schema allows is 20 characters"):
+        c.parse('{"value": 19, "wh')  # {"value":0,"why":""}: what a budget must leave room for
     with pytest.raises(OutputError, match="schema"):
         c.parse('{"value": "x", "why": ""}')
 

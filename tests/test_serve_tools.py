@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -172,6 +173,48 @@ def test_streamed_replies_equal_whole_ones(client: Any, served: str, tool_choice
         assert mine[-1]["finish_reason"] == choice.finish_reason
         if tool_choice == "required":
             assert choice.finish_reason == "tool_calls" and len(calls) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_model_that_goes_on_calling_returns_its_call_once(client: Any, stream: bool) -> None:
+    """``parallel_tool_calls`` left at its default (true, as OpenAI's clients send it) and the end of
+    the reply masked (``min_tokens``): the tiny model must write a second call after its first, and
+    with a tool of no arguments it can only repeat it. The repeat ends the reply at once (not at
+    ``max_tokens``) and the client gets the call once."""
+    ping = {
+        "type": "function",
+        "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}},
+    }
+    r = _create(
+        client,
+        stream,
+        messages=QUESTION,
+        tools=[ping],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=400,
+        extra_body={"min_tokens": 400},
+    )
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert [c.function.name for c in choice.message.tool_calls] == ["ping"]
+    assert r.usage is None or r.usage.completion_tokens < 400
+
+
+class Verdict(BaseModel):
+    verdict: str
+    ok: bool
+
+
+@pytest.mark.parametrize("max_tokens", [32, 64])
+def test_parse_fits_a_two_field_model_in_a_small_budget(client: Any, max_tokens: int) -> None:
+    """The openai client's ``parse`` refuses a reply cut by ``max_tokens`` (LengthFinishReasonError);
+    the free string is bounded from the budget, so the random model's object closes in time."""
+    r = client.chat.completions.parse(
+        model="tiny", messages=QUESTION, response_format=Verdict, max_tokens=max_tokens, temperature=0
+    )
+    assert isinstance(r.choices[0].message.parsed, Verdict)
+    assert r.usage.completion_tokens <= max_tokens
 
 
 def test_named_tool_choice_calls_that_tool(client: Any) -> None:
@@ -407,12 +450,14 @@ TWO_CALLS = f"Checking.\n{CALL}\n{CALL.replace('Rome', 'Paris')}\n"
 
 
 class ScriptedBackend:
-    """Replies `TWO_CALLS` to every prompt; `extend` takes no ``on_step``, so a stream gets each
-    choice whole (both calls in one piece of text) and records the params it was given."""
+    """Replies `reply` (`TWO_CALLS` unless told) to every prompt, ending for `finish`; `extend` takes
+    no ``on_step``, so a stream gets each choice whole (both calls in one piece of text) and records
+    the params it was given."""
 
     name = model_name = "scripted"
 
-    def __init__(self) -> None:
+    def __init__(self, reply: str = TWO_CALLS, finish: str = "eos") -> None:
+        self.reply, self.finish = reply, finish
         self.next = 0
         self.params: list[Any] = []
         self.tools: list[Any] = []
@@ -439,8 +484,10 @@ class ScriptedBackend:
         from branchwise.backends.base import Generation
 
         self.params.append(params)
-        ids = self.encode(TWO_CALLS)
-        return [Generation(n, ids, TWO_CALLS, [0.5] * len(ids), [-0.7] * len(ids), "eos") for n in nodes]
+        ids = self.encode(self.reply)
+        return [
+            Generation(n, ids, self.reply, [0.5] * len(ids), [-0.7] * len(ids), self.finish) for n in nodes
+        ]
 
     def release(self, nodes: Any) -> None:
         pass
@@ -467,6 +514,29 @@ def test_parallel_calls_get_their_own_indices(scripted: tuple[str, ScriptedBacke
     (params,) = backend.params
     assert params.constraint.kind == "tool_calls" and params.constraint.tool_choice == "auto"
     assert [t["function"]["name"] for t in backend.tools[0]] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    ("reply", "finish"),
+    [
+        (f"Checking.\n{CALL}\n{CALL}\n{CALL}", "stop"),  # a repeat ends the reply (the backend stopped)
+        (f'Checking.\n{CALL}\n{CALL}\n<tool_call>\n{{"', "length"),  # a repeat, then cut: the same
+        (f'Checking.\n{CALL}\n<tool_call>\n{{"name": "get_we', "length"),  # cut in a second call
+    ],
+    ids=["repeated", "repeated-then-cut", "cut"],
+)
+def test_each_call_once_and_no_cut_call(reply: str, finish: str, stream: bool) -> None:
+    """A call repeating an earlier one is never returned, a call ``max_tokens`` cut never reaches
+    ``content``, and a reply with a whole call says ``tool_calls`` even when it was cut."""
+    backend = ScriptedBackend(reply, finish)
+    with serve_in_thread(create_app(backend, window_s=0.0)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+        r = _create(client, stream, messages=QUESTION, tools=[WEATHER], tool_choice="required")
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking."
+    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"city": "Rome"}]
 
 
 def test_tool_choice_none_shows_no_tools_and_puts_no_constraint(
@@ -502,7 +572,8 @@ TOOLS = normalize_tools([WEATHER, TIME])
     ("text", "content", "calls"),
     [
         ("plain text", "plain text", []),
-        (f"Let me look.\n{CALL}\n{CALL}\n", "Let me look.", ["get_weather", "get_weather"]),
+        (TWO_CALLS, "Checking.", ["get_weather", "get_weather"]),
+        (f"Let me look.\n{CALL}\n{CALL}\n more", "Let me look.", ["get_weather"]),  # a repeat ends it
         (CALL, None, ["get_weather"]),
         (f"{CALL}  and then some ", "and then some ", ["get_weather"]),
         (
@@ -510,7 +581,8 @@ TOOLS = normalize_tools([WEATHER, TIME])
             'a <tool_call>{"name": "nope", "arguments": {}}</tool_call> b',
             [],
         ),
-        ('cut <tool_call>\n{"name": ', 'cut <tool_call>\n{"name": ', []),
+        ('cut <tool_call>\n{"name": ', "cut", []),  # a call cut by max_tokens is dropped
+        (f"{CALL}\n<tool_call>\n{{", None, ["get_weather"]),
         ("< <tool <tool_c", "< <tool <tool_c", []),
     ],
 )

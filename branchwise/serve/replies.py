@@ -53,10 +53,10 @@ def split_reply(text: str, tools: Sequence[dict[str, Any]]) -> tuple[str | None,
 
 
 def finish_reason(g: Generation, has_calls: bool) -> str:
-    """OpenAI's finish reason: ``tool_calls`` when the reply holds calls, unless it was cut by
-    ``max_tokens`` (``length``: whatever followed the last whole call, even a call, is lost)."""
-    reason = FINISH[g.finish_reason]
-    return "tool_calls" if has_calls and reason != "length" else reason
+    """OpenAI's finish reason: ``tool_calls`` when the reply holds at least one whole call, even when
+    ``max_tokens`` cut a later one (that partial call is dropped, never shown as content: the
+    calls returned are whole and can be run); otherwise the backend's reason in OpenAI's words."""
+    return "tool_calls" if has_calls else FINISH[g.finish_reason]
 
 
 def chat_choice_message(g: Generation, constraint: Constraint | None) -> tuple[dict[str, Any], str]:
@@ -210,8 +210,7 @@ def strategy_message(
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [c.openai() for c in calls]
-        if finish != "length":
-            finish = "tool_calls"
+        finish = "tool_calls"  # as `finish_reason`: whole calls are returned, a cut one is not
     return message, finish
 
 

@@ -1,9 +1,10 @@
 """The decode loop: sample a token per row, check stops, feed the tokens back, drop finished rows.
 
 Why its own module: this is where a token gets sampled (`sampling.pick_tokens`) and where a branch
-ends (EOS, a stop string, the step delimiter, max_tokens, or an acceleration's `stop_reason`). It
-owns no KV: `forward` (the runner, bound to the run's `Computation`) and `capture` (copy a row's KV back into
-its node) are passed in, so this loop reads as what it is.
+ends (EOS, a stop string, the step delimiter, max_tokens, a tool call repeating one the row made
+already, or an acceleration's `stop_reason`). It owns no KV: `forward` (the runner, bound to the
+run's `Computation`) and `capture` (copy a row's KV back into its node) are passed in, so this loop
+reads as what it is.
 
 Stop checks are incremental: each row keeps a running detokenization (`TextTail`) that decodes only
 the last few tokens per step, instead of re-decoding the row's whole output every step (quadratic
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +49,7 @@ from branchwise.backends.hf.sampling import pick_tokens
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.text import Detokenize, TextTail, finish_text
 from branchwise.constraints import Constraint
+from branchwise.toolcalls import TOOL_CALL_CLOSE, repeats_a_call
 
 __all__ = ["DecodeRun", "StopCheck", "TextTail", "decode", "finish_text"]
 
@@ -68,6 +71,14 @@ class StopCheck:
         self._tails: dict[int, TextTail] = {}
         self.own: dict[int, DecodeParams] = {}
         """Rows (by segment) that decode with their own parameters instead of the call's."""
+        self.calls: dict[int, tuple[dict[str, Any], ...]] = {}
+        """Rows (by segment) decoding tool calls that may be several (``parallel_tool_calls``): the
+        tools. A call identical to an earlier one of the row ends it (`toolcalls.repeats_a_call`)."""
+
+    def watch_calls(self, seg_id: int, constraint: Constraint | None) -> None:
+        """Stop the row of `seg_id` at a repeated call when `constraint` allows several calls."""
+        if constraint is not None and constraint.kind == "tool_calls" and constraint.parallel_tool_calls:
+            self.calls[seg_id] = constraint.tools
 
     def of(self, row: Row) -> DecodeParams:
         """The decoding parameters of `row`."""
@@ -79,10 +90,12 @@ class StopCheck:
             row.text = self._detokenize(row.out)
             return "eos"
         params = self.of(row)
-        if params.stop or params.step_delimiter:
+        tools = self.calls.get(row.seg.id)
+        if params.stop or params.step_delimiter or tools is not None:
             tail = self._tails.get(row.seg.id)
             if tail is None:
                 tail = self._tails[row.seg.id] = TextTail(self._detokenize)
+            seen = len(tail.text)
             tail.push(row.out[-1])
             if finish_text(tail.text, params)[1] is not None:
                 # confirm on the full text, exactly the rule the final text is cut by
@@ -90,6 +103,17 @@ class StopCheck:
                 if reason is not None:
                     row.text = text
                     return reason
+            if (
+                tools is not None
+                and TOOL_CALL_CLOSE in tail.text[max(0, seen - len(TOOL_CALL_CLOSE)) :]
+                and repeats_a_call(text := self._detokenize(row.out), tools)
+            ):
+                # a block just closed on a call the row made already: a small model under
+                # parallel_tool_calls repeats its call until max_tokens. The row ends here; the
+                # text keeps the repeat (what was decoded, what a stream has seen) and every
+                # reader of calls drops it (`toolcalls.parse_tool_calls`).
+                row.text = text
+                return "stop"
         if len(row.out) >= params.max_tokens:
             row.text = self._detokenize(row.out)
             return "length"
@@ -174,9 +198,10 @@ class DecodeRun:
             if own is not None and own != self.params:
                 self.stops.own[seg.id] = own
             row_params = own or self.params
+            constraint = row_params.constraint if constraints is None else constraints[i]
+            self.stops.watch_calls(seg.id, constraint)
             if self.grammar is not None:
-                constraint = row_params.constraint if constraints is None else constraints[i]
-                self.grammar.attach(seg.id, constraint)
+                self.grammar.attach(seg.id, constraint, row_params.max_tokens)
 
     @property
     def mixed(self) -> bool:
@@ -260,6 +285,10 @@ def decode(
             if grammar and not grammar.accept(r.seg.id, tok_list[pos]) and r.finish is None:
                 r.finish = "grammar"
                 stops.settle(r)
+            if r.finish == "length" and grammar and grammar.ends_here(r.seg.id):
+                # the last token completed a constrained output that only the end of sequence may
+                # follow: it ended as the model's next token would have ended it (not cut)
+                r.finish = "eos"
         alive = [ri for ri in present if rows[ri].finish is None]
         if grammar:
             for ri in present:

@@ -23,6 +23,7 @@ other token; CGEE's early stop waits until every constrained row's output is com
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -35,8 +36,11 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from branchwise.constraints import Constraint, ConstraintError
+from branchwise.schema_budget import Shortest, cap_strings, shortest
 
-__all__ = ["COMPILE_WORKERS", "ConstraintError", "GrammarStats", "Grammars", "RowGrammars"]
+__all__ = ["COMPILE_WORKERS", "BudgetFit", "ConstraintError", "GrammarStats", "Grammars", "RowGrammars"]
+
+log = logging.getLogger(__name__)
 
 _LOG_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
 """The position prefix of xgrammar's C++ error messages (time, source file and line)."""
@@ -44,6 +48,29 @@ MAX_WHITESPACE = 20
 """Longest run of whitespace JSON may hold between two tokens: room for pretty-printing four levels
 deep, but a small model can no longer pad its JSON with whitespace until ``max_tokens`` runs out
 (xgrammar's default is unbounded, and random or small models do exactly that)."""
+CAP_LIMIT = 1024
+"""Free strings are bounded only when the budget leaves each fewer characters than this: a larger
+budget does not need it, and leaves the constraint (and its compiled grammar) as it was."""
+_FITS_KEPT = 1024
+"""Budget fits remembered per backend (by constraint and max_tokens), oldest forgotten first."""
+
+
+class _Fitted(Constraint):
+    """A constraint fitted to a budget (`Grammars.fit`): it also bounds the whitespace JSON may hold
+    between two tokens. A field of its own, so its key (the grammar cache's) differs from the
+    unfitted constraint's and the cache, `Grammars.prepare` included, needs no other knob."""
+
+    max_whitespace: int = MAX_WHITESPACE
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    """A constraint fitted to a row's ``max_tokens`` (`Grammars.fit`): what to compile (the same
+    constraint when nothing needed fitting), and the tokens its shortest valid output takes (None:
+    not known, or a kind with no such bound)."""
+
+    constraint: Constraint
+    floor_tokens: int | None = None
 
 
 @dataclass
@@ -81,6 +108,7 @@ class Grammars:
     _compiler: xgr.GrammarCompiler | None = None
     _cache: dict[str, xgr.CompiledGrammar] = field(default_factory=dict)
     _pending: dict[str, Future[xgr.CompiledGrammar]] = field(default_factory=dict)
+    _fits: dict[tuple[str, int], BudgetFit] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compiler_lock: threading.Lock = field(default_factory=threading.Lock)
     _workers: ThreadPoolExecutor | None = None
@@ -157,6 +185,76 @@ class Grammars:
     def clear(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._fits.clear()
+
+    def fit(self, constraint: Constraint, max_tokens: int) -> BudgetFit:
+        """`constraint` fitted to `max_tokens`, so that a valid output fits where the schema allows.
+
+        JSON Schema outputs, and the calls of ``tool_choice="required"`` or a named tool (the first
+        call; under ``"auto"`` prose comes first and takes what it likes): the shortest valid output
+        is counted in tokens; when the room left is small, the whitespace JSON may hold between two
+        tokens drops to one character and every free string (no ``maxLength``, ``pattern``,
+        ``format``, ``enum`` or ``const``: `schema_budget`) gets an equal share of the rest as its
+        longest length, counted at one token a character (a token holds a character or more, bar
+        characters outside the tokenizer's merges). A budget below the shortest output itself
+        cannot be helped: that is logged (once per constraint and budget), with the count.
+        """
+        key = (constraint.key(), max_tokens)
+        with self._lock:
+            known = self._fits.get(key)
+        if known is not None:
+            return known
+        made = self._fit(constraint, max_tokens)
+        with self._lock:
+            if len(self._fits) >= _FITS_KEPT:
+                self._fits.pop(next(iter(self._fits)))
+            self._fits[key] = made
+        return made
+
+    def _fit(self, constraint: Constraint, max_tokens: int) -> BudgetFit:
+        # (schema, the text around its value) of each output the constraint allows
+        if constraint.kind == "json_schema" and constraint.json_schema is not None:
+            shapes = [(constraint.json_schema, "", "")]
+        elif constraint.kind == "tool_calls" and constraint.tool_choice != "auto":
+            tag = constraint.structural_tag(MAX_WHITESPACE)["format"]
+            while tag.get("type") in ("plus", "sequence"):  # down to the tag (or the `or` of tags)
+                tag = tag["content"] if tag["type"] == "plus" else tag["elements"][0]
+            shapes = [
+                (t["content"]["json_schema"], t["begin"], t["end"])
+                for t in (tag["elements"] if tag.get("type") == "or" else [tag])
+            ]
+        else:
+            return BudgetFit(constraint)
+        rooms: list[tuple[Shortest, int]] = []
+        for schema, begin, end in shapes:
+            least = shortest(schema)
+            if least is None:
+                return BudgetFit(constraint)
+            tokens = len(self.tokenizer.encode(begin + least.text + end, add_special_tokens=False))
+            rooms.append((least, max_tokens - tokens - 1))  # and the end-of-sequence token
+        floor = max_tokens - max(room for _, room in rooms) - 1
+        if floor > max_tokens:
+            log.warning(
+                "max_tokens=%d is below the %d tokens of the shortest output this %s constraint "
+                "allows: the reply will be cut",
+                max_tokens,
+                floor,
+                constraint.kind,
+            )
+        ws = MAX_WHITESPACE
+        if any(least.gaps * MAX_WHITESPACE > room // 4 for least, room in rooms):
+            ws = 1
+        shares = [(room - least.gaps * ws) // least.free for least, room in rooms if least.free]
+        cap = max(0, min(shares)) if shares and min(shares) < CAP_LIMIT else None
+        if ws == MAX_WHITESPACE and cap is None:
+            return BudgetFit(constraint, floor)
+        fields = constraint.model_dump()
+        if cap is not None and constraint.kind == "json_schema":
+            fields["json_schema"] = cap_strings(fields["json_schema"], cap)
+        elif cap is not None:
+            for tool in fields["tools"]:
+                tool["function"]["parameters"] = cap_strings(tool["function"]["parameters"], cap)
+        return BudgetFit(_Fitted(**fields, max_whitespace=ws), floor)
 
 
 def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGrammar:
@@ -166,14 +264,15 @@ def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGramma
         "choice": "choices",
         "tool_calls": "tools",
     }
+    whitespace = c.max_whitespace if isinstance(c, _Fitted) else MAX_WHITESPACE
     try:
         if c.kind == "json_schema":
             return compiler.compile_json_schema(
-                json.dumps(c.json_schema), strict_mode=c.strict, max_whitespace_cnt=MAX_WHITESPACE
+                json.dumps(c.json_schema), strict_mode=c.strict, max_whitespace_cnt=whitespace
             )
         if c.kind == "json_object":
             return compiler.compile_json_schema(
-                json.dumps({"type": "object"}), strict_mode=False, max_whitespace_cnt=MAX_WHITESPACE
+                json.dumps({"type": "object"}), strict_mode=False, max_whitespace_cnt=whitespace
             )
         if c.kind == "regex":
             assert c.pattern is not None
@@ -181,7 +280,7 @@ def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGramma
         if c.kind == "choice":
             rule = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in c.choices)
             return compiler.compile_grammar(f"root ::= {rule}")
-        return compiler.compile_structural_tag(c.structural_tag(MAX_WHITESPACE))
+        return compiler.compile_structural_tag(c.structural_tag(whitespace))
     except (RuntimeError, ValueError, TypeError) as err:
         where = field_name.get(c.kind, "constraint")
         reason = _LOG_PREFIX.sub("", str(err)).strip()
@@ -198,9 +297,12 @@ class RowGrammars:
         self._matchers: dict[int, xgr.GrammarMatcher] = {}
         self._bitmask: torch.Tensor | None = None
 
-    def attach(self, seg_id: int, constraint: Constraint | None) -> None:
-        """Constrain the row of segment `seg_id` from its next token on (None: leave it free)."""
+    def attach(self, seg_id: int, constraint: Constraint | None, max_tokens: int | None = None) -> None:
+        """Constrain the row of segment `seg_id` from its next token on (None: leave it free), fitted
+        to the row's `max_tokens` where given (`Grammars.fit`)."""
         if constraint is not None and seg_id not in self._matchers:
+            if max_tokens is not None:
+                constraint = self.grammars.fit(constraint, max_tokens).constraint
             self._matchers[seg_id] = xgr.GrammarMatcher(self.grammars.compile(constraint))
 
     def __bool__(self) -> bool:
@@ -242,6 +344,21 @@ class RowGrammars:
         """Advance the row's matcher by `token`; False when the grammar refuses it (the row ends)."""
         matcher = self._matchers.get(seg_id)
         return matcher is None or matcher.accept_token(token)
+
+    def ends_here(self, seg_id: int) -> bool:
+        """Whether the row's grammar allows nothing but the end of the sequence now: its output is
+        whole, and the next token would be end-of-sequence whatever the model preferred."""
+        matcher = self._matchers.get(seg_id)
+        if matcher is None or not matcher.is_completed():
+            return False
+        if matcher.is_terminated():
+            return True
+        vocab = self.grammars.vocab_size
+        bitmask = xgr.allocate_token_bitmask(1, vocab)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        allowed = torch.zeros(1, vocab)
+        xgr.apply_token_bitmask_inplace(allowed, bitmask, vocab_size=vocab)
+        return set(torch.isfinite(allowed[0]).nonzero().flatten().tolist()) <= self.grammars.eos_ids
 
     def complete(self, seg_ids: Sequence[int]) -> bool:
         """Whether every constrained row among `seg_ids` could end here (its output is whole)."""

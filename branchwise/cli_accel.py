@@ -200,7 +200,7 @@ def accel_options(registry: type[Accel] = Accel) -> Callable[[F], F]:
         @functools.wraps(func)
         def command(*args: Any, **kwargs: Any) -> Any:
             given = [(s, value) for s in settings if (value := kwargs.pop(s.param, None)) not in (None, [])]
-            return func(*args, accel=_build(registry, given), **kwargs)
+            return func(*args, accel=_build(registry, settings, given), **kwargs)
 
         parameters = [*own, *added]
         command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
@@ -241,12 +241,13 @@ def _flag_of(settings: Sequence[_Setting], path: tuple[str | int, ...]) -> str:
     return "--" + str(path[0])
 
 
-def _build(registry: type[Accel], given: Sequence[tuple[_Setting, Any]]) -> Accel:
+def _build(
+    registry: type[Accel], settings: Sequence[_Setting], given: Sequence[tuple[_Setting, Any]]
+) -> Accel:
     """The `Accel` of the given options; a setting the config requires but nobody gave ("--steer
     needs --skipkv-budget"), a value the config rejects, and accelerations that cannot run together
     are usage errors naming the options."""
     configs = registry.configs()
-    settings = _registry_settings(registry)
     on: dict[str, AccelConfig] = {}
     for name, values in _nest(given).items():
         flags = [s.flag for s, _ in given if s.path[0] == name]

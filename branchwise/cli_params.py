@@ -1,4 +1,5 @@
-"""Option helpers shared by the `branchwise` commands (`cli.py` and `evals/cli.py`).
+"""Options shared by the `branchwise` commands (`cli.py`, `serve/cli.py` and `evals/cli.py`): the
+model, device, dtype and endpoint options, declared once, and the prebuilt-strategy knobs (`knob`).
 
 Why not typer's own ``min=``/``max=``: its range error says "Input should be greater than or equal
 to 1" without the value the user typed, and its help does not show the range. A bad command line

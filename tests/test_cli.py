@@ -336,3 +336,12 @@ def test_bad_acceleration_options_name_the_option(args: list[str], expected: str
     assert code == 2 and not seen, output
     errors = [line for line in output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and expected in errors[0], output
+
+
+def test_run_prints_the_answer_the_vote_the_summary_and_the_notes(tiny_llama_dir) -> None:
+    args = ["run", "What is 12 + 7?", "--n", "2", "--max-tokens", "4", "--model", str(tiny_llama_dir)]
+    result = runner.invoke(app, [*args, "--skipkv-budget", "16"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for shown in ("answer:", "vote", "total time", "KV peak", "tokens computed / reused", "branches"):
+        assert shown in result.output, shown
+    assert "note: skipkv: no branch held more than 16" in result.output

@@ -25,10 +25,13 @@ console = Console()
 
 
 def load_backend(model: str | None, device: str = "auto", dtype: str = "auto") -> HFBackend:
-    """Load the model, turning "no such model" (or device, or dtype) into a usage error naming the option."""
-    from branchwise.backends.hf import HFBackend
+    """Load the model, turning "no such model" (or device, or dtype) into a usage error naming the option.
+
+    The model is the process's shared one (`backends.hf.registry`): a command run in-process
+    beside a chat model or DSPy engine of the same name (a notebook, a test) loads it once."""
     from branchwise.backends.hf.backend import resolve_device, resolve_dtype
     from branchwise.backends.hf.embedded import EmbeddedModelMissing
+    from branchwise.backends.hf.registry import shared_backend
 
     try:
         dev = resolve_device(device)
@@ -40,7 +43,7 @@ def load_backend(model: str | None, device: str = "auto", dtype: str = "auto") -
         raise typer.BadParameter(str(err), param_hint="--dtype") from None
     with console.status(f"loading {model or 'the embedded model'} ({device}, {dtype})…"):
         try:
-            return HFBackend(model, device=device, dtype=dtype)
+            return shared_backend(model, device=device, dtype=dtype)
         except EmbeddedModelMissing as err:
             raise typer.BadParameter(str(err), param_hint="--model") from None
         except (OSError, ValueError) as err:

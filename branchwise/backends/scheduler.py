@@ -44,6 +44,12 @@ requests decoded in one batch would share a random stream and differ from their 
 request that samples (temperature > 0) with a seed is therefore decoded in its own batch unless
 ``batch_seeded=True`` (faster, but the streams then depend on the batch).
 
+Lifetime: the worker thread never holds its scheduler between batches (it keeps a weak reference,
+and waits on the queue's condition alone), so a scheduler nobody uses any more is freed with its
+backend, and its worker exits then; `park` stops an idle worker at once and `close` refuses new
+requests. A front end that keeps a chat model per request therefore keeps no thread or model alive
+after the request.
+
 This module holds the queue and its drainer: what callers call, what is taken into a batch or a
 running decode and within which limits (rows, requests, KV memory), and the worker thread. The
 records they pass around (`Job`, `BatchStats`, the errors) are `scheduler_jobs`; what happens
@@ -58,6 +64,7 @@ import inspect
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -75,6 +82,7 @@ from branchwise.backends.base import (
 )
 from branchwise.backends.scheduler_jobs import BatchStats, InvalidPrompt, Job, QueueFull
 from branchwise.backends.scheduler_router import Router
+from branchwise.backends.scheduler_worker import WorkerSignal, stop_worker, work
 
 __all__ = ["BatchStats", "Cancelled", "InvalidPrompt", "Job", "QueueFull", "Scheduler"]
 
@@ -133,6 +141,9 @@ class Scheduler:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._compiling: set[Job] = set()  # jobs queued once their grammar is compiled (`_grammar`)
+        self._signal = WorkerSignal()
+        # the worker is told when this scheduler is freed (it holds no strong reference to it)
+        weakref.finalize(self, stop_worker, self._cv, self._signal)
         self._listens = _extend_takes(backend, "on_step")
         self._admits = continuous and self._listens and _extend_takes(backend, "admit")
         self._mixes = self._admits and _extend_takes(backend, "row_params")
@@ -163,8 +174,15 @@ class Scheduler:
                 self._queue.append(job)
             else:  # queued once its grammar is compiled (`_compiled`)
                 self._compiling.add(job)
-            if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            self._signal.stop = False  # a parked worker serves again
+            if not self._signal.running:
+                self._signal.running = True  # set here, cleared by the worker under `_cv`: no lost job
+                self._worker = threading.Thread(
+                    target=work,
+                    args=(weakref.ref(self), self._cv, self._queue, self._signal),
+                    name=self.name,
+                    daemon=True,
+                )
                 self._worker.start()
             self._cv.notify_all()
         if grammar is not None:
@@ -230,10 +248,30 @@ class Scheduler:
         """Refuse new requests; the queued ones still finish. With `timeout`, wait for the worker."""
         with self._cv:
             self._closed = True
+        self.park(timeout)
+
+    def park(self, timeout: float | None = None) -> bool:
+        """Let the worker thread exit once the queue is empty; the next request starts a new one.
+
+        Why: a front end whose last user closed it releases the thread at once, without refusing
+        requests that anyone still holding this scheduler sends later. With `timeout`, wait (at
+        most that long) for the thread to end; returns whether no worker is left running.
+        """
+        with self._cv:
+            self._signal.stop = True
             self._cv.notify_all()
             worker = self._worker
-        if timeout is not None and worker is not None:
+        if worker is None or worker is threading.current_thread():
+            return worker is None
+        if timeout is not None:
             worker.join(timeout)
+        return not worker.is_alive()
+
+    @property
+    def worker_alive(self) -> bool:
+        """Whether a worker thread is running now (it exits when parked, closed or freed)."""
+        worker = self._worker
+        return worker is not None and worker.is_alive()
 
     def _grammar(self, job: Job) -> Future[Any] | None:
         """The job's grammar compiling off this thread (the backend's ``prepare_constraint``; None: none
@@ -297,10 +335,9 @@ class Scheduler:
 
     def _take(self) -> list[Job] | None:
         """Wait for work; return a batch bounded by `max_rows`/`max_requests` and the KV room
-        (None once closed; [] when the first job must wait for memory)."""
+        (None when nothing is queued: the worker then waits without holding the scheduler;
+        [] when the first job must wait for memory)."""
         with self._cv:
-            while not self._queue and not self._closed:
-                self._cv.wait()
             if not self._queue:
                 return None
             # Callers woken by the previous batch resubmit within milliseconds of each other: keep
@@ -338,31 +375,32 @@ class Scheduler:
             self._running += 1
         return batch
 
-    def _loop(self) -> None:
-        while True:
-            batch = self._take()
-            if batch is None:
-                return
-            if not batch:  # the next request waits for KV memory held elsewhere to be freed
-                with self._cv:
-                    self._running -= 1
-                    self._cv.wait(MEMORY_POLL_S)
-                continue
-            try:
-                groups: dict[tuple[Any, ...], list[Job]] = {}
-                for job in batch:
-                    groups.setdefault(job.group_key(self.batch_seeded, self._mixes), []).append(job)
-                for jobs in groups.values():
-                    self._run_group(jobs)
-            finally:
-                with self._cv:
-                    self._running -= 1
-                    self._cv.notify_all()
-                    drained = not self._queue
-            if drained:  # idle now: the backend may hand the batch's freed memory back
-                trim = getattr(self.backend, "trim_memory", None)
-                if trim is not None:
-                    trim()
+    def _step(self) -> None:
+        """One round of the worker: take what is queued and decode it (`scheduler_worker.work` waits
+        for work without holding the scheduler)."""
+        batch = self._take()
+        if batch is None:
+            return
+        if not batch:  # the next request waits for KV memory held elsewhere to be freed
+            with self._cv:
+                self._running -= 1
+                self._cv.wait(MEMORY_POLL_S)
+            return
+        try:
+            groups: dict[tuple[Any, ...], list[Job]] = {}
+            for job in batch:
+                groups.setdefault(job.group_key(self.batch_seeded, self._mixes), []).append(job)
+            for jobs in groups.values():
+                self._run_group(jobs)
+        finally:
+            with self._cv:
+                self._running -= 1
+                self._cv.notify_all()
+                drained = not self._queue
+        if drained:  # idle now: the backend may hand the batch's freed memory back
+            trim = getattr(self.backend, "trim_memory", None)
+            if trim is not None:
+                trim()
 
     def _run_group(self, jobs: list[Job]) -> None:
         """Prefill each prompt once, fork it n times and decode all branches in ONE `extend`; with

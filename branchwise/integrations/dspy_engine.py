@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from branchwise.backends.base import OPENAI_FINISH, Backend, DecodeParams, Generation, ShareMode, check_share
 from branchwise.backends.scheduler import Job, Scheduler
 from branchwise.constraints import Constraint, tool_calls_of
-from branchwise.integrations._shared import shared_scheduler
+from branchwise.integrations._shared import Released, use_model
 from branchwise.toolcalls import ToolCall, normalize_tools, tool_names
 
 __all__ = [
@@ -324,22 +324,24 @@ class BranchwiseEngine:
     ) -> None:
         _lm15()
         share = check_share(share)
-        if backend is None:
-            from branchwise.backends.hf import HFBackend
-
-            backend = HFBackend(model, dtype=dtype, device=device, share=share)
-        self.backend = backend
+        # a model given by name is the process's loaded one (shared, see `integrations._shared`)
+        self._use = use_model(
+            model, backend, owner="this BranchwiseEngine", dtype=dtype, device=device, scheduler=scheduler
+        )
+        self.backend: Backend = self._use.backend
         self.model = model
         self.share: ShareMode = share
         self.temperature = temperature
         self.max_tokens = max_tokens
-        self.scheduler = scheduler if scheduler is not None else shared_scheduler(backend)
+        self.scheduler: Scheduler = self._use.scheduler
         self._dtype, self._device = dtype, device
         self._closed = False
 
     @property
     def model_name(self) -> str:
         """The name DSPy's `dspy.LM` uses for this engine: ``branchwise/<model>``."""
+        if self._closed:
+            return self._name
         name = self.model or getattr(self.backend, "model_name", None) or "embedded"
         return f"branchwise/{name}"
 
@@ -355,8 +357,23 @@ class BranchwiseEngine:
         return _lm15().response_to_events(self.complete(request))
 
     def close(self) -> None:
-        """Refuse further requests here; the shared scheduler and the model stay (they are borrowed)."""
+        """Refuse further requests here and release this engine's share of the model now: the shared
+        scheduler's worker stops if no other user is left, and the model is freed once nothing else
+        holds it (other engines, chat models and DSPy LMs on it keep working). DSPy never calls this
+        (it borrows engines); ``with BranchwiseEngine(...) as engine:`` does."""
+        if self._closed:
+            return
+        self._name = self.model_name  # still named once the backend is gone
         self._closed = True
+        self._use.close()
+        released = Released("this BranchwiseEngine")
+        self.backend, self.scheduler = released, released  # type: ignore[assignment]
+
+    def __enter__(self) -> BranchwiseEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def async_engine(self) -> AsyncBranchwiseEngine:
         """The async counterpart for ``dspy.LM(..., async_engine=...)`` (same backend and queue)."""

@@ -48,6 +48,7 @@ import dspy
 
 from branchwise.backends.base import OPENAI_FINISH, Backend, DecodeParams, Generation, ShareMode, check_share
 from branchwise.backends.scheduler import BatchStats, Job, Scheduler
+from branchwise.integrations._shared import CLOSE_WAIT_S
 from branchwise.integrations.dspy_engine import SUPPORTED_PARAMS, Structured, structured
 
 __all__ = ["BranchwiseLM"]
@@ -155,10 +156,10 @@ class BranchwiseLM(dspy.BaseLM):
             raise ValueError(f"model_type={model_type!r}: BranchwiseLM serves chat completions only")
         if max_batch_rows < 1 or max_batch_requests < 1:
             raise ValueError("max_batch_rows and max_batch_requests must be >= 1")
-        if backend is None:
-            from branchwise.backends.hf import HFBackend
+        if backend is None:  # the process's loaded model of that name, if any (see `backends.hf.registry`)
+            from branchwise.backends.hf.registry import shared_backend
 
-            backend = HFBackend(model, dtype=dtype, device=device, share=share)
+            backend = shared_backend(model, dtype=dtype, device=device)
         name = model if model is not None else getattr(backend, "model_name", type(backend).__name__)
         super().__init__(
             model=str(name),
@@ -280,8 +281,15 @@ class BranchwiseLM(dspy.BaseLM):
         self._batcher.stats = BatchStats()
 
     def close(self) -> None:
-        """Stop the worker thread (queued calls still finish)."""
-        self._batcher.close()
+        """Stop the worker thread now (queued calls still finish; later calls raise). The model is
+        freed with the last LM, copy or other front end that holds it."""
+        self._batcher.close(timeout=CLOSE_WAIT_S)
+
+    def __enter__(self) -> BranchwiseLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ helpers
     @staticmethod

@@ -72,7 +72,8 @@ from branchwise.backends.base import (
     ShareMode,
     check_share,
 )
-from branchwise.backends.scheduler import BatchStats, Job, Scheduler
+from branchwise.backends.scheduler import BatchStats, Job
+from branchwise.integrations._shared import ModelUse, Released, use_model
 from branchwise.integrations.langchain_convert import (
     ChatRequest,
     StreamPieces,
@@ -89,9 +90,12 @@ __all__ = ["ChatBranchwise", "as_runnable"]
 class ChatBranchwise(BaseChatModel):
     """A langchain-core chat model over a local branchwise backend.
 
-    ``ChatBranchwise()`` loads the embedded SmolLM2-135M-Instruct; ``ChatBranchwise(model="...")``
-    any supported HF model or path; ``ChatBranchwise(backend=backend)`` shares a loaded backend
-    (with DSPy's `BranchwiseEngine`, other chat models, ...): all of them then batch together.
+    ``ChatBranchwise()`` runs on the embedded SmolLM2-135M-Instruct; ``ChatBranchwise(model="...")``
+    on any supported HF model or path; ``ChatBranchwise(backend=backend)`` on a loaded backend.
+    A model given by name is loaded once per process and (device, dtype): every chat model, DSPy
+    engine or command of that name shares it, and all of them batch together. Dropping a chat model
+    frees its share; ``close()`` or ``with ChatBranchwise(...) as chat:`` releases it at once (the
+    model itself goes when its last user does).
 
     Call-time keyword arguments (``model.invoke(x, temperature=0.7, n=3)`` or ``.bind(...)``)
     override the fields of the same name; ``tools``/``tool_choice``/``parallel_tool_calls``
@@ -125,21 +129,33 @@ class ChatBranchwise(BaseChatModel):
     tools on its own (the embedded 135M) act before it answers, while LangChain's agents (which bind
     tools without a ``tool_choice``) stay unchanged; later turns are ``"auto"``. None: always auto."""
 
-    _scheduler: Scheduler = PrivateAttr()
+    _scheduler: ModelUse = PrivateAttr()
 
     @model_validator(mode="after")
     def _load(self) -> ChatBranchwise:
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
         check_share(self.share)
-        if self.backend is None:
-            from branchwise.backends.hf import HFBackend
-
-            self.backend = HFBackend(self.model_name, dtype=self.dtype, device=self.device)
-        from branchwise.integrations._shared import shared_scheduler
-
-        self._scheduler = shared_scheduler(self.backend)
+        self._scheduler = use_model(
+            self.model_name, self.backend, owner="this ChatBranchwise", dtype=self.dtype, device=self.device
+        )
+        self.backend = self._scheduler.backend
         return self
+
+    def close(self) -> None:
+        """Release this chat model's share of the model now (idempotent): its scheduler's worker
+        thread stops if no other user is left, and the model is freed once nothing else holds it.
+        Calling the chat model afterwards raises `RuntimeError`."""
+        if not self._scheduler.closed:
+            self.model_name = self._name()  # still named once the backend is gone
+            self._scheduler.close()
+            self.backend = Released("this ChatBranchwise")
+
+    def __enter__(self) -> ChatBranchwise:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ LangChain metadata
     @property

@@ -111,10 +111,10 @@ class Reasoner:
         self.share: ShareMode = check_share(share)  # before a default backend loads a model
         self.strategy = strategy
         self.plan: Plan = strategy.compile()
-        if backend is None:
-            from branchwise.backends.hf import HFBackend
+        if backend is None:  # the process's embedded model, shared with other front ends
+            from branchwise.backends.hf.registry import shared_backend
 
-            backend = HFBackend()
+            backend = shared_backend()
         self.backend = backend
         self.verifiers = {**default_verifiers(), **(verifiers or {})}
         check_names(strategy, self.verifiers)

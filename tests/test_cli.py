@@ -30,7 +30,7 @@ runner = CliRunner()
 
 def test_help_on_every_command() -> None:
     commands = ([], ["run"], ["strategy"], ["strategy", "show"], ["strategy", "validate"], ["steering"])
-    for args in (*commands, ["steering", "build"], ["calibrate"], ["eval"], ["report"]):
+    for args in (*commands, ["steering", "build"], ["calibrate"], ["eval"], ["report"], ["serve"]):
         result = runner.invoke(app, [*args, "--help"])
         assert result.exit_code == 0, result.output
         assert "Usage" in result.output

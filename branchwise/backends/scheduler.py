@@ -274,13 +274,13 @@ class Scheduler:
         return worker is not None and worker.is_alive()
 
     def _grammar(self, job: Job) -> Future[Any] | None:
-        """The job's grammar compiling off this thread (the backend's ``prepare_constraint``; None: none
+        """The job's grammar compiling off this thread (the backend's ``prepare_grammar``; None: none
         to wait for; a compile error is raised). Why: a big grammar compiles for seconds, and the worker
         decodes everyone's requests; the job joins the queue once its grammar is ready."""
-        prepare = getattr(self.backend, "prepare_constraint", None)
-        if prepare is None or job.params.constraint is None:
+        prepare = getattr(self.backend, "prepare_grammar", None)
+        future: Future[Any] | None = None if prepare is None else prepare(job.params)
+        if future is None:
             return None
-        future: Future[Any] = prepare(job.params.constraint)
         if future.done():
             future.result()  # a grammar the engine refuses fails here, before anything is queued
         return None if future.done() else future

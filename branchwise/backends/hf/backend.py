@@ -316,10 +316,11 @@ class HFBackend:
     def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
         return self._default.kv_cost(prompt_tokens, n, max_tokens, share)
 
-    def prepare_constraint(self, constraint: Constraint) -> Future[Any]:
-        """Compile `constraint`'s grammar off the caller's thread (`Grammars.prepare`): a scheduler
-        queues a constrained request only once this is done, so no decode waits for its compile."""
-        return self.engine.grammars.prepare(constraint)
+    def prepare_grammar(self, params: DecodeParams) -> Future[Any] | None:
+        """The grammar rows decoding with `params` need, compiled off the caller's thread
+        (`Grammars.prepare`; None without a constraint): a scheduler queues a constrained request
+        only once this is done, so that no decode waits for its compile."""
+        return None if params.constraint is None else self.engine.grammars.prepare(params.constraint)
 
     @property
     def broadcast(self) -> Broadcast:

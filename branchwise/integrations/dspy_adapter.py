@@ -131,7 +131,7 @@ def signature_schema(signature: Any) -> dict[str, Any] | None:
     if not fields:
         return None
     try:
-        model = pydantic.create_model(  # type: ignore[call-overload]
+        model = pydantic.create_model(
             "DSPyProgramOutputs", __config__=pydantic.ConfigDict(extra="forbid"), **fields
         )
         schema: dict[str, Any] = model.model_json_schema()
@@ -204,25 +204,25 @@ class LenientChatAdapter(dspy.ChatAdapter):
         self, lm: Any, lm_kwargs: dict[str, Any], signature: Any, demos: list[Any], inputs: dict[str, Any]
     ) -> list[dict[str, Any]]:
         if self._constrained(lm, signature):
-            return self._schema_adapter(lm, lm_kwargs, signature, demos, inputs)  # type: ignore[no-any-return]
-        return super().__call__(lm, lm_kwargs, signature, demos, inputs)  # type: ignore[no-any-return]
+            return self._schema_adapter(lm, lm_kwargs, signature, demos, inputs)
+        return super().__call__(lm, lm_kwargs, signature, demos, inputs)
 
     async def acall(
         self, lm: Any, lm_kwargs: dict[str, Any], signature: Any, demos: list[Any], inputs: dict[str, Any]
     ) -> list[dict[str, Any]]:
         if self._constrained(lm, signature):
-            return await self._schema_adapter.acall(lm, lm_kwargs, signature, demos, inputs)  # type: ignore[no-any-return]
-        return await super().acall(lm, lm_kwargs, signature, demos, inputs)  # type: ignore[no-any-return]
+            return await self._schema_adapter.acall(lm, lm_kwargs, signature, demos, inputs)
+        return await super().acall(lm, lm_kwargs, signature, demos, inputs)
 
     def parse(self, signature: Any, completion: str) -> dict[str, Any]:
         stripped = completion.strip()
         if stripped.startswith("{") and _typed(signature):  # a schema-constrained reply (or a JSON one)
             try:
-                return self._schema_adapter.parse(signature, stripped)  # type: ignore[no-any-return]
+                return self._schema_adapter.parse(signature, stripped)
             except AdapterParseError:
                 pass
         try:
-            return super().parse(signature, completion)  # type: ignore[no-any-return]
+            return super().parse(signature, completion)
         except AdapterParseError as err:
             from dspy.adapters.utils import parse_value
 

@@ -11,7 +11,10 @@ branchwise strategy.
 - `ReActTextAdapter` renders the signature in the classic text format (``Thought: ...`` /
   ``Action: tool[argument]`` / ``Observation: ...``) with few-shot demos as real chat turns: a
   135M model cannot follow DSPy's ``[[ ## field ## ]]`` format. With a real checkpoint
-  (``--model``), ``--adapter chat`` runs DSPy's own format instead.
+  (``--model``), ``--adapter chat`` runs DSPy's own format instead. (A plain ``dspy.ReAct`` on
+  ``branchwise_lm()`` needs no adapter of its own: `LenientChatAdapter` decodes each step under a
+  schema of the tools' calls. `Reason` formats and parses every branch itself, so the vote here
+  still needs a format the model follows unconstrained.)
 
 The embedded SmolLM2-135M is far too small to be a good agent: it calls the tools and the trace is
 complete, but the answer may be wrong. What this shows is the mechanics and the cost: every step

@@ -6,6 +6,10 @@ hub checkpoint — the loading path is exercised, not bypassed.
 
 Heavy imports (torch, transformers, tokenizers) happen inside the fixtures, so test modules that
 need none of them (and tests asserting that a module does not pull in torch) stay unaffected.
+
+The fake backend and the polling helper the test files share live in `testkit.py` beside this file
+(``from testkit import FakeBackend, GatedBackend, wait_until``); it is imported here so that it
+loads with the fixtures, and it pulls in no torch either.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import testkit  # noqa: F401  (the shared fake backend and wait_until; see the module docstring)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -19,6 +19,8 @@ import pytest
 
 dspy = pytest.importorskip("dspy")
 
+import testkit  # noqa: E402
+
 from branchwise.backends.base import DecodeParams, Generation  # noqa: E402
 from branchwise.integrations.dspy import BranchwiseLM, LenientChatAdapter, Reason  # noqa: E402
 from branchwise.strategies import best_of_n, self_consistency  # noqa: E402
@@ -157,18 +159,11 @@ def test_bad_requests_fail_in_the_caller(tiny_backend: Any) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-class FakeBackend:
+class FakeBackend(testkit.FakeBackend):
     """Records `extend` calls; each branch 'generates' its prompt length and a per-call counter."""
 
-    name = "fake"
-    model_name = "fake"
-
     def __init__(self, fail_on: int | None = None) -> None:
-        self.lock = threading.Lock()
-        self.extends: list[tuple[int, DecodeParams]] = []
-        self.live: set[int] = set()
-        self.prompts: dict[int, list[int]] = {}
-        self.next = 0
+        super().__init__()
         self.fail_on = fail_on
 
     def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -177,31 +172,16 @@ class FakeBackend:
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(map(str, ids))
 
-    def prefill(self, ids: Sequence[int]) -> int:
-        with self.lock:
-            self.next += 1
-            self.live.add(self.next)
-            self.prompts[self.next] = list(ids)
-            return self.next
-
-    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
-        kids = [self.prefill(self.prompts[node]) for _ in range(n)]
-        return kids
-
     def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
         with self.lock:
-            self.extends.append((len(nodes), params))
+            self.extends.append(len(nodes))
+            self.params.append(params)
             if self.fail_on is not None and len(self.extends) == self.fail_on:
                 raise RuntimeError("boom")
         return [
             Generation(n, [len(self.prompts[n])], f"len={len(self.prompts[n])}", [0.9], [-0.1], "eos")
             for n in nodes
         ]
-
-    def release(self, nodes: Sequence[int]) -> None:
-        with self.lock:
-            for n in nodes:
-                self.live.discard(n)
 
 
 def test_concurrent_calls_are_batched_and_grouped_by_params() -> None:
@@ -220,9 +200,9 @@ def test_concurrent_calls_are_batched_and_grouped_by_params() -> None:
     assert backend.live == set()  # every node released
     # 8 calls with two distinct decoding settings -> (at least) one extend per setting, not 8
     assert len(backend.extends) < 8
-    temps = {p.temperature for _, p in backend.extends}
+    temps = {p.temperature for p in backend.params}
     assert temps == {0.0, 0.5}
-    assert all(rows % 2 == 0 for rows, _ in backend.extends)
+    assert all(rows % 2 == 0 for rows in backend.extends)
     assert lm.batch_stats.requests == 8 and lm.batch_stats.max_requests_per_call >= 2
 
 
@@ -237,7 +217,7 @@ def test_seeded_sampling_calls_are_not_co_batched() -> None:
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(call, range(4)))
-    assert [rows for rows, _ in backend.extends] == [3, 3, 3, 3]
+    assert backend.extends == [3, 3, 3, 3]
 
 
 def test_worker_errors_reach_every_caller_and_the_worker_survives() -> None:
@@ -625,7 +605,8 @@ class ScriptedBackend(FakeBackend):
 
     def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
         with self.lock:
-            self.extends.append((len(nodes), params))
+            self.extends.append(len(nodes))
+            self.params.append(params)
         out = []
         for n in nodes:
             prompt = self.texts[self.prompts[n][0]]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
+from testkit import FakeBackend
 from typing_extensions import TypedDict
 
 from branchwise.backends.base import DecodeParams, DecodeStep, Generation
@@ -200,19 +200,17 @@ def calculator(expression: str) -> str:
     return str(eval(expression, {"__builtins__": {}}))  # a test tool: digits and operators only
 
 
-class ScriptedBackend:
+class ScriptedBackend(FakeBackend):
     """A backend that answers each call with the next scripted reply (token = character) and keeps
     what it was asked: the messages and tools of each prompt and each call's `DecodeParams`."""
 
     model_name = "scripted"
 
     def __init__(self, *replies: str) -> None:
+        super().__init__()
         self.replies = list(replies)
-        self.lock = threading.Lock()
-        self.nodes = 0
         self.messages: list[list[dict[str, Any]]] = []
         self.tools: list[list[dict[str, Any]] | None] = []
-        self.params: list[DecodeParams] = []
 
     def chat_prompt(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
@@ -220,17 +218,6 @@ class ScriptedBackend:
         self.messages.append([dict(m) for m in messages])
         self.tools.append(None if tools is None else [dict(t) for t in tools])
         return [1, 2, 3]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def prefill(self, ids: Sequence[int]) -> int:
-        with self.lock:
-            self.nodes += 1
-            return self.nodes
-
-    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
-        return [self.prefill([]) for _ in range(n)]
 
     def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
         """Each reply, one character per decode step to `on_step` (as the local backend does)."""
@@ -249,9 +236,6 @@ class ScriptedBackend:
                 )
             on_step(DecodeStep({}, dict(enumerate(out))))
         return out
-
-    def release(self, nodes: Sequence[int]) -> None:
-        pass
 
 
 def _block(name: str, arguments: dict[str, Any]) -> str:

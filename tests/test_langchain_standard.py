@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -52,6 +51,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.integration_tests.chat_models import unicode_customer
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel, Field
+from testkit import FakeBackend
 
 from branchwise.backends.base import DecodeParams, Generation
 from branchwise.integrations.langchain import ChatBranchwise
@@ -95,43 +95,19 @@ _mark_async_tests(ChatModelIntegrationTests)
 # --------------------------------------------------------------------------------------------------
 
 
-class EchoBackend:
+class EchoBackend(FakeBackend):
     """A backend that answers instantly by echoing the last message (the unit suite builds many
     models and binds tools and schemas; it never judges a reply)."""
 
     model_name = "echo"
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.next = 0
-        self.prompts: dict[int, list[int]] = {}
 
     def chat_prompt(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
     ) -> list[int]:
         return [ord(c) for c in messages[-1]["content"]][:32] or [32]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def prefill(self, ids: Sequence[int]) -> int:
-        with self.lock:
-            self.next += 1
-            self.prompts[self.next] = list(ids)
-            return self.next
-
-    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
-        return [self.prefill(self.prompts[node]) for _ in range(n)]
-
     def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
-        out = []
-        for n in nodes:
-            ids = self.prompts[n][: params.max_tokens]
-            out.append(Generation(n, ids, self.decode(ids), [0.9] * len(ids), [-0.1] * len(ids), "eos"))
-        return out
-
-    def release(self, nodes: Sequence[int]) -> None:
-        pass
+        return [self.generation(n, self.decode(self.prompts[n][: params.max_tokens])) for n in nodes]
 
 
 _ECHO = EchoBackend()

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Sequence
 
 import pytest
+from testkit import FakeBackend
 
 from branchwise.backends.base import DecodeParams, DecodeStep, Generation
 from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFull, Scheduler
@@ -16,16 +17,14 @@ from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFu
 GREEDY = DecodeParams(max_tokens=4)
 
 
-class RecordingBackend:
-    """Rejects prompts holding a negative id (as a backend rejects ids outside its vocabulary)."""
+class RecordingBackend(FakeBackend):
+    """Answers each row with its prompt's length; rejects prompts holding a negative id (as a backend
+    rejects ids outside its vocabulary); `extend` waits while the test holds `gate` closed."""
 
     name = "recording"
 
     def __init__(self) -> None:
-        self.next = 0
-        self.live: set[int] = set()
-        self.prompts: dict[int, list[int]] = {}
-        self.extends: list[int] = []
+        super().__init__()
         self.gate = threading.Event()
         self.gate.set()
         self.in_extend = threading.Event()
@@ -33,25 +32,15 @@ class RecordingBackend:
     def prefill(self, ids: Sequence[int]) -> int:
         if any(i < 0 for i in ids):
             raise ValueError(f"token id {min(ids)} is outside the vocabulary")
-        self.next += 1
-        self.live.add(self.next)
-        self.prompts[self.next] = list(ids)
-        return self.next
+        return super().prefill(ids)
 
-    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
-        return [self.prefill(self.prompts[node]) for _ in range(n)]
+    def reply(self, prompt: list[int]) -> str:
+        return str(len(prompt))
 
     def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
         self.in_extend.set()
         assert self.gate.wait(30)
-        self.extends.append(len(nodes))
-        return [
-            Generation(n, [len(self.prompts[n])], str(len(self.prompts[n])), [1.0], [0.0], "eos")
-            for n in nodes
-        ]
-
-    def release(self, nodes: Sequence[int]) -> None:
-        self.live.difference_update(nodes)
+        return super().extend(nodes, params)
 
 
 def test_a_bad_prompt_fails_alone_and_its_batch_mates_are_decoded() -> None:
@@ -90,7 +79,7 @@ def test_bounded_queue_and_cancellation() -> None:
     assert fits.result()[0].text == "1"
     scheduler.close(timeout=10)
     assert scheduler.stats.rejected == 1 and scheduler.stats.cancelled == 1
-    assert [7, 7] not in backend.prompts.values()  # the cancelled request was never prefilled
+    assert [7, 7] not in backend.prefilled  # the cancelled request was never prefilled
     with pytest.raises(RuntimeError, match="closed"):
         scheduler.enqueue(Job([1], 1, GREEDY))
 

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,20 +26,13 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from testkit import GatedBackend, wait_until  # noqa: E402
+
 from branchwise.backends.base import DecodeParams, DecodeStep, Generation  # noqa: E402
 from branchwise.serve import create_app  # noqa: E402
 from branchwise.serve.runner import serve_in_thread  # noqa: E402
 
 MSGS = [{"role": "user", "content": "What is 12 + 7?"}]
-
-
-def wait_until(cond: Any, what: str, limit: int = 500) -> None:
-    """Poll `cond` (bounded: `limit` tries 20 ms apart) and fail naming `what` if it never holds."""
-    for _ in range(limit):
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting until {what}")
 
 
 @pytest.fixture
@@ -305,56 +297,6 @@ def test_bad_requests_get_400_naming_the_field(
 # --------------------------------------------------------------------------------------------------
 
 
-class GatedBackend:
-    """Decodes ``len(prompt)`` as text, but `extend` waits until the test opens `gate`."""
-
-    name = "gated"
-    model_name = "gated"
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.in_extend = threading.Event()
-        self.prompts: dict[int, list[int]] = {}
-        self.prefilled: list[list[int]] = []
-        self.next = 0
-        self.lock = threading.Lock()
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self.encode(messages[-1]["content"])
-
-    def prefill(self, ids: Sequence[int]) -> int:
-        with self.lock:
-            self.next += 1
-            self.prompts[self.next] = list(ids)
-            self.prefilled.append(list(ids))
-            return self.next
-
-    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
-        with self.lock:
-            kids = []
-            for _ in range(n):
-                self.next += 1
-                self.prompts[self.next] = self.prompts[node]
-                kids.append(self.next)
-            return kids
-
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
-        self.in_extend.set()
-        assert self.gate.wait(30), "the test never opened the gate"
-        return [Generation(n, [65], "A", [0.5], [-0.7], "eos") for n in nodes]
-
-    def release(self, nodes: Sequence[int]) -> None:
-        with self.lock:
-            for n in nodes:
-                self.prompts.pop(n, None)
-
-
 @pytest.fixture
 def gated() -> Iterator[tuple[str, GatedBackend, Any]]:
     backend = GatedBackend()
@@ -554,7 +496,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits(tiny_llama_dir: Path) ->
             except httpx.HTTPError:
                 return proc.poll() is not None  # died: stop waiting, the assert below says so
 
-        wait_until(up, "the server answers /health", limit=3000)
+        wait_until(up, "the server answers /health", limit_s=60)
         assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
         out: dict[str, Any] = {}
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from testkit import wait_until  # noqa: E402
+
 from branchwise.schema_limits import MAX_CHOICES, MAX_ENUM_VALUES, MAX_SCHEMA_DEPTH  # noqa: E402
 from branchwise.serve import create_app  # noqa: E402
 from branchwise.serve.errors import MAX_BODY_DEPTH  # noqa: E402
@@ -28,16 +29,6 @@ from branchwise.serve.runner import serve_in_thread  # noqa: E402
 MSGS = [{"role": "user", "content": "What is 12 + 7?"}]
 LONG_RUN = {"strategy": "self-consistency", "branches": 64, "tokens": 1900}
 """A strategy run of a minute or more on the tiny model (64 branches of up to 1,900 tokens)."""
-
-
-def wait_until(cond: Any, what: str, limit_s: float = 30.0) -> None:
-    """Poll `cond` every 20 ms, at most `limit_s` seconds; fail naming `what` if it never holds."""
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting until {what}")
 
 
 def error(r: Any, status: int, param: str) -> str:

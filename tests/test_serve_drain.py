@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from testkit import wait_until  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 import branchwise.cli_backend  # noqa: E402
@@ -37,15 +37,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _wait_until(cond: Any, what: str, limit_s: float = 120.0) -> None:
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting until {what}")
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
@@ -65,7 +56,7 @@ def test_sigterm_mid_burst_answers_200_or_json_503_and_exits_0(tiny_llama_dir: P
             except httpx.HTTPError:
                 return proc.poll() is not None  # died: stop waiting, the assert below says so
 
-        _wait_until(up, "the server answers /health")
+        wait_until(up, "the server answers /health", limit_s=120, every_s=0.05)
         assert proc.poll() is None, proc.communicate()[1][-4000:]
         out: dict[int, Any] = {}
         body = {"messages": MSGS, "max_tokens": 1900, "min_tokens": 1900, "temperature": 0}
@@ -89,7 +80,7 @@ def test_sigterm_mid_burst_answers_200_or_json_503_and_exits_0(tiny_llama_dir: P
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
-        _wait_until(lambda: arrived() == 6, "the burst has arrived")
+        wait_until(lambda: arrived() == 6, "the burst has arrived", limit_s=120, every_s=0.05)
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(120)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +19,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from branchwise.backends.base import DecodeParams, Generation  # noqa: E402
+from testkit import GatedBackend  # noqa: E402
+
 from branchwise.serve import create_app  # noqa: E402
 from branchwise.serve.runner import serve_in_thread  # noqa: E402
 
@@ -231,43 +232,6 @@ def test_a_chunked_body_over_the_limit_is_413(guarded: str) -> None:
 # ------------------------------------------------------------------ a client that leaves
 
 
-class SlowBackend:
-    """Decodes ``"A"`` per branch, but `extend` first waits until the test opens `gate`."""
-
-    name = "slow"
-    model_name = "slow"
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.in_extend = threading.Event()
-        self.next = 0
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return self.encode(messages[-1]["content"])
-
-    def prefill(self, ids: Sequence[int]) -> int:
-        self.next += 1
-        return self.next
-
-    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
-        self.next += n
-        return list(range(self.next - n + 1, self.next + 1))
-
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
-        self.in_extend.set()
-        assert self.gate.wait(30), "the test never opened the gate"
-        return [Generation(n, [65], "A", [0.5], [-0.7], "eos") for n in nodes]
-
-    def release(self, nodes: Sequence[int]) -> None:
-        pass
-
-
 class Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -278,7 +242,7 @@ class Lines(logging.Handler):
 
 
 def test_a_client_that_leaves_is_one_info_line_and_no_traceback() -> None:
-    backend = SlowBackend()
+    backend = GatedBackend()  # decodes "A", after the test opens its gate
     app = create_app(backend, window_s=0.0)
     lines = Lines()
     loggers = [logging.getLogger(n) for n in ("uvicorn.error", "uvicorn", "branchwise.serve")]

@@ -149,7 +149,8 @@ HF_STATIC_HELP = (
     "transformers' generate with cache_implementation='static', the baseline a user picks for speed: "
     "auto (default) as transformers runs it, compiled (torch.compile, CUDA graphs) on CUDA and "
     "uncompiled on the CPU, where transformers does not compile; compiled: compile on every device "
-    "(on a 2-core CPU ~1 minute per batch shape); off: leave the arm out (the JSON says so)"
+    "(on the CPU only where the backend did not pack the weights for oneDNN, else the arm is skipped "
+    "and the JSON says why; ~1 minute per batch shape on 2 cores); off: leave the arm out"
 )
 
 
@@ -168,15 +169,23 @@ class StaticGenerate:
     Why its own arm beside `HFBackend.hf_generate` (dynamic cache, eager): on a GPU the two differ
     by ~5x, and a claim against the eager one only would flatter branchwise. `report()` says whether
     the forward was compiled in this run, so a CPU figure (uncompiled unless `mode="compiled"`) is
-    never read as the compiled baseline.
+    never read as the compiled baseline. `skipped` says why the arm does not run, if it does not.
     """
 
     def __init__(self, backend: HFBackend, mode: str) -> None:
-        if mode not in ("auto", "compiled"):
-            raise ValueError(f"mode={mode!r} is not one of 'auto', 'compiled'")
+        if mode not in ("auto", "compiled", "off"):
+            raise ValueError(f"--hf-static {mode!r} is not one of 'auto', 'compiled', 'off'")
         self.backend, self.mode = backend, mode
         self.compile_config: Any = None
-        if mode == "compiled":
+        self.skipped: str | None = None
+        if mode == "off":
+            self.skipped = "--hf-static off"
+        elif mode == "compiled" and backend.prepacked.active:
+            self.skipped = (
+                "--hf-static compiled: torch.compile cannot lower the linear layers this backend packed "
+                "for the CPU's oneDNN kernels (prepack.py); the compiled static cache is a GPU baseline"
+            )
+        elif mode == "compiled":
             from transformers import CompileConfig
 
             self.compile_config = CompileConfig()
@@ -211,12 +220,14 @@ class StaticGenerate:
     def report(self) -> dict[str, Any]:
         """How the arm ran: `compiled` is whether transformers built its compiled forward (it keeps
         it as `_compiled_call` on the model), with a note wherever that is not the GPU baseline."""
+        if self.skipped is not None:
+            return {"mode": self.mode, "skipped": self.skipped}
         compiled = hasattr(self.backend.model, "_compiled_call")
         note = None
         if not compiled and self.backend.device.type == "cpu" and self.mode == "auto":
             note = (
                 "uncompiled: transformers compiles the static-cache step only on accelerators, so on "
-                "the CPU this arm is the static cache run eagerly (--hf-static compiled forces a compile)"
+                "the CPU this arm is the static cache run eagerly"
             )
         elif not compiled:
             note = "transformers did not compile the static-cache step here: not the compiled baseline"

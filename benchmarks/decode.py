@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     weights = weight_bytes(backend.model)
     peak = peak_gbps(args.peak_gbps)
     arms: dict[str, Arm] = {"branchwise": ours, "hf_generate": generate}
-    static = None if args.hf_static == "off" else StaticGenerate(backend, args.hf_static)
-    if static is not None:
+    static = StaticGenerate(backend, args.hf_static)
+    if static.skipped is None:
         arms["hf_static"] = static
     rows = []
     for b in args.batches:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         agreement = greedy_agreement(backend.model, prompts, tokens["hf_generate"], tokens["branchwise"])
         result["greedy_agreement_vs_hf_generate"] = agreement.as_dict()
-        if static is not None:
+        if static.skipped is None:
             result["speedup_vs_hf_static"] = round(
                 result["branchwise"]["tokens_per_s"] / result["hf_static"]["tokens_per_s"], 3
             )
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             "weight_bytes_per_step": weights,
             "kv_bytes_per_token": backend.kv_token_bytes,
             "peak_gbps": peak,
-            "hf_static": {"mode": "off", "skipped": "--hf-static off"} if static is None else static.report(),
+            "hf_static": static.report(),
             "rows": rows,
         },
         config={"model_source": args.random_config or "checkpoint"},

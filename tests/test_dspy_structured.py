@@ -145,6 +145,24 @@ def test_react_runs_on_a_gibberish_model(tiny_backend: Any) -> None:
     assert len(calls) == names.count("tracked_add")
 
 
+@_needs_engines
+def test_tool_calls_output_goes_as_native_function_calling(tiny_backend: Any) -> None:
+    class Pick(dspy.Signature):  # type: ignore[misc]
+        """Pick a tool call."""
+
+        question: str = dspy.InputField()
+        tools: list[dspy.Tool] = dspy.InputField()
+        calls: dspy.ToolCalls = dspy.OutputField()
+
+    lm = branchwise_lm(backend=tiny_backend, cache=False, max_tokens=96)
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        pred = dspy.Predict(Pick, tool_choice="required")(question="12 + 7?", tools=[dspy.Tool(add)])
+    assert [c.name for c in pred.calls.tool_calls][:1] == ["add"]
+    args = pred.calls.tool_calls[0].args
+    assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
+    assert [t["function"]["name"] for t in lm.history[-1]["kwargs"]["tools"]] == ["add"]
+
+
 # ------------------------------------------------------------------------- embedded model (slow)
 @pytest.mark.slow
 @_needs_engines
@@ -153,7 +171,7 @@ def test_embedded_react_and_typed_predict_run_as_the_docs_write_them(embedded_di
 
     lm = branchwise_lm(backend=HFBackend(embedded_dir), max_tokens=128, cache=False)
     with dspy.context(lm=lm, adapter=LenientChatAdapter()):
-        react = dspy.ReAct("question -> answer", tools=[add], max_iters=3)
+        react = dspy.ReAct("question -> answer", tools=[add], max_iters=2)
         pred = react(question="What is 40 + 44?")
         assert isinstance(pred.answer, str) and pred.answer
         assert pred.trajectory["tool_name_0"] in ("add", "finish")

@@ -123,6 +123,16 @@ def test_typed_predict_parses_gibberish_model_under_the_schema(tiny_backend: Any
     assert sent["type"] == "json_schema" and sent["json_schema"]["strict"] is True
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the legacy BaseLM contract on DSPy 3.4
+def test_typed_predict_parses_under_the_legacy_lm_too(tiny_backend: Any) -> None:
+    from branchwise.integrations.dspy import BranchwiseLM
+
+    lm = BranchwiseLM(backend=tiny_backend, cache=False, max_tokens=128)
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        assert isinstance(dspy.Predict("question -> answer: int")(question="1 + 1?").answer, int)
+        assert isinstance(dspy.Predict(Judge)(claim="The sky is green.").verdict, Verdict)
+
+
 @_needs_engines
 def test_react_runs_on_a_gibberish_model(tiny_backend: Any) -> None:
     calls: list[tuple[int, int]] = []

@@ -104,20 +104,3 @@ def test_cli_run_on_embedded_model() -> None:
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(row["branches"]) == 4
     assert row["kv_stats"]["tokens_reused"] > 0
-
-
-def test_prefix_sharing_benchmark_quick() -> None:
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/prefix_sharing.py", "--quick", "--dtype", "float32"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["benchmark"] == "prefix_sharing"
-    agreement = out["greedy_agreement"]
-    assert set(agreement) == {"exact_vs_none", "exact_vs_hf_generate", "copy_vs_none"}
-    assert all(a["identical"] and a["rows_differing"] == 0 for a in agreement.values()), agreement
-    assert out["kv_peak_bytes"]["exact"] < out["kv_peak_bytes"]["none"]

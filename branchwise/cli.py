@@ -143,7 +143,7 @@ def run(
         list[str], typer.Argument(metavar="QUESTION", help="One or more questions to answer.")
     ],
     strategy: Annotated[str, typer.Option(help=STRATEGY_HELP)] = "self-consistency",
-    n: Annotated[int | None, knob("branches")] = None,
+    n: Annotated[int | None, knob("branches", None, "--n", "--branches")] = None,
     share: Annotated[
         Share, typer.Option(help="KV sharing: none (No-KV baseline) or exact (prefix reuse).")
     ] = Share.exact,
@@ -256,7 +256,7 @@ def _summary(result: Result) -> Table:
 @strategy_app.command("show")
 def strategy_show(
     name: Annotated[str, typer.Argument(help=STRATEGY_HELP)],
-    n: Annotated[int | None, knob("branches")] = None,
+    n: Annotated[int | None, knob("branches", None, "--n", "--branches")] = None,
     fmt: Annotated[Format, typer.Option("--format", help="Output format.")] = Format.yaml,
 ) -> None:
     """Print a strategy graph (loadable by `strategy validate` and `run --strategy`); the plan goes to stderr."""

@@ -22,8 +22,9 @@ __all__ = ["DeviceOption", "DtypeOption", "EndpointOption", "ModelOption", "knob
 N = TypeVar("N", int, float)
 
 
-def ranged(help: str, lo: N, hi: N | None = None, **option: Any) -> Any:
-    """A ``typer.Option`` accepting ``lo <= x <= hi`` (``hi=None``: no upper bound); ``None`` passes."""
+def ranged(help: str, lo: N, hi: N | None = None, *names: str, **option: Any) -> Any:
+    """A ``typer.Option`` accepting ``lo <= x <= hi`` (``hi=None``: no upper bound); ``None`` passes.
+    `names`: the option's names when not the parameter's own (``"--n", "--branches"``)."""
     allowed = f"{lo}<=x<={hi}" if hi is not None else f"x>={lo}"
 
     def check(value: N | None) -> N | None:
@@ -31,7 +32,7 @@ def ranged(help: str, lo: N, hi: N | None = None, **option: Any) -> Any:
             raise typer.BadParameter(f"{value} is not in the range {allowed}")
         return value
 
-    return typer.Option(help=f"{help} [{allowed}]", callback=check, **option)
+    return typer.Option(*names, help=f"{help} [{allowed}]", callback=check, **option)
 
 
 DeviceOption = Annotated[
@@ -58,13 +59,14 @@ EndpointOption = Annotated[
 ]
 
 
-def knob(name: str, help: str | None = None) -> Any:
+def knob(name: str, help: str | None = None, *names: str) -> Any:
     """The option of one prebuilt-strategy knob (`strategies.prebuilt.Knobs`): its help and range are
-    the field's, so the knobs are declared once, beside the builders that take them."""
+    the field's, so the knobs are declared once, beside the builders that take them. `names`: the
+    option's names when not the parameter's own."""
     info = Knobs.model_fields[name]
     text = help or info.description or name
     bounds = {type(m).__name__: m for m in info.metadata}
     if "Ge" not in bounds:
-        return typer.Option(help=text)
+        return typer.Option(*names, help=text)
     high = bounds.get("Le")
-    return ranged(text, bounds["Ge"].ge, None if high is None else high.le)
+    return ranged(text, bounds["Ge"].ge, None if high is None else high.le, *names)

@@ -183,9 +183,9 @@ BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
     (["run"], "Missing argument"),
     (["run", ""], "question 1 is empty"),
     (["run", "   "], "question 1 is empty"),
-    (["run", "q", "--n", "0"], "'--n': 0 is not in the range 1<=x<=4096"),
-    (["run", "q", "--n", "5000"], "'--n': 5000 is not in the range"),
-    (["run", "q", "--n", "abc"], "'--n': Input should be a valid integer"),
+    (["run", "q", "--n", "0"], "'--n' / '--branches': 0 is not in the range 1<=x<=4096"),
+    (["run", "q", "--n", "5000"], "'--n' / '--branches': 5000 is not in the range"),
+    (["run", "q", "--n", "abc"], "'--n' / '--branches': Input should be a valid integer"),
     (["run", "q", "--temperature", "-1"], "'--temperature': -1.0 is not in the range 0.0<=x<=5.0"),
     (["run", "q", "--max-tokens", "0"], "'--max-tokens': 0 is not in the range"),
     (["run", "q", "--seed", "-1"], "'--seed': -1 is not in the range"),
@@ -205,7 +205,10 @@ BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
     (["run", "q", "--strategy", "best-of-n", "--verifier", "nope"], "'nope' is not a verifier; allowed: "),
     (["run", "q", "--verifier", "judge"], "self_consistency chooses its own verifier"),
     (["run", "q", "--strategy", "{good}", "--n", "3"], "a strategy file carries its own"),
-    (["run", "q", "--strategy", "beam-search", "--n", "70000"], "'--n': 70000 is not in the range"),
+    (
+        ["run", "q", "--strategy", "beam-search", "--n", "70000"],
+        "'--n' / '--branches': 70000 is not in the range",
+    ),
     (["run", "q", "--asks-tau", "2"], "'--asks-tau': 2.0 is not in the range 0.0<=x<=1.0"),
     (["run", "q", "--rsbcm-capacity", "0"], "'--rsbcm-capacity': 0 is not in the range 1<=x<=10000000"),
     (["run", "q", "--river-threshold", "1.5"], "'--river-threshold': 1.5 is not in the range"),
@@ -229,7 +232,7 @@ BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
         ["strategy", "show", "best-of-n", "--format", "xml"],
         "'--format': Value error, 'xml' is not one of 'yaml', 'json'",
     ),
-    (["strategy", "show", "best-of-n", "--n", "0"], "'--n': 0 is not in the range"),
+    (["strategy", "show", "best-of-n", "--n", "0"], "'--n' / '--branches': 0 is not in the range"),
     (["strategy", "validate", "/nonexistent.yaml"], "'path': file '/nonexistent.yaml' does not exist"),
     (["strategy", "validate", "{dir}"], "is a directory"),
     (["strategy", "nope"], "No such command 'nope'"),
@@ -345,3 +348,13 @@ def test_run_prints_the_answer_the_vote_the_summary_and_the_notes(tiny_llama_dir
     for shown in ("answer:", "vote", "total time", "KV peak", "tokens computed / reused", "branches"):
         assert shown in result.output, shown
     assert "note: skipkv: no branch held more than 16" in result.output
+
+
+def test_a_guessed_branches_option_is_pointed_at_branches() -> None:
+    """``--branches`` (the knob's name, and the server's ``branchwise.branches``) is ``--n``'s other
+    name, so a guess like ``--n-branches`` is told about it first, not about an acceleration flag."""
+    out = runner.invoke(app, ["run", "x", "--n-branches", "3"])
+    assert out.exit_code == 2
+    assert "Possible options: --branches" in out.output
+    shown = runner.invoke(app, ["strategy", "show", "self-consistency", "--branches", "4"])
+    assert shown.exit_code == 0 and "  n: 4" in shown.stdout

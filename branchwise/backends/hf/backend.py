@@ -320,7 +320,9 @@ class HFBackend:
         """The grammar rows decoding with `params` need, compiled off the caller's thread
         (`Grammars.prepare`; None without a constraint): a scheduler queues a constrained request
         only once this is done, so that no decode waits for its compile."""
-        return None if params.constraint is None else self.engine.grammars.prepare(params.constraint)
+        if params.constraint is None:
+            return None
+        return self.engine.grammars.prepare(params.constraint, params.max_tokens)
 
     @property
     def broadcast(self) -> Broadcast:

@@ -130,10 +130,18 @@ class Grammars:
             self._build(key, constraint, future)
         return future.result()
 
-    def prepare(self, constraint: Constraint) -> Future[xgr.CompiledGrammar]:
+    def prepare(self, constraint: Constraint, max_tokens: int | None = None) -> Future[xgr.CompiledGrammar]:
         """The constraint's compiled grammar as a future: done at once on a cache hit, else compiled
         by a worker of this cache (`COMPILE_WORKERS`). A constraint the engine cannot compile
-        fails the future with `ConstraintError`."""
+        fails the future with `ConstraintError`.
+
+        With `max_tokens`, the grammar rows with that budget decode under: the constraint `fit` to
+        it (`RowGrammars.attach`), done once the constraint's own grammar is compiled too (`extend`
+        compiles that first, to refuse a bad constraint before any work): both are then cached.
+        """
+        fitted = constraint if max_tokens is None else self.fit(constraint, max_tokens).constraint
+        if fitted.key() != constraint.key():
+            return _both(self.prepare(constraint), self.prepare(fitted))
         key, future, mine = self._claim(constraint)
         if mine:
             with self._lock:
@@ -255,6 +263,30 @@ class Grammars:
             for tool in fields["tools"]:
                 tool["function"]["parameters"] = cap_strings(tool["function"]["parameters"], cap)
         return BudgetFit(_Fitted(**fields, max_whitespace=ws), floor)
+
+
+def _both(
+    first: Future[xgr.CompiledGrammar], second: Future[xgr.CompiledGrammar]
+) -> Future[xgr.CompiledGrammar]:
+    """A future done when both are: the first one's error, else the second one's result."""
+    if first.done() and second.done():
+        return first if first.exception() is not None else second
+    both: Future[xgr.CompiledGrammar] = Future()
+    lock = threading.Lock()
+
+    def settle(_: Future[xgr.CompiledGrammar]) -> None:
+        with lock:  # the two callbacks may run at once, in two workers
+            if both.done() or not (first.done() and second.done()):
+                return
+            error = first.exception() or second.exception()
+            if error is not None:
+                both.set_exception(error)
+            else:
+                both.set_result(second.result())
+
+    first.add_done_callback(settle)
+    second.add_done_callback(settle)
+    return both
 
 
 def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGrammar:

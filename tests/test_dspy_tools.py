@@ -9,7 +9,6 @@ the tiny random models check the whole path under constrained decoding.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -19,6 +18,7 @@ dspy = pytest.importorskip("dspy")
 
 import jsonschema  # noqa: E402
 import pydantic  # noqa: E402
+from testkit import FakeBackend  # noqa: E402
 
 from branchwise.backends.base import DecodeParams, Generation  # noqa: E402
 from branchwise.integrations.dspy import BranchwiseLM, branchwise_lm  # noqa: E402
@@ -79,18 +79,15 @@ LMS = [pytest.param(_legacy, id="legacy"), pytest.param(_engine, id="engine", ma
 # --------------------------------------------------------------------------------------------------
 
 
-class ScriptedBackend:
-    """Answers every prompt with `reply`; records the tools each prompt showed and each `DecodeParams`."""
+class ScriptedBackend(FakeBackend):
+    """Answers every prompt with `text`; records the tools each prompt showed and each `DecodeParams`."""
 
     name = model_name = "scripted"
 
-    def __init__(self, reply: str) -> None:
-        self.reply = reply
-        self.lock = threading.Lock()
-        self.prompts: dict[int, list[int]] = {}
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
         self.seen: list[tuple[list[dict[str, Any]], list[dict[str, Any]] | None]] = []
-        self.params: list[DecodeParams] = []
-        self.next = 0
 
     def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> list[int]:
         with self.lock:
@@ -100,22 +97,10 @@ class ScriptedBackend:
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(map(str, ids))
 
-    def prefill(self, ids: Sequence[int]) -> int:
-        with self.lock:
-            self.next += 1
-            self.prompts[self.next] = list(ids)
-            return self.next
-
-    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
-        return [self.prefill(self.prompts[node]) for _ in range(n)]
-
     def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
         with self.lock:
             self.params.append(params)
-        return [Generation(n, [7, 8], self.reply, [0.9] * 2, [-0.1] * 2, "eos") for n in nodes]
-
-    def release(self, nodes: Sequence[int]) -> None:
-        pass
+        return [Generation(n, [7, 8], self.text, [0.9] * 2, [-0.1] * 2, "eos") for n in nodes]
 
 
 CALL_REPLY = 'Let me pick.\n<tool_call>\n{"name": "pick", "arguments": {"color": "blue", "urgent": true}}\n</tool_call>'

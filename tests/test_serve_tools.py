@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
+from testkit import FakeBackend  # noqa: E402
 
 from branchwise.serve import create_app  # noqa: E402
 from branchwise.serve.replies import split_reply  # noqa: E402
@@ -206,7 +207,7 @@ class Verdict(BaseModel):
     ok: bool
 
 
-@pytest.mark.parametrize("max_tokens", [32, 64])
+@pytest.mark.parametrize("max_tokens", [48, 64])
 def test_parse_fits_a_two_field_model_in_a_small_budget(client: Any, max_tokens: int) -> None:
     """The openai client's ``parse`` refuses a reply cut by ``max_tokens`` (LengthFinishReasonError);
     the free string is bounded from the budget, so the random model's object closes in time."""
@@ -449,48 +450,27 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</t
 TWO_CALLS = f"Checking.\n{CALL}\n{CALL.replace('Rome', 'Paris')}\n"
 
 
-class ScriptedBackend:
-    """Replies `reply` (`TWO_CALLS` unless told) to every prompt, ending for `finish`; `extend` takes
+class ScriptedBackend(FakeBackend):
+    """Replies `text` (`TWO_CALLS` unless told) to every prompt, ending for `finish`; `extend` takes
     no ``on_step``, so a stream gets each choice whole (both calls in one piece of text) and records
     the params it was given."""
 
     name = model_name = "scripted"
 
-    def __init__(self, reply: str = TWO_CALLS, finish: str = "eos") -> None:
-        self.reply, self.finish = reply, finish
-        self.next = 0
-        self.params: list[Any] = []
+    def __init__(self, text: str = TWO_CALLS, finish: str = "eos") -> None:
+        super().__init__()
+        self.text, self.finish = text, finish
         self.tools: list[Any] = []
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: Any) -> str:
-        return "".join(chr(i) for i in ids)
 
     def chat_prompt(self, messages: Any, tools: Any = None) -> list[int]:
         self.tools.append(tools)
-        return self.encode(messages[-1]["content"] or "?")
+        return super().chat_prompt(messages)
 
-    def prefill(self, ids: Any) -> int:
-        self.next += 1
-        return self.next
+    def reply(self, prompt: list[int]) -> str:
+        return self.text
 
-    def fork(self, node: int, n: int, share: Any = None) -> list[int]:
-        self.next += n
-        return list(range(self.next - n + 1, self.next + 1))
-
-    def extend(self, nodes: Any, params: Any) -> list[Any]:
-        from branchwise.backends.base import Generation
-
-        self.params.append(params)
-        ids = self.encode(self.reply)
-        return [
-            Generation(n, ids, self.reply, [0.5] * len(ids), [-0.7] * len(ids), self.finish) for n in nodes
-        ]
-
-    def release(self, nodes: Any) -> None:
-        pass
+    def generation(self, node: int, text: str, reason: str = "eos") -> Any:
+        return super().generation(node, text, self.finish)
 
 
 @pytest.fixture

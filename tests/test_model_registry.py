@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 
-from branchwise.backends.base import DecodeParams, Generation
+from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf.registry import loaded_backends, model_key, shared_backend
 from branchwise.backends.scheduler import Job, Scheduler
 
 pytest.importorskip("langchain_core")
+
+from testkit import FakeBackend
 
 from branchwise.integrations._shared import shared_scheduler, users
 from branchwise.integrations.langchain import ChatBranchwise
@@ -230,20 +232,11 @@ def test_a_user_backend_is_shared_not_owned(tiny_backend: Any) -> None:
     assert ChatBranchwise(backend=tiny_backend, max_tokens=2).invoke("hi").content is not None
 
 
-class _Instant:
-    """A backend that answers at once (the scheduler's lifetime is under test, not decoding)."""
+class _Instant(FakeBackend):
+    """A backend that answers "x" at once (the scheduler's lifetime is under test, not decoding)."""
 
-    def prefill(self, ids: Any) -> int:
-        return 1
-
-    def fork(self, node: int, n: int, share: str | None = None) -> list[int]:
-        return list(range(n))
-
-    def extend(self, nodes: Any, params: DecodeParams) -> list[Generation]:
-        return [Generation(n, [1], "x", [1.0], [0.0], "eos") for n in nodes]
-
-    def release(self, nodes: Any) -> None:
-        pass
+    def reply(self, prompt: list[int]) -> str:
+        return "x"
 
 
 @pytest.mark.parametrize("how", ["dropped", "parked", "closed"])

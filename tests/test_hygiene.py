@@ -8,7 +8,8 @@ like coverage to a reader. This file reads every ``tests/**/test_*.py`` and fail
   ``pytest.raises`` / ``warns`` / ``fail``, no call of a checking helper (a name starting with
   ``assert``, ``check``, ``expect`` or ``verify``), no call of a standard suite's own test through
   ``super()``, and no call of a helper named in `CHECKING_HELPERS`;
-* an ``xfail`` mark that is not ``strict=True``.
+* an ``xfail`` mark that is not ``strict=True``;
+* a fake backend written from scratch instead of on `testkit.FakeBackend`, or a `wait_until` of its own.
 
 What it cannot see: an assertion that cannot fail (``x >= 0`` on a count). Those were removed by
 reading (``grep -nE '>=\\s*0(\\.0)?\\b' tests``), not by this scan.
@@ -121,3 +122,28 @@ def test_the_scan_sees_a_test_without_a_check() -> None:
     (helper,) = _functions(ast.parse("def test_x():\n    error(run(), 400)\n"))
     assert not checks(empty, set()) and checks(full, set())
     assert not checks(helper, set()) and checks(helper, {"error"})
+
+
+def test_fake_backends_build_on_the_shared_one() -> None:
+    """A test's fake backend subclasses `testkit.FakeBackend` (or a class that does), overriding only
+    what its tests are about: a class of its own with ``prefill`` is a copy of the node bookkeeping."""
+    own = [
+        f"{path.relative_to(TESTS)}:{node.lineno} {node.name}"
+        for path, tree in _test_files()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and not node.bases
+        and any(isinstance(f, ast.FunctionDef) and f.name == "prefill" for f in node.body)
+    ]
+    assert not own, "fake backends written from scratch (subclass testkit.FakeBackend):\n" + "\n".join(own)
+
+
+def test_one_wait_until() -> None:
+    """Polling helpers live once, in `testkit.wait_until`."""
+    copies = [
+        f"{path.relative_to(TESTS)}:{fn.lineno}"
+        for path, tree in _test_files()
+        for fn in _functions(tree)
+        if fn.name.lstrip("_") == "wait_until"
+    ]
+    assert not copies, "wait_until defined again (use testkit.wait_until):\n" + "\n".join(copies)

@@ -131,7 +131,7 @@ def test_a_repeated_call_ends_the_row(tiny_backend: Any) -> None:
     tiny_backend.release([root])
 
 
-@pytest.mark.parametrize("max_tokens", [32, 48])
+@pytest.mark.parametrize("max_tokens", [48, 64])
 def test_a_small_budget_still_closes_the_object(tiny_backend: Any, max_tokens: int) -> None:
     """Unfitted, the random model fills ``verdict`` (and whitespace) until ``max_tokens`` cuts it;
     fitted to the budget, its output is a whole, valid object."""

@@ -48,6 +48,11 @@ MAX_WHITESPACE = 20
 """Longest run of whitespace JSON may hold between two tokens: room for pretty-printing four levels
 deep, but a small model can no longer pad its JSON with whitespace until ``max_tokens`` runs out
 (xgrammar's default is unbounded, and random or small models do exactly that)."""
+TIGHT_WHITESPACE = 2
+"""Longest whitespace run between two JSON tokens under a small budget: not 1, because trained
+models have habits a single character breaks (SmolLM2 writes ``"expression":  "12 * 7"``, two
+spaces; held to one it writes ``""``), and not more, because a random or small model pads every
+gap it may."""
 CAP_LIMIT = 1024
 """Free strings are bounded only when the budget leaves each fewer characters than this: a larger
 budget does not need it, and leaves the constraint (and its compiled grammar) as it was."""
@@ -201,11 +206,12 @@ class Grammars:
         JSON Schema outputs, and the calls of ``tool_choice="required"`` or a named tool (the first
         call; under ``"auto"`` prose comes first and takes what it likes): the shortest valid output
         is counted in tokens; when the room left is small, the whitespace JSON may hold between two
-        tokens drops to one character and every free string (no ``maxLength``, ``pattern``,
-        ``format``, ``enum`` or ``const``: `schema_budget`) gets an equal share of the rest as its
-        longest length, counted at one token a character (a token holds a character or more, bar
-        characters outside the tokenizer's merges). A budget below the shortest output itself
-        cannot be helped: that is logged (once per constraint and budget), with the count.
+        tokens drops to `TIGHT_WHITESPACE` characters (counted as one token a gap) and every free
+        string (no ``maxLength``, ``pattern``, ``format``, ``enum`` or ``const``: `schema_budget`)
+        gets an equal share of the rest as its longest length, counted at one token a character (a
+        token holds a character or more, bar characters outside the tokenizer's merges). A budget
+        below the shortest output itself cannot be helped: that is logged (once per constraint and
+        budget), with the count.
         """
         key = (constraint.key(), max_tokens)
         with self._lock:
@@ -251,8 +257,9 @@ class Grammars:
             )
         ws = MAX_WHITESPACE
         if any(least.gaps * MAX_WHITESPACE > room // 4 for least, room in rooms):
-            ws = 1
-        shares = [(room - least.gaps * ws) // least.free for least, room in rooms if least.free]
+            ws = TIGHT_WHITESPACE
+        # a run of whitespace is one token in a trained model's tokenizer: one a gap
+        shares = [(room - least.gaps) // least.free for least, room in rooms if least.free]
         cap = max(0, min(shares)) if shares and min(shares) < CAP_LIMIT else None
         if ws == MAX_WHITESPACE and cap is None:
             return BudgetFit(constraint, floor)

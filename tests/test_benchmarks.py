@@ -724,8 +724,9 @@ def test_structured_quick() -> None:
     out = run_quick("structured.py")
     assert set(out["compile"]) == {"tool_calls(2 tools)", "json_schema(nested)", "json_object"}
     for row in out["compile"].values():
-        # the second compile is a cache hit (a dict lookup), the first runs the grammar compiler
-        assert row["cached_ms"] < row["cold_ms"]
+        # the second compile is answered by the cache (the same compiled grammar), not recompiled
+        assert row["cache_hit"] is True
+        assert row["cold_ms"] > 0
     assert [row["batch"] for row in out["per_token_cost"]] == [1, 2]
     for row in out["per_token_cost"]:
         assert row["steps_timed_on"] > 0 and row["steps_timed_off"] > 0

@@ -27,6 +27,11 @@ from testkit import FakeBackend
 from branchwise.integrations._shared import shared_scheduler, users
 from branchwise.integrations.langchain import ChatBranchwise
 
+WARM_UP = 3
+"""Chat models built before the memory baseline is read: the allocator keeps the first loads' freed
+weights for reuse, so resident memory climbs over the first few loads (0.57, 0.78, 0.92 GiB on the
+embedded model) and stays flat after; a leak instead adds a whole model per chat model (+1 GiB each)."""
+
 SCHEDULER_THREADS = ("branchwise-scheduler", "branchwise-dspy-batcher")
 _EARLIER: set[threading.Thread] = set()
 """Scheduler threads alive when the test began (another module's LM configured globally, say)."""
@@ -103,8 +108,9 @@ def test_concurrent_first_users_load_once(tiny_llama_dir: Path) -> None:
 
 
 def test_chat_models_built_and_dropped_in_a_loop_leave_nothing(tiny_llama_dir: Path) -> None:
-    """Chat models each built, invoked and dropped: memory and threads stay where the first left
-    them (10 here, each a fresh load of the tiny model; the slow test below runs 50 on the real one)."""
+    """Chat models each built, invoked and dropped: memory and threads stay where the first ones
+    left them (10 here, each a fresh load of the tiny model; the slow test below runs 50 on the real
+    one)."""
     psutil = pytest.importorskip("psutil")
     process = psutil.Process()
     _settled()
@@ -118,7 +124,7 @@ def test_chat_models_built_and_dropped_in_a_loop_leave_nothing(tiny_llama_dir: P
         del chat
         _workers_ended()  # no garbage collection in the loop: dropping is enough (as in an app)
         assert _scheduler_threads() == 0
-        if not rss:
+        if len(rss) == WARM_UP - 1:
             gc.collect()
         rss.append(process.memory_info().rss)
     gc.collect()
@@ -127,7 +133,7 @@ def test_chat_models_built_and_dropped_in_a_loop_leave_nothing(tiny_llama_dir: P
     assert _scheduler_threads() == 0
     assert all(ref() is None for ref in model_refs)  # every model was freed with its chat model
     assert _keys_of(tiny_llama_dir) == []
-    assert rss[-1] <= rss[0] * 1.10, [r >> 20 for r in rss]
+    assert rss[-1] <= rss[WARM_UP - 1] * 1.10, [r >> 20 for r in rss]
 
 
 def test_concurrent_chat_models_share_one_model_and_one_batch(tiny_llama_dir: Path) -> None:
@@ -266,7 +272,8 @@ def test_a_scheduler_never_keeps_its_backend_or_thread(how: str) -> None:
 
 @pytest.mark.slow
 def test_embedded_chat_models_in_a_loop_keep_memory_flat(embedded_dir: Path) -> None:
-    """The issue's case on the real model: 50 chat models built, invoked once and dropped."""
+    """The issue's case on the real model: 50 chat models built, invoked once and dropped (before the
+    fix, each kept its model and thread: 1.54, 2.56, 3.58, 4.59 GiB after the first four)."""
     psutil = pytest.importorskip("psutil")
     import torch
 
@@ -284,7 +291,7 @@ def test_embedded_chat_models_in_a_loop_keep_memory_flat(embedded_dir: Path) -> 
             models.append(weakref.ref(chat.backend))
             del chat
             _workers_ended()
-            if not rss:
+            if len(rss) == WARM_UP - 1:
                 gc.collect()
             rss.append(process.memory_info().rss)
         gc.collect()
@@ -292,5 +299,5 @@ def test_embedded_chat_models_in_a_loop_keep_memory_flat(embedded_dir: Path) -> 
     finally:
         torch.set_num_threads(threads)
     assert threading.active_count() == threads_before
-    assert rss[-1] <= rss[0] * 1.10, [round(r / 2**30, 2) for r in rss]
+    assert rss[-1] <= rss[WARM_UP - 1] * 1.10, [round(r / 2**30, 2) for r in rss]
     assert all(ref() is None for ref in models)  # every model was freed with its chat model

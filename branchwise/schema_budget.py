@@ -187,33 +187,42 @@ def shortest_text(schema: Mapping[str, Any]) -> str | None:
     return None if found is None else found.text
 
 
-def capped_string(least: int, cap: int) -> str:
-    """The ``pattern`` of a string of `least` to `cap` characters (`cap_strings`).
+def capped_string(least: int, cap: int | None) -> str:
+    """The ``pattern`` of a string of `least` to `cap` characters (None: no upper bound).
 
-    Why a pattern and not ``maxLength``: xgrammar (0.2.8) compiles ``maxLength`` to a character
-    class that admits raw control characters, which JSON forbids in a string (the output would not
-    parse); its patterns hold to JSON. Neither form lets the model write an escape (a quote, a
-    backslash, a newline) in a bounded string, the price of knowing its length.
+    Why a pattern and not ``minLength``/``maxLength``: xgrammar (0.2.8) compiles those to a
+    character class that admits raw control characters, which JSON forbids in a string (the output
+    would not parse); its patterns hold to JSON. Neither form lets the model write an escape (a
+    quote, a backslash, a newline) in a string of bounded length, the price of knowing its length.
     """
-    return f'^[^\\x00-\\x1f"\\\\]{{{least},{max(least, cap)}}}$'
+    most = "" if cap is None else max(least, cap)
+    return f'^[^\\x00-\\x1f"\\\\]{{{least},{most}}}$'
 
 
-def cap_strings(schema: Mapping[str, Any], cap: int) -> dict[str, Any]:
+def cap_strings(schema: Mapping[str, Any], cap: int | None) -> dict[str, Any]:
     """A copy of `schema` whose free strings (see `Shortest`) take at most `cap` characters (at least
-    their ``minLength``), wherever they are: properties, items, definitions, alternatives. The bound
-    is a ``pattern`` (`capped_string` says why)."""
+    their ``minLength``), wherever they are: properties, items, definitions, alternatives; `cap`
+    None bounds none. Either way every length bound, its own or `cap`, is written as a ``pattern``
+    (`capped_string` says why: without it a string with a ``maxLength`` may come out as invalid
+    JSON), so the grammar compiler is given this copy, never the schema outputs are checked by."""
     out = copy.deepcopy(dict(schema))
     _cap(out, cap, 0)
     return out
 
 
-def _cap(schema: Any, cap: int, depth: int) -> None:
+def _cap(schema: Any, cap: int | None, depth: int) -> None:
     if not isinstance(schema, dict) or depth > MAX_DEPTH:
         return
     kind = schema.get("type")
-    if (kind == "string" or (isinstance(kind, list) and "string" in kind)) and _free(schema):
-        least = schema.get("minLength", 0)
-        schema["pattern"] = capped_string(least if isinstance(least, int) else 0, cap)
+    is_string = kind == "string" or (isinstance(kind, list) and "string" in kind)
+    if is_string and not any(k in schema for k in ("pattern", "format", "enum", "const")):
+        least, most = schema.get("minLength", 0), schema.get("maxLength")
+        least = least if isinstance(least, int) else 0
+        bound = most if isinstance(most, int) else cap
+        if bound is not None or least:
+            schema["pattern"] = capped_string(least, bound)
+            schema.pop("minLength", None)
+            schema.pop("maxLength", None)
     for key in _SUBSCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for sub in schema[key].values():

@@ -84,10 +84,16 @@ def test_cap_strings_bounds_free_strings_only() -> None:
     assert capped["free"]["pattern"] == capped_string(0, 5) and capped["long"]["pattern"] == capped_string(
         9, 9
     )
-    assert capped["bounded"] == schema["properties"]["bounded"]  # bounded already
+    assert capped["bounded"] == {"type": "string", "pattern": capped_string(0, 3)}  # its own bound
     assert capped["code"] == schema["properties"]["code"] and capped["pick"] == schema["properties"]["pick"]
     assert capped["many"]["items"]["pattern"] == capped["maybe"]["anyOf"][0]["pattern"] == capped_string(0, 5)
     assert "pattern" not in schema["properties"]["free"]  # a copy: the caller's schema is kept
+    # with no cap, only the strings with a length bound of their own take the pattern form
+    own = cap_strings(schema, None)["properties"]
+    assert own["free"] == {"type": "string"} and own["long"] == {
+        "type": "string",
+        "pattern": capped_string(9, None),
+    }
     # a bounded string is JSON: no raw control character, no quote or backslash (no escapes either)
     bound = re.compile(capped_string(0, 5))
     assert bound.match("héllo") and not bound.match("toolong") and not bound.match("a\x01")

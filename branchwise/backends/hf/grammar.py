@@ -306,8 +306,11 @@ def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGramma
     whitespace = c.max_whitespace if isinstance(c, _Fitted) else MAX_WHITESPACE
     try:
         if c.kind == "json_schema":
-            return compiler.compile_json_schema(
-                json.dumps(c.json_schema), strict_mode=c.strict, max_whitespace_cnt=whitespace
+            assert c.json_schema is not None
+            return compiler.compile_json_schema(  # length bounds as patterns: `capped_string` says why
+                json.dumps(cap_strings(c.json_schema, None)),
+                strict_mode=c.strict,
+                max_whitespace_cnt=whitespace,
             )
         if c.kind == "json_object":
             return compiler.compile_json_schema(
@@ -319,7 +322,13 @@ def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGramma
         if c.kind == "choice":
             rule = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in c.choices)
             return compiler.compile_grammar(f"root ::= {rule}")
-        return compiler.compile_structural_tag(c.structural_tag(whitespace))
+        tools = tuple(
+            {**t, "function": {**t["function"], "parameters": cap_strings(t["function"]["parameters"], None)}}
+            for t in c.tools
+        )
+        return compiler.compile_structural_tag(
+            c.model_copy(update={"tools": tools}).structural_tag(whitespace)
+        )
     except (RuntimeError, ValueError, TypeError) as err:
         where = field_name.get(c.kind, "constraint")
         reason = _LOG_PREFIX.sub("", str(err)).strip()

@@ -53,9 +53,11 @@ TIGHT_WHITESPACE = 2
 models have habits a single character breaks (SmolLM2 writes ``"expression":  "12 * 7"``, two
 spaces; held to one it writes ``""``), and not more, because a random or small model pads every
 gap it may."""
-CAP_LIMIT = 1024
-"""Free strings are bounded only when the budget leaves each fewer characters than this: a larger
-budget does not need it, and leaves the constraint (and its compiled grammar) as it was."""
+CAP_LIMIT = 256
+"""Free strings are bounded (and whitespace held to `TIGHT_WHITESPACE`) only when the budget leaves
+each fewer characters than this: a larger budget leaves the constraint (and its compiled grammar)
+as it was, escapes and pretty-printing included. Without free strings, the whitespace is held only
+when the budget leaves fewer than four tokens a gap."""
 _FITS_KEPT = 1024
 """Budget fits remembered per backend (by constraint and max_tokens), oldest forgotten first."""
 
@@ -205,7 +207,7 @@ class Grammars:
 
         JSON Schema outputs, and the calls of ``tool_choice="required"`` or a named tool (the first
         call; under ``"auto"`` prose comes first and takes what it likes): the shortest valid output
-        is counted in tokens; when the room left is small, the whitespace JSON may hold between two
+        is counted in tokens; when the room left is small (`CAP_LIMIT`), the whitespace JSON may hold between two
         tokens drops to `TIGHT_WHITESPACE` characters (counted as one token a gap) and every free
         string (no ``maxLength``, ``pattern``, ``format``, ``enum`` or ``const``: `schema_budget`)
         gets an equal share of the rest as its longest length, counted at one token a character (a
@@ -255,12 +257,11 @@ class Grammars:
                 floor,
                 constraint.kind,
             )
-        ws = MAX_WHITESPACE
-        if any(least.gaps * MAX_WHITESPACE > room // 4 for least, room in rooms):
-            ws = TIGHT_WHITESPACE
         # a run of whitespace is one token in a trained model's tokenizer: one a gap
         shares = [(room - least.gaps) // least.free for least, room in rooms if least.free]
         cap = max(0, min(shares)) if shares and min(shares) < CAP_LIMIT else None
+        tight = cap is not None or any(room < least.gaps * 4 for least, room in rooms)
+        ws = TIGHT_WHITESPACE if tight else MAX_WHITESPACE
         if ws == MAX_WHITESPACE and cap is None:
             return BudgetFit(constraint, floor)
         fields = constraint.model_dump()

@@ -173,7 +173,7 @@ CUT = _call("calculator", {"expression": "12 * 7"}) + '\n<tool_call>\n{"name": "
 @pytest.mark.parametrize(("reply", "content"), [(REPEATED, "Checking."), (CUT, "")], ids=["repeated", "cut"])
 def test_chat_model_returns_each_call_once_and_no_cut_call(reply: str, content: str, stream: bool) -> None:
     pytest.importorskip("langchain_core")
-    from test_langchain import ScriptedBackend, calculator  # type: ignore[import-not-found]
+    from test_langchain import ScriptedBackend, calculator
 
     from branchwise.integrations.langchain import ChatBranchwise
 

@@ -44,10 +44,11 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _import_nodes(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Import statements anywhere in `body` (functions included), skipping `if TYPE_CHECKING:`."""
+def _import_nodes(body: list[ast.stmt], typing: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements anywhere in `body` (functions included); those under `if TYPE_CHECKING:`
+    only when `typing` asks for them."""
     for stmt in body:
-        if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
+        if not typing and isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
             yield from _import_nodes(stmt.orelse)
             continue
         if isinstance(stmt, ast.Import | ast.ImportFrom):
@@ -55,17 +56,18 @@ def _import_nodes(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]
         for field in ("body", "orelse", "finalbody", "handlers", "cases"):
             for child in getattr(stmt, field, ()):
                 if isinstance(child, ast.stmt):
-                    yield from _import_nodes([child])
+                    yield from _import_nodes([child], typing)
                 else:  # an except handler or a match case holds statements in its own body
-                    yield from _import_nodes(child.body)
+                    yield from _import_nodes(child.body, typing)
 
 
-def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The package modules `name` imports. `from pkg import x` points at `pkg.x` when that is a
-    module, else at `pkg` (its `__init__`); parent packages loaded on the way are not counted."""
+def imports(name: str, path: Path, known: dict[str, Path], typing: bool = False) -> set[str]:
+    """The package modules `name` imports (with `typing`, its `if TYPE_CHECKING:` imports too).
+    `from pkg import x` points at `pkg.x` when that is a module, else at `pkg` (its `__init__`);
+    parent packages loaded on the way are not counted."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8")).body):
+    for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8")).body, typing):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
             continue
@@ -110,6 +112,16 @@ def test_import_graph_has_no_cycle() -> None:
     }
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_cycle_through_type_only_imports_either() -> None:
+    """A cycle closed only by an `if TYPE_CHECKING:` import still ties two modules (neither can be
+    read, moved or typed without the other): a module names what it needs of its caller with a
+    protocol of its own instead."""
+    known = modules()
+    graph = {name: imports(name, path, known, typing=True) for name, path in known.items()}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle through type-only imports: " + " -> ".join(cycle or [])
 
 
 def test_rooms_import_downward_only() -> None:

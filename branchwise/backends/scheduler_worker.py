@@ -14,16 +14,21 @@ import logging
 import threading
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from branchwise.backends.scheduler_jobs import Job
 
-if TYPE_CHECKING:
-    from branchwise.backends.scheduler import Scheduler
-
-__all__ = ["WorkerSignal", "stop_worker", "work"]
+__all__ = ["Steps", "WorkerSignal", "stop_worker", "work"]
 
 log = logging.getLogger(__name__)
+
+
+class Steps(Protocol):
+    """What the worker needs of its scheduler (`scheduler.Scheduler`): one round of taking what is
+    queued and decoding it. A protocol, so that this module never names the scheduler's class and
+    the dependency points one way (scheduler -> worker)."""
+
+    def _step(self) -> None: ...
 
 
 class WorkerSignal:
@@ -50,7 +55,7 @@ def stop_worker(cv: threading.Condition, signal: WorkerSignal) -> None:
 
 
 def work(
-    ref: weakref.ref[Scheduler], cv: threading.Condition, queue: deque[Job], signal: WorkerSignal
+    ref: weakref.ref[Steps], cv: threading.Condition, queue: deque[Job], signal: WorkerSignal
 ) -> None:
     """The worker thread: wait for work holding only the queue, then decode it through the scheduler.
 

@@ -160,7 +160,17 @@ class Computation:
             constraints=constraints,
             row_params=row_params,
         )
-        intake = Intake(self, run, admit)
+        # A run with accelerations computes prompts whole (their hooks observe a prompt's prefill in
+        # one forward) and is never preempted (their per-row state follows the KV).
+        accelerated = bool(self.plugins)
+        intake = Intake(
+            self,
+            run,
+            admit,
+            pool=self.engine.pool,
+            chunk=0 if accelerated else self.engine.prefill_chunk,
+            preemptible=not accelerated,
+        )
         run.admit, run.pressure = intake.admit, intake.pressure
         segs = intake.start(segs)
         try:

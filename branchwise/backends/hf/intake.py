@@ -33,17 +33,31 @@ a request's rows keep the indices the scheduler expects whatever they wait for.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from branchwise.backends.base import Admit, Admitted, NodeId
+from branchwise.backends.base import Admit, Admitted, KVStats, NodeId
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun
+from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.segment import Segment
+from branchwise.backends.hf.tree import KVTree
 
-if TYPE_CHECKING:
-    from branchwise.backends.hf.compute import Computation
+__all__ = ["Intake", "IntakeHost", "pending_work"]
 
-__all__ = ["Intake", "pending_work"]
+
+class IntakeHost(Protocol):
+    """What an `Intake` asks of the run that decodes (`compute.Computation`): its tree and
+    statistics, a row's worst-case KV, and one bounded prefill of a waiting prompt.
+
+    Why a protocol: the computation builds and drives the intake, so the intake must not know the
+    computation's class; naming only these four keeps the dependency one way (compute -> intake)."""
+
+    tree: KVTree
+    stats: KVStats
+
+    def row_kv_tokens(self, max_tokens: int) -> int: ...
+
+    def compute_part(self, seg: Segment, limit: int) -> None: ...
 
 
 ALONE_CHUNK = 512
@@ -64,17 +78,22 @@ def pending_work(seg: Segment) -> int:
 class Intake:
     """The step-boundary policy of one `extend` call (see the module docstring)."""
 
-    def __init__(self, computation: Computation, run: DecodeRun, admit: Admit | None) -> None:
-        self.computation = computation
+    def __init__(
+        self,
+        host: IntakeHost,
+        run: DecodeRun,
+        admit: Admit | None,
+        pool: KVPool,
+        chunk: int,
+        preemptible: bool,
+    ) -> None:
+        self.host = host
         self.run = run
         self.outer = admit
-        self.pool = computation.engine.pool
-        self.chunk = computation.engine.prefill_chunk if not computation.plugins else 0
-        """Prompt tokens computed per step while other rows decode (0: chunked prefill off). A run
-        with accelerations computes prompts whole: their hooks observe a prompt's prefill in one
-        forward."""
-
-        self.preemptible = not computation.plugins
+        self.pool = pool
+        self.chunk = chunk
+        """Prompt tokens computed per step while other rows decode (0: chunked prefill off)."""
+        self.preemptible = preemptible
         self.prefilling: list[Segment] = []
         self.preempted: list[Segment] = []
         self.ready: list[Segment] = []
@@ -110,13 +129,13 @@ class Intake:
         """Rows the decode loop preempted: free their KV; their tokens become pending."""
         for r in rows:
             seg = r.seg
-            self.computation.tree.set_kv(seg, None, None)
+            self.host.tree.set_kv(seg, None, None)
             seg.n_computed = 0
             seg.last_logits = None
             self.preempted.append(seg)
             self.pool.preemptions += 1
         if rows:
-            self.computation.stats.bump("preempted_rows", len(rows))
+            self.host.stats.bump("preempted_rows", len(rows))
 
     def finish(self) -> None:
         """The call ended: nothing is reserved any more, and the batch's tails are let go at once
@@ -181,7 +200,7 @@ class Intake:
 
     def _cap(self, seg: Segment) -> int:
         """Own KV tokens the row of `seg` may hold at most (its max_tokens, or an eviction's cap)."""
-        return self.computation.row_kv_tokens(self.run.params_of(seg).max_tokens)
+        return self.host.row_kv_tokens(self.run.params_of(seg).max_tokens)
 
     def _take(self, admitted: Sequence[Admitted]) -> None:
         """Number the scheduler's new rows (with their own parameters where given) and sort them
@@ -190,9 +209,9 @@ class Intake:
             return
         nodes = [a if isinstance(a, int) else a[0] for a in admitted]
         own = [None if isinstance(a, int) else a[1] for a in admitted]
-        segs = [self.computation.tree.growable(n) for n in nodes]
+        segs = [self.host.tree.growable(n) for n in nodes]
         self.run.join(segs, params=own if any(p is not None for p in own) else None)
-        self.computation.stats.bump("admitted_rows", len(segs))
+        self.host.stats.bump("admitted_rows", len(segs))
         for seg in segs:
             long = self.chunk and pending_work(seg) > self.chunk
             (self.prefilling if long else self.ready).append(seg)
@@ -202,7 +221,7 @@ class Intake:
         ready."""
         seg = self.prefilling[0]
         top = next(s for s in [*reversed(seg.kv_ancestors()), seg] if s.pending)
-        self.computation.compute_part(top, size)
+        self.host.compute_part(top, size)
         still: list[Segment] = []
         for s in self.prefilling:
             (still if pending_work(s) > self.chunk else self.ready).append(s)

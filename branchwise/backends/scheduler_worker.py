@@ -54,9 +54,7 @@ def stop_worker(cv: threading.Condition, signal: WorkerSignal) -> None:
         cv.notify_all()
 
 
-def work(
-    ref: weakref.ref[Steps], cv: threading.Condition, queue: deque[Job], signal: WorkerSignal
-) -> None:
+def work(ref: weakref.ref[Steps], cv: threading.Condition, queue: deque[Job], signal: WorkerSignal) -> None:
     """The worker thread: wait for work holding only the queue, then decode it through the scheduler.
 
     Why not a bound method: a thread running ``scheduler._loop`` holds its scheduler (and through it

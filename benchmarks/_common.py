@@ -193,29 +193,15 @@ class StaticGenerate:
             self.compile_config._compile_all_devices = True
 
     def __call__(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        backend = self.backend
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), backend.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(list(p))
-            mask[i, width - len(p) :] = 1
-        model: Any = backend.model  # GenerationMixin's generate is not on PreTrainedModel's type
-        extra = {} if self.compile_config is None else {"compile_config": self.compile_config}
-        out = model.generate(  # generate runs under no_grad itself; inference_mode is left out for the graphs
-            input_ids=ids.to(backend.device),
-            attention_mask=mask.to(backend.device),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            pad_token_id=backend.pad_id,
-            temperature=None,
-            top_p=None,
-            top_k=None,
+        tokens = self.backend.hf_generate(
+            prompts,
+            max_new_tokens,
+            exact_length=True,
             cache_implementation="static",
-            **extra,
+            compile_config=self.compile_config,
         )
-        return [row[width:].tolist() for row in out.cpu()]
+        assert isinstance(tokens, list)  # (no cache bytes asked for)
+        return tokens
 
     def report(self) -> dict[str, Any]:
         """How the arm ran: `compiled` is whether transformers built its compiled forward (it keeps

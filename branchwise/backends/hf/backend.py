@@ -414,10 +414,15 @@ class HFBackend:
         *,
         exact_length: bool = False,
         return_cache_bytes: bool = False,
+        cache_implementation: str | None = None,
+        compile_config: Any = None,
     ) -> list[list[int]] | tuple[list[list[int]], int]:
         """What users do today: `model.generate` (greedy) on a left-padded batch. A baseline only.
 
         With `return_cache_bytes`, also returns the bytes of the KV cache `generate` ended with.
+        `cache_implementation="static"` (and a transformers `CompileConfig`) is the baseline a user
+        picks for speed: transformers compiles that forward and replays it as CUDA graphs, which
+        inference mode's tensors would defeat, so it runs under `generate`'s own no-grad only.
         """
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -427,7 +432,10 @@ class HFBackend:
             mask[i, width - len(p) :] = 1
         # a causal LM: `generate` is GenerationMixin's, which PreTrainedModel's type does not include
         model: Any = self.model
-        with torch.inference_mode():
+        static = {"cache_implementation": cache_implementation} if cache_implementation else {}
+        if compile_config is not None:
+            static["compile_config"] = compile_config
+        with torch.inference_mode(not static):
             out = model.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=mask.to(self.device),
@@ -439,6 +447,7 @@ class HFBackend:
                 top_p=None,
                 top_k=None,
                 return_dict_in_generate=return_cache_bytes,
+                **static,
             )
         sequences = out.sequences if return_cache_bytes else out
         tokens = [row[width:].tolist() for row in sequences.cpu()]

@@ -35,14 +35,15 @@ import torch
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.backend import resolve_device
 from branchwise.backends.hf.embedded import (
-    _CONVERSION_VERSION,  # the marker `embedded_model_dir()` trusts; written here for random weights
-    _MARKER_FILE,
     EMBEDDED_MODEL,
     INSTALL_HINT,
+    MARKER_FILE,
     EmbeddedModelMissing,
     branchwise_cache_dir,
+    conversion_stamp,
     embedded_model_dir,
     find_embedded_gguf,
+    stamp_conversion,
 )
 
 RANDOM_CONFIGS: dict[str, dict[str, Any]] = {
@@ -110,7 +111,7 @@ def write_source(out: Path) -> Path:
     src = embedded_model_dir()  # converts from the installed package once, or says how to install it
     out.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():
-        if path.is_file() and path.name != _MARKER_FILE and not path.name.endswith(WEIGHT_FILES):
+        if path.is_file() and path.name != MARKER_FILE and not path.name.endswith(WEIGHT_FILES):
             shutil.copy2(path, out / path.name)
     return out
 
@@ -123,12 +124,8 @@ def build_embedded(cache_dir: Path, source: Path | None, seed: int = 0) -> dict[
 
     os.environ["BRANCHWISE_CACHE_DIR"] = str(cache_dir)  # where embedded_model_dir() looks
     target = branchwise_cache_dir() / "models" / EMBEDDED_MODEL
-    marker = target / _MARKER_FILE
-    try:
-        stamp = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        stamp = None  # absent or damaged: written below
-    if isinstance(stamp, dict) and stamp.get("version") == _CONVERSION_VERSION:
+    stamp = conversion_stamp(target)  # None when absent, damaged or of an older recipe
+    if stamp is not None:
         return {"path": str(target), "action": "kept", **stamp}
     if source is None:
         try:
@@ -161,13 +158,7 @@ def build_embedded(cache_dir: Path, source: Path | None, seed: int = 0) -> dict[
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        stamp = {
-            "version": _CONVERSION_VERSION,
-            "source": str(source),
-            "shape": shape,
-            "random_weights": True,
-        }
-        (tmp / _MARKER_FILE).write_text(json.dumps(stamp, indent=2))
+        stamp_conversion(tmp, source=str(source), shape=shape, random_weights=True)
         tmp.chmod(0o755)
         if target.exists():
             shutil.rmtree(target)
@@ -175,7 +166,7 @@ def build_embedded(cache_dir: Path, source: Path | None, seed: int = 0) -> dict[
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"path": str(target), "action": "random", **stamp}
+    return {"path": str(target), "action": "random", **(conversion_stamp(target) or {})}
 
 
 def build_llama(name: str, out: Path, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:

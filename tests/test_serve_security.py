@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from testkit import GatedBackend  # noqa: E402
+from testkit import GatedBackend, Lines  # noqa: E402
 
 from branchwise.serve import create_app  # noqa: E402
 from branchwise.serve.runner import serve_in_thread  # noqa: E402
@@ -230,15 +230,6 @@ def test_a_chunked_body_over_the_limit_is_413(guarded: str) -> None:
 
 
 # ------------------------------------------------------------------ a client that leaves
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 def test_a_client_that_leaves_is_one_info_line_and_no_traceback() -> None:

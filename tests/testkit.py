@@ -10,6 +10,7 @@ it records).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +18,19 @@ from typing import Any
 
 from branchwise.backends.base import DecodeParams, Generation
 
-__all__ = ["FakeBackend", "GatedBackend", "wait_until"]
+__all__ = ["FakeBackend", "GatedBackend", "Lines", "wait_until"]
+
+
+class Lines(logging.Handler):
+    """Every record logged while installed, at any level (the server logs from its own threads,
+    where pytest's caplog fixture does not always reach)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def wait_until(cond: Callable[[], Any], what: str, limit_s: float = 30.0, every_s: float = 0.02) -> None:

@@ -90,7 +90,7 @@ selected() { [[ ",$STAGES," == *",$1,"* ]]; }
 PREFLIGHT="import torch, transformers, pytest, branchwise
 from branchwise.backends.hf import embedded as e
 print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')
-done = (e.branchwise_cache_dir() / 'models' / e.EMBEDDED_MODEL / e._MARKER_FILE).is_file()
+done = e.conversion_stamp(e.branchwise_cache_dir() / 'models' / e.EMBEDDED_MODEL) is not None
 try:
     e.find_embedded_gguf()
     print('cache' if done else 'package')

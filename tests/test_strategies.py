@@ -776,10 +776,16 @@ def test_import_does_not_pull_in_torch() -> None:
 def test_strategies_only_import_light_dependencies() -> None:
     # Static check so the guarantee does not depend on what branchwise/__init__.py happens to do:
     # the layer may import the stdlib, pydantic (and its core), networkx, yaml, itself, and the
-    # neutral description of typed output (branchwise.constraints, which needs only jsonschema and
-    # branchwise.toolcalls), nothing else.
+    # neutral description of typed output (branchwise.constraints, which needs only jsonschema,
+    # branchwise.toolcalls and the stdlib-only schema measures schema_limits and schema_budget),
+    # nothing else.
     allowed = {"pydantic", "pydantic_core", "networkx", "yaml", *sys.stdlib_module_names}
-    neutral = {"branchwise.constraints", "branchwise.toolcalls"}
+    neutral = {
+        "branchwise.constraints",
+        "branchwise.toolcalls",
+        "branchwise.schema_limits",
+        "branchwise.schema_budget",
+    }
     files = sorted(STRATEGIES_DIR.glob("*.py"))
     files += [REPO_ROOT / "branchwise" / f"{m.split('.')[1]}.py" for m in sorted(neutral)]
     for path in files:

@@ -245,11 +245,13 @@ def _read_block(body: str, names: set[str] | None) -> ToolCall | None:
 
 
 def _cut_open_block(text: str) -> str:
-    """`text` without a last ``<tool_call>`` block that never closes (a call cut by ``max_tokens``)."""
+    """`text` without a last ``<tool_call>`` block that never closes (a call cut by ``max_tokens``),
+    nor an end that is the start of the opening tag itself (``<tool_``: cut before the tag was
+    whole, the call had begun all the same)."""
     start = text.rfind(TOOL_CALL_OPEN)
     if start >= 0 and TOOL_CALL_CLOSE not in text[start:]:
         return text[:start]
-    return text
+    return text[: len(text) - _partial_open(text)]
 
 
 def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
@@ -374,10 +376,11 @@ class ToolCallStream:
 
     def finish(self) -> list[str | ToolCall]:
         """The end of the reply: what was held back is content after all, except a block still open
-        (a call cut by ``max_tokens``), which is dropped with the whitespace before it."""
+        or an opening tag still incomplete (a call cut by ``max_tokens``), which is dropped with the
+        whitespace before it."""
         out: list[str | ToolCall] = []
-        if self._in_block:
-            self.cut = True
+        if self._in_block or (self._buf and _partial_open(self._buf) == len(self._buf)):
+            self.cut = True  # (held back: the start of ``<tool_call>``, cut before the tag was whole)
         elif not self.repeated:
             rest = self._buf.lstrip() if self._after_call else self._buf
             self._content(out, self._space + rest)

@@ -17,15 +17,17 @@ Where each part runs, and why:
   ``max_tokens`` and one torch thread (on a shared 2-core machine the 135M model decodes several
   times faster on one thread than on two contended ones).
 
-Three embedded tests are expected failures of the 135M model itself: `test_agent_loop` (it answers
-in prose instead of choosing a call under ``tool_choice="auto"``), `test_json_mode` (it does not
-write the asked keys) and `test_unicode_tool_call_integration` (it loops in a free-text argument
-until ``max_tokens``). The suite requires an override of a standard test to be marked ``xfail``;
+Two embedded tests are expected failures of the 135M model itself: `test_agent_loop` (it answers
+in prose instead of choosing a call under ``tool_choice="auto"``) and `test_json_mode` (it does not
+write the asked keys). The suite requires an override of a standard test to be marked ``xfail``;
 ours are strict and name the one exception the model's failure raises, so a better model (an
 unexpected pass) or a different failure (a crash) fails the run. Beside each, a test of ours checks
 what the model does do, and what `ChatBranchwise` promises whatever the model: the JSON-object
 grammar holds and a reply cut by ``max_tokens`` says ``finish_reason="length"``, a prose answer comes
-back as text with no call, a cut call keeps its Unicode unescaped.
+back as text with no call. `test_unicode_tool_call_integration` passes as the suite wrote it: the
+model used to loop in the free-text description until ``max_tokens``; the grammar fitted to the
+budget now bounds that string, so the call closes (and a call that cannot fit is cut, dropped and
+says so: `test_forced_call_below_its_shortest_length_is_cut_and_says_length`).
 
 Tests that cannot apply are skipped through the suite's own flags: images, audio, PDF, Anthropic
 inputs (text-only model), model override (a `ChatBranchwise` is bound to the model it loaded), VCR
@@ -61,17 +63,17 @@ EMBEDDED_ONLY = {
     "test_tool_calling_async": "asserts the exact arguments {'input': 3} read from the question",
     "test_bind_runnables_as_tools": "needs a non-empty string argument the model closes",
     "test_tool_choice": "forces a call that may pick get_weather, whose string argument must close",
-    "test_unicode_tool_call_integration": "asserts Unicode copied from the prompt into an argument",  # xfail
+    "test_unicode_tool_call_integration": "asserts Unicode copied from the prompt into an argument",
     "test_agent_loop": "asserts the model chooses a call under tool_choice='auto'",  # xfail
     "test_structured_output": "a Joke's string fields must close within max_tokens",
     "test_structured_output_async": "a Joke's string fields must close within max_tokens",
     "test_structured_output_pydantic_2_v1": "a Joke's string fields must close within max_tokens",
     "test_structured_output_optional_param": "a Joke's string fields must close within max_tokens",
     "test_json_mode": "asserts the JSON object's keys are exactly setup and punchline",  # xfail
-    # ours, beside the three xfails: what the model does there
+    # ours, beside the xfails: what the model does there, and a call too long for its budget
     "test_json_mode_nests_setup_keys_until_max_tokens": "the 135M model's JSON-mode reply",
     "test_agent_loop_prose_answer_is_text_without_a_call": "the 135M model's prose answer",
-    "test_unicode_call_cut_by_max_tokens_says_length": "the 135M model's Unicode call, cut",
+    "test_forced_call_below_its_shortest_length_is_cut_and_says_length": "a forced call, cut",
 }
 """Integration tests that need a sensible answer, with what they assert that a random model cannot."""
 
@@ -234,20 +236,7 @@ class TestChatBranchwiseEmbedded(_Flags, ChatModelIntegrationTests):
     def test_agent_loop(self, model: Any) -> None:
         super().test_agent_loop(model)
 
-    @pytest.mark.xfail(
-        reason="SmolLM2-135M copies the Chinese name into customer_name, then repeats one sentence in "
-        "the free-text description until max_tokens cuts the call",
-        strict=True,
-        raises=AssertionError,
-    )
-    def test_unicode_tool_call_integration(
-        self, model: Any, *, tool_choice: str | None = None, force_tool_call: bool = True
-    ) -> None:
-        super().test_unicode_tool_call_integration(
-            model, tool_choice=tool_choice, force_tool_call=force_tool_call
-        )
-
-    # What the model does in those three, and what ChatBranchwise promises whatever the model
+    # What the model does in those two, and what ChatBranchwise promises whatever the model
 
     def test_json_mode_nests_setup_keys_until_max_tokens(self, model: Any) -> None:
         """Under the JSON-object grammar the 135M model opens ``{"setup": {"setup": ...`` and never
@@ -286,14 +275,13 @@ class TestChatBranchwiseEmbedded(_Flags, ChatModelIntegrationTests):
         assert isinstance(reply.content, str) and reply.content.strip()
         assert "<tool_call>" not in reply.content
 
-    def test_unicode_call_cut_by_max_tokens_says_length(self, model: Any) -> None:
-        """A forced call the model never closes: cut at ``max_tokens``, it is reported as such
-        (``finish_reason="length"``), with no call parsed from it, and the Unicode name it copied
-        stays unescaped in the text."""
-
+    def test_forced_call_below_its_shortest_length_is_cut_and_says_length(self, model: Any) -> None:
+        """A forced call given fewer tokens than its shortest valid form cannot close: it is reported
+        as cut (``finish_reason="length"``), no call is parsed from it, and none of its text reaches
+        ``content``."""
         reply = model.bind_tools([unicode_customer], tool_choice="any").invoke(
-            "Create a customer named '你好啊集团' (Hello Group) - a Chinese technology company"
+            "Create a customer named '你好啊集团' (Hello Group) - a Chinese technology company", max_tokens=6
         )
         assert reply.response_metadata["finish_reason"] == "length"
         assert reply.tool_calls == []
-        assert "你好啊集团" in reply.content and "\\u" not in reply.content
+        assert "<tool_call>" not in reply.content and "customer_name" not in reply.content

@@ -563,7 +563,8 @@ TOOLS = normalize_tools([WEATHER, TIME])
         ),
         ('cut <tool_call>\n{"name": ', "cut", []),  # a call cut by max_tokens is dropped
         (f"{CALL}\n<tool_call>\n{{", None, ["get_weather"]),
-        ("< <tool <tool_c", "< <tool <tool_c", []),
+        ("< <tool <tool_c x", "< <tool <tool_c x", []),  # tag-like prose stays as written
+        ("< <tool <tool_c", "< <tool", []),  # but a reply that ends inside the tag was cut there
     ],
 )
 def test_tool_call_stream_reads_any_chunking_as_the_whole(

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from branchwise.backends.base import DecodeParams
 from branchwise.constraints import Constraint
 from branchwise.schema_budget import cap_strings, capped_string, shortest
-from branchwise.toolcalls import normalize_tools, parse_tool_calls
+from branchwise.toolcalls import ToolCallStream, normalize_tools, parse_tool_calls, split_calls
 
 pytest.importorskip("xgrammar")
 
@@ -167,10 +167,16 @@ def test_a_large_budget_leaves_the_constraint_as_it_is(tiny_backend: Any) -> Non
 
 REPEATED = "Checking.\n" + "\n".join([_call("calculator", {"expression": "12 * 7"})] * 3)
 CUT = _call("calculator", {"expression": "12 * 7"}) + '\n<tool_call>\n{"name": "calculator", "argu'
+CUT_IN_TAG = _call("calculator", {"expression": "12 * 7"}) + "\n<tool_"
+"""Cut inside the opening tag itself (seen on the embedded model: ``'<tool_'`` was left in content)."""
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["invoke", "stream"])
-@pytest.mark.parametrize(("reply", "content"), [(REPEATED, "Checking."), (CUT, "")], ids=["repeated", "cut"])
+@pytest.mark.parametrize(
+    ("reply", "content"),
+    [(REPEATED, "Checking."), (CUT, ""), (CUT_IN_TAG, "")],
+    ids=["repeated", "cut", "cut-in-tag"],
+)
 def test_chat_model_returns_each_call_once_and_no_cut_call(reply: str, content: str, stream: bool) -> None:
     pytest.importorskip("langchain_core")
     from test_langchain import ScriptedBackend, calculator
@@ -188,6 +194,25 @@ def test_chat_model_returns_each_call_once_and_no_cut_call(reply: str, content: 
     assert msg.content == content
     assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("calculator", {"expression": "12 * 7"})]
     assert msg.response_metadata["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("reply", "content", "n_calls"),
+    [(CUT_IN_TAG, "", 1), ("Checking.\n<tool_c", "Checking.", 0), ("Checking. <", "Checking.", 0)],
+)
+def test_a_call_cut_inside_its_opening_tag_is_dropped_by_both_readers(
+    reply: str, content: str, n_calls: int
+) -> None:
+    tools = normalize_tools(
+        [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    )
+    prose, calls = parse_tool_calls(reply, tools)
+    assert (prose, len(calls)) == (content, n_calls)
+    streamed, streamed_calls = split_calls(reply, tools)
+    assert streamed == content and [c.canonical() for c in streamed_calls] == [c.canonical() for c in calls]
+    reader = ToolCallStream(tools)
+    pieces = [p for ch in reply for p in reader.push(ch)] + reader.finish()
+    assert "".join(p for p in pieces if isinstance(p, str)) == content and reader.cut
 
 
 def test_a_branch_that_repeats_its_call_votes_for_the_call_once() -> None:

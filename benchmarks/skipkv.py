@@ -60,12 +60,8 @@ from branchwise.backends.accel import Accel, SkipKVConfig, SteeringConfig
 from branchwise.backends.base import Generation
 from branchwise.backends.grouping import group_by_length, padding_tokens
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.skipkv_policy import (
-    SentenceTracker,
-    SteeringVector,
-    delimiter_token_ids,
-    steering_path,
-)
+from branchwise.backends.hf.skipkv_sentences import SentenceTracker, delimiter_token_ids
+from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path
 from branchwise.reasoners.answers import extract_answer, majority_vote
 
 PAPER = {

@@ -18,13 +18,8 @@ from tqdm.auto import tqdm
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.skipkv_policy import (
-    SentenceTracker,
-    SteeringVector,
-    delimiter_token_ids,
-    steering_path,
-    steering_vector,
-)
+from branchwise.backends.hf.skipkv_sentences import SentenceTracker, delimiter_token_ids
+from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path, steering_vector
 
 REFLECTIVE_SYSTEM = (
     "Solve the problem step by step, one short sentence per line. After each step, check it: "

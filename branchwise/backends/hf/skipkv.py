@@ -1,8 +1,10 @@
 """SkipKV (the SkipKV paper, §4.1-4.2) as a plug-in: sentence-aware eviction of each branch's own
 generated KV during decode, and steering away from non-execution thoughts.
 
-The policy (sentences, Eq. 3-6 scores, which slots to keep, the steering vector) is pure logic in
-`skipkv_policy.py`; this module applies it through the hooks:
+The policy is pure logic in three modules, one concern each: the sentences and their slots across
+evictions (`skipkv_sentences.py`), the Eq. 3-6 scores and which slots to keep (`skipkv_policy.py`),
+the steering vector and its strength (`skipkv_steering.py`); this module applies it through the
+hooks:
 
 - `after_pending` / `after_step`: every token a branch feeds goes to its `SentenceTracker` (with its
   final-norm hidden state during decode, for the sentence means of Eq. 2);
@@ -39,19 +41,16 @@ from branchwise.backends.hf.batch import AttentionTap, Batch, Row
 from branchwise.backends.hf.hooks import Acceleration, Forward, KVEdits, Setup
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.skipkv_policy import (
-    SentenceTracker,
-    SteeringVector,
-    delimiter_token_ids,
     eviction_scores,
     key_redundancy,
     newest_mask,
     select_keep,
     select_keep_per_head,
     sentence_redundancy,
-    steering_path,
-    steering_strength,
     token_importance,
 )
+from branchwise.backends.hf.skipkv_sentences import SentenceTracker, delimiter_token_ids
+from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path, steering_strength
 
 
 @dataclass

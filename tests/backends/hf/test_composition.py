@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 from branchwise.backends.accel import Accel, AccelConfig, Examples
 from branchwise.backends.hf import HFBackend, plugins
 from branchwise.backends.hf.hooks import Acceleration, Exit, Forward, Host, Setup
-from branchwise.backends.hf.skipkv_policy import SteeringVector, steering_path
+from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import Strategy, beam_search, self_consistency
 

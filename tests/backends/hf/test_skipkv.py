@@ -11,7 +11,7 @@ from branchwise.backends.accel import Accel, RSBCMConfig, SkipKVConfig, Steering
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.skipkv import SkipKV, Steering
-from branchwise.backends.hf.skipkv_policy import SteeringVector
+from branchwise.backends.hf.skipkv_steering import SteeringVector
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import beam_search, self_consistency
 
@@ -121,7 +121,7 @@ def test_steering_changes_the_residual_only_at_delimiters(tiny_llama_dir) -> Non
     ids = backend.encode("One.\nTwo)\n\nThree: four\nfive")
     delims = torch.zeros(parts.embed.num_embeddings, dtype=torch.bool, device=backend.device)
     text_of = [backend.tokenizer.decode([i]) for i in ids]
-    from branchwise.backends.hf.skipkv_policy import is_delimiter_text
+    from branchwise.backends.hf.skipkv_sentences import is_delimiter_text
 
     flags = [is_delimiter_text(t) for t in text_of]
     assert any(flags) and not all(flags)

@@ -11,20 +11,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from branchwise.backends.hf.skipkv_policy import (
-    SentenceTracker,
-    SteeringVector,
-    delimiter_token_ids,
     eviction_scores,
-    is_delimiter_text,
     key_redundancy,
     newest_mask,
     select_keep,
     select_keep_per_head,
     sentence_redundancy,
+    token_importance,
+)
+from branchwise.backends.hf.skipkv_sentences import SentenceTracker, delimiter_token_ids, is_delimiter_text
+from branchwise.backends.hf.skipkv_steering import (
+    SteeringVector,
     steering_path,
     steering_strength,
     steering_vector,
-    token_importance,
 )
 
 # A toy vocabulary: ids 100-102 are delimiters; " again" + "st" shows a keyword disappearing.

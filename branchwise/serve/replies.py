@@ -10,6 +10,7 @@ aside: each reply draws its own). A call is released when its block closes, its 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -19,10 +20,13 @@ from branchwise.constraints import Constraint
 from branchwise.toolcalls import ToolCall, ToolCallStream, split_calls
 
 __all__ = [
+    "CHAT",
     "FINISH",
+    "TEXT",
     "ChatChunks",
     "ChatDeltas",
     "Chunks",
+    "Kind",
     "TextChunks",
     "chat_choice_message",
     "chat_logprobs",
@@ -38,6 +42,19 @@ __all__ = [
 
 FINISH = OPENAI_FINISH
 """Backend finish reasons mapped onto OpenAI's (`backends.base.OPENAI_FINISH`)."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What differs between a chat and a text completion's reply: names and choice shapes."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
+
+
+CHAT = Kind("chat.completion", "chat.completion.chunk", "chatcmpl")
+TEXT = Kind("text_completion", "text_completion", "cmpl")
 
 
 def tools_of(constraint: Constraint | None) -> Sequence[dict[str, Any]] | None:

@@ -1,0 +1,212 @@
+"""One server's request handling, apart from the HTTP routes (`app.py`) and from how requests and
+replies are shaped (`translate.py`, `completions.py`, `replies.py`).
+
+Why its own module: what a request meets on the way in (the context check, ids inside the
+vocabulary, a refusal while draining), how it reaches the scheduler (whole or streamed, cancelled
+with its client or at the drain's deadline), and the error-to-response rule every route shares
+(`handle`) are the server's state and policy; the routes only wire URLs to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from branchwise.backends.base import Backend, Generation, ShareMode
+from branchwise.backends.scheduler import Job, Scheduler
+from branchwise.serve.errors import ClientGone, RequestError, draining
+from branchwise.serve.protocol import BranchwiseOptions, ChatRequest, CompletionRequest
+from branchwise.serve.strategy import StrategyRunner
+from branchwise.serve.streaming import StepFeed, Stream, outcome, until
+
+__all__ = ["Server", "handle", "vocab_size"]
+
+log = logging.getLogger("branchwise.serve")
+
+
+def vocab_size(backend: Backend) -> int | None:
+    """Tokens the tokenizer knows (None: the backend exposes no tokenizer)."""
+    tokenizer = getattr(backend, "tokenizer", None)
+    return None if tokenizer is None else len(tokenizer)
+
+
+class Server:
+    """Request handling over one backend and its scheduler: the checks a request meets before any
+    work, its decode (whole or streamed), re-scored log-probabilities, the drain."""
+
+    def __init__(
+        self, backend: Backend, scheduler: Scheduler, share: ShareMode, strategies: StrategyRunner, name: str
+    ) -> None:
+        self.backend = backend
+        self.name = name
+        """The model id replies and `/v1/models` name."""
+        self.share = share
+        self.scheduler = scheduler
+        self.strategies = strategies
+        self.draining = False
+        self.drop = asyncio.Event()
+        """Set at the drain's deadline: every request still waiting is cancelled and answered 503."""
+        self.drain_end: float | None = None
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """On the loop: refuse new requests; drop what still runs `timeout_s` from now."""
+        if self.draining:
+            return
+        loop = asyncio.get_running_loop()
+        self.draining = True
+        self.drain_end = loop.time() + timeout_s
+        loop.call_later(timeout_s, self.drop.set)
+
+    # ------------------------------------------------------------------ checks at the door
+    def fit(self, req: ChatRequest | CompletionRequest, prompt: list[int], field: str) -> int:
+        """The request's ``max_tokens`` within the model's context: a 400 when the prompt, or the
+        prompt and the ``max_tokens`` the client chose, do not fit; a default budget is clamped."""
+        context = getattr(self.backend, "max_context", None)
+        wanted = req.token_budget()
+        if context is None:
+            return wanted
+        if len(prompt) >= context:
+            raise RequestError(
+                400,
+                f"{field}: the prompt is {len(prompt)} tokens; the model's context of {context} tokens "
+                "leaves no room for a reply",
+                field,
+            )
+        if not req.budget_set():
+            return min(wanted, context - len(prompt))
+        if len(prompt) + wanted > context:
+            name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise RequestError(
+                400,
+                f"{name}: the prompt ({len(prompt)} tokens) + {name} ({wanted}) = {len(prompt) + wanted} "
+                f"exceeds the model's context of {context} tokens",
+                name,
+            )
+        return wanted
+
+    def check_ids(self, ids: Sequence[int], field: str) -> None:
+        """A 400 naming `field` and the range when an id is outside the vocabulary."""
+        check = getattr(getattr(self.backend, "engine", None), "check_ids", None)
+        if check is not None:
+            try:
+                check(ids, field)
+            except ValueError as err:
+                message = str(err)
+                raise RequestError(
+                    400, message if message.startswith(field) else f"{field}: {message}", field
+                ) from None
+            return
+        vocab = vocab_size(self.backend)
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise RequestError(400, f"{field} holds ids outside [0, {vocab}): {bad[:5]}", field)
+
+    # ------------------------------------------------------------------ plain completions
+    def _job(self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int) -> Job:
+        if self.draining:
+            raise draining()
+        opts = req.branchwise or BranchwiseOptions()
+        share = opts.share or self.share
+        return Job(prompt=prompt, n=req.n, params=req.decode_params(max_tokens), share=share)
+
+    async def decode(
+        self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int, request: Request
+    ) -> list[Generation]:
+        """Queue the request's ``n`` samples and wait for them, or for the client to go away."""
+        job = self._job(req, prompt, max_tokens)
+        work = asyncio.ensure_future(self.scheduler.submit_async(job))
+        await until(work, request, self.drop)
+        return outcome(work, req.constraint_field)
+
+    async def stream(
+        self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int, request: Request
+    ) -> Stream:
+        """Queue the request with a step listener; return once its first tokens (or its end) are in.
+
+        Waiting for them before answering keeps errors found on the way (a full queue, a prompt the
+        backend refuses) proper HTTP errors instead of failures inside a 200 stream.
+        """
+        job = self._job(req, prompt, max_tokens)
+        feed = StepFeed(asyncio.get_running_loop())
+        job.on_step = feed.push
+        work = asyncio.ensure_future(self.scheduler.submit_async(job))
+        work.add_done_callback(lambda _: feed.wake())
+        ready = asyncio.ensure_future(feed.wait())
+        try:
+            await until(ready, request, self.drop, cancel=work)
+        finally:
+            ready.cancel()
+        if work.done():
+            outcome(work, req.constraint_field)  # raises the request's error, if any
+        return Stream(job, work, feed, self.drop)
+
+    def top_logprobs(self, prompt: list[int], gen: Generation, k: int) -> list[list[tuple[int, float]]]:
+        """The k most likely tokens at each generated position (temperature 1, like the chosen ones).
+
+        The backend's decode keeps only the chosen token's log-probability, so each position is
+        re-scored: one `score_next` over the whole vocabulary per generated token, reading the
+        prompt's KV from one shared prefill. Costly; only asked-for top logprobs pay it.
+        """
+        size = vocab_size(self.backend)
+        if size is None:
+            raise RequestError(400, "top_logprobs: this backend exposes no tokenizer to rank tokens")
+        vocab = list(range(size))
+        root = self._stem(prompt, "top_logprobs")
+        try:
+            out = []
+            for i in range(len(gen.token_ids)):
+                probs = self.backend.score_next([root], [prompt[-1], *gen.token_ids[:i]], vocab)[0]
+                best = sorted(range(len(probs)), key=probs.__getitem__, reverse=True)[:k]
+                out.append([(t, math.log(max(probs[t], 1e-45))) for t in best])
+            return out
+        finally:
+            self.backend.release([root])
+
+    def candidate_logprobs(self, prompt: list[int], candidates: Sequence[int]) -> list[float]:
+        """Log-probability of each candidate token right after the prompt (one forward)."""
+        root = self._stem(prompt, "branchwise.score_candidates")
+        try:
+            probs = self.backend.score_next([root], [prompt[-1]], candidates)[0]
+        except ValueError as err:
+            raise RequestError(400, f"branchwise.score_candidates: {err}", "branchwise") from None
+        finally:
+            self.backend.release([root])
+        return [math.log(p) if p > 0 else -math.inf for p in probs]
+
+    def _stem(self, prompt: list[int], field: str) -> int:
+        """The prompt minus its last token, prefilled: `score_next` needs a suffix of >= 1 token."""
+        if len(prompt) < 2:
+            raise RequestError(400, f"{field}: needs a prompt of at least 2 tokens", field.split(".")[0])
+        return self.backend.prefill(prompt[:-1])
+
+    # ------------------------------------------------------------------ health
+    def kv(self) -> dict[str, Any] | None:
+        """The backend's KV memory figures for `/health`, read without its lock (which a decode
+        holds for as long as it runs), so a busy server still answers at once."""
+        memory = getattr(self.backend, "kv_memory", None)
+        return None if memory is None else dict(memory())
+
+
+async def handle(
+    server: Server, request: Request, fn: Callable[[bytes, Request], Awaitable[Response]]
+) -> Response:
+    """Run a route's work on the request's body; every error becomes a response in OpenAI's shape
+    (a bug is logged once and answered 500), and a client that left is logged at INFO."""
+    try:
+        return await fn(await request.body(), request)
+    except RequestError as err:
+        if err.status == 503 and server.draining:
+            log.info("%s %s: answered 503 (shutting down)", request.method, request.url.path)
+        return err.response()
+    except ClientGone:
+        log.info("%s %s: the client went away; its work was cancelled", request.method, request.url.path)
+        return Response(status_code=499)  # never sent: the connection is closed
+    except Exception as err:  # a bug: logged once, answered in OpenAI's shape, never plain text
+        log.exception("%s %s failed", request.method, request.url.path)
+        return RequestError(500, f"internal error: {type(err).__name__}: {err}").response()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check, for a machine with CUDA and no network, run from a source tree:
 #
-#   bash benchmarks/gpu_check.sh OUT_DIR [--source SRC_DIR] [--stages a,b,...] [--budget S] [--dry-run]
+#   bash benchmarks/gpu_check.sh OUT_DIR [--source SRC_DIR] [--wheels DIR] [--stages a,b,...] [--budget S]
+#       [--dry-run]
 #
 # Stages, each with its own time limit, its elapsed seconds printed and its log under OUT_DIR:
 #   checkpoints     random weights (benchmarks/random_checkpoint.py): the embedded model's shape in
@@ -25,10 +26,18 @@
 # tokenizer, written where the package is installed by `python benchmarks/random_checkpoint.py
 # source SRC_DIR` (~4 MB). Exit status: 0 all stages passed, 1 a stage failed, 2 bad usage,
 # 3 no CUDA device (nothing is run).
+#
+# Where the machine lacks branchwise's lighter dependencies (pydantic, xgrammar, jsonschema, fastapi,
+# ...), build their wheels here with `bash benchmarks/gpu_wheels.sh gpu-wheels` (an ignored folder
+# of the tree, ~27 MB), copy it with the tree, and pass `--wheels gpu-wheels`: before the preflight,
+# the packages of gpu_wheels.sh's list that are absent (or older than their wheel) are installed
+# from it with pip, offline and without dependencies (torch and transformers are never touched);
+# with --dry-run it only says what it would install and what has no wheel.
 set -uo pipefail
 
 usage() {
-    echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--source DIR] [--stages a,b,...] [--budget S] [--dry-run]" >&2
+    echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--source DIR] [--wheels DIR] [--stages a,b,...]" \
+        "[--budget S] [--dry-run]" >&2
     echo "stages: $ALL_STAGES" >&2
     exit 2
 }
@@ -36,10 +45,11 @@ usage() {
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
 ALL_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite"
-OUT="" SOURCE="" STAGES="$ALL_STAGES" DRY_RUN=0 BUDGET=540
+OUT="" SOURCE="" WHEELS="" STAGES="$ALL_STAGES" DRY_RUN=0 BUDGET=540
 while (($#)); do
     case "$1" in
         --source) SOURCE="${2:?--source needs a folder}"; shift 2 ;;
+        --wheels) WHEELS="${2:?--wheels needs a folder}"; shift 2 ;;
         --stages) STAGES="${2:?--stages needs a list}"; shift 2 ;;
         --budget) BUDGET="${2:?--budget needs seconds}"; shift 2 ;;
         --dry-run) DRY_RUN=1; shift ;;
@@ -58,6 +68,10 @@ if ! [[ "$BUDGET" =~ ^[0-9]+$ ]] || ((BUDGET < 60)); then
 fi
 if [[ -n "$SOURCE" && ! -d "$SOURCE" ]]; then
     echo "gpu_check: --source $SOURCE is not a folder" >&2
+    exit 2
+fi
+if [[ -n "$WHEELS" && ! -d "$WHEELS" ]]; then
+    echo "gpu_check: --wheels $WHEELS is not a folder (build it with benchmarks/gpu_wheels.sh)" >&2
     exit 2
 fi
 
@@ -84,6 +98,70 @@ PLAN=(
 )
 
 selected() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+# Wheels (--wheels DIR): each package of gpu_wheels.sh's list that is absent, or older than its
+# wheel in DIR, is installed from DIR; one absent with no wheel there stops the check.
+if [[ -n "$WHEELS" ]]; then
+    WHEEL_CHECK="import importlib.metadata as md, pathlib, sys
+try:
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.version import Version
+except ImportError:  # pip's own copy, where packaging is not installed
+    from pip._vendor.packaging.utils import canonicalize_name, parse_wheel_filename
+    from pip._vendor.packaging.version import Version
+found = {}
+for f in sorted(pathlib.Path(sys.argv[1]).glob('*.whl')):
+    name, version, _, _ = parse_wheel_filename(f.name)
+    found[name] = (version, f)
+for name in sys.argv[2:]:
+    try:
+        have = Version(md.version(name))
+    except md.PackageNotFoundError:
+        have = None
+    wheel = found.get(canonicalize_name(name))
+    if have is not None and (wheel is None or have >= wheel[0]):
+        print('ok', name, have)
+    elif wheel is not None:
+        print('install', name, f'{have or \"absent\"}->{wheel[0]}', wheel[1])
+    else:
+        print('missing', name)"
+    mapfile -t NAMES < <(bash "$ROOT/benchmarks/gpu_wheels.sh" --list)
+    if ! CHECKED="$("$PYTHON" -c "$WHEEL_CHECK" "$WHEELS" "${NAMES[@]}" 2>"$OUT/wheels.log")"; then
+        echo "gpu_check: FAILED: $PYTHON could not compare the installed packages with $WHEELS:" >&2
+        tail -n 3 "$OUT/wheels.log" >&2
+        exit 2
+    fi
+    TO_INSTALL=() INSTALL_NAMES=() MISSING=()
+    while read -r verdict name versions file; do
+        case $verdict in
+            install) TO_INSTALL+=("$file"); INSTALL_NAMES+=("$name $versions") ;;
+            missing) MISSING+=("$name") ;;
+        esac
+    done <<<"$CHECKED"
+    what="would install"
+    ((DRY_RUN)) || what="installing"
+    if ((${#TO_INSTALL[@]})); then
+        echo "gpu_check: wheels from $WHEELS, $what (no deps, offline): $(IFS=,; echo "${INSTALL_NAMES[*]}" | sed 's/,/, /g')"
+    else
+        echo "gpu_check: wheels from $WHEELS: nothing to install (${#NAMES[@]} packages checked)"
+    fi
+    if ((${#MISSING[@]})); then
+        echo "gpu_check: missing, with no wheel in $WHEELS: ${MISSING[*]}" \
+            "(run 'bash benchmarks/gpu_wheels.sh DIR' where there is network)" >&2
+        ((DRY_RUN)) || { echo "gpu_check: FAILED: packages missing" >&2; exit 2; }
+    fi
+    if ! ((DRY_RUN)) && ((${#TO_INSTALL[@]})); then
+        if ! "$PYTHON" -m pip install --no-index --no-deps --find-links "$WHEELS" "${TO_INSTALL[@]}" \
+            >>"$OUT/wheels.log" 2>&1; then
+            echo "gpu_check: FAILED installing the wheels from $WHEELS:" >&2
+            tail -n 5 "$OUT/wheels.log" >&2
+            exit 2
+        fi
+        # --no-deps: say which of the installed packages' own dependencies are still unmet
+        "$PYTHON" -m pip check 2>&1 | grep -iE "^($(IFS='|'; echo "${NAMES[*]}")) " \
+            | sed 's/^/gpu_check: warning: /' >&2
+    fi
+fi
 
 # Preflight (one interpreter start): the packages, the device, and where the embedded model's
 # config and tokenizer come from (already in OUT_DIR/cache, the installed package, or --source).

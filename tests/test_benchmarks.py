@@ -653,6 +653,43 @@ def test_gpu_check_script_plans_its_stages_and_refuses_without_cuda(tmp_path: Pa
         assert not (tmp_path / "run" / "cache").exists()  # nothing was built
 
 
+def test_gpu_check_wheels_dry_run_reports_what_it_would_install(tmp_path: Path) -> None:
+    """`--wheels DIR` (the offline wheels gpu_wheels.sh builds) says, before the preflight, which
+    listed packages it would install and which have no wheel, and a dry run installs nothing."""
+    import importlib.metadata as md
+
+    wheels_script = ROOT / "benchmarks" / "gpu_wheels.sh"
+    assert subprocess.run(["bash", "-n", str(wheels_script)], capture_output=True).returncode == 0
+    listed = subprocess.run(["bash", str(wheels_script), "--list"], capture_output=True, text=True)
+    names = listed.stdout.split()
+    assert {"pydantic", "xgrammar", "zss", "pytest-asyncio"} <= set(names)
+    assert not {"torch", "transformers"} & set(names)  # the GPU machine's own builds are never replaced
+    absent = []
+    for name in names:
+        try:
+            md.version(name)
+        except md.PackageNotFoundError:
+            absent.append(name)
+    (tmp_path / "empty").mkdir()
+    plan = _gpu_check(str(tmp_path / "out"), "--wheels", str(tmp_path / "empty"), "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    if absent:
+        assert f"missing, with no wheel in {tmp_path / 'empty'}: {' '.join(absent)}" in plan.stderr
+    else:
+        assert f"nothing to install ({len(names)} packages checked)" in plan.stdout.splitlines()[0]
+    assert plan.stdout.splitlines()[1].startswith("gpu_check plan (dry run)")
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    (newer / "zss-99.0-py3-none-any.whl").write_bytes(b"")  # a dry run never opens it
+    plan = _gpu_check(str(tmp_path / "out"), "--wheels", str(newer), "--dry-run")
+    assert plan.returncode == 0, plan.stderr
+    have = "absent" if "zss" in absent else md.version("zss")
+    assert f"would install (no deps, offline): zss {have}->99.0" in plan.stdout
+    after = "absent" if "zss" in absent else md.version("zss")
+    assert after == have and not (tmp_path / "out" / "wheels.log").read_text()  # nothing was installed
+    assert _gpu_check(str(tmp_path / "out"), "--wheels", str(tmp_path / "nope")).returncode == 2
+
+
 def test_random_checkpoints_load_as_the_embedded_model_and_as_a_folder(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_llama_dir: Path
 ) -> None:

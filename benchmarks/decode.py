@@ -2,8 +2,9 @@
 bandwidth that implies.
 
 B independent prompts of equal length (no shared prefix: this measures the decode engine, not
-sharing) decode `--tokens` greedy tokens each, B = each of `--batches`. Three arms: branchwise,
-`model.generate()` (dynamic cache, eager) and `model.generate(cache_implementation="static")`, which
+sharing) decode `--tokens` greedy tokens each, B = each of `--batches`. Four arms: branchwise (its
+fixed-shape decode step, captured as CUDA graphs on a GPU: `step.py`), branchwise with every step
+through its layer loop (`decode_step="layers"`, the step before), `model.generate()` (dynamic cache, eager) and `model.generate(cache_implementation="static")`, which
 transformers compiles with CUDA graphs on a GPU (`--hf-static`: on the CPU it runs uncompiled unless
 asked, and the JSON's `hf_static` says how it ran). Prefill is excluded the same way on every side:
 the time of a 1-token decode from the same prompts is subtracted from the time of a `--tokens`
@@ -135,18 +136,28 @@ def main(argv: list[str] | None = None) -> None:
     bench = Bench("decode", args, backend, started)
     passage = exact_tokens(backend, PASSAGE, args.prompt + max(args.batches))
 
-    def ours(prompts: list[list[int]], tokens: int) -> list[list[int]]:
-        roots = [backend.prefill(p) for p in prompts]
-        gens = backend.extend(roots, DecodeParams(max_tokens=tokens, min_tokens=tokens))
-        backend.release(roots)
-        return [g.token_ids for g in gens]
+    step_mode = backend.decode_step  # "auto": CUDA graphs on a GPU, the fixed-shape step eagerly elsewhere
+
+    def decoder(mode: str) -> Arm:
+        def ours(prompts: list[list[int]], tokens: int) -> list[list[int]]:
+            backend.decode_step = mode  # type: ignore[assignment]
+            roots = [backend.prefill(p) for p in prompts]
+            gens = backend.extend(roots, DecodeParams(max_tokens=tokens, min_tokens=tokens))
+            backend.release(roots)
+            return [g.token_ids for g in gens]
+
+        return ours
 
     def generate(prompts: list[list[int]], tokens: int) -> list[list[int]]:
         return backend.hf_generate(prompts, tokens, exact_length=True)  # type: ignore[return-value]
 
     weights = weight_bytes(backend.model)
     peak = peak_gbps(args.peak_gbps)
-    arms: dict[str, Arm] = {"branchwise": ours, "hf_generate": generate}
+    arms: dict[str, Arm] = {
+        "branchwise": decoder(step_mode),
+        "branchwise_layer_loop": decoder("layers"),
+        "hf_generate": generate,
+    }
     static = StaticGenerate(backend, args.hf_static)
     if static.skipped is None:
         arms["hf_static"] = static
@@ -169,6 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         result["speedup_vs_hf_generate"] = round(
             result["branchwise"]["tokens_per_s"] / result["hf_generate"]["tokens_per_s"], 3
         )
+        result["speedup_vs_layer_loop"] = round(
+            result["branchwise"]["tokens_per_s"] / result["branchwise_layer_loop"]["tokens_per_s"], 3
+        )
+        result["same_tokens_as_layer_loop"] = tokens["branchwise"] == tokens["branchwise_layer_loop"]
         agreement = greedy_agreement(backend.model, prompts, tokens["hf_generate"], tokens["branchwise"])
         result["greedy_agreement_vs_hf_generate"] = agreement.as_dict()
         if static.skipped is None:
@@ -184,6 +199,7 @@ def main(argv: list[str] | None = None) -> None:
             "weight_bytes_per_step": weights,
             "kv_bytes_per_token": backend.kv_token_bytes,
             "peak_gbps": peak,
+            "decode_step": "graphs" if backend.engine.stepper.captures_graphs else "eager",
             "hf_static": static.report(),
             "rows": rows,
         },

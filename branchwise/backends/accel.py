@@ -575,7 +575,12 @@ class Accel(AccelConfig):
 
     def notes(self, stats: Mapping[str, float]) -> list[str]:
         """Every enabled acceleration's notes on a run with these statistics (see `AccelConfig.notes`)."""
-        return [note for cfg in self.enabled().values() for note in cfg.notes(stats)]
+        notes = [note for cfg in self.enabled().values() for note in cfg.notes(stats)]
+        if uncaptured := int(stats.get("decode_steps_uncaptured", 0)):  # hf/step.py's fixed-shape step
+            names, why = ", ".join(self.enabled()), "the hook points the captured step lacks"
+            lead = f"{uncaptured} decode steps ran uncaptured through the layer loop, not as CUDA graphs"
+            notes.append(f"{lead}: {names} act between layers or watch attention ({why})")
+        return notes
 
     def needs_model(self) -> list[str]:
         """What of the enabled accelerations needs the model's internals (`AccelConfig.needs_model`):

@@ -50,6 +50,7 @@ from branchwise.backends.hf.pool import parse_budget, return_freed_memory
 from branchwise.backends.hf.prepack import Prepacked
 from branchwise.backends.hf.prepack import prepack as pack_weights
 from branchwise.backends.hf.session import Session
+from branchwise.backends.hf.step import StepMode
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class HFBackend:
         kv_budget: int | float | str | None = "auto",
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prepack: bool = True,
+        decode_step: StepMode = "auto",
     ) -> None:
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -151,6 +153,7 @@ class HFBackend:
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
+        self.decode_step = decode_step
 
     @classmethod
     def from_model(
@@ -164,6 +167,7 @@ class HFBackend:
         kv_budget: int | float | str | None = "auto",
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prepack: bool = True,
+        decode_step: StepMode = "auto",
     ) -> HFBackend:
         """Wrap an already loaded model (tests, notebooks) without reloading it. With `prepack`,
         its linear layers are packed in place (see `prepack.py`): the model is changed."""
@@ -174,6 +178,7 @@ class HFBackend:
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
+        self.decode_step = decode_step
         return self
 
     def _setup(
@@ -294,6 +299,17 @@ class HFBackend:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"prefill_chunk={value!r} must be an int >= 0 (0: whole prompts)")
         self.engine.prefill_chunk = value
+
+    @property
+    def decode_step(self) -> StepMode:
+        """How decode steps run (`step.py`): ``auto`` (CUDA graphs on a GPU, the same fixed-shape
+        step eagerly elsewhere), ``graphs``, ``eager``, or ``layers`` (every step through the layer
+        loop: the baseline the fixed-shape step is measured against)."""
+        return self.engine.stepper.mode
+
+    @decode_step.setter
+    def decode_step(self, mode: StepMode) -> None:
+        self.engine.stepper.mode = mode
 
     def kv_memory(self) -> dict[str, int | None]:
         """Budget, KV used (all of it), prefix cache and preemptions, read without the engine's lock

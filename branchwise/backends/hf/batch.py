@@ -203,10 +203,7 @@ class BatchContext:
         self.q_len = q_len
         self._own_bias_g = None
         device = self.lens.device
-        max_len = int(self.lens.max())
-        total = max_len + q_len
-        if total > self.capacity:
-            self._grow(total)
+        total = self.make_room(q_len)
         j = torch.arange(total, device=device)
         i = torch.arange(q_len, device=device)
         # key j is visible to query i of row b iff j <= lens[b] + i (causal within the tail).
@@ -220,6 +217,14 @@ class BatchContext:
         lens_list = self.lens.tolist()
         self._uniform = lens_list[0] if all(x == lens_list[0] for x in lens_list) else None
         self._write_idx = None if self._uniform is not None else limit  # [B, q]
+
+    def make_room(self, q_len: int) -> int:
+        """Grow the tails (amortised) so every row can take `q_len` more tokens; returns the slots
+        the longest row will then use."""
+        total = int(self.lens.max()) + q_len
+        if total > self.capacity:
+            self._grow(total)
+        return total
 
     def grow_by(self) -> int:
         """Slots per row the tails gain when a row reaches their end (amortised growth)."""

@@ -113,7 +113,18 @@ class Computation:
     def forward(
         self, batch: Batch, feeds: Sequence[Sequence[int]], observers: Sequence[Acceleration] = ()
     ) -> torch.Tensor:
-        logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
+        stepper = self.engine.stepper
+        if stepper.applies(batch.ctx, feeds, self.plugins, observers):
+            logits = stepper.forward(batch.ctx, feeds)
+            self.stats.bump("decode_steps_captured" if stepper.captures_graphs else "decode_steps_fixed")
+        else:
+            logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
+            if any(feeds) and all(len(f) <= 1 for f in feeds):
+                # a decode step the fixed-shape step could not take (hooks, observers, taps): where
+                # steps are captured as CUDA graphs, the run's notes say this one was not
+                self.stats.bump("decode_steps_layer_loop")
+                if stepper.captures_graphs and stepper.mode != "layers":
+                    self.stats.bump("decode_steps_uncaptured")
         self.stats.tokens_computed += sum(len(f) for f in feeds)
         self.stats.forward_calls += 1
         self.tree.accounts.note_transient(self.ledger, batch.ctx.nbytes)

@@ -21,6 +21,7 @@ from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, Builds
 from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.runner import Runner
+from branchwise.backends.hf.step import Stepper
 from branchwise.backends.hf.tree import KVTree
 from branchwise.toolcalls import render_messages, template_has_tools
 
@@ -69,6 +70,8 @@ class Engine:
     lock: threading.RLock = field(default_factory=threading.RLock)
     builds: Builds = field(default_factory=Builds)
     runner: Runner = field(init=False)
+    stepper: Stepper = field(init=False)
+    """Decode steps at fixed shapes, captured as CUDA graphs on a GPU (`step.py`)."""
     grammars: Grammars = field(init=False)
     max_context: int | None = field(init=False)
     """The model's context window in tokens (None where its config does not say)."""
@@ -80,6 +83,7 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.runner = Runner(self.parts, self.pad_id, self.device)
+        self.stepper = Stepper(self.parts, self.pad_id, self.device)
         vocab = (
             int(cast(int, self.parts.head.out_features))
             if hasattr(self.parts.head, "out_features")

@@ -1,0 +1,244 @@
+"""The decode step at fixed shapes: one token per row through every layer, replayable as a CUDA graph.
+
+Why: a decode step of the layer loop (`runner.py`) launches hundreds of small kernels from Python
+and builds its masks from host-side lengths; on a GPU that launch cost, not memory, sets the step
+time (15-16 ms whatever the batch on an H200, against 3.3 ms for transformers' static-cache
+generate). Here a step is a function of tensors alone: the tokens, each row's logical position and
+its KV length are inputs, the tails are written at that length with a scatter and read over their
+whole capacity under a mask built from the lengths on the device, the shared segments are the
+batch's. Nothing in it reads a tensor back to the host, so its shapes and kernels are the same for
+every step of a batch while the batch keeps its rows, its tail capacity and its shared segments:
+on CUDA it is captured once into a `torch.cuda.CUDAGraph` and replayed; elsewhere the same
+function runs eagerly (what the CPU tests exercise, and what a GPU captures).
+
+When it applies (`Stepper.applies`): every row feeds at most one token, and nothing needs the
+layer loop's hook points: the run has no acceleration plug-ins, no observers and the batch no
+attention taps or block pool. Otherwise the step runs through the layer loop, and the run's
+statistics count it (`decode_steps_layer_loop`), so a result can say its accelerations ran on the
+uncaptured step. The tails grow, rows leave and shared segments change between steps as before;
+each such change is a new `StepGraph` (a new capture on CUDA), which is rare: the tails grow by at
+least 128 slots, and rows leave a batch only once a quarter of it has ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from branchwise.backends.hf.arch import DecoderParts
+from branchwise.backends.hf.attention import fused_cascade
+from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.hooks import Acceleration
+
+StepMode = Literal["auto", "graphs", "eager", "layers"]
+"""How decode steps run: `graphs` captures the fixed-shape step as CUDA graphs (CUDA only), `eager`
+runs the same step without capture, `layers` runs every step through the layer loop (the baseline),
+`auto` is `graphs` on CUDA and `eager` elsewhere."""
+STEP_MODES: tuple[StepMode, ...] = ("auto", "graphs", "eager", "layers")
+
+WARMUP = 2
+"""Eager runs of a new graph's step before its capture (first-call allocations and autotuning)."""
+
+
+class StaticAttention:
+    """The attention of one fixed-shape step (`attention.AttentionContext`): write each row's new
+    K/V at its length, attend over the whole tail under a mask from the lengths, plus the batch's
+    shared segments (one product each for all their rows, merged by log-sum-exp)."""
+
+    def __init__(self, ctx: BatchContext, lens: torch.Tensor) -> None:
+        self.ctx = ctx
+        self.lens = lens
+        self.bias: torch.Tensor | None = None
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """The tail's mask as an additive bias `[B, 1, G, cap]`: slot j is visible to a row's token iff
+        j <= its length (the slot it is written to). Built on the device, once per step."""
+        ctx = self.ctx
+        slots = torch.arange(ctx.capacity, device=self.lens.device)
+        visible = slots[None, :] <= self.lens[:, None]
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        self.bias = bias[:, None, None, :].expand(-1, 1, ctx.n_groups, -1)
+
+    def attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        ctx = self.ctx
+        tk, tv = ctx.tail_k[layer], ctx.tail_v[layer]
+        b, h_kv, _, d = key.shape
+        at = self.lens.view(b, 1, 1, 1).expand(b, h_kv, 1, d)
+        tk.scatter_(2, at, key)
+        tv.scatter_(2, at, value)
+        assert self.bias is not None, "attend() before prepare()"
+        return fused_cascade(query, tk, tv, self.bias, ctx.shared, layer, scaling)
+
+
+@dataclass(eq=False)
+class StepGraph:
+    """The fixed-shape step of one batch layout: its input buffers, its output, its CUDA graph.
+
+    `signature` is what the shapes and the addresses a capture bakes in depend on (rows, capacity,
+    the tails' and shared segments' storage); a batch whose signature changed needs a new graph.
+    """
+
+    parts: DecoderParts
+    ctx: BatchContext
+    signature: tuple[object, ...]
+    capture: bool
+    ids: torch.Tensor = field(init=False)
+    pos: torch.Tensor = field(init=False)
+    lens: torch.Tensor = field(init=False)
+    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+    runs: int = 0
+
+    def __post_init__(self) -> None:
+        b, device = self.ctx.batch, self.ctx.lens.device
+        self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(b, 1, dtype=torch.long, device=device)
+        self.lens = torch.zeros(b, dtype=torch.long, device=device)
+        self.attention = StaticAttention(self.ctx, self.lens)
+
+    def _step(self) -> torch.Tensor:
+        parts = self.parts
+        h = parts.embed(self.ids)
+        self.attention.prepare(h.dtype)
+        cos, sin = parts.rotary(h, self.pos)
+        for block in parts.layers:
+            h = block(
+                h,
+                attention_mask=None,
+                position_ids=self.pos,
+                position_embeddings=(cos, sin),
+                bw_ctx=self.attention,
+            )
+        return parts.head(parts.norm(h[:, -1]))
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits `[B, V]` after each row's token `ids` `[B]` at the batch's positions and lengths.
+
+        Re-running with the same inputs writes the same K/V to the same slots, which is what lets a
+        capture warm up on the live batch."""
+        ctx = self.ctx
+        assert ctx.pos_next is not None
+        self.ids[:, 0].copy_(ids)
+        self.pos[:, 0].copy_(ctx.pos_next)
+        self.lens.copy_(ctx.lens)
+        self.runs += 1
+        if not self.capture:
+            return self._step()
+        if self.graph is None:
+            self._capture()
+        assert self.graph is not None and self.logits is not None
+        self.graph.replay()
+        return self.logits.clone()
+
+    def _capture(self) -> None:
+        """Warm up on a side stream, then capture the step (torch's documented whole-network pattern)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._step()
+        self.graph = graph
+
+
+def signature(ctx: BatchContext) -> tuple[object, ...]:
+    """What a captured step depends on: rows, tail capacity, and the storage every layer's tails and
+    shared segments live in (a grown, compacted or re-read batch has new storage)."""
+    shared = tuple(
+        (
+            s.key,
+            s.keys[0].data_ptr() if len(s.keys) else 0,
+            tuple(s.keys[0].shape) if len(s.keys) else (),
+            None if s.rows is None else s.rows.data_ptr(),
+            None if s.mask is None else s.mask.data_ptr(),
+        )
+        for s in ctx.shared
+    )
+    return (ctx.batch, ctx.capacity, ctx.tail_k[0].data_ptr(), ctx.tail_v[0].data_ptr(), shared)
+
+
+class Stepper:
+    """Runs a batch's decode steps at fixed shapes, capturing them on CUDA (see the module docstring).
+
+    One per engine; it keeps the graph of the batch decoding now (the engine's lock serialises
+    decodes), so a capture's memory lives as long as its batch layout does.
+    """
+
+    def __init__(
+        self, parts: DecoderParts, pad_id: int, device: torch.device, mode: StepMode = "auto"
+    ) -> None:
+        self.parts = parts
+        self.pad_id = pad_id
+        self.device = device
+        self.mode = mode
+        self._graph: StepGraph | None = None
+        self.captures = 0
+
+    @property
+    def mode(self) -> StepMode:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: StepMode) -> None:
+        if mode not in STEP_MODES:
+            raise ValueError(f"decode_step={mode!r} is not one of {', '.join(map(repr, STEP_MODES))}")
+        if mode == "graphs" and self.device.type != "cuda":
+            raise ValueError(f"decode_step='graphs' needs a CUDA device; this backend runs on {self.device}")
+        self._mode = mode
+        self._graph = None
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether fixed-shape steps are captured as CUDA graphs (else they run eagerly)."""
+        return self._mode == "graphs" or (self._mode == "auto" and self.device.type == "cuda")
+
+    def applies(
+        self,
+        ctx: BatchContext,
+        feeds: Sequence[Sequence[int]],
+        hooks: Sequence[Acceleration],
+        observers: Sequence[Acceleration],
+    ) -> bool:
+        """Whether this forward can be the fixed-shape step (see the module docstring)."""
+        return (
+            self._mode != "layers"
+            and not hooks
+            and not observers
+            and not ctx.taps
+            and ctx.pool is None
+            and any(feeds)
+            and all(len(f) <= 1 for f in feeds)
+        )
+
+    @torch.inference_mode()
+    def forward(self, ctx: BatchContext, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One decode step of `feeds` (one token or none per row): logits `[B, V]`. A row that feeds
+        nothing (it ended) runs a pad token whose K/V lands in a slot its length does not cover, and
+        neither its length nor its position advances."""
+        fed = [len(f) for f in feeds]
+        ctx.make_room(1)
+        graph = self._graph
+        sig = signature(ctx)
+        if graph is None or graph.ctx is not ctx or graph.signature != sig:
+            graph = self._graph = StepGraph(self.parts, ctx, sig, self.captures_graphs)
+            self.captures += int(graph.capture)
+        ids = torch.tensor([f[0] if f else self.pad_id for f in feeds], dtype=torch.long)
+        logits = graph(ids.to(self.device, non_blocking=True))
+        advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
+        ctx.lens = ctx.lens + advance
+        assert ctx.pos_next is not None
+        ctx.pos_next = ctx.pos_next + advance
+        return logits
+
+    def release(self) -> None:
+        """Drop the kept graph (its captured memory) now."""
+        self._graph = None

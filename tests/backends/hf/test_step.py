@@ -1,0 +1,143 @@
+"""The fixed-shape decode step (`step.py`) against the layer loop it replaces for plain decodes.
+
+Why: the fixed-shape step is what a GPU captures as a CUDA graph, so on the CPU it must give the
+layer loop's tokens (fp32 greedy: token for token) in every layout a decode meets — a shared
+prompt read by many rows, rows of unequal lengths, rows ending and leaving the batch, tails growing
+past their first capacity, prompts copied into tails — and say which step each decode ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchwise.backends import DecodeParams
+from branchwise.backends.accel import Accel, SkipKVConfig
+from branchwise.backends.hf import HFBackend
+
+PROMPT = "What is 12 + 7? Think step by step."
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def backend(request: pytest.FixtureRequest, tiny_model_dir) -> HFBackend:
+    return HFBackend(tiny_model_dir(request.param))
+
+
+def _branches(
+    backend: HFBackend, mode: str, params_list: list[DecodeParams], hints: list[str]
+) -> list[list[int]]:
+    """Fork the prompt into one branch per hint, decode each with its own parameters in one call."""
+    backend.decode_step = mode
+    backend.reset_stats()
+    root = backend.prefill(backend.encode(PROMPT))
+    kids = backend.fork(root, len(hints))
+    backend.release([root])
+    backend.append(kids, [backend.encode(h) for h in hints])
+    row_params = params_list if len(params_list) > 1 else None
+    gens = backend.extend(kids, params_list[0], row_params=row_params)
+    backend.release(kids)
+    return [g.token_ids for g in gens]
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_fixed_step_gives_the_layer_loops_tokens(backend: HFBackend, n: int) -> None:
+    """Greedy, fp32: the same tokens whichever step decodes, for one row and for a shared prompt
+    read by rows of unequal lengths; the statistics say which step ran."""
+    params = DecodeParams(max_tokens=24, min_tokens=24)
+    hints = [" hint" * (i % 3) for i in range(n)]
+    layers = _branches(backend, "layers", [params], hints)
+    assert backend.kv_stats().as_dict().get("decode_steps_layer_loop", 0) > 0
+    fixed = _branches(backend, "eager", [params], hints)
+    stats = backend.kv_stats().as_dict()
+    assert stats.get("decode_steps_fixed", 0) >= params.max_tokens - 1
+    assert "decode_steps_layer_loop" not in stats
+    assert fixed == layers
+
+
+def test_rows_ending_early_and_tails_growing(backend: HFBackend) -> None:
+    """Rows of one call with their own max_tokens (they end at different steps and leave the
+    batch), one of them past the tails' first capacity (they grow): tokens unchanged."""
+    lengths = [3, 150, 40, 7]
+    params = [DecodeParams(max_tokens=m, min_tokens=m) for m in lengths]
+    hints = ["", " a", " b c", " d"]
+    layers = _branches(backend, "layers", params, hints)
+    fixed = _branches(backend, "eager", params, hints)
+    assert [len(t) for t in fixed] == lengths
+    assert fixed == layers
+
+
+def test_copied_prompts_and_separate_requests(tiny_llama_dir) -> None:
+    """Many short prompts decoded together (their prompts copied into the rows' tails) and two
+    unrelated requests: the same tokens through both steps."""
+    backend = HFBackend(tiny_llama_dir)
+    params = DecodeParams(max_tokens=12, min_tokens=12)
+    prompts = [backend.encode(f"Question {i}: what is {i} + {i}?") for i in range(12)]
+
+    def run(mode: str) -> list[list[int]]:
+        backend.decode_step = mode
+        roots = [backend.prefill(p) for p in prompts]
+        gens = backend.extend(roots, params)
+        backend.release(roots)
+        return [g.token_ids for g in gens]
+
+    assert run("eager") == run("layers")
+
+
+def test_sampled_decode_is_the_same_draw(tiny_llama_dir) -> None:
+    """Seeded sampling draws from the same logits in the same order through both steps."""
+    backend = HFBackend(tiny_llama_dir)
+    params = DecodeParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    assert _branches(backend, "eager", [params], ["", " x", " y"]) == _branches(
+        backend, "layers", [params], ["", " x", " y"]
+    )
+
+
+def test_accelerated_runs_use_the_layer_loop_and_count_it(tiny_llama_dir) -> None:
+    """A run with an acceleration plug-in needs the layer loop's hook points: its decode steps go
+    there, counted, so its result can say it ran uncaptured."""
+    backend = HFBackend(tiny_llama_dir)
+    session = backend.session(accel=Accel(skipkv=SkipKVConfig(budget=64, interval=4)))
+    root = session.prefill(backend.encode(PROMPT))
+    kids = session.fork(root, 2)
+    session.extend(kids, DecodeParams(max_tokens=6, min_tokens=6))
+    extra = session.kv_stats().as_dict()
+    assert extra.get("decode_steps_layer_loop", 0) >= 5
+    assert "decode_steps_fixed" not in extra
+    session.release([root, *kids])
+
+
+def test_bad_decode_step_names_the_field(tiny_llama_dir) -> None:
+    backend = HFBackend(tiny_llama_dir)
+    with pytest.raises(ValueError, match=r"decode_step='warp' is not one of 'auto', 'graphs'"):
+        backend.decode_step = "warp"  # type: ignore[assignment]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"decode_step='graphs' needs a CUDA device"):
+            HFBackend(tiny_llama_dir, decode_step="graphs")
+    assert backend.decode_step == "auto"
+
+
+@pytest.mark.gpu
+def test_captured_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
+    """On CUDA, fp32: the step captured as CUDA graphs decodes the layer loop's tokens, captures
+    once per batch layout (not per step), and replays otherwise."""
+    backend = HFBackend(tiny_llama_dir, device="cuda", dtype="float32")
+    params = DecodeParams(max_tokens=40, min_tokens=40)
+    hints = ["", " hint", " hint hint"]
+    layers = _branches(backend, "layers", [params], hints)
+    graphs = _branches(backend, "graphs", [params], hints)
+    stats = backend.kv_stats().as_dict()
+    assert graphs == layers
+    assert stats.get("decode_steps_captured", 0) >= params.max_tokens - 1
+    assert 1 <= backend.engine.stepper.captures < params.max_tokens // 4
+
+
+def test_uncaptured_steps_are_noted() -> None:
+    """Where steps are captured, a run whose accelerations kept some on the layer loop says so, with
+    the count and the accelerations; a run with none says nothing about it."""
+    accel = Accel(skipkv=SkipKVConfig(budget=64, interval=4))
+    notes = accel.notes({"decode_steps_uncaptured": 12, "skipkv_evictions": 3})
+    assert [n for n in notes if "uncaptured" in n] == [
+        "12 decode steps ran uncaptured through the layer loop, not as CUDA graphs: skipkv act between "
+        "layers or watch attention (the hook points the captured step lacks)"
+    ]
+    assert not [n for n in accel.notes({"decode_steps_layer_loop": 12}) if "uncaptured" in n]

@@ -577,9 +577,9 @@ class Accel(AccelConfig):
         """Every enabled acceleration's notes on a run with these statistics (see `AccelConfig.notes`)."""
         notes = [note for cfg in self.enabled().values() for note in cfg.notes(stats)]
         if uncaptured := int(stats.get("decode_steps_uncaptured", 0)):  # hf/step.py's fixed-shape step
-            names, why = ", ".join(self.enabled()), "the hook points the captured step lacks"
+            by = ", ".join(k.removeprefix("uncaptured_by ") for k in stats if k.startswith("uncaptured_by "))
             lead = f"{uncaptured} decode steps ran uncaptured through the layer loop, not as CUDA graphs"
-            notes.append(f"{lead}: {names} act between layers or watch attention ({why})")
+            notes.append(f"{lead}: {by} need its hook points (they act between layers or watch attention)")
         return notes
 
     def needs_model(self) -> list[str]:

@@ -120,15 +120,21 @@ class Computation:
         else:
             logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
             if any(feeds) and all(len(f) <= 1 for f in feeds):
-                # a decode step the fixed-shape step could not take (hooks, observers, taps): where
-                # steps are captured as CUDA graphs, the run's notes say this one was not
-                self.stats.bump("decode_steps_layer_loop")
-                if stepper.captures_graphs and stepper.mode != "layers":
-                    self.stats.bump("decode_steps_uncaptured")
+                self._count_layer_loop_step(batch, observers)
         self.stats.tokens_computed += sum(len(f) for f in feeds)
         self.stats.forward_calls += 1
         self.tree.accounts.note_transient(self.ledger, batch.ctx.nbytes)
         return logits
+
+    def _count_layer_loop_step(self, batch: Batch, observers: Sequence[Acceleration]) -> None:
+        """A decode step ran through the layer loop. Where steps are captured as CUDA graphs and a
+        plug-in kept this one off them, the run's notes say so and name it (`Accel.notes`)."""
+        self.stats.bump("decode_steps_layer_loop")
+        stepper = self.engine.stepper
+        if stepper.captures_graphs:
+            self.stats.bump("decode_steps_uncaptured")
+            for name in stepper.blockers(batch.ctx, self.plugins, observers):
+                self.stats.extra[f"uncaptured_by {name}"] = 1.0
 
     def _capture(self, batch: Batch) -> Callable[[int, Row], None]:
         capturers = overrides(self.plugins, "on_capture")

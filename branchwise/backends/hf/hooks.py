@@ -290,6 +290,18 @@ class Acceleration:
     """Whether the plug-in needs `broadcast="cascade"`: it reads attention per shared segment, which
     the per-row copies of `broadcast="copy"` do not have. Checked when a session is built
     (`engine.check_broadcast`), so the combination fails at construction, not mid-run."""
+    layer_loop: bool = False
+    """Whether its decode steps need the layer loop (`runner.py`) rather than the fixed-shape step
+    (`step.py`, captured as CUDA graphs on a GPU): a plug-in that overrides a forward-level hook
+    (`FORWARD_HOOKS`) does (`needs_layer_loop`); one that installs an attention tap or points rows at
+    shared blocks from a batch-level hook says so here."""
+    kv_from_tokens: bool = False
+    """Whether the KV a run holds under this plug-in is what computing its tokens again gives (it
+    changes no KV: it only reads, stops or skips). It decides how a row preempted under the KV
+    budget keeps its KV (`intake.policy_of`): recomputed from its tokens when every plug-in of the
+    run says so, else swapped out and back, which keeps KV and per-row state exact. False, the safe
+    default, costs a copy; True on a plug-in that does change KV would change a preempted row's
+    tokens."""
 
     @classmethod
     def build(cls, cfg: Any, setup: Setup) -> Acceleration:
@@ -403,6 +415,15 @@ class HiddenCapture(Acceleration):
     def stacked(self) -> torch.Tensor:
         """[L, B, H]."""
         return torch.stack(self.states)
+
+
+FORWARD_HOOKS = ("begin_forward", "before_layer", "after_layer", "after_forward")
+"""The hooks called inside a forward, between layers: what the fixed-shape step has no place for."""
+
+
+def needs_layer_loop(plugins: Sequence[Acceleration]) -> list[str]:
+    """The names of the plug-ins whose decode steps need the layer loop (`Acceleration.layer_loop`)."""
+    return [p.name for p in plugins if p.layer_loop or any(overrides([p], hook) for hook in FORWARD_HOOKS)]
 
 
 def overrides(plugins: Sequence[Acceleration], hook: str) -> list[Acceleration]:

@@ -124,6 +124,7 @@ class RSBCM(Acceleration):
     """
 
     name = "rsbcm"
+    layer_loop = True  # its MassTap watches attention weights
     config = RSBCMConfig
     needs_cascade = True  # block masses are kept per shared segment
 

@@ -154,6 +154,7 @@ class SkipKV(Acceleration):
     step to this branch alone)."""
 
     name = "skipkv"
+    layer_loop = True  # its QueryWindow tap watches queries
     config = SkipKVConfig
 
     def __init__(

@@ -12,10 +12,13 @@ on CUDA it is captured once into a `torch.cuda.CUDAGraph` and replayed; elsewher
 function runs eagerly (what the CPU tests exercise, and what a GPU captures).
 
 When it applies (`Stepper.applies`): every row feeds at most one token, and nothing needs the
-layer loop's hook points: the run has no acceleration plug-ins, no observers and the batch no
-attention taps or block pool. Otherwise the step runs through the layer loop, and the run's
-statistics count it (`decode_steps_layer_loop`), so a result can say its accelerations ran on the
-uncaptured step. The tails grow, rows leave and shared segments change between steps as before;
+layer loop's hook points: no plug-in of the run acts inside a forward (River's exits, SkipKV's
+steering) or watches attention (RSBCM's mass, SkipKV's queries) or reads shared blocks through a
+block pool (ReasonCache) (`hooks.needs_layer_loop`). Plug-ins that act at fork time or between
+steps (ASKS, the KV probe, CGEE's decode gate and verify skip) decode on the fixed-shape step.
+Otherwise the step runs through the layer loop, and the run's statistics count it
+(`decode_steps_layer_loop`; where steps are captured, `decode_steps_uncaptured` and the plug-ins
+that kept it there), so the result's notes say so. The tails grow, rows leave and shared segments change between steps as before;
 each such change is a new `StepGraph` (a new capture on CUDA), which is rare: the tails grow by at
 least 128 slots, and rows leave a batch only once a quarter of it has ended.
 """
@@ -31,7 +34,7 @@ import torch
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import fused_cascade
 from branchwise.backends.hf.batch import BatchContext
-from branchwise.backends.hf.hooks import Acceleration
+from branchwise.backends.hf.hooks import Acceleration, needs_layer_loop
 
 StepMode = Literal["auto", "graphs", "eager", "layers"]
 """How decode steps run: `graphs` captures the fixed-shape step as CUDA graphs (CUDA only), `eager`
@@ -201,6 +204,25 @@ class Stepper:
         """Whether fixed-shape steps are captured as CUDA graphs (else they run eagerly)."""
         return self._mode == "graphs" or (self._mode == "auto" and self.device.type == "cuda")
 
+    def forget(self, ctx: BatchContext) -> None:
+        """The batch of `ctx` ended: its step (and, through it, the batch's tails) goes now, not when
+        the next batch first steps; the KV budget counts the tails while anything holds them."""
+        if self._graph is not None and self._graph.ctx is ctx:
+            self._graph = None
+
+    def blockers(
+        self, ctx: BatchContext, hooks: Sequence[Acceleration], observers: Sequence[Acceleration]
+    ) -> list[str]:
+        """What keeps this batch's decode steps on the layer loop: the plug-ins and observers that
+        need its hook points (`hooks.needs_layer_loop`), an attention tap or a block pool no
+        plug-in declared; empty when the fixed-shape step can take them."""
+        found = needs_layer_loop([*hooks, *observers])
+        if not found and ctx.taps:
+            found = [f"an attention tap ({type(tap).__name__})" for tap in ctx.taps]
+        if not found and ctx.pool is not None:
+            found = ["a block pool"]
+        return found
+
     def applies(
         self,
         ctx: BatchContext,
@@ -208,15 +230,13 @@ class Stepper:
         hooks: Sequence[Acceleration],
         observers: Sequence[Acceleration],
     ) -> bool:
-        """Whether this forward can be the fixed-shape step (see the module docstring)."""
+        """Whether this forward can be the fixed-shape step: a decode step (one token or none per
+        row) that nothing keeps on the layer loop (`blockers`)."""
         return (
             self._mode != "layers"
-            and not hooks
-            and not observers
-            and not ctx.taps
-            and ctx.pool is None
             and any(feeds)
             and all(len(f) <= 1 for f in feeds)
+            and not self.blockers(ctx, hooks, observers)
         )
 
     @torch.inference_mode()

@@ -23,8 +23,9 @@ from pydantic import Field
 from typer.testing import CliRunner
 
 from branchwise.backends.accel import Accel, AccelConfig, Examples
+from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend, plugins
-from branchwise.backends.hf.hooks import Acceleration, Exit, Forward, Host, Setup
+from branchwise.backends.hf.hooks import Acceleration, Exit, Forward, Host, Setup, needs_layer_loop
 from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import Strategy, beam_search, self_consistency
@@ -275,3 +276,29 @@ def test_a_toy_acceleration_gets_its_cli_options_and_its_composition_coverage(
     assert stats["toy_layers"] > 0
     off = runner.invoke(app, args)
     assert "toy_layers" not in json.loads(off.stdout.strip().splitlines()[-1])["kv_stats"]
+
+
+FIXED_STEP = {"asks": True, "probe": True, "cgee": True, "rsbcm": False, "river": False, "skipkv": False}
+FIXED_STEP["reasoncache"] = False
+"""Which accelerations decode on the fixed-shape step (they act at fork time or between steps)."""
+
+
+@pytest.mark.parametrize("name", sorted(Accel.configs()))
+def test_which_accelerations_decode_on_the_fixed_step(backend: HFBackend, name: str) -> None:
+    """Plug-ins that act at fork time or between steps decode on the fixed-shape step (`step.py`,
+    what a GPU captures); those that act between layers or watch attention keep their steps on the
+    layer loop, and `needs_layer_loop` names them. Each acceleration with the settings its config declares for
+    tests; a new one must be placed in `FIXED_STEP`."""
+    config = Accel.configs()[name]
+    assert config.examples is not None
+    accel = Accel(**{name: config.model_validate(dict(config.examples.acting))})
+    session = backend.session(accel=accel)
+    root = session.prefill(backend.encode("What is 12 + 7? Think step by step."))
+    kids = session.fork(root, 2)
+    session.extend(kids, DecodeParams(max_tokens=6, min_tokens=6))
+    stats = session.kv_stats().as_dict()
+    session.release([root, *kids])
+    fixed = FIXED_STEP[name]
+    assert (stats.get("decode_steps_fixed", 0) >= 5) is fixed, stats
+    assert (stats.get("decode_steps_layer_loop", 0) >= 5) is not fixed, stats
+    assert needs_layer_loop(session.plugins) == ([] if fixed else [name])

@@ -133,11 +133,11 @@ def test_captured_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
 
 def test_uncaptured_steps_are_noted() -> None:
     """Where steps are captured, a run whose accelerations kept some on the layer loop says so, with
-    the count and the accelerations; a run with none says nothing about it."""
+    the count and the plug-ins that kept them; a run with none says nothing about it."""
     accel = Accel(skipkv=SkipKVConfig(budget=64, interval=4))
-    notes = accel.notes({"decode_steps_uncaptured": 12, "skipkv_evictions": 3})
-    assert [n for n in notes if "uncaptured" in n] == [
-        "12 decode steps ran uncaptured through the layer loop, not as CUDA graphs: skipkv act between "
-        "layers or watch attention (the hook points the captured step lacks)"
+    stats = {"decode_steps_uncaptured": 12, "uncaptured_by skipkv": 1, "skipkv_evictions": 3}
+    assert [n for n in accel.notes(stats) if "uncaptured" in n] == [
+        "12 decode steps ran uncaptured through the layer loop, not as CUDA graphs: skipkv need its hook "
+        "points (they act between layers or watch attention)"
     ]
     assert not [n for n in accel.notes({"decode_steps_layer_loop": 12}) if "uncaptured" in n]

@@ -8,10 +8,12 @@
 #   checkpoints     random weights (benchmarks/random_checkpoint.py): the embedded model's shape in
 #                   OUT_DIR/cache (the branchwise cache dir of every later stage) and the ~1.2B Llama
 #                   in OUT_DIR/models/random-llama-1b (bf16)
-#   decode          decode.py on the 1.2B Llama in bf16 at B = 1, 8, 64: branchwise vs transformers'
+#   decode          decode.py on the 1.2B Llama in bf16 at B = 1, 8, 64: branchwise (its decode step
+#                   captured as CUDA graphs, and every step through its layer loop) vs transformers'
 #                   generate, eager and with its compiled static cache (CUDA graphs); HBM fraction
-#   prefix_sharing  prefix_sharing.py on the same model: 1,024-token prefix, 8 branches, 64 tokens
-#   gpu_tests       python -m pytest tests -m gpu
+#   prefix_sharing  prefix_sharing.py on the same model: 1,024-token prefix, 8 and 64 branches,
+#                   64 tokens
+#   gpu_tests       python -m pytest tests -m gpu (the captured step's token equality among them)
 #   cuda_suite      the backend, reasoner and search tests with --backend-device cuda, not slow
 # The benchmarks come first: they are what the check is for, and what a cut-short run should keep.
 # Results: OUT_DIR/results.jsonl (one line per benchmark run, run_all.py's format), OUT_DIR/summary.md
@@ -92,7 +94,7 @@ BENCH+=" --model $(printf %q "$MODEL") --out $(printf %q "$RESULTS")"
 PLAN=(
     "checkpoints|120|$PY benchmarks/random_checkpoint.py build --llama-1b $(printf %q "$MODEL")$SRC_ARG"
     "decode|240|$BENCH --only decode"
-    "prefix_sharing|150|$BENCH --only prefix_sharing"
+    "prefix_sharing|180|$BENCH --only prefix_sharing prefix_sharing-B64"
     "gpu_tests|120|$PY -m pytest tests -m gpu -q -p no:cacheprovider --continue-on-collection-errors"
     "cuda_suite|180|$PY -m pytest tests/backends tests/test_reasoner.py tests/test_search.py -m 'not slow' --backend-device cuda -q -p no:cacheprovider"
 )

@@ -3,7 +3,9 @@
 B branches share an n-token problem prefix, each appends its own s-token hint and decodes t tokens
 greedily. Three paths, same model, same run:
 - `share="none"`: every branch recomputes prefix + hint (batched; logits at each row's last token);
-- `share="exact"`: the prefix is computed once and held once; all branches read it per step;
+- `share="exact"`: the prefix is computed once and held once; all branches read it per step
+  (each decode step the fixed-shape step of `step.py`, captured as CUDA graphs on a GPU; the arm
+  `exact_layer_loop` runs every step through the layer loop instead, `decode_step="layers"`);
 - `hf_generate`: `model.generate` on the B left-padded prompts (what users do today);
 - `hf_static`: the same with `cache_implementation="static"`, which transformers compiles with CUDA
   graphs on a GPU (the baseline a user picks for speed; `--hf-static`, and the JSON's `hf_static`
@@ -93,17 +95,28 @@ def main(argv: list[str] | None = None) -> None:
 
     t_none, (tok_none, kv_none) = median_time(lambda: ours("none"), args.repeats)
     t_exact, (tok_exact, kv_exact) = median_time(lambda: ours("exact"), args.repeats)
+    step_mode = backend.decode_step
+    backend.decode_step = "layers"  # every decode step through the layer loop: the step before
+    t_loop, (tok_loop, _) = median_time(lambda: ours("exact"), args.repeats)
+    backend.decode_step = step_mode
     backend.broadcast = "copy"  # RKSC notebook's repeat_interleave(...).clone() path
     t_copy, (tok_copy, kv_copy) = median_time(lambda: ours("exact"), args.repeats)
     backend.broadcast = "cascade"
     t_hf, (tok_hf, kv_hf) = median_time(hf, args.repeats)
     prompts = [prefix + s for s in suffixes]
     static = StaticGenerate(backend, args.hf_static)
-    latency = {"none": t_none, "exact": t_exact, "exact_copy_broadcast": t_copy, "hf_generate": t_hf}
+    latency = {
+        "none": t_none,
+        "exact": t_exact,
+        "exact_layer_loop": t_loop,
+        "exact_copy_broadcast": t_copy,
+        "hf_generate": t_hf,
+    }
     agreements = [
         ("exact_vs_none", tok_none, tok_exact),
         ("exact_vs_hf_generate", tok_hf, tok_exact),
         ("copy_vs_none", tok_none, tok_copy),
+        ("exact_vs_layer_loop", tok_loop, tok_exact),
     ]
     static_results: dict[str, Any] = {}
     if static.skipped is None:  # its warm-up call is where transformers compiles it
@@ -117,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
             "speedup_exact_vs_none": round(t_none / t_exact, 3),
             "speedup_exact_vs_hf_generate": round(t_hf / t_exact, 3),
             "speedup_cascade_vs_copy_broadcast": round(t_copy / t_exact, 3),
+            "speedup_exact_vs_layer_loop": round(t_loop / t_exact, 3),
+            "decode_step": "graphs" if backend.engine.stepper.captures_graphs else "eager",
             "kv_peak_bytes": {
                 "none": kv_none["peak_bytes"],
                 "exact": kv_exact["peak_bytes"],

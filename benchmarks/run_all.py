@@ -104,6 +104,11 @@ PROFILES: dict[str, list[Run]] = {
             ["--batches", "1", "8", "64", "--tokens", "64", "--prompt", "128", "--repeats", "2"],
         ),
         Run("prefix_sharing", "prefix_sharing", ["--prefix", "1024", "--tokens", "64", "--repeats", "2"]),
+        Run(
+            "prefix_sharing-B64",
+            "prefix_sharing",
+            ["--prefix", "1024", "--tokens", "64", "--branches", "64", "--repeats", "2"],
+        ),
     ],
 }
 
@@ -115,6 +120,8 @@ HEADLINES: dict[str, list[str]] = {
         "speedup_exact_vs_hf_static",
         "hf_static.compiled",
         "speedup_cascade_vs_copy_broadcast",
+        "speedup_exact_vs_layer_loop",
+        "decode_step",
         "kv_ratio_exact_vs_none",
         "greedy_agreement.*.match_up_to_ties",
         "greedy_agreement.*.rows_differing",
@@ -165,6 +172,9 @@ HEADLINES: dict[str, list[str]] = {
         "rows.*.hf_static.tokens_per_s",
         "rows.*.speedup_vs_hf_generate",
         "rows.*.speedup_vs_hf_static",
+        "rows.*.speedup_vs_layer_loop",
+        "rows.*.same_tokens_as_layer_loop",
+        "decode_step",
         "rows.*.*.fraction_of_peak",
         "rows.*.greedy_agreement_vs_hf_*.match_up_to_ties",
         "hf_static.compiled",

@@ -611,8 +611,9 @@ def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(run_all.subprocess, "run", fake_run)
     args = ["run", "--profile", "gpu-check", "--out", str(tmp_path / "r.jsonl"), "--model", "/m 1b"]
-    assert run_all.main([*args, "--device", "cuda"]) == 1  # both runs failed, and say so
-    assert [Path(c[1]).name for c in calls] == ["decode.py", "prefix_sharing.py"]
+    assert run_all.main([*args, "--device", "cuda"]) == 1  # every run failed, and says so
+    assert [Path(c[1]).name for c in calls] == ["decode.py", "prefix_sharing.py", "prefix_sharing.py"]
+    assert calls[2][2:10] == ["--prefix", "1024", "--tokens", "64", "--branches", "64", "--repeats", "2"]
     assert all(c[-2:] == ["--model", "/m 1b"] for c in calls)
     assert calls[0][2:8] == ["--batches", "1", "8", "64", "--tokens", "64"]
 

@@ -42,8 +42,9 @@ runs the same step without capture, `layers` runs every step through the layer l
 `auto` is `graphs` on CUDA and `eager` elsewhere."""
 STEP_MODES: tuple[StepMode, ...] = ("auto", "graphs", "eager", "layers")
 
-WARMUP = 2
-"""Eager runs of a new graph's step before its capture (first-call allocations and autotuning)."""
+WARMUP = 1
+"""Steps a new batch layout runs eagerly before its step is captured: real steps (their logits are
+used) that do the first-call work on the current stream (allocator growth, library handles)."""
 
 
 class StaticAttention:
@@ -131,7 +132,7 @@ class StepGraph:
         self.pos[:, 0].copy_(ctx.pos_next)
         self.lens.copy_(ctx.lens)
         self.runs += 1
-        if not self.capture:
+        if not self.capture or self.runs <= WARMUP:
             return self._step()
         if self.graph is None:
             self._capture()
@@ -140,15 +141,16 @@ class StepGraph:
         return self.logits.clone()
 
     def _capture(self) -> None:
-        """Warm up on a side stream, then capture the step (torch's documented whole-network pattern)."""
+        """Capture the step as torch documents it for a whole network: one warm-up run on a side
+        stream (it rewrites the same K/V to the same slots), then the recording, which runs no
+        kernel; the caller replays it for this step."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(WARMUP):
-                self._step()
+            self._step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # a server has other threads
             self.logits = self._step()
         self.graph = graph
 
@@ -204,10 +206,11 @@ class Stepper:
         """Whether fixed-shape steps are captured as CUDA graphs (else they run eagerly)."""
         return self._mode == "graphs" or (self._mode == "auto" and self.device.type == "cuda")
 
-    def forget(self, ctx: BatchContext) -> None:
-        """The batch of `ctx` ended: its step (and, through it, the batch's tails) goes now, not when
-        the next batch first steps; the KV budget counts the tails while anything holds them."""
-        if self._graph is not None and self._graph.ctx is ctx:
+    def forget(self, ctx: BatchContext | None = None) -> None:
+        """The batch of `ctx` ended (None: whichever it was): its step (and, through it, the batch's
+        tails) goes now, not when the next batch first steps; the KV budget counts the tails while
+        anything holds them."""
+        if self._graph is not None and (ctx is None or self._graph.ctx is ctx):
             self._graph = None
 
     def blockers(

@@ -318,10 +318,13 @@ class Scheduler:
         if cost > limit:
             with self._cv:
                 self.stats.rejected += 1
+            budget = getattr(self.backend, "kv_budget", None) or limit
+            least = -(-cost * budget // max(limit, 1))  # the budget whose admitted share holds it
             raise KVBudgetExceeded(
                 f"the request needs up to {cost} bytes of KV ({len(job.prompt)} prompt tokens, "
-                f"n={job.n} x max_tokens={job.params.max_tokens}); the KV budget admits at most "
-                f"{limit} bytes per request"
+                f"n={job.n} x max_tokens={job.params.max_tokens}); kv_budget={budget} bytes admits "
+                f"at most {limit} bytes per request: it needs kv_budget >= {least} bytes, or a "
+                f"smaller n or max_tokens"
             )
 
     def _kv_cost(self, job: Job) -> int:

@@ -140,13 +140,14 @@ class Router:
         if not waiting or (waiting * 4 < alive and self.steps - self.admitted_at < ADMIT_EVERY):
             return []
         self.admitted_at = self.steps
-        # the batch is re-assembled from the rows still decoding: the jobs that ended by now leave it
-        self.retiring = len(self.finished)
+        ended = len(self.finished)
         before = len(self.children)
         for job in self.take(self.key, room):
             if self.join(job):
                 self.stats.admitted += 1
         new = self.children[before:]
+        if new:  # the batch is re-assembled from the rows still decoding: the jobs that ended by now leave it
+            self.retiring = ended
         if not self.mixes:
             return new
         return [(node, job.params) for node, (job, _) in zip(new, self.owner[before:], strict=True)]

@@ -286,7 +286,7 @@ class HFBackend:
     def kv_budget(self, value: int | float | str | None) -> None:
         budget = parse_budget(value, self.device)
         with self.engine.lock:
-            self.engine.pool.budget = budget
+            self.engine.pool.set_budget(budget)  # refuses one below a single row's need
 
     @property
     def prefill_chunk(self) -> int:

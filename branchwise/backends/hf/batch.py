@@ -409,7 +409,9 @@ class Batch:
             r.tail_start = sum(a.kv_tokens for a in chain)
         lens = [r.tail_start + r.kv_len for r in rows]
         feeds = [s.pending if limit is None else s.pending[:limit] for s in segs]
-        cap = max(n + len(f) for n, f in zip(lens, feeds, strict=True)) + extra
+        # the first forward pads every row's feed to the longest (`BatchContext.begin`): room for
+        # that, or it would grow every row's tail by `grow_by` slots before the budget is asked
+        cap = max(lens) + max(len(f) for f in feeds) + extra
         shape = (b, parts.n_kv_heads, max(cap, 1), parts.head_dim)
         if reserve is not None:
             itemsize = torch.tensor([], dtype=dtype).element_size()

@@ -103,7 +103,8 @@ class Computation:
             self.device,
             engine.broadcast,
             copy_tokens,
-            reserve=engine.pool.reserve_tails,
+            # free slots ahead are refused where they would not fit (`KVPool.reserve_tails`)
+            reserve=functools.partial(engine.pool.reserve_tails, slack=extra > 0),
         )
         engine.pool.track(batch.ctx)
         for plugin in overrides(self.plugins, "on_batch"):
@@ -140,6 +141,8 @@ class Computation:
         capturers = overrides(self.plugins, "on_capture")
 
         def capture(pos: int, row: Row) -> None:
+            if row.seg.id not in self.tree or row.seg.cached:
+                return  # released mid-call by its ended request: freed (its KV would be held by nobody) or cached
             batch.capture(self.tree, pos, row)
             for plugin in capturers:
                 plugin.on_capture(batch, pos, row)
@@ -212,8 +215,14 @@ class Computation:
                 intake.dropped([r for r in batch.rows if r.preempted])
                 segs = [r.seg for r in batch.rows if r.finish is None and not r.preempted]
                 segs += [self.tree.get(n) for n in admitted]
+                self.engine.stepper.forget(batch.ctx)
+                intake.batch = None  # the old tails go before the next batch's are reserved
+                del batch
                 observers = ()
         finally:
+            if intake.batch is not None:  # the call raised mid-batch: the traceback must not hold its tails
+                self.engine.pool.end(intake.batch.ctx)
+            self.engine.stepper.forget()
             intake.finish()
         return run.generations()
 

@@ -149,6 +149,9 @@ class DecodeRun:
     pressure: Callable[[list[Row]], list[Row]] | None = None
     """Asked at each step boundary with the rows still decoding: those to preempt now (the KV
     budget, `intake.Intake.pressure`). They leave the batch without their KV being captured."""
+    stopped: set[int] = field(default_factory=set)
+    """Segments of preempted rows that `on_step` stopped while they waited outside the batch (a
+    cancelled request): they ended as cancelled, and the intake lets them go instead of back in."""
 
     @classmethod
     def start(
@@ -386,10 +389,18 @@ def _report(run: DecodeRun, rows: Sequence[Row], stepping: Sequence[int], alive:
     if not drop:
         return alive
     by_index = {run.rows[rows[ri].seg.id]: ri for ri in alive}
+    waiting = {run.rows[r.seg.id]: r for r in (*run.carried.values(), *rows) if r.preempted}
     for index in drop:
         found = by_index.get(index)
         if found is not None:
             r = rows[found]
             r.finish = "cancelled"
             run.stops.settle(r)
+        elif index in waiting and waiting[index].finish is None:  # preempted: it ends where it waits
+            r = waiting[index]
+            r.finish = "cancelled"
+            run.stops.settle(r)
+            run.stopped.add(r.seg.id)
+            if run.carried.pop(r.seg.id, None) is not None:  # from an earlier batch: answered now
+                run.results.setdefault(index, _generation(r))
     return [ri for ri in alive if rows[ri].finish is None]

@@ -19,6 +19,7 @@ from branchwise.backends.hf.arch import DecoderParts, kv_bytes_per_token
 from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, Builds
+from branchwise.backends.hf.pace import PrefillPace
 from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.step import Stepper
@@ -77,6 +78,8 @@ class Engine:
     """The model's context window in tokens (None where its config does not say)."""
     pool: KVPool = field(init=False)
     """Every byte of KV and its budget (`pool.py`)."""
+    pace: PrefillPace = field(default_factory=PrefillPace)
+    """The size of each prefill chunk carried by a decode step, by time (`pace.py`)."""
     prefill_chunk: int = 128
     """Prompt tokens computed per decode step while other rows decode (0: whole prompts); alone,
     `intake.ALONE_CHUNK` per forward (`intake.py`)."""

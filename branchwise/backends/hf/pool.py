@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import re
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +34,14 @@ from branchwise.backends.base import KVBudgetExceeded
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.tree import KVTree
 
-__all__ = ["AUTO_FRACTION", "KVPool", "free_memory", "parse_budget", "return_freed_memory"]
+__all__ = [
+    "AUTO_FRACTION",
+    "KVPool",
+    "TailSlackRefused",
+    "free_memory",
+    "parse_budget",
+    "return_freed_memory",
+]
 
 AUTO_FRACTION = 0.5
 """``kv_budget="auto"``: this fraction of the memory free when the budget is set (after the weights
@@ -43,6 +52,18 @@ TAIL_SLACK = 128
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+class TailSlackRefused(KVBudgetExceeded):
+    """A batch's tails with free slots ahead do not fit the budget: assemble them without
+    (`KVPool.reserve_tails`); never reaches a caller."""
+
+
+def _batch_bytes(ctx: BatchContext) -> int:
+    """Bytes a live batch holds beside the tree: its tail buffers and its laid-out blocks."""
+    pool = ctx.pool
+    blocks = 0 if pool is None else sum(t.nbytes for t in (*pool.keys, *pool.values))
+    return ctx.nbytes + blocks
 
 
 def free_memory(device: torch.device) -> int:
@@ -134,23 +155,41 @@ class KVPool:
     """Prompts up to this many tokens may be copied into each row's tail (`Computation.assemble`)."""
     preemptions: int = 0
     overruns: int = 0
-    """Decode steps that ran above the budget because nothing could yield (a lone row, or rows of
-    a run with accelerations, which are never preempted)."""
+    """Decode steps that ran above the budget because nothing could yield (the oldest row alone:
+    it is never preempted, so a decode always progresses)."""
     _batches: weakref.WeakValueDictionary[int, BatchContext] = field(
         default_factory=weakref.WeakValueDictionary
     )
+
+    def __post_init__(self) -> None:
+        self.tree.ceiling = self.cache_ceiling
 
     def track(self, ctx: BatchContext) -> None:
         """Count a batch's tail buffers while the batch lives."""
         self._batches[id(ctx)] = ctx
 
-    @property
-    def tails(self) -> int:
+    def end(self, ctx: BatchContext) -> None:
+        """A batch ended abnormally (its call raised): free its tails now. The exception's traceback
+        keeps the decode's frames, and so the batch, alive for as long as a caller keeps the error;
+        its buffers must not stay allocated and counted that long."""
+        for bufs in (ctx.tail_k, ctx.tail_v):
+            bufs[:] = []
+        if ctx.pool is not None:
+            ctx.pool.keys[:], ctx.pool.values[:] = [], []
+        self._batches.pop(id(ctx), None)
+
+    def _contexts(self) -> list[BatchContext]:
         while True:
             try:  # read without the engine's lock by `stats`: a batch may come or go meanwhile
-                return sum(ctx.nbytes for ctx in list(self._batches.values()))
+                return list(self._batches.values())
             except RuntimeError:
                 continue
+
+    @property
+    def tails(self) -> int:
+        """Bytes of the live batches' tail buffers and of their laid-out shared blocks (a
+        ReasonCache batch copies each block it reads once into its `BlockPool`)."""
+        return sum(_batch_bytes(ctx) for ctx in self._contexts())
 
     def used(self) -> int:
         """Every byte of KV held now: live nodes and blocks, the prefix cache, batch tails."""
@@ -165,6 +204,13 @@ class KVPool:
         limit = int(self.budget * (1.0 - self.watermark))
         return limit - self.used() - self.reserved + self.tree.accounts.cache.held
 
+    def cache_ceiling(self) -> int | None:
+        """The most bytes the prefix cache may hold now (None: unbounded): what the budget leaves
+        free of live KV and batch tails (`KVTree.ceiling`; every trim of the cache obeys it)."""
+        if self.budget is None:
+            return None
+        return max(0, self.budget - self.tree.accounts.total.held - self.tails)
+
     def over(self, extra: int = 0) -> int:
         """Bytes above the budget once `extra` more are held (<= 0: it fits)."""
         return 0 if self.budget is None else self.used() + extra - self.budget
@@ -177,23 +223,34 @@ class KVPool:
             return 0
         return self.tree.trim(max(0, self.tree.accounts.cache.held - over))
 
-    def reserve_tails(self, nbytes: int) -> None:
-        """A batch is about to allocate `nbytes` of tails: let the prefix cache yield; tails larger
-        than the whole budget are refused with `KVBudgetExceeded` (an error, not the process killed
-        for memory: one long row makes every row's tail as long, `job_cost`). A smaller overshoot
-        is let through and counted (`overruns`): the decode's next step preempts rows to make up
-        for it (`intake.Intake.pressure`), which failing every request of the batch would not."""
+    def reserve_tails(self, nbytes: int, slack: bool = False) -> None:
+        """A batch is about to allocate `nbytes` of tails: let the prefix cache yield.
+
+        Tails that still do not fit are refused with `TailSlackRefused` when they include free slots
+        ahead (`slack`: the caller assembles them again without, `Computation.assemble`): a fresh
+        batch's free slots cost up to `TAIL_SLACK` tokens per row at once, and letting them through
+        is how a burst of re-assembled batches once held twice the budget. Tails larger than the
+        whole budget are refused with `KVBudgetExceeded` (an error, not the process killed for
+        memory: one long row makes every row's tail as long, `job_cost`). A smaller overshoot of
+        tails without slack (what the rows already hold, copied) is let through and counted
+        (`overruns`): the decode's next step preempts rows to make up for it
+        (`intake.Intake.pressure`), which failing every request of the batch would not."""
         if self.budget is None or self.over(nbytes) <= 0:
             return
         self.yield_cache(nbytes)
         if self.over(nbytes) <= 0:
             return
+        if slack:
+            raise TailSlackRefused(
+                f"a decode batch's tails with free slots need {nbytes} bytes; the KV budget of "
+                f"{self.budget} bytes has {self.budget - self.used()} free"
+            )
         if nbytes <= self.budget:
             self.overruns += 1
             return
         raise KVBudgetExceeded(
-            f"a decode batch needs {nbytes} bytes of tails, more than the whole KV budget of "
-            f"{self.budget} bytes"
+            f"a decode batch needs {nbytes} bytes of tails, more than the whole kv_budget of "
+            f"{self.budget} bytes; kv_budget must be at least {nbytes} bytes for it"
         )
 
     @staticmethod
@@ -217,6 +274,61 @@ class KVPool:
         copied = prompt_tokens if prompt_tokens <= self.copy_tokens else 0
         row = self.row_tokens(max_tokens) + copied
         return (prompt + n * row) * self.token_bytes
+
+    def minimum_budget(self, prompt_tokens: int = 1, max_tokens: int = 1) -> int:
+        """The smallest ``kv_budget`` under which one row of `prompt_tokens` decoding `max_tokens`
+        is admitted at all (its `job_cost` within the budget less the watermark)."""
+        cost = self.job_cost(prompt_tokens, 1, max_tokens, True)
+        return math.ceil(cost / (1.0 - self.watermark))
+
+    def set_budget(self, budget: int | None) -> None:
+        """Set the budget (bytes; None: unbounded), refusing one that cannot hold a single row of
+        one prompt token and one new token (every request would be refused: better said now)."""
+        least = self.minimum_budget()
+        if budget is not None and budget < least:
+            raise ValueError(
+                f"kv_budget={budget} bytes is below the minimum of {least} bytes: one row of one "
+                f"token needs {self.job_cost(1, 1, 1, True)} bytes of KV ({self.token_bytes} bytes "
+                f"per token) and admission keeps {self.watermark:.0%} of the budget free"
+            )
+        self.budget = budget
+        self.tree.trim()
+
+    def settle(self) -> int:
+        """After nodes were released: trim the prefix cache to its own budget and to what the KV
+        budget leaves free (`cache_ceiling`); returns how many cached nodes went."""
+        return self.tree.trim()
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the storage really allocated for what `used` counts: every distinct tensor
+        storage the tree's nodes, their shared blocks and the live batches' tails hold.
+
+        Why by storage, not by tensor: a view keeps its whole base alive (a node holding a slice of
+        a batch's buffers would pin all of it), so counted bytes (`Tensor.nbytes`) track the real
+        memory only while every tensor owns its storage; this measures that on any device (on CUDA
+        the allocator's own figure, `torch.cuda.memory_allocated`, adds the weights and the
+        activations, and rounds each block up)."""
+        seen: dict[tuple[str, int], int] = {}
+
+        def add(tensors: Iterable[torch.Tensor]) -> None:
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    seen[(str(t.device), storage.data_ptr())] = storage.nbytes()
+
+        for seg in self.tree.segments():
+            add(seg.keys or ())
+            add(seg.values or ())
+            for _, block in seg.blocks:
+                add(block.keys)
+                add(block.values)
+        for ctx in self._contexts():
+            add(ctx.tail_k)
+            add(ctx.tail_v)
+            if ctx.pool is not None:
+                add(ctx.pool.keys)
+                add(ctx.pool.values)
+        return sum(seen.values())
 
     def stats(self) -> dict[str, int | None]:
         """The budget's figures; safe to read without the engine's lock (a monitor's snapshot)."""

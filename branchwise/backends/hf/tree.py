@@ -47,6 +47,10 @@ class KVTree:
     accounts: Accounts = field(default_factory=Accounts)
     prefix: PrefixCache = field(default_factory=PrefixCache)
     blocks: BlockStore = field(init=False)
+    ceiling: Callable[[], int | None] | None = None
+    """The most bytes the prefix cache may hold now besides its own budget (None: no bound): set by
+    the memory pool (`KVPool.cache_ceiling`), so the cache never keeps more than the KV budget leaves
+    free of live KV, however much its own `cache_bytes` would allow."""
     _segments: dict[int, Segment] = field(default_factory=dict)
     _next_id: int = 0
 
@@ -203,8 +207,17 @@ class KVTree:
         return node, pos
 
     def trim(self, limit: int | None = None) -> int:
-        """Evict least recently used cached leaves until the cache fits its budget (and `limit`
-        bytes, when given: the memory pool asks the cache to yield); returns how many."""
+        """Evict least recently used cached leaves until the cache fits its budget, the pool's
+        `ceiling` and `limit` bytes, when given (the memory pool asks the cache to yield); returns
+        how many.
+
+        Why the ceiling here, on every trim: a release that hands a burst's finished nodes to the
+        cache keeps them all (up to `cache_bytes`), and nothing asks the cache to yield until the
+        next decode needs room; bounding it at each trim keeps what is counted within the KV budget
+        after every release, not only while a decode runs."""
+        ceiling = None if self.ceiling is None else self.ceiling()
+        if ceiling is not None:
+            limit = ceiling if limit is None else min(limit, ceiling)
         n = 0
         while (leaf := self.prefix.victim(self.accounts.cache.held, limit)) is not None:
             n += len(self._drop(leaf))

@@ -1,0 +1,79 @@
+"""How many prompt tokens a decode step may carry beside its decoding rows: a budget in time.
+
+Why: a long prompt that arrives while other rows decode is prefilled a chunk per decode step
+(`intake.py`), and every decoding row waits for that chunk's forward at every step. A fixed chunk
+costs very different times: on a 2-core CPU a 128-token forward is compute-bound and takes many
+decode steps' time, and later chunks cost more than earlier ones (each attends over every token
+before it), while on a GPU the same chunk is nearly free. The short requests' latency is what the
+chunk should bound, so the chunk is sized by time: at most `share` of a decode step's own time,
+measured as the call runs (moving averages of the decode step and of a prefilled token's cost,
+which follow the prompt's growing attention), between `floor` tokens (progress for the long
+prompt) and the configured chunk (`HFBackend.prefill_chunk`, the most a step carries). With
+`share=1.0` a step with a chunk takes about twice a plain one, which is the bound the serving
+benchmark checks (the short requests' p99 at most 2x their p99 without the long prompt).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillPace:
+    """The chunk size of the next step's prefill (see the module docstring). One per engine, so what
+    one call measured sizes the next call's first chunk."""
+
+    share: float = 1.0
+    """A chunk's forward may take at most this fraction of a decode step's time."""
+    floor: int = 8
+    """The fewest prompt tokens a step carries (the long prompt's progress)."""
+    smoothing: float = 0.3
+    """Weight of the newest measurement in the moving averages."""
+    step_s: float | None = None
+    """Seconds of a decode step without prefill (moving average)."""
+    token_s: float | None = None
+    """Seconds per prefilled token of the last chunks (moving average)."""
+    _since: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.share > 0:
+            raise ValueError(f"prefill share={self.share!r} must be > 0 (a fraction of a decode step's time)")
+        if self.floor < 1:
+            raise ValueError(f"prefill floor={self.floor!r} must be an int >= 1 (tokens per step)")
+
+    def size(self, limit: int) -> int:
+        """Prompt tokens for the next chunk, at most `limit` (the configured chunk). Before anything
+        was measured, the floor: a small first chunk measures what a token costs."""
+        if self.step_s is None or self.token_s is None or self.token_s <= 0:
+            return min(limit, self.floor)
+        fits = int(self.share * self.step_s / self.token_s)
+        return max(min(self.floor, limit), min(limit, fits))
+
+    def boundary(self) -> None:
+        """A decode step just ended (a step boundary, before any chunk): the time since the last
+        boundary's end is one decode step."""
+        now = time.perf_counter()
+        if self._since is not None:
+            self.step_s = self._average(self.step_s, now - self._since)
+        self._since = now
+
+    def timed_chunk(self, tokens: int, started: float, device: torch.device) -> None:
+        """A chunk of `tokens` prompt tokens, started at `started` (`time.perf_counter()`), has been
+        queued: wait for the device (its kernels run asynchronously on a GPU), record its cost per
+        token, and start the next decode step's clock after it."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        if tokens > 0:
+            self.token_s = self._average(self.token_s, (now - started) / tokens)
+        self._since = now
+
+    def idle(self) -> None:
+        """No decode step runs now (the batch emptied): the next boundary starts a new clock."""
+        self._since = None
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new

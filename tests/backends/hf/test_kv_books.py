@@ -1,0 +1,218 @@
+"""The KV budget is a bound and its books balance: counted bytes (live nodes, the prefix cache and
+batch tails, `KVPool.used`) stay within `kv_budget` at every decode step boundary and after every
+request, under a burst through one scheduler; they track the storage really allocated; a budget too
+small for one row is refused naming the minimum; and a request cancelled while its rows wait
+preempted, or one that raises, leaves nothing held."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from branchwise.backends.base import DecodeParams, KVBudgetExceeded
+from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.compute import Computation
+from branchwise.backends.scheduler import Job, Scheduler
+
+TEXT = "Question: How many apples are left? Let's think step by step about the problem. "
+MARGIN = 0.01
+"""Counted bytes against the storage really allocated (docs/SERVING.md states it)."""
+
+
+def burst(backend: HFBackend, jobs: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """`jobs` requests of a few shared prefixes with varied n and lengths, all queued at once through
+    one scheduler; returns `pool.used()` at every decode step boundary (each job's step listener,
+    called between two forwards) and after every request ended (its nodes released)."""
+    pool = backend.engine.pool
+    steps: list[int] = []
+    ends: list[int] = []
+    sched = Scheduler(backend, window_s=0.01, max_rows=16)
+    rng = random.Random(seed)
+    try:
+        queued = [
+            sched.enqueue(
+                Job(
+                    prompt=backend.encode(f"{i % 5} {TEXT}" + " more" * rng.randrange(8)),
+                    n=rng.choice([1, 2, 4]),
+                    params=DecodeParams(max_tokens=rng.randrange(4, 30)),
+                    on_step=lambda _: steps.append(pool.used()),
+                    on_done=lambda _: ends.append(pool.used()),
+                )
+            )
+            for i in range(jobs)
+        ]
+        for job in queued:
+            job.result()
+    finally:
+        sched.close(timeout=60)
+    return steps, ends
+
+
+def test_a_burst_stays_within_the_budget_cache_included(tiny_llama_dir: Path) -> None:
+    backend = HFBackend(tiny_llama_dir)  # the prefix cache's own budget (1 GiB) is far above the KV budget
+    pool = backend.engine.pool
+    budget = 600 * pool.token_bytes
+    backend.kv_budget = budget
+    assert backend.cache_bytes > 100 * budget
+    steps, ends = burst(backend, 24)
+    assert len(steps) > 100 and len(ends) == 24
+    assert max(steps) <= budget, f"{max(steps) / budget:.3f} of the budget at a step boundary"
+    assert max(ends) <= budget, f"{max(ends) / budget:.3f} of the budget after a request ended"
+    assert pool.used() <= budget and pool.overruns == 0
+    stats = backend.kv_stats()
+    assert stats.bytes_held == 0 and 0 < stats.cache_bytes == pool.used()  # the cache kept what fits
+
+
+def test_a_release_never_keeps_more_cache_than_the_budget_leaves(tiny_llama_dir: Path) -> None:
+    """Finished nodes go to the cache (their bytes move, nothing is added), and every trim after a
+    release obeys the budget: here the budget is lowered under what the cache holds, and the cache
+    shrinks to it at once, then stays under it as more requests end."""
+    backend = HFBackend(tiny_llama_dir, kv_budget=None)
+    pool = backend.engine.pool
+    for i in range(6):
+        root = backend.prefill(backend.encode(f"{i} {TEXT}"))
+        kids = backend.fork(root, 2)
+        backend.extend(kids, DecodeParams(max_tokens=6, min_tokens=6))
+        backend.release([*kids, root])
+    cached = pool.tree.accounts.cache.held
+    backend.kv_budget = cached // 2
+    assert 0 < pool.tree.accounts.cache.held <= cached // 2 and pool.tree.prefix.evictions > 0
+    live = backend.prefill(backend.encode("A live prompt."))
+    backend.extend([live], DecodeParams(max_tokens=1))  # computed: its KV is live, not cached
+    for i in range(3):
+        root = backend.prefill(backend.encode(f"{i} again {TEXT}"))
+        backend.extend([root], DecodeParams(max_tokens=8, min_tokens=8))
+        backend.release([root])
+        assert pool.used() <= backend.kv_budget  # type: ignore[operator]
+    assert pool.tree.accounts.total.held > 0 and pool.tree.accounts.cache.held > 0
+    backend.release([live])
+
+
+def test_counted_bytes_track_the_real_storage(tiny_llama_dir: Path) -> None:
+    """`KVPool.used` (tensor bytes the ledgers and tails count) against `allocated_bytes` (distinct
+    storages those tensors hold), while decoding, with the cache holding finished requests, and
+    after a split of a cached node: within `MARGIN`."""
+    backend = HFBackend(tiny_llama_dir, kv_budget=None)
+    pool = backend.engine.pool
+    pairs: list[tuple[int, int]] = []
+
+    def look(_: object) -> None:
+        pairs.append((pool.used(), pool.allocated_bytes()))
+
+    ids = backend.encode(TEXT * 2)
+    root = backend.prefill(ids)
+    kids = backend.fork(root, 4)
+    backend.extend(kids, DecodeParams(max_tokens=40, min_tokens=40), on_step=look)
+    backend.release([*kids, root])
+    look(None)
+    again = backend.prefill(ids[: len(ids) // 2] + backend.encode(" a different ending"))  # splits
+    backend.extend([again], DecodeParams(max_tokens=8), on_step=look)
+    look(None)
+    backend.release([again])
+    look(None)
+    assert len(pairs) > 40 and all(used > 0 for used, _ in pairs)
+    worst = max(abs(real - used) / used for used, real in pairs)
+    assert worst <= MARGIN, f"counted bytes are {worst:.2%} off the real storage"
+
+
+def test_a_budget_below_one_row_is_refused_naming_the_minimum(tiny_llama_dir: Path) -> None:
+    backend = HFBackend(tiny_llama_dir, kv_budget=None)
+    pool = backend.engine.pool
+    least = pool.minimum_budget()
+    with pytest.raises(ValueError, match=rf"kv_budget={least - 1} bytes is below the minimum of {least}"):
+        backend.kv_budget = least - 1
+    assert backend.kv_budget is None  # unchanged
+    backend.kv_budget = least  # the minimum itself is accepted
+    # a request one row of which cannot fit: refused at admission, naming kv_budget and its minimum
+    ids = backend.encode(TEXT)
+    need = backend.kv_cost(len(ids), 1, 32)
+    backend.kv_budget = need  # the budget less its watermark is under the request's need
+    sched = Scheduler(backend)
+    try:
+        with pytest.raises(
+            KVBudgetExceeded, match=rf"kv_budget={need} bytes.*kv_budget >= (\d+) bytes"
+        ) as err:
+            sched.enqueue(Job(prompt=ids, n=1, params=DecodeParams(max_tokens=32)))
+        minimum = int(err.value.args[0].rsplit("kv_budget >= ", 1)[1].split()[0])
+        backend.kv_budget = minimum  # the minimum it names admits the request
+        gens = sched.submit(Job(prompt=ids, n=1, params=DecodeParams(max_tokens=32, min_tokens=32)))
+        assert len(gens[0].token_ids) == 32
+    finally:
+        sched.close(timeout=30)
+
+
+def test_rows_cancelled_while_preempted_leave_the_books_balanced(tiny_llama_dir: Path) -> None:
+    """Eight rows under a budget that preempts the youngest; once some wait preempted, the step
+    listener cancels the younger half (what a scheduler does for a cancelled request). The older
+    rows end with all their tokens, the cancelled ones end as cancelled, and once the nodes are
+    released nothing stays held."""
+    backend = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
+    pool = backend.engine.pool
+    ids = backend.encode(TEXT)
+    backend.kv_budget = (len(ids) + 8 * 48) * pool.token_bytes
+    at_cancel: list[int] = []
+
+    def listener(_: object) -> list[int] | None:
+        if pool.preemptions and not at_cancel:
+            at_cancel.append(pool.preemptions)
+            return [4, 5, 6, 7]
+        return None
+
+    root = backend.prefill(ids)
+    kids = backend.fork(root, 8)
+    gens = backend.extend(kids, DecodeParams(max_tokens=48, min_tokens=48), on_step=listener)
+    assert at_cancel and at_cancel[0] > 0  # cancelled while rows were preempted
+    assert [len(g.token_ids) for g in gens[:4]] == [48] * 4
+    assert all(g.finish_reason == "cancelled" and len(g.token_ids) < 48 for g in gens[4:])
+    backend.release([*kids, root])
+    assert pool.tree.accounts.total.held == 0 and pool.used() == 0 and pool.tails == 0
+    assert len(pool.tree) == 0 and backend.kv_stats().bytes_held == 0
+
+
+def test_a_request_that_raises_leaves_the_books_balanced(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward that fails mid-decode: the error reaches every request of the batch, and the
+    batch's tails and nodes are all let go (the error's traceback does not keep the tails)."""
+    backend = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
+    pool = backend.engine.pool
+    forward = Computation.forward
+    calls = [0]
+
+    def failing(self: Computation, *args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 6:
+            raise RuntimeError("device lost")
+        return forward(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Computation, "forward", failing)
+    sched = Scheduler(backend, window_s=0.2)
+    try:
+        jobs = [
+            sched.enqueue(Job(prompt=backend.encode(f"{i} {TEXT}"), n=2, params=DecodeParams(max_tokens=20)))
+            for i in range(2)
+        ]
+        errors = []
+        for job in jobs:
+            with pytest.raises(RuntimeError, match="device lost") as err:
+                job.result()
+            errors.append(err.value)  # held, with its traceback, while the books are read
+        assert pool.tails == 0 and pool.allocated_bytes() == 0
+        assert pool.tree.accounts.total.held == 0 and pool.used() == 0 and len(pool.tree) == 0
+    finally:
+        sched.close(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_burst_on_the_embedded_model_stays_within_the_budget(embedded_dir: Path) -> None:
+    backend = HFBackend(embedded_dir, dtype="float32")
+    pool = backend.engine.pool
+    budget = 400 * pool.token_bytes
+    backend.kv_budget = budget
+    steps, ends = burst(backend, 12, seed=1)
+    assert max(steps) <= budget and max(ends) <= budget and pool.overruns == 0
+    assert backend.kv_stats().cache_bytes > 0
+    used, real = pool.used(), pool.allocated_bytes()
+    assert abs(real - used) <= MARGIN * used

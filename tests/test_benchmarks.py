@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -775,41 +776,85 @@ def test_structured_quick() -> None:
     assert 0 <= vote["vote_correct"] <= vote["requests"] == 2
 
 
+def test_kv_budget_worked_solutions_and_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The few-shot solutions add one operation per sentence and end in the task's answer; a budget
+    fraction outside (0, 1] is refused before any model loads, naming the option."""
+    kv = _script(monkeypatch, "kv_budget")
+    entry = {"answer": "12", "metadata": {"expression": "3 + 5 - 2 + 6"}}
+    assert kv.worked(entry) == "3 + 5 = 8. 8 - 2 = 6. 6 + 6 = 12.\n#### 12"
+    assert kv.worked({"answer": "7", "metadata": {"answer_cot": "so 7\n#### 7"}}) == "so 7\n#### 7"
+    assert kv.worked({"answer": "7", "metadata": {"expression": "2 * 3 + 1"}}) == "#### 7"
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            kv.main(["--budget-fraction", bad])
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
 def test_kv_budget_quick() -> None:
     out = run_quick("kv_budget.py")
-    cfg, methods = out["config"], out["methods"]
-    assert set(methods) == set(cfg["methods"]) == {"dense", "exact", "skipkv", "reasoncache", "rsbcm"}
-    budget = out["budget_bytes"]
-    dense = methods["dense"]
-    assert dense["share"] == "none" and all(m["share"] == "exact" for k, m in methods.items() if k != "dense")
-    # the budget admits about --budget-requests dense requests at their worst case
-    assert dense["admitted_worst_case_requests"] == int(cfg["budget_requests"])
-    for name, row in methods.items():
-        # every question's n branches came back, and the rates are the counts over the wall time
-        assert row["branches"] == cfg["questions"] * cfg["n"]
-        assert 0 < row["generated_tokens"] <= row["branches"] * cfg["max_tokens"]
-        assert row["branches_per_s"] == ratio(row["branches"], row["seconds"])
-        assert row["tokens_per_s"] == ratio(row["generated_tokens"], row["seconds"])
-        assert row["throughput_vs_dense"] == ratio(row["branches_per_s"], dense["branches_per_s"])
-        assert row["throughput_vs_exact"] == ratio(row["branches_per_s"], methods["exact"]["branches_per_s"])
-        # the budget held, or the run says where it did not
-        assert row["budget_bytes"] == budget
-        assert row["peak_used_bytes"] <= budget or row["overruns"] > 0, row
-        assert row["within_budget"] == (row["peak_used_bytes"] <= budget)
-        assert 1 <= row["max_rows_per_call"] <= row["branches"]
-        assert row["max_rows_per_call"] == cfg["n"] * row["max_requests_per_call"]
-        # rows of a run with accelerations are never preempted (their state follows the KV): a step
-        # over the budget there is an overrun instead
-        if name in ("skipkv", "reasoncache", "rsbcm"):
-            assert row["preemptions"] == 0, row
-        assert 0.0 <= row["accuracy_branch"] <= 1.0 and 0.0 <= row["accuracy_vote"] <= 1.0
-    assert dense["throughput_vs_dense"] == 1.0 and "agreement_vs_dense" not in dense
-    assert all(0.0 <= m["agreement_vs_dense"] <= 1.0 for k, m in methods.items() if k != "dense")
-    # dense holds n copies of the prompt, so fewer of its rows fit the same budget
-    assert dense["max_rows_per_call"] <= methods["exact"]["max_rows_per_call"]
-    assert set(out["goals"]) == {f"{m}_throughput_vs_dense" for m in ("exact", "skipkv", "reasoncache")}
-    for name, goal in out["goals"].items():
-        assert goal["value"] == methods[name.removesuffix("_throughput_vs_dense")]["throughput_vs_dense"]
-        assert goal["met"] == (goal["value"] >= float(goal["goal"].removeprefix(">= ")))
+    cfg, arms = out["config"], out["arms"]
+    names = ["dense", "exact", "skipkv_tight", "skipkv_loose", "reasoncache", "rsbcm", "composed"]
+    assert list(arms) == cfg["arms"] == names
+    questions, n, repeats = cfg["questions"], cfg["n"], cfg["repeats"]
+    # every round runs every arm once, the order rotated by one per round
+    assert cfg["orders"] == [names[r:] + names[:r] for r in range(repeats)]
+    # the budget is the stated fraction of exact sharing's worst case for all questions at once
+    budget, watermark = out["budget_bytes"], cfg["watermark"]
+    assert out["budget_fraction"] == cfg["budget_fraction"]
+    assert budget == math.ceil(cfg["budget_fraction"] * out["exact_all_at_once_bytes"] / (1 - watermark))
+    dense, exact = arms["dense"], arms["exact"]
+    assert dense["share"] == "none" and all(a["share"] == "exact" for k, a in arms.items() if k != "dense")
+    # dense holds n prompts per request, SkipKV caps what a branch keeps: their worst cases bracket exact's
+    assert dense["worst_case_bytes_per_request"] > exact["worst_case_bytes_per_request"]
+    assert arms["skipkv_tight"]["worst_case_bytes_per_request"] < exact["worst_case_bytes_per_request"]
+    assert set(arms["composed"]["accel"]) >= {"skipkv", "river"}
+    for name, arm in arms.items():
+        worst = arm["worst_case_bytes_per_request"]
+        assert arm["admitted_worst_case_requests"] == int(budget * (1 - watermark)) // worst >= 1
+        assert arm["branches"] == questions * n
+        assert all(0 < t <= arm["branches"] * cfg["max_tokens"] for t in arm["generated_tokens"])
+        for key in ("branches_per_s", "tokens_per_s", "seconds", "preemptions", "overruns"):
+            values = arm[key]["values"] if isinstance(arm[key], dict) else arm[key]
+            assert len(values) == repeats, (name, key)
+        for key in ("branches_per_s", "tokens_per_s"):
+            assert arm[key]["median"] == pytest.approx(statistics.median(arm[key]["values"]), abs=0.01)
+        # how many decoded at once, and whether that was fewer than all (the budget bound the arm)
+        assert 1 <= arm["max_requests_at_once"] <= questions
+        assert arm["max_requests_at_once"] <= arm["max_rows_at_once"] <= n * arm["max_requests_at_once"]
+        assert arm["bound"] == (arm["max_requests_at_once"] < questions)
+        assert arm["within_budget"] == (arm["peak_used_bytes"] <= budget)
+        assert arm["peak_used_bytes"] > 0 and arm["peak_allocated_bytes"] > 0
+        assert all(p >= 0 for p in arm["preemptions"]) and all(o >= 0 for o in arm["overruns"])
+        for base in ("dense", "exact"):
+            medians = arm["branches_per_s"]["median"], arms[base]["branches_per_s"]["median"]
+            assert arm[f"throughput_vs_{base}"] == ratio(*medians)
+            assert len(arm[f"throughput_vs_{base}_per_round"]) == repeats
+        for key in ("accuracy_branch", "accuracy_vote", "accuracy_greedy"):
+            assert 0.0 <= arm[key]["value"] <= 1.0
+            check_ci(arm[key]["ci"], questions)
+        if name == "dense":
+            assert "agreement_greedy" not in arm and arm["throughput_vs_dense"] == 1.0
+        else:
+            assert 0.0 <= arm["agreement_greedy"]["value"] <= 1.0
+            check_ci(arm["agreement_greedy"]["ci"], questions)
+    assert out["every_arm_bound"] == all(a["bound"] for a in arms.values())
+    goals = out["goals"]
+    assert set(goals) == {
+        "exact_vs_dense",
+        "skipkv_tight_vs_exact",
+        "skipkv_loose_vs_exact",
+        "reasoncache_vs_exact",
+        "rsbcm_cost",
+    }
+    assert goals["exact_vs_dense"]["met"] == (exact["throughput_vs_dense"] >= 2.0)
+    for name in ("skipkv_tight", "skipkv_loose"):
+        g, arm = goals[f"{name}_vs_exact"], arms[name]
+        assert g["met"] == (
+            arm["throughput_vs_exact"] >= 1.5 and arm["accuracy_loss_vs_dense"]["value"] <= 0.01
+        )
+    rc = arms["reasoncache"]
+    assert goals["reasoncache_vs_exact"]["met"] == (
+        rc["throughput_vs_exact"] >= 1.3 and rc["agreement_greedy"]["value"] >= 0.95
+    )
+    assert goals["rsbcm_cost"]["throughput_vs_exact"] == arms["rsbcm"]["throughput_vs_exact"]

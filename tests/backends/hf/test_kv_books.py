@@ -85,7 +85,7 @@ def test_a_release_never_keeps_more_cache_than_the_budget_leaves(tiny_llama_dir:
         root = backend.prefill(backend.encode(f"{i} again {TEXT}"))
         backend.extend([root], DecodeParams(max_tokens=8, min_tokens=8))
         backend.release([root])
-        assert pool.used() <= backend.kv_budget  # type: ignore[operator]
+        assert pool.used() <= backend.kv_budget
     assert pool.tree.accounts.total.held > 0 and pool.tree.accounts.cache.held > 0
     backend.release([live])
 
@@ -209,7 +209,7 @@ def test_a_request_that_raises_leaves_the_books_balanced(
 def test_a_burst_on_the_embedded_model_stays_within_the_budget(embedded_dir: Path) -> None:
     backend = HFBackend(embedded_dir, dtype="float32")
     pool = backend.engine.pool
-    budget = 400 * pool.token_bytes
+    budget = 800 * pool.token_bytes  # one request of the burst at most needs ~500 tokens
     backend.kv_budget = budget
     steps, ends = burst(backend, 12, seed=1)
     assert max(steps) <= budget and max(ends) <= budget and pool.overruns == 0

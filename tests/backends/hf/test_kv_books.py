@@ -125,6 +125,8 @@ def test_a_budget_below_one_row_is_refused_naming_the_minimum(tiny_llama_dir: Pa
         backend.kv_budget = least - 1
     assert backend.kv_budget is None  # unchanged
     backend.kv_budget = least  # the minimum itself is accepted
+    with pytest.raises(ValueError, match=rf"kv_budget=64 bytes is below the minimum of {least} bytes"):
+        HFBackend(tiny_llama_dir, kv_budget=64)  # at construction too
     # a request one row of which cannot fit: refused at admission, naming kv_budget and its minimum
     ids = backend.encode(TEXT)
     need = backend.kv_cost(len(ids), 1, 32)

@@ -117,7 +117,7 @@ class Computation:
         stepper = self.engine.stepper
         if stepper.applies(batch.ctx, feeds, self.plugins, observers):
             logits = stepper.forward(batch.ctx, feeds)
-            self.stats.bump("decode_steps_captured" if stepper.captures_graphs else "decode_steps_fixed")
+            self.stats.bump("decode_steps_captured" if stepper.replayed else "decode_steps_fixed")
         else:
             logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
             if any(feeds) and all(len(f) <= 1 for f in feeds):

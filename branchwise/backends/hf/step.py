@@ -25,9 +25,9 @@ least 128 slots, and rows leave a batch only once a quarter of it has ended.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -80,23 +80,47 @@ class StaticAttention:
         return fused_cascade(query, tk, tv, self.bias, ctx.shared, layer, scaling)
 
 
+class Recorder(Protocol):
+    """Records a step once and gives back how to replay it and where its output lands."""
+
+    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]: ...
+
+
+class CudaGraphs:
+    """`Recorder` of CUDA graphs, as torch documents the capture of a whole network: one warm-up run
+    on a side stream (the step rewrites the same K/V to the same slots), then the recording, which
+    runs no kernel. Capture errors are thread-local: a server has other threads."""
+
+    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = step()
+        return graph.replay, out
+
+
 @dataclass(eq=False)
 class StepGraph:
-    """The fixed-shape step of one batch layout: its input buffers, its output, its CUDA graph.
+    """The fixed-shape step of one batch layout: its input buffers, and its recording once taken.
 
-    `signature` is what the shapes and the addresses a capture bakes in depend on (rows, capacity,
-    the tails' and shared segments' storage); a batch whose signature changed needs a new graph.
+    `signature` is what the shapes and the addresses a recording bakes in depend on (rows,
+    capacity, the tails' and shared segments' storage); a batch whose signature changed needs a new
+    `StepGraph`. Without a `recorder` every step runs eagerly.
     """
 
     parts: DecoderParts
     ctx: BatchContext
     signature: tuple[object, ...]
-    capture: bool
+    recorder: Recorder | None
     ids: torch.Tensor = field(init=False)
     pos: torch.Tensor = field(init=False)
     lens: torch.Tensor = field(init=False)
+    replay: Callable[[], None] | None = None
     logits: torch.Tensor | None = None
-    graph: torch.cuda.CUDAGraph | None = None
     runs: int = 0
 
     def __post_init__(self) -> None:
@@ -123,36 +147,21 @@ class StepGraph:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits `[B, V]` after each row's token `ids` `[B]` at the batch's positions and lengths.
-
-        Re-running with the same inputs writes the same K/V to the same slots, which is what lets a
-        capture warm up on the live batch."""
+        A recorder records the step on the layout's first step after `WARMUP` eager ones, and
+        replays it from then on."""
         ctx = self.ctx
         assert ctx.pos_next is not None
         self.ids[:, 0].copy_(ids)
         self.pos[:, 0].copy_(ctx.pos_next)
         self.lens.copy_(ctx.lens)
         self.runs += 1
-        if not self.capture or self.runs <= WARMUP:
+        if self.recorder is None or self.runs <= WARMUP:
             return self._step()
-        if self.graph is None:
-            self._capture()
-        assert self.graph is not None and self.logits is not None
-        self.graph.replay()
-        return self.logits.clone()
-
-    def _capture(self) -> None:
-        """Capture the step as torch documents it for a whole network: one warm-up run on a side
-        stream (it rewrites the same K/V to the same slots), then the recording, which runs no
-        kernel; the caller replays it for this step."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # a server has other threads
-            self.logits = self._step()
-        self.graph = graph
+        if self.replay is None:
+            self.replay, self.logits = self.recorder.record(self._step)
+        assert self.logits is not None
+        self.replay()
+        return self.logits.clone()  # the next replay overwrites it
 
 
 def signature(ctx: BatchContext) -> tuple[object, ...]:
@@ -184,9 +193,14 @@ class Stepper:
         self.parts = parts
         self.pad_id = pad_id
         self.device = device
+        self.recorder: Recorder | None = None
+        """What records steps (`CudaGraphs` where they are captured; set with `mode`)."""
         self.mode = mode
         self._graph: StepGraph | None = None
         self.captures = 0
+        """Steps recorded so far (one per batch layout that stepped more than `WARMUP` times)."""
+        self.replayed = False
+        """Whether the last step was a replay of a recording (else it ran eagerly)."""
 
     @property
     def mode(self) -> StepMode:
@@ -200,11 +214,13 @@ class Stepper:
             raise ValueError(f"decode_step='graphs' needs a CUDA device; this backend runs on {self.device}")
         self._mode = mode
         self._graph = None
+        capture = mode == "graphs" or (mode == "auto" and self.device.type == "cuda")
+        self.recorder = CudaGraphs() if capture else None
 
     @property
     def captures_graphs(self) -> bool:
-        """Whether fixed-shape steps are captured as CUDA graphs (else they run eagerly)."""
-        return self._mode == "graphs" or (self._mode == "auto" and self.device.type == "cuda")
+        """Whether fixed-shape steps are recorded and replayed (CUDA graphs), else run eagerly."""
+        return self.recorder is not None
 
     def forget(self, ctx: BatchContext | None = None) -> None:
         """The batch of `ctx` ended (None: whichever it was): its step (and, through it, the batch's
@@ -252,10 +268,12 @@ class Stepper:
         graph = self._graph
         sig = signature(ctx)
         if graph is None or graph.ctx is not ctx or graph.signature != sig:
-            graph = self._graph = StepGraph(self.parts, ctx, sig, self.captures_graphs)
-            self.captures += int(graph.capture)
+            graph = self._graph = StepGraph(self.parts, ctx, sig, self.recorder)
         ids = torch.tensor([f[0] if f else self.pad_id for f in feeds], dtype=torch.long)
+        recorded = graph.replay is not None
         logits = graph(ids.to(self.device, non_blocking=True))
+        self.replayed = graph.replay is not None
+        self.captures += int(self.replayed and not recorded)
         advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         ctx.lens = ctx.lens + advance
         assert ctx.pos_next is not None

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from branchwise.backends.accel import Accel, ReasonCacheConfig, SkipKVConfig
 from branchwise.backends.base import DecodeParams, KVBudgetExceeded
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.compute import Computation
+from branchwise.backends.hf.reasoncache import ReasonCache, StepBoundaries
 from branchwise.backends.scheduler import Job, Scheduler
 
 TEXT = "Question: How many apples are left? Let's think step by step about the problem. "
@@ -115,6 +117,43 @@ def test_counted_bytes_track_the_real_storage(tiny_llama_dir: Path) -> None:
     assert len(pairs) > 40 and all(used > 0 for used, _ in pairs)
     worst = max(abs(real - used) / used for used, real in pairs)
     assert worst <= MARGIN, f"counted bytes are {worst:.2%} off the real storage"
+
+
+@pytest.mark.parametrize("kind", ["reasoncache", "skipkv"])
+def test_counted_bytes_track_the_real_storage_under_kv_changing_accelerations(
+    tiny_llama_dir: Path, kind: str
+) -> None:
+    """ReasonCache's blocks (sealed copies in the tree, laid out once more in each batch's block
+    pool) and SkipKV's evictions (slots moved within the tails, nodes' KV indexed into new tensors)
+    are counted as what they allocate: within `MARGIN` at every step and after the release."""
+    backend = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
+    pool = backend.engine.pool
+    if kind == "reasoncache":
+        cfg = ReasonCacheConfig(block_tokens=2, mode="random", random_rate=1.0)
+        session = backend.session(share="exact", accel=Accel(reasoncache=cfg))
+        plugin = session.plugin(ReasonCache)
+        assert plugin is not None
+        every = frozenset(range(len(backend.tokenizer)))  # every token ends a step: blocks seal early
+        plugin.boundaries = StepBoundaries(closes=every, sentence_end=frozenset(), space_start=frozenset())
+    else:
+        session = backend.session(
+            share="exact", accel=Accel(skipkv=SkipKVConfig(budget=6, interval=4, window=2, query_window=4))
+        )
+    pairs: list[tuple[int, int]] = []
+
+    def look(_: object) -> None:
+        pairs.append((pool.used(), pool.allocated_bytes()))
+
+    root = session.prefill(backend.encode(TEXT))
+    kids = session.fork(root, 3)
+    session.extend(kids, DecodeParams(max_tokens=40, min_tokens=40, temperature=1.0, seed=0), on_step=look)
+    look(None)
+    extra = session.kv_stats().extra
+    assert extra.get("reasoncache_blocks_reused", 0) > 0 or extra.get("skipkv_evicted_tokens", 0) > 0, extra
+    worst = max(abs(real - used) / used for used, real in pairs)
+    assert worst <= MARGIN, f"counted bytes are {worst:.2%} off the real storage under {kind}"
+    session.release([*kids, root])
+    assert pool.used() == pool.allocated_bytes() == 0
 
 
 def test_a_budget_below_one_row_is_refused_naming_the_minimum(tiny_llama_dir: Path) -> None:

@@ -35,7 +35,7 @@ def test_budget_forms_and_errors() -> None:
     assert parse_budget("auto", CPU) > 0  # type: ignore[operator]
     for bad in (0, -5, 1.5, "lots", "4 parsecs", True):
         with pytest.raises(ValueError, match="kv_budget"):
-            parse_budget(bad, CPU)  # type: ignore[arg-type]
+            parse_budget(bad, CPU)
 
 
 def test_used_bytes_count_nodes_cache_and_tails(tiny_llama_dir: Path) -> None:

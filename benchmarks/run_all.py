@@ -199,10 +199,11 @@ HEADLINES: dict[str, list[str]] = {
         "sigterm.seconds_to_exit",
     ],
     "kv_budget": [
-        "methods.*.throughput_vs_dense",
-        "methods.*.agreement_vs_dense",
-        "methods.*.max_rows_per_call",
-        "methods.*.preemptions",
+        "every_arm_bound",
+        "arms.*.throughput_vs_exact",
+        "arms.*.max_requests_at_once",
+        "arms.*.agreement_greedy.value",
+        "arms.*.accuracy_branch.value",
         "goals.*.met",
     ],
 }

@@ -26,9 +26,11 @@ Then, each on a server of its own (each started with the options it tests):
    clients send `--long-requests` short requests each, back to back, while one completion with a
    prompt of `--long-prompt` token ids (at most the model's context less its 16 answer tokens)
    arrives halfway through the phase. The short requests' p99 latency is measured with no long
-   request, with the long one under chunked prefill (`--prefill-chunk`; a prompt joining a
-   running decode is prefilled one chunk per decode step) and with it prefilled whole (chunk 0:
-   every running row waits for the whole prompt). Goal: p99 with the long request, chunked, at
+   request, with the long one under chunked prefill (a prompt joining a running decode is
+   prefilled one chunk per decode step, each chunk sized to take about one decode step's time and
+   at most `--prefill-chunk` tokens), under fixed chunks of `--prefill-chunk` tokens
+   (`--prefill-share 0`, the policy before) and with it prefilled whole (chunk 0: every running
+   row waits for the whole prompt). Goal: p99 with the long request, chunked, at
    most 2x the p99 without it. Why it matters: without chunking one long prompt stalls every
    decoding client for the whole prefill;
 5. burst past the KV budget (``kv_burst``; `--kv-burst 0` skips it): a server whose KV budget is
@@ -187,7 +189,8 @@ def serve_options(args: argparse.Namespace) -> set[str]:
         text=True,
         timeout=120,
     )
-    return {opt for opt in ("--kv-budget", "--prefill-chunk", "--drain-timeout") if opt in proc.stdout}
+    options = ("--kv-budget", "--prefill-chunk", "--prefill-share", "--drain-timeout")
+    return {opt for opt in options if opt in proc.stdout}
 
 
 def _start(
@@ -420,9 +423,14 @@ def long_request(args: argparse.Namespace) -> dict[str, Any]:
     context = model_context(args)
     tokens = args.long_prompt if context is None else min(args.long_prompt, context - 16 - 1)
     out: dict[str, Any] = {"prompt_tokens": tokens, "context": context, "prefill_chunk": args.prefill_chunk}
-    for name, chunk in (("chunked", args.prefill_chunk), ("whole", 0)):
+    # "chunked": chunks sized by time (at most --prefill-chunk); "chunked_fixed": every chunk
+    # --prefill-chunk tokens (--prefill-share 0, the policy before); "whole": chunk 0
+    servers = [("chunked", args.prefill_chunk, []), ("whole", 0, [])]
+    if "--prefill-share" in args.serve_options:
+        servers.insert(1, ("chunked_fixed", args.prefill_chunk, ["--prefill-share", "0"]))
+    for name, chunk, extra in servers:
         port = _free_port()
-        proc = _start(args, port, prefill_chunk=chunk)
+        proc = _start(args, port, prefill_chunk=chunk, extra=extra)
         out[f"{name}_server"] = proc.launched_with or "cli options"  # type: ignore[attr-defined]
         base = f"http://127.0.0.1:{port}"
         try:
@@ -438,7 +446,7 @@ def long_request(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             _stop(proc)
     base_p99 = out["no_long"]["p99_ms"]
-    for name in ("chunked", "whole"):
+    for name, _, _ in servers:
         p99 = out[f"with_long_{name}"]["p99_ms"]
         out[f"p99_ratio_{name}_vs_no_long"] = round(p99 / base_p99, 3) if base_p99 and p99 else None
     ratio = out["p99_ratio_chunked_vs_no_long"]

@@ -115,6 +115,15 @@ def serve_command(
             1_000_000,
         ),
     ] = 128,
+    prefill_share: Annotated[
+        float,
+        ranged(
+            "How long a prefill chunk beside running requests may take, as a fraction of their decode "
+            "step's time (0: every chunk is --prefill-chunk tokens).",
+            0.0,
+            100.0,
+        ),
+    ] = 1.0,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     try:
@@ -156,6 +165,7 @@ def serve_command(
             _set_kv_budget(backend, kv_budget)
         if hasattr(backend, "prefill_chunk"):
             backend.prefill_chunk = prefill_chunk
+            backend.prefill_share = prefill_share
         app = create_app(
             backend,
             model_name=served_model_name or model,

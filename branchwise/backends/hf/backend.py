@@ -311,6 +311,17 @@ class HFBackend:
     def decode_step(self, mode: StepMode) -> None:
         self.engine.stepper.mode = mode
 
+    @property
+    def prefill_share(self) -> float:
+        """How long a prefill chunk beside decoding rows may take, as a fraction of their decode
+        step's time (`pace.py`; 0: every chunk is `prefill_chunk` tokens, whatever it costs)."""
+        return self.engine.pace.share
+
+    @prefill_share.setter
+    def prefill_share(self, value: float) -> None:
+        self.engine.pace.check_share(value)
+        self.engine.pace.share = float(value)
+
     def kv_memory(self) -> dict[str, int | None]:
         """Budget, KV used (all of it), prefix cache and preemptions, read without the engine's lock
         (a monitor such as the server's `/health` must not wait for a running decode)."""

@@ -27,7 +27,8 @@ class PrefillPace:
     one call measured sizes the next call's first chunk."""
 
     share: float = 1.0
-    """A chunk's forward may take at most this fraction of a decode step's time."""
+    """A chunk's forward may take at most this fraction of a decode step's time (0: every chunk is
+    the configured chunk, whatever it costs)."""
     floor: int = 8
     """The fewest prompt tokens a step carries (the long prompt's progress)."""
     smoothing: float = 0.3
@@ -39,14 +40,23 @@ class PrefillPace:
     _since: float | None = None
 
     def __post_init__(self) -> None:
-        if not self.share > 0:
-            raise ValueError(f"prefill share={self.share!r} must be > 0 (a fraction of a decode step's time)")
+        self.check_share(self.share)
         if self.floor < 1:
             raise ValueError(f"prefill floor={self.floor!r} must be an int >= 1 (tokens per step)")
+
+    @staticmethod
+    def check_share(share: float) -> None:
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 100:
+            raise ValueError(
+                f"prefill_share={share!r} must be a number in [0, 100]: the fraction of a decode step's "
+                "time a prefill chunk beside it may take (0: fixed chunks of prefill_chunk tokens)"
+            )
 
     def size(self, limit: int) -> int:
         """Prompt tokens for the next chunk, at most `limit` (the configured chunk). Before anything
         was measured, the floor: a small first chunk measures what a token costs."""
+        if not self.share:
+            return limit
         if self.step_s is None or self.token_s is None or self.token_s <= 0:
             return min(limit, self.floor)
         fits = int(self.share * self.step_s / self.token_s)

@@ -52,7 +52,25 @@ def test_measurements_follow_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pace.step_s == pytest.approx(0.05)
 
 
-@pytest.mark.parametrize(("field", "value"), [("share", 0.0), ("floor", 0)])
+def test_share_zero_is_fixed_chunks() -> None:
+    pace = PrefillPace(share=0.0, step_s=0.060, token_s=0.004)
+    assert pace.size(128) == 128
+
+
+@pytest.mark.parametrize(("field", "value"), [("share", -1.0), ("share", True), ("floor", 0)])
 def test_bad_pace_names_the_field(field: str, value: float) -> None:
-    with pytest.raises(ValueError, match=f"prefill {field}={value!r} must be"):
+    name = {"share": "prefill_share", "floor": "prefill floor"}[field]
+    with pytest.raises(ValueError, match=f"{name}={value!r} must be"):
         PrefillPace(**{field: value})
+
+
+def test_backend_prefill_share(tiny_llama_dir) -> None:
+    from branchwise.backends.hf import HFBackend
+
+    backend = HFBackend(tiny_llama_dir)
+    assert backend.prefill_share == 1.0
+    backend.prefill_share = 0
+    assert backend.engine.pace.size(128) == 128
+    with pytest.raises(ValueError, match=r"prefill_share=-0.5 must be a number in \[0, 100\]"):
+        backend.prefill_share = -0.5
+    assert backend.prefill_share == 0.0

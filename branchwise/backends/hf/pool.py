@@ -13,8 +13,11 @@ all of that costs and whether more fits. Every byte of KV is counted here, in on
 With a budget (`HFBackend(kv_budget=...)`), three things act on it: admission (a scheduler takes a
 queued request only while the worst-case KV of the running rows and of the request fits under the
 budget less a small watermark: `room`), the prefix cache, which yields first when memory runs short
-(`yield_cache`), and preemption (`intake.py`): when a decode still outgrows the budget, the
-youngest rows drop their KV and are recomputed later, their tokens so far kept.
+(`yield_cache`) and never keeps more than the budget leaves free (`cache_ceiling`, obeyed by every
+trim, so a burst's released nodes cannot leave it over the budget), and preemption (`intake.py`):
+when a decode still outgrows the budget, the youngest rows leave the batch and their KV leaves the
+budget until they rejoin. Counted bytes stay within the budget at every step boundary and after
+every release; `allocated_bytes` measures the storage they stand for, to check that they track it.
 """
 
 from __future__ import annotations

@@ -192,7 +192,8 @@ class KVStats:
     """Every byte of KV the engine holds now: live nodes, batch tails, shared blocks and the prefix
     cache (engine-wide; what the budget bounds)."""
     preemptions: int = 0
-    """Rows whose KV was dropped to stay within the budget and recomputed later (engine-wide)."""
+    """Rows that left a decode to stay within the budget, their KV recomputed or swapped back in
+    when they rejoined (engine-wide; `extra["swapped_rows"]` counts the swapped ones of a run)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     def bump(self, key: str, value: float = 1.0) -> None:

@@ -282,6 +282,9 @@ class CGEE(Acceleration):
         self.thresholds = thresholds
         self.parts = parts
         self.stats = stats
+        # level 1 and the decode gate change no KV (a preempted row is recomputed from its tokens);
+        # level 2's exits may leave a verify pass's KV without its last layers: swapped
+        self.kv_from_tokens = not cfg.level2
 
     @classmethod
     def build(cls, cfg: CGEEConfig, setup: Setup) -> CGEE:

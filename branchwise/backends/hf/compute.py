@@ -19,7 +19,7 @@ from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun, decode
 from branchwise.backends.hf.engine import COPY_MIN_SEGMENTS, COPY_TOKENS, Engine
 from branchwise.backends.hf.hooks import Acceleration, overrides
-from branchwise.backends.hf.intake import Intake, alone_chunk
+from branchwise.backends.hf.intake import Intake, alone_chunk, policy_of
 from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.pool import TAIL_SLACK
 from branchwise.backends.hf.segment import Segment
@@ -181,7 +181,7 @@ class Computation:
             row_params=row_params,
         )
         # A run with accelerations computes prompts whole (their hooks observe a prompt's prefill in
-        # one forward) and is never preempted (their per-row state follows the KV).
+        # one forward); its preempted rows are swapped where an acceleration changes KV (`intake.py`).
         accelerated = bool(self.plugins)
         intake = Intake(
             self,
@@ -189,9 +189,9 @@ class Computation:
             admit,
             pool=self.engine.pool,
             chunk=0 if accelerated else self.engine.prefill_chunk,
-            preemptible=not accelerated,
+            policy=policy_of(self.plugins),
         )
-        run.admit, run.pressure = intake.admit, intake.pressure
+        run.admit, run.pressure, run.preempt = intake.admit, intake.pressure, intake.preempt
         segs = intake.start(segs)
         try:
             while True:
@@ -200,24 +200,24 @@ class Computation:
                     if not segs:
                         break
                 batch, start = self._batch(segs, params, observers, run)
-                intake.batch = batch
+                capture = self._capture(batch)
+                intake.batch, intake.capture = batch, capture
                 admitted = decode(
                     batch,
                     torch.stack(start),
                     run,
                     forward=functools.partial(self.forward, batch),
-                    capture=self._capture(batch),
+                    capture=capture,
                     hooks=self.plugins,
                     device=self.device,
                 )
                 for plugin in overrides(self.plugins, "after_batch"):
                     plugin.after_batch(batch, True)
-                intake.dropped([r for r in batch.rows if r.preempted])
                 segs = [r.seg for r in batch.rows if r.finish is None and not r.preempted]
                 segs += [self.tree.get(n) for n in admitted]
                 self.engine.stepper.forget(batch.ctx)
-                intake.batch = None  # the old tails go before the next batch's are reserved
-                del batch
+                intake.batch = intake.capture = None  # the old tails go before the next batch's are reserved
+                del batch, capture
                 observers = ()
         finally:
             if intake.batch is not None:  # the call raised mid-batch: the traceback must not hold its tails

@@ -148,7 +148,10 @@ class DecodeRun:
     """The constrained rows' matchers (`grammar.py`); None when the call has no constraint at all."""
     pressure: Callable[[list[Row]], list[Row]] | None = None
     """Asked at each step boundary with the rows still decoding: those to preempt now (the KV
-    budget, `intake.Intake.pressure`). They leave the batch without their KV being captured."""
+    budget, `intake.Intake.pressure`). They leave the batch; this loop does not capture their KV."""
+    preempt: Callable[[int, Row], None] | None = None
+    """Told each preempted row with its batch position, while its KV is still in the batch (the
+    intake swaps it out or drops it at once, `intake.Intake.preempt`)."""
     stopped: set[int] = field(default_factory=set)
     """Segments of preempted rows that `on_step` stopped while they waited outside the batch (a
     cancelled request): they ended as cancelled, and the intake lets them go instead of back in."""
@@ -320,6 +323,10 @@ def decode(
             for r in run.pressure([rows[ri] for ri in alive]):
                 r.preempted = evict = True
             if evict:
+                if run.preempt is not None:
+                    for pos, ri in enumerate(present):
+                        if rows[ri].preempted:
+                            run.preempt(pos, rows[ri])
                 alive = [ri for ri in alive if not rows[ri].preempted]
         if run.admit is not None:
             admitted = list(run.admit(len(alive)))

@@ -26,6 +26,13 @@ The moments, in the order one `extend` meets them:
 
 A hook that needs more of the backend gets it through `Host`, the session's public API.
 
+Preemption under the KV budget needs no hook: a preempted row of a run whose plug-ins change KV
+is captured (`on_capture`, as at any batch boundary) and swapped out, and comes back through a new
+batch (`on_batch`, `after_pending`, `begin_decode`) with the same KV, so the per-row state a
+plug-in keeps by node stays true; per-batch state (attention taps) must be carried per row across
+batches (SkipKV's query window is, through `on_capture`). `kv_from_tokens` says which policy a
+plug-in allows (`intake.py`).
+
 An acceleration also says how it is made: `config` (its config type, a field of `Accel`) and
 `build(cfg, setup)`, which takes its expensive parts from the backend's build cache through
 `Setup`. `plugins.PLUGINS` registers the class; nothing else names it.

@@ -20,11 +20,24 @@ object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
   is computed in `ALONE_CHUNK`s.
 - **Preemption.** When the engine's KV would exceed its budget at the next step, the prefix cache
   yields first (`KVPool.yield_cache`); if that is not enough, the youngest rows (the last to join
-  the call) leave the batch, their KV is dropped, and they wait in `preempted` with their tokens
-  so far. They come back, before any newcomer, once their recompute and growth fit again: their
-  tokens become pending and are recomputed like a prompt, so decoding resumes where it stopped.
-  The oldest row is never preempted (progress); a run with accelerations is never preempted (their
-  per-row state follows the KV), and a step over the budget is counted in `KVPool.overruns`.
+  the call) leave the batch at once (`preempt`) and wait in `preempted` with their tokens so far.
+  They come back, before any newcomer, once their KV and growth fit again, so decoding resumes where
+  it stopped. The oldest row is never preempted (progress: a step it alone makes over the budget is
+  counted in `KVPool.overruns`). A preempted row's KV is either
+
+  - *recomputed* (`RECOMPUTE`): dropped, its tokens made pending and computed again like a prompt
+    when it rejoins. The policy of runs whose KV is a function of the tokens (no acceleration, or
+    only ones that leave KV exact: `Acceleration.kv_from_tokens`): nothing is copied, and a
+    recompute runs at prefill speed, many tokens per forward; or
+  - *swapped* (`SWAP`): copied into its node as at any batch boundary, then moved out of the
+    budget (`KVSwap`: to host memory from an accelerator, to a file from a CPU) and moved back
+    when it rejoins. The policy of runs with an acceleration that changes KV (SkipKV's evictions,
+    River's exited tokens written by quantized layers, ReasonCache's block references, RSBCM's
+    evicted blocks): their KV is not what a recompute from the tokens gives, so a recompute would
+    change what the row attends to, and so its tokens, and would leave their per-row state (the
+    slots SkipKV's tracker holds, the blocks a ReasonCache branch reads, RSBCM's per-slot attention
+    mass) describing KV the row no longer has. A swap keeps both exactly: the resumed row continues
+    as it would have without the preemption, at the cost of copying its KV twice.
 
 Rows are numbered (`DecodeRun.join`) when they enter the call, not when they enter the batch, so
 a request's rows keep the indices the scheduler expects whatever they wait for.
@@ -32,28 +45,45 @@ a request's rows keep the indices the scheduler expects whatever they wait for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
 
 from branchwise.backends.base import Admit, Admitted, KVStats, NodeId
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun
+from branchwise.backends.hf.hooks import Acceleration
 from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.tree import KVTree
 
-__all__ = ["Intake", "IntakeHost", "pending_work"]
+__all__ = ["RECOMPUTE", "SWAP", "Intake", "IntakeHost", "KVSwap", "Policy", "pending_work", "policy_of"]
+
+Policy = Literal["recompute", "swap"]
+RECOMPUTE: Policy = "recompute"
+SWAP: Policy = "swap"
+
+
+def policy_of(plugins: Sequence[Acceleration]) -> Policy:
+    """How a run's preempted rows keep their KV (see the module docstring): recompute where every
+    acceleration leaves KV that the tokens determine, else swap."""
+    return RECOMPUTE if all(p.kv_from_tokens for p in plugins) else SWAP
 
 
 class IntakeHost(Protocol):
     """What an `Intake` asks of the run that decodes (`compute.Computation`): its tree and
-    statistics, a row's worst-case KV, and one bounded prefill of a waiting prompt.
+    statistics, its device, a row's worst-case KV, and one bounded prefill of a waiting prompt.
 
     Why a protocol: the computation builds and drives the intake, so the intake must not know the
-    computation's class; naming only these four keeps the dependency one way (compute -> intake)."""
+    computation's class; naming only these keeps the dependency one way (compute -> intake)."""
 
     tree: KVTree
     stats: KVStats
+    device: torch.device
 
     def row_kv_tokens(self, max_tokens: int) -> int: ...
 
@@ -75,6 +105,68 @@ def pending_work(seg: Segment) -> int:
     return len(seg.pending) + sum(len(a.pending) for a in seg.kv_ancestors())
 
 
+class KVSwap:
+    """Swapped rows' KV, outside the KV budget until they rejoin (the `SWAP` policy).
+
+    Where it goes: from an accelerator, to host memory (the budget bounds the accelerator's); from
+    a CPU, host memory is the budget's own, so to a temporary file (one per row, removed when the
+    row comes back or the call ends): the bytes really leave the memory the budget bounds.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.held: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]] | Path] = {}
+        self.tokens: dict[int, int] = {}
+        """KV tokens each swapped node holds (what its rejoining needs back)."""
+        self.nbytes = 0
+        """Bytes swapped out now."""
+        self.segs: dict[int, Segment] = {}
+        self._sizes: dict[int, int] = {}
+        self._dir: Path | None = None
+
+    def out(self, seg: Segment, tree: KVTree) -> int:
+        """Move `seg`'s own KV out of the tree (its bytes leave the budget); returns the bytes."""
+        if seg.keys is None or seg.values is None:
+            return 0
+        keys, values, size = seg.keys, seg.values, seg.kv_bytes
+        if self.device.type == "cpu":
+            if self._dir is None:
+                self._dir = Path(tempfile.mkdtemp(prefix="branchwise-kv-swap-"))
+            path = self._dir / f"{seg.id}.pt"
+            torch.save((keys, values), path)
+            self.held[seg.id] = path
+        else:
+            self.held[seg.id] = ([k.to("cpu") for k in keys], [v.to("cpu") for v in values])
+        self.tokens[seg.id] = seg.kv_tokens
+        self.segs[seg.id] = seg
+        self._sizes[seg.id] = size
+        self.nbytes += size
+        tree.set_kv(seg, None, None)
+        return size
+
+    def back(self, seg: Segment, tree: KVTree) -> None:
+        """Put a swapped node's KV back into the tree (a no-op for a node not swapped)."""
+        held = self.held.pop(seg.id, None)
+        if held is None:
+            return
+        if isinstance(held, Path):
+            keys, values = torch.load(held, weights_only=True)
+            held.unlink()
+        else:
+            keys = [k.to(self.device) for k in held[0]]
+            values = [v.to(self.device) for v in held[1]]
+        tree.set_kv(seg, keys, values)
+        self.tokens.pop(seg.id)
+        self.segs.pop(seg.id)
+        self.nbytes -= self._sizes.pop(seg.id)
+
+    def close(self) -> None:
+        """Remove the swap files (every row came back before: nothing is lost)."""
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
 class Intake:
     """The step-boundary policy of one `extend` call (see the module docstring)."""
 
@@ -85,7 +177,7 @@ class Intake:
         admit: Admit | None,
         pool: KVPool,
         chunk: int,
-        preemptible: bool,
+        policy: Policy = RECOMPUTE,
     ) -> None:
         self.host = host
         self.run = run
@@ -93,9 +185,15 @@ class Intake:
         self.pool = pool
         self.chunk = chunk
         """Prompt tokens computed per step while other rows decode (0: chunked prefill off)."""
-        self.preemptible = preemptible
+        self.policy = policy
+        """How preempted rows keep their KV (see the module docstring)."""
+        self.swap = KVSwap(host.device)
+        self.capture: Callable[[int, Row], None] | None = None
+        """Copy a row of `batch` back into its node, with the plug-ins' `on_capture` (set with `batch`)."""
         self.prefilling: list[Segment] = []
         self.preempted: list[Segment] = []
+        self._just: set[int] = set()
+        """Rows preempted at this step boundary (they rejoin from the next one on)."""
         self.ready: list[Segment] = []
         self.batch: Batch | None = None
         """The batch being decoded (set by `Computation.run` before each `decode`)."""
@@ -125,39 +223,53 @@ class Intake:
                 self._take(self.outer(self._held()))
         return self._pop_ready()
 
-    def dropped(self, rows: Sequence[Row]) -> None:
-        """Rows the decode loop preempted: free their KV; their tokens become pending."""
-        for r in rows:
-            seg = r.seg
+    def preempt(self, pos: int, row: Row) -> None:
+        """`DecodeRun.preempt`: row `row` (at batch position `pos`) leaves the batch now. Its KV
+        leaves the budget at once, before the rows that stay take their next step: swapped out
+        (copied into its node first, `capture`), or dropped and its tokens made pending. It waits
+        in `preempted`, and may rejoin from the next step boundary on (not at this one: the room
+        it left is what the rows that stay need now)."""
+        seg = row.seg
+        if self.policy == SWAP:
+            assert self.capture is not None, "Intake.capture is set with its batch"
+            self.capture(pos, row)
+            nbytes = self.swap.out(seg, self.host.tree)
+            self.host.stats.bump("swapped_rows")
+            self.host.stats.bump("swapped_bytes", nbytes)
+        else:
             self.host.tree.set_kv(seg, None, None)
             seg.n_computed = 0
-            seg.last_logits = None
-            self.preempted.append(seg)
-            self.pool.preemptions += 1
-        if rows:
-            self.host.stats.bump("preempted_rows", len(rows))
+        seg.last_logits = None
+        self.preempted.append(seg)
+        self._just.add(seg.id)
+        self.pool.preemptions += 1
+        self.host.stats.bump("preempted_rows")
 
     def finish(self) -> None:
         """The call ended: nothing is reserved any more, and the batch's tails are let go at once
         (the run and this object refer to each other, so they would otherwise wait for the cyclic
-        garbage collector, and the pool would go on counting the tails)."""
+        garbage collector, and the pool would go on counting the tails). A call cut short (an error,
+        a cancelled request) may leave rows swapped out: their KV goes back into their nodes, so
+        each node is whole and its bytes are counted until it is released."""
+        for seg in list(self.swap.segs.values()):
+            self.swap.back(seg, self.host.tree)
+        self.swap.close()
         self.pool.reserved = 0
-        self.batch = None
-        self.run.admit = self.run.pressure = None
+        self.batch = self.capture = None
+        self.run.admit = self.run.pressure = self.run.preempt = None
 
     # ------------------------------------------------------------------ decode-loop callbacks
     def pressure(self, alive: list[Row]) -> list[Row]:
         """`DecodeRun.pressure`: record what the call may still need (running rows' worst-case growth,
         waiting rows' prompts and growth), and name the rows to preempt if the next step would not
         fit the budget."""
+        self._just.clear()
         pool, tb = self.pool, self.pool.token_bytes
         growth = 0
         for r in alive:
             cap = self._cap(r.seg)
             growth += max(cap - min(len(r.out), cap), 0)
-        waiting = sum(
-            pending_work(s) + self._cap(s) for s in (*self.prefilling, *self.preempted, *self.ready)
-        )
+        waiting = sum(self._resume_tokens(s) for s in (*self.prefilling, *self.preempted, *self.ready))
         pool.reserved = (growth + waiting) * tb
         if pool.budget is None:
             return []
@@ -168,7 +280,7 @@ class Intake:
         over = pool.over(need)
         if over <= 0:
             return []
-        if not self.preemptible or len(alive) < 2:
+        if len(alive) < 2:
             pool.overruns += 1
             return []
         rows = self.run.rows
@@ -197,6 +309,11 @@ class Intake:
     def _held(self) -> int:
         """Rows of the call that wait here (they count against the scheduler's row bound)."""
         return len(self.prefilling) + len(self.preempted) + len(self.ready)
+
+    def _resume_tokens(self, seg: Segment) -> int:
+        """KV tokens a waiting row needs before it decodes again: what it has to compute or swap
+        back in, and its growth."""
+        return pending_work(seg) + self.swap.tokens.get(seg.id, 0) + self._cap(seg)
 
     def _cap(self, seg: Segment) -> int:
         """Own KV tokens the row of `seg` may hold at most (its max_tokens, or an eviction's cap)."""
@@ -236,10 +353,14 @@ class Intake:
         back: list[Segment] = []
         room = self.pool.room()
         for seg in list(self.preempted):
+            if seg.id in self._just and not force:
+                continue
             cap = self._cap(seg)
-            cost = (pending_work(seg) + self.pool.row_tokens(cap)) * tb
+            swapped = self.swap.tokens.get(seg.id, 0)
+            cost = (pending_work(seg) + swapped + self.pool.row_tokens(cap)) * tb
             if room is not None and cost > room and not (force and not back):
                 break
+            self.swap.back(seg, self.host.tree)
             back.append(seg)
             self.preempted.remove(seg)
             if room is not None:

@@ -223,8 +223,10 @@ class ReasonCache(Acceleration):
         self._close_steps(batch, rows, ends)
 
     def end_decode(self, batch: Batch, rows: Sequence[Row]) -> None:
-        """Close every branch's last, open step (the loop ended before another step could)."""
-        self._close_steps(batch, rows, [r.computed for r in rows])
+        """Close the last, open step of every branch that ended (the loop ended before another step
+        could). A branch still decoding (the batch is re-assembled around a newcomer or a row that
+        rejoins after a preemption) keeps its step open into its next batch, as one batch would."""
+        self._close_steps(batch, rows, [None if r.finish is None else r.computed for r in rows])
 
     def _close_steps(self, batch: Batch, rows: Sequence[Row], ends: Sequence[int | None]) -> None:
         """Close the steps ending at `ends` (one per present row; None = still open), timed."""

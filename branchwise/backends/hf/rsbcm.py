@@ -178,7 +178,10 @@ class RSBCM(Acceleration):
             seg = self.host.tree.find(key)
             if seg is not None and seg.kv_tokens == mass.shape[0]:
                 self.mass[key] = mass if key not in self.mass else self.mass[key] + mass
-        if decoded:  # capacity is checked once per decode batch, as in RKSC's solve
+        # capacity is checked once per decode, as in RKSC's solve: when every row of the batch has
+        # ended, not when the batch is cut for a newcomer or a row rejoining after a preemption
+        # (evicting there would make a row's KV depend on when others joined or left)
+        if decoded and all(r.finish is not None for r in batch.rows):
             self._enforce_capacity()
 
     def _enforce_capacity(self) -> None:

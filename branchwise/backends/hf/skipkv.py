@@ -8,8 +8,8 @@ hooks:
 
 - `after_pending` / `after_step`: every token a branch feeds goes to its `SentenceTracker` (with its
   final-norm hidden state during decode, for the sentence means of Eq. 2);
-- `begin_decode`: a `QueryWindow` tap records each layer's last α post-RoPE decode queries (the
-  observation window of Eq. 4);
+- `on_batch`: a `QueryWindow` tap records each layer's last α post-RoPE decode queries per row (the
+  observation window of Eq. 4), carried with the row across batches (`on_capture`);
 - `after_step`: every `interval` generated tokens of a branch (counted along its path, across
   `extend` calls and tree steps, not by the decode loop's step which restarts on every `extend`), a
   branch above budget keeps its best slots (`KVEdits.keep_row`); positions stay logical, so later
@@ -126,23 +126,48 @@ class SkipState:
     """Tokens generated along the branch's path (inherited from the nearest SkipKV ancestor)."""
     checked: int = 0
     """`generated` at the branch's last compression check: the interval counts from there."""
+    window: list[torch.Tensor] | None = None
+    """The branch's query window when its last batch let it go (`QueryWindow.save`)."""
 
 
 class QueryWindow(AttentionTap):
-    """Per layer, the last `size` post-RoPE decode queries `[B, H, α', D]` (Eq. 4's observation window)."""
+    """Per layer, each row's last `size` post-RoPE decode queries `[B, H, size, D]`, newest last
+    (Eq. 4's observation window); `filled[b]` of them are real, the rest zeros before them.
 
-    def __init__(
-        self, like: torch.Tensor, shape: tuple[int, int, int, int], n_layers: int, size: int
-    ) -> None:
+    Why per row and fixed: a row's window is its own history, carried across the batches it joins
+    (a batch re-assembled for a newcomer or after a preemption, `SkipKV.on_capture`), so where a
+    batch starts does not change which tokens the row evicts."""
+
+    def __init__(self, like: torch.Tensor, shape: tuple[int, int, int, int], n_layers: int) -> None:
         self.windows = [like.new_zeros(shape) for _ in range(n_layers)]
-        self.size = size
+        self.size = shape[2]
+        self.filled = [0] * shape[0]
 
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         if q_len == 1:  # decode steps only
-            self.windows[layer] = torch.cat([self.windows[layer], query], dim=2)[:, :, -self.size :]
+            self.windows[layer] = torch.cat([self.windows[layer][:, :, 1:], query], dim=2)
+            if layer == 0:
+                self.filled = [min(f + 1, self.size) for f in self.filled]
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.windows = [w.index_select(0, keep) for w in self.windows]
+        self.filled = [self.filled[i] for i in keep.tolist()]
+
+    def of_row(self, layer: int, pos: int) -> torch.Tensor:
+        """Row `pos`'s real queries at `layer`, `[H, filled, D]`."""
+        return self.windows[layer][pos, :, self.size - self.filled[pos] :]
+
+    def save(self, pos: int) -> list[torch.Tensor]:
+        """Row `pos`'s window, per layer (to carry it into the row's next batch)."""
+        return [self.of_row(layer, pos).clone() for layer in range(len(self.windows))]
+
+    def restore(self, pos: int, saved: list[torch.Tensor]) -> None:
+        """Start row `pos` from a window `save` returned."""
+        n = min(int(saved[0].shape[1]), self.size)
+        with torch.inference_mode():  # the buffers may have been made inside a forward
+            for w, s in zip(self.windows, saved, strict=True):
+                w[pos, :, self.size - n :] = s[:, -n:] if n else s[:, :0]
+        self.filled[pos] = n
 
 
 class SkipKV(Acceleration):
@@ -178,7 +203,12 @@ class SkipKV(Acceleration):
         self._decode = cast(
             Callable[[Sequence[int]], str], functools.partial(tokenizer.decode, skip_special_tokens=True)
         )
-        self._window: QueryWindow | None = None
+        self._windows: dict[int, QueryWindow] = {}
+        """Each live batch's query window, by `id(batch)`."""
+        self._saved: dict[int, list[torch.Tensor]] = {}
+        """Windows of rows captured from the batch now decoding (committed by `after_batch`)."""
+        self._fed: set[int] = set()
+        """Rows whose tokens `after_pending` tracked, to check in `begin_decode`."""
         self._steer: Steering | None = None
 
     @classmethod
@@ -201,19 +231,42 @@ class SkipKV(Acceleration):
         return self.states.get(node)
 
     def after_pending(self, batch: Batch, feeds: Sequence[Sequence[int]]) -> None:
-        for r, fed in zip(batch.rows, feeds, strict=True):
+        """Track tokens a branch fed before decoding: e.g. the last sampled token of an earlier
+        batch or `extend`, which a decode step would have fed; its hidden state goes into its
+        sentence's mean as that step's would (only a one-token feed has its own state here), and
+        `begin_decode` checks the branch as that step's `after_step` would have."""
+        hidden = batch.ctx.last_hidden
+        whole = hidden is not None and hidden.shape[0] == len(batch.rows)
+        for pos, (r, fed) in enumerate(zip(batch.rows, feeds, strict=True)):
             state = self.states.get(r.seg.id)
-            if state is not None and fed:  # e.g. the last sampled token of an earlier extend
-                state.tracker.append(fed)
+            if state is not None and fed:
+                own = hidden[pos : pos + 1] if whole and len(fed) == 1 and hidden is not None else None
+                state.tracker.append(fed, hidden=own)
                 state.generated += len(fed)
+                self._fed.add(r.seg.id)
 
     def row_kv_tokens(self, max_tokens: int) -> int:
         """A branch keeps at most `budget` tokens after each compression and grows by at most
         `interval` between two."""
         return min(max_tokens, self.cfg.budget + self.cfg.interval)
 
+    def on_batch(self, batch: Batch) -> None:
+        """Record each row's decode queries from the batch's first forward on (a row that rejoins
+        feeds its last sampled token there, one decode query), starting from its carried window."""
+        ctx = batch.ctx
+        shape = (ctx.batch, self.parts.n_heads, self.cfg.query_window, self.parts.head_dim)
+        window = QueryWindow(ctx.tail_k[0], shape, self.parts.n_layers)
+        for pos, r in enumerate(batch.rows):
+            state = self.states.get(r.seg.id)
+            if state is not None and state.window is not None:
+                window.restore(pos, state.window)
+        ctx.taps.append(window)
+        self._windows[id(batch)] = window
+
     def begin_decode(self, batch: Batch) -> None:
-        """Start tracking each row's generated tokens and record the decode queries."""
+        """Start tracking each row's generated tokens; check the rows that fed tokens before the
+        loop (`after_pending`: a batch re-assembled mid-decode feeds each row's last sampled token
+        there, where one batch would have fed it in a decode step and checked it)."""
         for r in batch.rows:
             if r.seg.id not in self.states:
                 tracker = SentenceTracker(self.delimiters, self.cfg.keywords, self._decode)
@@ -224,11 +277,28 @@ class SkipKV(Acceleration):
                     generated=0 if up is None else up.generated,
                     checked=0 if up is None else up.checked,
                 )
-        ctx = batch.ctx
-        shape = (ctx.batch, self.parts.n_heads, 0, self.parts.head_dim)
-        self._window = QueryWindow(ctx.tail_k[0], shape, self.parts.n_layers, self.cfg.query_window)
-        ctx.taps.append(self._window)
+        fed, self._fed = self._fed, set()
+        if fed:
+            self._check(batch, batch.rows, fed)
         self._steer = None
+
+    def on_capture(self, batch: Batch, pos: int, row: Row) -> None:
+        """Keep the row's query window for its next batch (a decode's rows are captured when the
+        batch ends, is re-assembled, or preempts them)."""
+        window = self._windows.get(id(batch))
+        if window is not None and row.seg.id in self.states:
+            self._saved[row.seg.id] = window.save(pos)
+
+    def after_batch(self, batch: Batch, decoded: bool) -> None:
+        """A decode's windows go with their rows; a prefill's recorded no decode."""
+        self._windows.pop(id(batch), None)
+        self._fed.clear()
+        saved, self._saved = self._saved, {}
+        if decoded:
+            for node, window in saved.items():
+                state = self.states.get(node)
+                if state is not None:
+                    state.window = window
 
     def steering(self, rows: Sequence[Row]) -> Steering | None:
         """This step's steering, with α_t = α0 + γ·N_nonexec per row (None when steering is off)."""
@@ -255,18 +325,26 @@ class SkipKV(Acceleration):
     def after_step(
         self, batch: Batch, rows: Sequence[Row], feeds: Sequence[Sequence[int]], step: int
     ) -> None:
-        """Track the tokens just fed; compress each row above budget once `interval` more tokens
-        were generated on its path since its last check (the count survives `extend` calls), or at
-        once when it holds more than `budget + interval`."""
+        """Track the tokens just fed, then `_check` every row."""
         self._steer = None
         hidden = batch.ctx.last_hidden
         assert hidden is not None
-        compressions, evicted, held_max = 0, 0, 0
         for pos, (r, fed) in enumerate(zip(rows, feeds, strict=True)):
             state = self.states[r.seg.id]
             if fed:
                 state.tracker.append(fed, hidden=hidden[pos : pos + 1])
                 state.generated += len(fed)
+        self._check(batch, rows)
+
+    def _check(self, batch: Batch, rows: Sequence[Row], only: set[int] | None = None) -> None:
+        """Compress each row (of the present `rows`; with `only`, those of these nodes) above budget
+        once `interval` more tokens were generated on its path since its last check (the count
+        survives `extend` calls), or at once when it holds more than `budget + interval`."""
+        compressions, evicted, held_max = 0, 0, 0
+        for pos, r in enumerate(rows):
+            if only is not None and r.seg.id not in only:
+                continue
+            state = self.states[r.seg.id]
             held = self._held(batch, r)
             due = state.generated - state.checked >= self.cfg.interval
             # a step only this branch reads now (its sibling released) joins what it holds at once:
@@ -327,7 +405,7 @@ class SkipKV(Acceleration):
         segment's own sentence penalty). With `per_head`, each (layer, KV head) keeps its own best
         slots; how many each segment keeps comes from the head-averaged selection, so every head
         keeps as many slots of a segment and its KV stays rectangular."""
-        cfg, state, window = self.cfg, self.states[row.seg.id], self._window
+        cfg, state, window = self.cfg, self.states[row.seg.id], self._windows.get(id(batch))
         assert window is not None
         g0 = state.gen_start
         ancestors = self.exclusive_ancestors(batch, row)
@@ -361,8 +439,8 @@ class SkipKV(Acceleration):
             scale = self.parts.head_dim**-0.5
             importance = torch.stack(
                 [
-                    token_importance(w[pos], k, scale, cfg.pool_kernel)
-                    for w, k in zip(window.windows, keys, strict=True)
+                    token_importance(window.of_row(layer, pos), k, scale, cfg.pool_kernel)
+                    for layer, k in enumerate(keys)
                 ]
             )
             redundancy = torch.stack([key_redundancy(k) for k in keys]) if cfg.redundancy else None

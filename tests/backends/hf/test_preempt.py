@@ -1,0 +1,178 @@
+"""Preemption under every acceleration: a preempted greedy row ends with the tokens it would have
+produced without the preemption, its KV is swapped (an acceleration that changes KV) or recomputed
+(one that does not, or none), and the pool's books balance afterwards.
+
+Preemption is forced two ways: by the mechanism itself (the youngest rows named at fixed steps,
+whatever the budget), and by a KV budget too small for every row's growth."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from branchwise.backends.accel import Accel
+from branchwise.backends.base import DecodeParams, DecodeStep, KVStats
+from branchwise.backends.hf import HFBackend, intake
+from branchwise.backends.hf.batch import Row
+from branchwise.backends.hf.hooks import Acceleration
+
+TEXT = "Question: How many apples are left? Let's think step by step about the problem.\n"
+ROWS, TOKENS = 4, 24
+
+SETS = [(), ("skipkv",), ("river",), ("reasoncache",), ("rsbcm",), ("cgee",), ("skipkv", "river", "cgee")]
+"""None, each acceleration that acts during a decode, and a composed run."""
+STEPS = (3, 6)
+"""Where `forced` preempts (CGEE's acting decode gate stops every row after the 9th token)."""
+
+
+def ids(names: tuple[str, ...]) -> str:
+    return "+".join(names) or "none"
+
+
+def acting(names: tuple[str, ...]) -> Accel:
+    """Each acceleration's declared acting settings, less what acts outside a decode: SkipKV's
+    steering (no vector is saved here) and CGEE's level 2 (a verify pass; without it CGEE changes
+    no KV, so its preempted rows are recomputed)."""
+    configs = Accel.configs()
+    settings = {}
+    for name in names:
+        examples = configs[name].examples
+        assert examples is not None
+        given = {k: v for k, v in examples.acting.items() if k not in ("steering", "level2")}
+        settings[name] = configs[name].model_validate(given)
+    return Accel(**settings)
+
+
+def greedy(backend: HFBackend, accel: Accel, rows: int = ROWS) -> tuple[list[list[int]], KVStats]:
+    """`rows` greedy branches of one prompt under `accel`; their tokens and the run's statistics."""
+    backend.accel = accel  # a fresh session: the accelerations' state starts empty
+    backend.reset_stats()
+    root = backend.prefill(backend.encode(TEXT))
+    kids = backend.fork(root, rows)
+    gens = backend.extend(kids, DecodeParams(max_tokens=TOKENS, min_tokens=TOKENS))
+    stats = backend.kv_stats()
+    backend.release([*kids, root])
+    return [g.token_ids for g in gens], stats
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Preempt, whatever the budget, the youngest row at the first of `STEPS` and a middle one at
+    the second; yields the steps at which a row was preempted."""
+    original = intake.Intake.pressure
+    at: list[int] = []
+
+    def pressure(self: intake.Intake, alive: list[Row]) -> list[Row]:
+        victims = original(self, alive)
+        if not victims and self.run.step in STEPS and len(alive) > 1:
+            order = sorted(alive, key=lambda r: self.run.rows[r.seg.id])
+            victims = [order[-1] if self.run.step == STEPS[0] else order[len(order) // 2]]
+            at.append(self.run.step)
+        return victims
+
+    monkeypatch.setattr(intake.Intake, "pressure", pressure)
+    yield at
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_llama_dir: Path) -> HFBackend:
+    return HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
+
+
+@pytest.mark.parametrize("names", SETS, ids=ids)
+def test_a_forced_preemption_keeps_greedy_tokens(
+    backend: HFBackend, names: tuple[str, ...], request: pytest.FixtureRequest
+) -> None:
+    accel = acting(names)
+    want, _ = greedy(backend, accel)
+    before = backend.engine.pool.preemptions
+    at = request.getfixturevalue("forced")
+    got, stats = greedy(backend, accel)
+    assert at == list(STEPS) and backend.engine.pool.preemptions - before == 2
+    assert stats.extra["preempted_rows"] == 2
+    if "cgee" in names:
+        # the decode gate stops the whole batch at one step: a row that waited k steps while
+        # preempted ends k tokens earlier, its tokens the unpreempted row's up to there
+        assert [w[: len(g)] for g, w in zip(got, want, strict=True)] == got
+        assert sum(len(w) - len(g) for g, w in zip(got, want, strict=True)) == len(at)
+        assert sum(g == w for g, w in zip(got, want, strict=True)) == ROWS - len(at)
+    else:
+        assert got == want
+    acted = Accel.configs()
+    for name in names:  # each acceleration acted in the preempted run as in the plain one
+        examples = acted[name].examples
+        assert examples is not None
+        assert any(stats.extra.get(k, 0) > 0 for k in examples.acted if k != "verify_rows"), name
+    # a run whose accelerations change KV swaps; the decode gate alone recomputes
+    policy = intake.policy_of(backend.session(accel=accel).plugins)
+    assert policy == ("recompute" if names in ((), ("cgee",)) else "swap")
+    assert stats.extra.get("swapped_rows", 0) == (0 if policy == "recompute" else 2)
+    assert backend.kv_stats().bytes_held == 0
+
+
+@pytest.mark.parametrize("names", [("skipkv",), ("reasoncache",), ("river",)], ids=ids)
+def test_a_tight_budget_preempts_accelerated_rows_and_keeps_their_tokens(
+    tiny_llama_dir: Path, names: tuple[str, ...]
+) -> None:
+    """Rows that cannot all grow within the budget: accelerated rows are preempted too (no longer
+    counted as overruns), swapped out and back, and end with the unbounded run's tokens."""
+    accel = acting(names)
+    free = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
+    want, _ = greedy(free, accel, rows=8)
+    tb = free.engine.pool.token_bytes
+    prompt = len(free.encode(TEXT))
+    tight = HFBackend(tiny_llama_dir, kv_budget=(prompt + 8 * TOKENS // 2) * tb, cache_bytes=0)
+    got, stats = greedy(tight, accel, rows=8)
+    assert got == want
+    assert tight.engine.pool.preemptions > 0 and stats.extra["swapped_rows"] == stats.preemptions
+    after = tight.kv_stats()
+    assert after.bytes_held == 0 and after.used_bytes == 0
+
+
+class Changes(Acceleration):
+    """An acceleration that says nothing of its KV: the safe default is a swap."""
+
+
+class Reads(Acceleration):
+    kv_from_tokens = True
+
+
+def test_the_policy_is_recompute_only_where_every_acceleration_keeps_kv_exact() -> None:
+    assert intake.policy_of([]) == intake.RECOMPUTE
+    assert intake.policy_of([Reads()]) == intake.RECOMPUTE
+    assert intake.policy_of([Reads(), Changes()]) == intake.SWAP
+
+
+def test_a_call_cut_while_a_row_is_swapped_out_leaves_the_books_balanced(
+    backend: HFBackend, forced: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer fails while a preempted row's KV is swapped out: the KV goes back into its node,
+    the swap file is gone, and releasing the nodes returns the pool to zero."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    backend.accel = acting(("skipkv",))
+    backend.reset_stats()
+    root = backend.prefill(backend.encode(TEXT))
+    kids = backend.fork(root, ROWS)
+    seen: list[DecodeStep] = []
+
+    def listener(step: DecodeStep) -> None:
+        seen.append(step)
+        if len(seen) == STEPS[0] + 1:  # after the preemption, before the row could rejoin
+            raise RuntimeError("the consumer left")
+
+    left = False
+    try:
+        backend.extend(kids, DecodeParams(max_tokens=TOKENS, min_tokens=TOKENS), on_step=listener)
+    except RuntimeError as err:  # caught here, not kept: its traceback would keep the batch alive
+        left = str(err) == "the consumer left"
+    assert left
+    assert forced == [STEPS[0]] and backend.kv_stats().extra["swapped_rows"] == 1
+    victim = backend.tree.get(kids[-1])  # the youngest row
+    assert victim.keys is not None and victim.kv_tokens == victim.n_computed > 0
+    assert list(tmp_path.iterdir()) == []
+    backend.release([*kids, root])
+    stats = backend.kv_stats()
+    assert stats.bytes_held == 0 and stats.used_bytes == 0

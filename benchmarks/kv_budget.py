@@ -222,6 +222,27 @@ class Watch:
         return watch
 
 
+def wait_all(scheduler: Scheduler, jobs: Sequence[Job], watch: Watch, stall_s: float) -> None:
+    """Wait for every job, failing with the pool's figures (not hanging for hours) when no decode
+    step was read and no job finished for `stall_s` seconds: the scheduler then waits for KV room
+    that nothing running will free."""
+    progress, since = (-1, -1), time.monotonic()
+    while not all(job.done.is_set() for job in jobs):
+        time.sleep(0.5)
+        now = (watch.reads, sum(job.done.is_set() for job in jobs))
+        if now != progress:
+            progress, since = now, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            for job in jobs:
+                scheduler.cancel(job)
+            pool = watch.pool
+            raise RuntimeError(
+                f"no decode step and no finished request for {stall_s:g} s with {progress[1]} of {len(jobs)} "
+                f"requests done: KV used {pool.used()} bytes (batch tails {pool.tails}) of the budget "
+                f"{pool.budget}, room {pool.room()}; the queue waits for memory that nothing running frees"
+            )
+
+
 def run_arm(
     bench: Bench, accel: Accel, share: str, prompts: Sequence[list[int]], n: int, params: DecodeParams
 ) -> tuple[dict[str, Any], list[list[Generation]]]:
@@ -243,6 +264,7 @@ def run_arm(
             scheduler.enqueue(Job(list(p), n, params, share=share, on_step=watch.listener(i)))  # type: ignore[arg-type]
             for i, p in enumerate(prompts)
         ]
+        wait_all(scheduler, jobs, watch, bench.args.stall_s)
         gens = [job.result() for job in jobs]
         sync(backend)
         seconds = time.perf_counter() - t0 - watch.probe_s
@@ -417,6 +439,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every arm, order rotated per round")
     parser.add_argument(
         "--alloc-every", type=int, default=16, help="step reads between walks of the real allocation"
+    )
+    parser.add_argument(
+        "--stall-s", type=float, default=300.0, help="fail an arm after this long without progress"
     )
     parser.add_argument(
         "--decode-step",

@@ -18,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -787,6 +788,23 @@ def test_kv_budget_worked_solutions_and_bad_input(monkeypatch: pytest.MonkeyPatc
     for bad in ("0", "1.5"):
         with pytest.raises(SystemExit):
             kv.main(["--budget-fraction", bad])
+
+
+def test_kv_budget_fails_a_stalled_arm_with_the_pools_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An arm whose queue waits for KV room that nothing frees fails (its jobs cancelled) instead
+    of hanging the run; one that keeps stepping is waited for."""
+    kv = _script(monkeypatch, "kv_budget")
+    pool = argparse.Namespace(used=lambda: 7, tails=5, budget=10, room=lambda: 3)
+    watch = argparse.Namespace(reads=0, pool=pool)
+    jobs = [argparse.Namespace(done=threading.Event()) for _ in range(2)]
+    cancelled: list[Any] = []
+    scheduler = argparse.Namespace(cancel=cancelled.append)
+    with pytest.raises(RuntimeError, match=r"0 of 2 requests done: KV used 7 bytes \(batch tails 5\)"):
+        kv.wait_all(scheduler, jobs, watch, 1.0)
+    assert cancelled == jobs
+    jobs[0].done.set()
+    threading.Timer(0.6, jobs[1].done.set).start()
+    kv.wait_all(scheduler, jobs, watch, 5.0)
 
 
 @pytest.mark.slow

@@ -190,6 +190,7 @@ class Computation:
             pool=self.engine.pool,
             chunk=0 if accelerated else self.engine.prefill_chunk,
             policy=policy_of(self.plugins),
+            pace=self.engine.pace,
         )
         run.admit, run.pressure, run.preempt = intake.admit, intake.pressure, intake.preempt
         segs = intake.start(segs)

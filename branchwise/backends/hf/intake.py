@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, Protocol
@@ -57,6 +58,7 @@ from branchwise.backends.base import Admit, Admitted, KVStats, NodeId
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun
 from branchwise.backends.hf.hooks import Acceleration
+from branchwise.backends.hf.pace import PrefillPace
 from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.tree import KVTree
@@ -178,13 +180,17 @@ class Intake:
         pool: KVPool,
         chunk: int,
         policy: Policy = RECOMPUTE,
+        pace: PrefillPace | None = None,
     ) -> None:
         self.host = host
         self.run = run
         self.outer = admit
         self.pool = pool
         self.chunk = chunk
-        """Prompt tokens computed per step while other rows decode (0: chunked prefill off)."""
+        """The most prompt tokens computed per step while other rows decode (0: chunked prefill
+        off); `pace` sizes each chunk within it by time."""
+        self.pace = pace or PrefillPace()
+        self.pace.idle()
         self.policy = policy
         """How preempted rows keep their KV (see the module docstring)."""
         self.swap = KVSwap(host.device)
@@ -215,8 +221,10 @@ class Intake:
     def next_ready(self) -> list[Segment]:
         """Rows to decode when the batch has emptied (or never started): preempted rows first,
         else prompts prefilled chunk by chunk with newcomers let in between; [] when none wait."""
+        self._let_go_stopped()
         if self.preempted:
             return self._rejoin(force=True)
+        self.pace.idle()  # nothing decodes: chunks run back to back at their full size
         while self.prefilling and not self.ready:
             self._prefill_step(self.chunk)
             if self.outer is not None and not self.ready:
@@ -297,8 +305,12 @@ class Intake:
     def admit(self, alive: int) -> list[NodeId]:
         """`DecodeRun.admit`: one chunk of prefill, then rows that may join now (preempted rows
         first; the scheduler's newcomers only once none of those wait)."""
-        if self.prefilling:
-            self._prefill_step(self.chunk)
+        self._let_go_stopped()
+        self.pace.boundary()
+        if self.prefilling:  # sized so the rows decoding wait about a share of their own step
+            started = time.perf_counter()
+            done = self._prefill_step(self.pace.size(self.chunk))
+            self.pace.timed_chunk(done, started, self.host.device)
         if self.preempted:
             self.ready += self._rejoin(force=False)
         elif self.outer is not None:
@@ -333,16 +345,25 @@ class Intake:
             long = self.chunk and pending_work(seg) > self.chunk
             (self.prefilling if long else self.ready).append(seg)
 
-    def _prefill_step(self, size: int) -> None:
-        """Compute `size` tokens of the first waiting prompt; rows left with at most a chunk are
-        ready."""
+    def _prefill_step(self, size: int) -> int:
+        """Compute `size` tokens of the first waiting prompt (returns how many it computed); rows
+        left with at most `size` tokens are ready."""
         seg = self.prefilling[0]
         top = next(s for s in [*reversed(seg.kv_ancestors()), seg] if s.pending)
+        done = min(size, len(top.pending))
         self.host.compute_part(top, size)
         still: list[Segment] = []
         for s in self.prefilling:
-            (still if pending_work(s) > self.chunk else self.ready).append(s)
+            (still if pending_work(s) > size else self.ready).append(s)
         self.prefilling = still
+        return done
+
+    def _let_go_stopped(self) -> None:
+        """Preempted rows stopped while they waited (a cancelled request, `DecodeRun.stopped`) do not
+        come back; a swapped one's KV returns into its node, released with its request."""
+        for seg in [s for s in self.preempted if s.id in self.run.stopped]:
+            self.swap.back(seg, self.host.tree)
+            self.preempted.remove(seg)
 
     def _rejoin(self, force: bool) -> list[Segment]:
         """Preempted rows whose recompute and growth fit the budget now, oldest first (with
@@ -377,7 +398,7 @@ class Intake:
         ctx = None if self.batch is None else self.batch.ctx
         if ctx is None or not alive:
             return 0
-        if max(r.tail_start + r.kv_len for r in alive) < ctx.capacity:
+        if int(ctx.lens.max()) < ctx.capacity:  # every row's tail, ended ones not yet compacted too
             return 0
         return ctx.batch * ctx.grow_by() * self.pool.token_bytes
 

@@ -113,10 +113,12 @@ class KVSwap:
     Where it goes: from an accelerator, to host memory (the budget bounds the accelerator's); from
     a CPU, host memory is the budget's own, so to a temporary file (one per row, removed when the
     row comes back or the call ends): the bytes really leave the memory the budget bounds.
+    `to_file` overrides the choice (the tests run both on a CPU).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, to_file: bool | None = None) -> None:
         self.device = device
+        self.to_file = device.type == "cpu" if to_file is None else to_file
         self.held: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]] | Path] = {}
         self.tokens: dict[int, int] = {}
         """KV tokens each swapped node holds (what its rejoining needs back)."""
@@ -131,7 +133,7 @@ class KVSwap:
         if seg.keys is None or seg.values is None:
             return 0
         keys, values, size = seg.keys, seg.values, seg.kv_bytes
-        if self.device.type == "cpu":
+        if self.to_file:
             if self._dir is None:
                 self._dir = Path(tempfile.mkdtemp(prefix="branchwise-kv-swap-"))
             path = self._dir / f"{seg.id}.pt"

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams, DecodeStep, KVStats
@@ -176,3 +177,30 @@ def test_a_call_cut_while_a_row_is_swapped_out_leaves_the_books_balanced(
     backend.release([*kids, root])
     stats = backend.kv_stats()
     assert stats.bytes_held == 0 and stats.used_bytes == 0
+
+
+@pytest.mark.parametrize("to_file", [True, False], ids=["file", "host"])
+def test_a_swap_takes_a_nodes_kv_out_of_the_budget_and_back_unchanged(
+    backend: HFBackend, to_file: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both places a swap puts KV (a file, the CPU's case; host memory, an accelerator's): the
+    node's bytes leave the tree's count, and come back bit for bit; nothing is left behind."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    backend.accel = Accel()
+    root = backend.prefill(backend.encode(TEXT))
+    backend.extend([root], DecodeParams(max_tokens=1))  # its prompt's KV is computed into the node
+    seg = backend.tree.get(root)
+    assert seg.keys is not None and seg.values is not None
+    keys, values = [k.clone() for k in seg.keys], [v.clone() for v in seg.values]
+    held, tokens = backend.kv_stats().bytes_held, seg.kv_tokens
+    swap = intake.KVSwap(seg.keys[0].device, to_file=to_file)
+    nbytes = swap.out(seg, backend.tree)
+    assert nbytes == held - backend.kv_stats().bytes_held > 0 and swap.nbytes == nbytes
+    assert seg.keys is None and swap.tokens == {root: tokens}
+    assert len(list(tmp_path.rglob("*.pt"))) == (1 if to_file else 0)
+    swap.back(seg, backend.tree)
+    swap.close()
+    assert backend.kv_stats().bytes_held == held and swap.nbytes == 0 and swap.tokens == {}
+    assert all(torch.equal(a, b) for a, b in zip([*seg.keys, *seg.values], [*keys, *values], strict=True))
+    assert list(tmp_path.iterdir()) == []
+    backend.release([root])

@@ -452,8 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         default="layers",
         help="HFBackend's decode_step for every arm. Accelerated arms run the layer loop whatever this is, "
         "so the default puts dense and exact on it too and the ratios compare the methods, not two decode "
-        "paths (on this CPU the fixed-shape step ran exact 1.6-2x slower than the layer loop ran the "
-        "accelerated arms at the quick shapes); 'auto' times what a user of each arm gets",
+        "paths; 'auto' times what a user of each arm gets",
     )
     args = parser.parse_args(argv)
     for name, low in (("questions", 1), ("n", 1), ("max_tokens", 1), ("repeats", 1), ("alloc_every", 1)):

@@ -23,7 +23,7 @@ object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
   the call) leave the batch at once (`preempt`) and wait in `preempted` with their tokens so far.
   They come back, before any newcomer, once their KV and growth fit again, so decoding resumes where
   it stopped. The oldest row is never preempted (progress: a step it alone makes over the budget is
-  counted in `KVPool.overruns`). A preempted row's KV is either
+  counted in `KVPool.overruns` and in the run's `kv_overruns`). A preempted row's KV is either
 
   - *recomputed* (`RECOMPUTE`): dropped, its tokens made pending and computed again like a prompt
     when it rejoins. The policy of runs whose KV is a function of the tokens (no acceleration, or
@@ -290,8 +290,9 @@ class Intake:
         over = pool.over(need)
         if over <= 0:
             return []
-        if len(alive) < 2:
+        if len(alive) < 2:  # the oldest row alone: it goes on over the budget, and the run says so
             pool.overruns += 1
+            self.host.stats.bump("kv_overruns")
             return []
         rows = self.run.rows
         youngest = sorted(alive, key=lambda r: rows[r.seg.id], reverse=True)[:-1]

@@ -602,8 +602,8 @@ def test_run_all_table_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
 
 def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`gpu-check` runs decode at B = 1/8/64 and the self-consistency prefix shape, each given the
-    `--model` that `gpu_check.sh` builds."""
+    """`gpu-check` runs decode at B = 1/8/64 and the self-consistency prefix shape at 8 and 64
+    branches, each given the `--model` that `gpu_check.sh` builds."""
     run_all = _script(monkeypatch, "run_all")
     calls: list[list[str]] = []
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import fused_cascade
@@ -60,13 +61,18 @@ class StaticAttention:
         self.span = ctx.capacity
         """Tail slots read (at least the longest row's length + 1; see `Stepper.span`)."""
         self.bias: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
 
     def prepare(self, dtype: torch.dtype) -> None:
-        """The tail's mask as an additive bias `[B, 1, G, span]`: slot j is visible to a row's token
-        iff j <= its length (the slot it is written to). Built on the device, once per step."""
+        """The tail's mask, built on the device once per step: slot j is visible to a row's token iff
+        j <= its length (the slot it is written to). Boolean `[B, 1, 1, span]` for one SDPA when no
+        row reads a shared segment, else an additive bias `[B, 1, G, span]` for the cascade."""
         ctx = self.ctx
         slots = torch.arange(self.span, device=self.lens.device)
         visible = slots[None, :] <= self.lens[:, None]
+        if not ctx.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
+            self.mask = visible[:, None, None, :]
+            return
         bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
         bias.masked_fill_(~visible, float("-inf"))
         # materialised once per step: the CPU's flash kernel copies a broadcast mask in every layer
@@ -81,9 +87,16 @@ class StaticAttention:
         at = self.lens.view(b, 1, 1, 1).expand(b, h_kv, 1, d)
         tk.scatter_(2, at, key)
         tv.scatter_(2, at, value)
-        assert self.bias is not None, "attend() before prepare()"
         span = self.span
-        return fused_cascade(query, tk[:, :, :span], tv[:, :, :span], self.bias, ctx.shared, layer, scaling)
+        k_own, v_own = tk[:, :, :span], tv[:, :, :span]
+        if not ctx.shared:  # what the layer loop runs for rows without shared ancestors
+            grouped = ctx.n_groups > 1
+            out = F.scaled_dot_product_attention(
+                query, k_own, v_own, attn_mask=self.mask, scale=scaling, enable_gqa=grouped
+            )
+            return out.transpose(1, 2)
+        assert self.bias is not None, "attend() before prepare()"
+        return fused_cascade(query, k_own, v_own, self.bias, ctx.shared, layer, scaling)
 
 
 class Recorder(Protocol):

@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
             "n": 2,
             "prompt_tokens": 100,
             "max_tokens": 12,
-            "budget_fraction": 0.75,
+            "budget_fraction": 0.5,
             "skipkv_budgets": [4, 8],
             "skipkv_interval": 4,
             "repeats": 2,

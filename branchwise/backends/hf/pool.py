@@ -272,9 +272,8 @@ class KVPool:
         prompts decode together, its own copy of its prompt in its tail (`copy_tokens`). Counting
         the tokens alone made admission promise room that decoding then took back by preemption;
         the tails are rectangular (every row gets the longest row's room), which paged KV blocks
-        would avoid. Unshared rows (``share="none"``) hold their prompt as their own KV, so it is
-        there twice per row as well: in each row's node and in its tail."""
-        prompt = prompt_tokens if shared or n == 1 else 2 * n * prompt_tokens
+        would avoid."""
+        prompt = prompt_tokens if shared or n == 1 else n * prompt_tokens
         copied = prompt_tokens if prompt_tokens <= self.copy_tokens else 0
         row = self.row_tokens(max_tokens) + copied
         return (prompt + n * row) * self.token_bytes

@@ -4,12 +4,12 @@ Why: a decode step of the layer loop (`runner.py`) launches hundreds of small ke
 and builds its masks from host-side lengths; on a GPU that launch cost, not memory, sets the step
 time (15-16 ms whatever the batch on an H200, against 3.3 ms for transformers' static-cache
 generate). Here a step is a function of tensors alone: the tokens, each row's logical position and
-its KV length are inputs, the tails are written at that length with a scatter and read over their
-whole capacity under a mask built from the lengths on the device, the shared segments are the
-batch's. Nothing in it reads a tensor back to the host, so its shapes and kernels are the same for
-every step of a batch while the batch keeps its rows, its tail capacity and its shared segments:
-on CUDA it is captured once into a `torch.cuda.CUDAGraph` and replayed; elsewhere the same
-function runs eagerly (what the CPU tests exercise, and what a GPU captures).
+its KV length are inputs, the tails are written at that length with a scatter and read over the
+slots in use (`Stepper.span`) under a mask built from the lengths on the device, the shared
+segments are the batch's. Nothing in it reads a tensor back to the host, so its shapes and kernels
+are the same for every step of a batch while the batch keeps its rows, its tail storage, its span
+and its shared segments: on CUDA it is recorded once into a `torch.cuda.CUDAGraph` and replayed;
+elsewhere the same function runs eagerly (what the CPU tests exercise, and what a GPU captures).
 
 When it applies (`Stepper.applies`): every row feeds at most one token, and nothing needs the
 layer loop's hook points: no plug-in of the run acts inside a forward (River's exits, SkipKV's
@@ -18,9 +18,10 @@ block pool (ReasonCache) (`hooks.needs_layer_loop`). Plug-ins that act at fork t
 steps (ASKS, the KV probe, CGEE's decode gate and verify skip) decode on the fixed-shape step.
 Otherwise the step runs through the layer loop, and the run's statistics count it
 (`decode_steps_layer_loop`; where steps are captured, `decode_steps_uncaptured` and the plug-ins
-that kept it there), so the result's notes say so. The tails grow, rows leave and shared segments change between steps as before;
-each such change is a new `StepGraph` (a new capture on CUDA), which is rare: the tails grow by at
-least 128 slots, and rows leave a batch only once a quarter of it has ended.
+that kept it there), so the result's notes say so. A batch whose tails grow, whose rows leave or
+whose shared segments change is a new layout and a new `StepGraph` (a new recording on CUDA),
+which is rare: the tails grow by at least 128 slots, the span by 128, and rows leave a batch only
+once a quarter of it has ended.
 """
 
 from __future__ import annotations

@@ -38,15 +38,18 @@ def test_decide_uses_min_times_and_caches_per_bucket() -> None:
 
 
 def _token_clock(backend: HFBackend) -> list[int]:
-    """Make the 'time' of a path the number of tokens it pushes through the model."""
+    """Make the 'time' of a path the number of tokens it pushes through the model, through the layer
+    loop or the fixed-shape step (a one-token suffix is a decode-shaped step)."""
     fed = [0]
-    forward = backend.engine.runner.forward
+    engine = backend.engine
+    for owner in (engine.runner, engine.stepper):
+        forward = owner.forward
 
-    def counting(ctx, feeds, *args, **kwargs):
-        fed[0] += sum(len(f) for f in feeds)
-        return forward(ctx, feeds, *args, **kwargs)
+        def counting(ctx, feeds, *args, forward=forward, **kwargs):
+            fed[0] += sum(len(f) for f in feeds)
+            return forward(ctx, feeds, *args, **kwargs)
 
-    backend.engine.runner.forward = counting  # type: ignore[method-assign]
+        owner.forward = counting  # type: ignore[method-assign]
     return fed
 
 

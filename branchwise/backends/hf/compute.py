@@ -23,6 +23,7 @@ from branchwise.backends.hf.intake import Intake, alone_chunk, policy_of
 from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.pool import TAIL_SLACK
 from branchwise.backends.hf.segment import Segment
+from branchwise.backends.hf.step import is_decode_step
 from branchwise.constraints import Constraint
 
 
@@ -120,7 +121,7 @@ class Computation:
             self.stats.bump("decode_steps_captured" if stepper.replayed else "decode_steps_fixed")
         else:
             logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
-            if any(feeds) and all(len(f) <= 1 for f in feeds):
+            if is_decode_step(feeds):
                 self._count_layer_loop_step(batch, observers)
         self.stats.tokens_computed += sum(len(f) for f in feeds)
         self.stats.forward_calls += 1

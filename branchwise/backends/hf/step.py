@@ -184,6 +184,11 @@ class StepGraph:
         return self.logits.clone()  # the next replay overwrites it
 
 
+def is_decode_step(feeds: Sequence[Sequence[int]]) -> bool:
+    """Whether a forward of `feeds` is a decode step: one token or none per row, some row fed."""
+    return any(feeds) and all(len(f) <= 1 for f in feeds)
+
+
 def signature(ctx: BatchContext) -> tuple[object, ...]:
     """What a captured step depends on: rows, tail capacity, and the storage every layer's tails and
     shared segments live in (a grown, compacted or re-read batch has new storage)."""
@@ -271,12 +276,7 @@ class Stepper:
     ) -> bool:
         """Whether this forward can be the fixed-shape step: a decode step (one token or none per
         row) that nothing keeps on the layer loop (`blockers`)."""
-        return (
-            self._mode != "layers"
-            and any(feeds)
-            and all(len(f) <= 1 for f in feeds)
-            and not self.blockers(ctx, hooks, observers)
-        )
+        return self._mode != "layers" and is_decode_step(feeds) and not self.blockers(ctx, hooks, observers)
 
     @torch.inference_mode()
     def forward(self, ctx: BatchContext, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -309,7 +309,3 @@ class Stepper:
         if self.recorder is None:
             return needed
         return min(capacity, -(-needed // SPAN) * SPAN)
-
-    def release(self) -> None:
-        """Drop the kept graph (its captured memory) now."""
-        self._graph = None

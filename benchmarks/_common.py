@@ -32,8 +32,9 @@ class BenchParser(argparse.ArgumentParser):
     """The command line of a benchmark: `--model`, `--device`, `--dtype`, `--threads` and `--quick`
     first, then its own.
 
-    `--quick` replaces options with the script's `quick` settings after parsing, and its help lists
-    them, so what a smoke run does is stated once.
+    `--quick` makes the script's `quick` settings the defaults (options given on the command line
+    still win: `--quick --budget-fraction 0.75` is the smoke run at another budget), and its help
+    lists them, so what a smoke run does is stated once.
     """
 
     def __init__(self, doc: str | None, quick: dict[str, Any], *, threads: int | None = None) -> None:
@@ -62,9 +63,13 @@ class BenchParser(argparse.ArgumentParser):
         if unknown:
             raise TypeError(f"--quick sets options this script does not have: {unknown}")
         parsed = super().parse_args(args, namespace)
-        if parsed.quick:
-            for key, value in self.quick.items():
-                setattr(parsed, key, value)
+        if parsed.quick:  # parse again with the quick settings as defaults, so given options win
+            defaults = {a.dest: a.default for a in self._actions if a.dest in self.quick}
+            self.set_defaults(**self.quick)
+            try:
+                parsed = super().parse_args(args, namespace)
+            finally:
+                self.set_defaults(**defaults)
         return parsed
 
 

@@ -81,7 +81,7 @@ from branchwise.backends.base import (
     NodeId,
 )
 from branchwise.backends.scheduler_jobs import BatchStats, InvalidPrompt, Job, QueueFull
-from branchwise.backends.scheduler_router import Router
+from branchwise.backends.scheduler_router import Router, prompt_share
 from branchwise.backends.scheduler_worker import WorkerSignal, stop_worker, work
 
 __all__ = ["BatchStats", "Cancelled", "InvalidPrompt", "Job", "QueueFull", "Scheduler"]
@@ -328,8 +328,9 @@ class Scheduler:
             )
 
     def _kv_cost(self, job: Job) -> int:
-        """Worst-case KV of the job (a node job's prompt is held already)."""
-        return self.backend.kv_cost(len(job.prompt), job.n, job.params.max_tokens, job.share)  # type: ignore[attr-defined]
+        """Worst-case KV of the job, priced by how its rows will hold its prompt (`prompt_share`; a
+        node job's prompt is held already: it has none)."""
+        return self.backend.kv_cost(len(job.prompt), job.n, job.params.max_tokens, prompt_share(job))  # type: ignore[attr-defined]
 
     def view(self, backend: Backend) -> Backend:
         """`backend` (a run's session over the same tree as this scheduler's backend) with its

@@ -18,7 +18,7 @@ from typing import Any
 from branchwise.backends.base import Admitted, Backend, Cancelled, DecodeStep, Generation, KVStats
 from branchwise.backends.scheduler_jobs import BatchStats, InvalidPrompt, Job
 
-__all__ = ["Router"]
+__all__ = ["Router", "prompt_share"]
 
 log = logging.getLogger("branchwise.backends.scheduler")  # one logger for the whole scheduler
 
@@ -28,6 +28,16 @@ longer one decodes a child that reads the prompt (`Router._fork_prompt`)."""
 
 ADMIT_EVERY = 4
 """Steps a few waiting requests may wait to join a running decode together (`Router.admit`)."""
+
+
+def prompt_share(job: Job) -> ShareMode | None:
+    """How `job`'s rows will hold its prompt (`Router._fork_prompt`): "none" where a lone sample of a
+    short prompt decodes the prompt's own node (a plain row: the prompt is its own KV, in its node
+    and in its batch tail), "exact" for any other lone sample (its row reads the prompt's node), the
+    job's own choice for ``n > 1``. Admission prices the job by it (`Scheduler._kv_cost`)."""
+    if job.n == 1:
+        return "none" if len(job.prompt) <= PLAIN_ROW_TOKENS else "exact"
+    return job.share
 
 
 class Router:
@@ -110,7 +120,8 @@ class Router:
         fork it into ``n`` branches."""
         backend = self.backend
         root = backend.prefill(job.prompt)
-        if job.n == 1 and len(job.prompt) <= PLAIN_ROW_TOKENS:
+        share = prompt_share(job)
+        if job.n == 1 and share == "none":
             # One sample of a short prompt shares it with nobody: decode the prompt's own node. It
             # is a plain row (a one-row shared segment would cost one more attention product per
             # layer), and its KV is the exact prompt, so a backend with a prefix cache keeps it for
@@ -119,7 +130,6 @@ class Router:
         try:
             # A long prompt stays a segment its rows read, out of the batch's tails: a row's tail
             # holds its own tokens, and every row of a batch gets room for the longest one's.
-            share = job.share if job.n > 1 else "exact"
             return backend.fork(root, job.n, share=share)
         finally:
             # the children keep the root's KV alive; releasing it now frees it with them

@@ -246,16 +246,15 @@ class Computation:
         if not self.exact_kv:
             for seg in segs:
                 seg.exact = False
-        pending = [s for s in segs if s.pending]
-        if (
-            params is not None
-            and pending
-            and len(pending) < len(segs)
-            and max(len(s.pending) for s in pending) > 1
-        ):
-            # a mixed batch would push dummy tokens through every row for the longest pending run
-            # (e.g. ASKS: reused branches have nothing to prefill, rejected ones a whole prompt)
-            self._batch(pending, None, observers)
+        # Rows with a prompt to compute beside rows with at most one token (decoding rows, or rows
+        # that reuse a computed prompt): prefill those first, on their own. One mixed forward would
+        # pad every row's feed to the longest prompt, computing that many dummy tokens per row and
+        # giving every row's tail room for its length plus that prompt's (a newcomer's prompt of
+        # 139 tokens beside four decoding rows once asked for twice the KV the rows held). E.g.
+        # continuous batching with whole prompts, ASKS's rejected branches beside reused ones.
+        prompts = [s for s in segs if len(s.pending) > 1]
+        if params is not None and prompts and len(prompts) < len(segs):
+            self._batch(prompts, None, observers)
         extra = 0
         if params is not None:
             longest = max(run.params_of(s).max_tokens for s in segs) if run is not None else params.max_tokens

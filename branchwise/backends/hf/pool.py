@@ -263,7 +263,9 @@ class KVPool:
 
     def job_cost(self, prompt_tokens: int, n: int, max_tokens: int, shared: bool) -> int:
         """Worst-case bytes of ``n`` rows decoding up to ``max_tokens`` each from one prompt (held
-        once when `shared`, by each row otherwise); cached prompt tokens are not subtracted.
+        once when `shared` by ``n > 1`` rows, by each row otherwise: a lone row, or rows that do not
+        share, hold the prompt as their own KV, counted twice like their tokens); cached prompt
+        tokens are not subtracted.
 
         Per row it counts what a decode really holds, not only the tokens: a row's own KV twice
         (its node keeps what it had when a batch was re-assembled for a newcomer, its tail holds
@@ -273,9 +275,12 @@ class KVPool:
         the tokens alone made admission promise room that decoding then took back by preemption;
         the tails are rectangular (every row gets the longest row's room), which paged KV blocks
         would avoid."""
-        prompt = prompt_tokens if shared or n == 1 else n * prompt_tokens
-        copied = prompt_tokens if prompt_tokens <= self.copy_tokens else 0
-        row = self.row_tokens(max_tokens) + copied
+        if shared and n > 1:  # one prompt node the rows read (or copy into their tails, if short)
+            prompt = prompt_tokens
+            row = self.row_tokens(max_tokens) + (prompt_tokens if prompt_tokens <= self.copy_tokens else 0)
+        else:  # each row's prompt is its own KV, held like its tokens: in its node and in its tail
+            prompt = 0
+            row = self.row_tokens(max_tokens) + 2 * prompt_tokens
         return (prompt + n * row) * self.token_bytes
 
     def minimum_budget(self, prompt_tokens: int = 1, max_tokens: int = 1) -> int:

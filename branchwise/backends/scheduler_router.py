@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from branchwise.backends.base import Admitted, Backend, Cancelled, DecodeStep, Generation, KVStats
+from branchwise.backends.base import Admitted, Backend, Cancelled, DecodeStep, Generation, KVStats, ShareMode
 from branchwise.backends.scheduler_jobs import BatchStats, InvalidPrompt, Job
 
 __all__ = ["Router", "prompt_share"]

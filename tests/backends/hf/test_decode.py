@@ -182,6 +182,54 @@ def test_admitted_rows_join_a_running_decode_and_decode_as_they_would_alone(tiny
     assert tiny_hf.kv_stats().extra["admitted_rows"] - before == 2
 
 
+def test_a_newcomers_prompt_is_prefilled_on_its_own(tiny_llama_dir) -> None:
+    """A prompt node admitted beside decoding rows is computed in a forward of its own: one forward
+    with both would pad each decoding row's one-token feed to the prompt's length, and so give
+    every row's tail room for its own KV plus the whole prompt (a KV budget once refused a batch
+    for it). Every row still decodes what it decodes alone."""
+    from branchwise.backends.hf import HFBackend
+
+    # each prompt node holds its whole prompt (no cache), computed whole (as accelerated runs do)
+    tiny_hf = HFBackend(tiny_llama_dir, cache_bytes=0, prefill_chunk=0)
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+    words = ["one two three", "four five six", "seven eight nine"]
+    prompts = [f"{i}: " + " ".join(words[i:] + words[:i]) * 6 for i in range(3)]
+    ids = [tiny_hf.encode(p) for p in prompts]
+    longest = max(map(len, ids))
+    assert longest >= 64  # the rows' own KV and the newcomer's prompt each far above a step's slack
+    alone = []
+    for i in ids:
+        node = tiny_hf.prefill(i)
+        try:
+            alone.append(tiny_hf.extend([node], params)[0].token_ids)
+        finally:
+            tiny_hf.release([node])
+    rows = [tiny_hf.prefill(i) for i in ids[:2]]  # plain rows: each holds its prompt as its own KV
+    made: list[int] = []
+    asked: list[int] = []
+    per_row: list[float] = []
+    pool = tiny_hf.engine.pool
+
+    def admit(alive: int) -> list[int]:
+        asked.append(alive)
+        if len(asked) != 2:
+            return []
+        made.append(tiny_hf.prefill(ids[2]))  # pending: its whole prompt
+        return made
+
+    def listen(step) -> None:
+        per_row.append(pool.tails / (len(rows + made) * pool.token_bytes))
+
+    try:
+        gens = tiny_hf.extend(rows, params, on_step=listen, admit=admit)
+    finally:
+        tiny_hf.release(rows + made)
+    assert [g.token_ids for g in gens] == alone
+    # tail slots per row once the newcomer decodes: the longest row and its growth (slack included),
+    # not a row's own KV plus the newcomer's whole prompt
+    assert max(per_row[2:]) <= longest + 2 * params.max_tokens < 2 * longest
+
+
 def test_admission_keeps_each_rows_own_stop_state(tiny_hf) -> None:
     """Rows carried into the re-assembled batch keep their running text and step count: admitted at
     every step boundary, rows still stop where they stop without admission (a stop string, or

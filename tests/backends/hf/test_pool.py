@@ -14,6 +14,7 @@ from branchwise.backends.base import ContextTooLong, DecodeParams, KVBudgetExcee
 from branchwise.backends.hf import HFBackend, intake
 from branchwise.backends.hf.pool import parse_budget
 from branchwise.backends.scheduler import Job, Scheduler
+from branchwise.backends.scheduler_router import PLAIN_ROW_TOKENS, prompt_share
 
 CPU = torch.device("cpu")
 TEXT = "Question: How many apples are left? Let's think step by step about the problem. "
@@ -36,6 +37,24 @@ def test_budget_forms_and_errors() -> None:
     for bad in (0, -5, 1.5, "lots", "4 parsecs", True):
         with pytest.raises(ValueError, match="kv_budget"):
             parse_budget(bad, CPU)
+
+
+def test_admission_prices_a_prompt_by_how_its_rows_hold_it(tiny_llama_dir: Path) -> None:
+    """Rows that share a prompt read it once (or each copy a short one into its tail); a row that
+    holds its prompt as its own KV holds it like its tokens, in its node and in its re-assembled
+    tail. The scheduler prices a job by the router's layout: a lone short prompt is a plain row."""
+    pool = HFBackend(tiny_llama_dir).engine.pool
+    tb, row = pool.token_bytes, pool.row_tokens(16)
+    long = pool.copy_tokens + 100
+    assert pool.job_cost(long, 4, 16, shared=True) == (long + 4 * row) * tb
+    assert pool.job_cost(long, 4, 16, shared=False) == 4 * (row + 2 * long) * tb
+    assert pool.job_cost(long, 1, 16, shared=False) == (row + 2 * long) * tb
+    params = DecodeParams(max_tokens=16)
+    short_prompt, long_prompt = [1] * 8, [1] * (PLAIN_ROW_TOKENS + 1)
+    assert prompt_share(Job(prompt=short_prompt, n=1, params=params)) == "none"  # its own node
+    assert prompt_share(Job(prompt=long_prompt, n=1, params=params)) == "exact"  # a row reads it
+    assert prompt_share(Job(prompt=short_prompt, n=4, params=params, share="none")) == "none"
+    assert prompt_share(Job(prompt=short_prompt, n=4, params=params, share="exact")) == "exact"
 
 
 def test_used_bytes_count_nodes_cache_and_tails(tiny_llama_dir: Path) -> None:

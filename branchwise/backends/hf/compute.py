@@ -258,7 +258,9 @@ class Computation:
         extra = 0
         if params is not None:
             longest = max(run.params_of(s).max_tokens for s in segs) if run is not None else params.max_tokens
-            extra = min(longest, TAIL_SLACK)
+            # no more free slots than a row may hold (an eviction policy's cap): admission prices
+            # that many (`KVPool.row_tokens`), and a capped row never fills more
+            extra = min(self.row_kv_tokens(longest), TAIL_SLACK)
         try:
             batch = self.assemble(segs, extra)
         except KVBudgetExceeded:

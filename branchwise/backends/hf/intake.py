@@ -270,17 +270,27 @@ class Intake:
 
     # ------------------------------------------------------------------ decode-loop callbacks
     def pressure(self, alive: list[Row]) -> list[Row]:
-        """`DecodeRun.pressure`: record what the call may still need (running rows' worst-case growth,
-        waiting rows' prompts and growth), and name the rows to preempt if the next step would not
-        fit the budget."""
+        """`DecodeRun.pressure`: record what the call may still need (`pool.reserved`, what admission
+        may not promise to newcomers), and name the rows to preempt if the next step would not fit
+        the budget.
+
+        A running row may still need its growth (its tail's, up to its cap) and one more copy of its
+        own KV, past and to come, in its node: the batch tails hold a row's KV alone until the batch
+        is re-assembled for a newcomer or the row ends, and both capture it into the node while the
+        tail still holds it. `KVPool.job_cost` prices a row's own KV twice for that reason; without
+        the copy reserved here, admitting a newcomer doubled the running rows' KV unpriced (the
+        dense arm of `benchmarks/kv_budget.py` was preempted 80 times a run). Waiting rows need
+        their recompute or swap-in and their growth."""
         self._just.clear()
         pool, tb = self.pool, self.pool.token_bytes
-        growth = 0
+        growth = copies = 0
         for r in alive:
             cap = self._cap(r.seg)
-            growth += max(cap - min(len(r.out), cap), 0)
+            grow = max(cap - min(len(r.out), cap), 0)
+            growth += grow
+            copies += max(r.kv_len + grow - r.seg.kv_tokens, 0)
         waiting = sum(self._resume_tokens(s) for s in (*self.prefilling, *self.preempted, *self.ready))
-        pool.reserved = (growth + waiting) * tb
+        pool.reserved = (growth + copies + waiting) * tb
         if pool.budget is None:
             return []
         need = len(alive) * tb + self._growth(alive)

@@ -15,6 +15,11 @@
 #                   64 tokens
 #   gpu_tests       python -m pytest tests -m gpu (the captured step's token equality among them)
 #   cuda_suite      the backend, reasoner and search tests with --backend-device cuda, not slow
+#   kv_budget       kv_budget.py on the 1.2B Llama: 32 questions x 8 branches, 512-token prompts, 96
+#                   tokens, the budget a quarter of exact sharing's need (~1.5 GB), every arm twice;
+#                   throughput and memory only (random weights answer nothing: accuracy is 0). About
+#                   6 minutes, so not among the default stages: run it on its own with
+#                   --stages checkpoints,kv_budget (needs reasoning-gym: gpu_wheels.sh brings it)
 # The benchmarks come first: they are what the check is for, and what a cut-short run should keep.
 # Results: OUT_DIR/results.jsonl (one line per benchmark run, run_all.py's format), OUT_DIR/summary.md
 # (the headline table and each stage's status and seconds). Sized to take about 5 minutes on one
@@ -40,14 +45,15 @@ set -uo pipefail
 usage() {
     echo "usage: bash benchmarks/gpu_check.sh OUT_DIR [--source DIR] [--wheels DIR] [--stages a,b,...]" \
         "[--budget S] [--dry-run]" >&2
-    echo "stages: $ALL_STAGES" >&2
+    echo "stages: $ALL_STAGES (default: $DEFAULT_STAGES)" >&2
     exit 2
 }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
-ALL_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite"
-OUT="" SOURCE="" WHEELS="" STAGES="$ALL_STAGES" DRY_RUN=0 BUDGET=540
+ALL_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite,kv_budget"
+DEFAULT_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite"  # kv_budget: on its own
+OUT="" SOURCE="" WHEELS="" STAGES="$DEFAULT_STAGES" DRY_RUN=0 BUDGET=540
 while (($#)); do
     case "$1" in
         --source) SOURCE="${2:?--source needs a folder}"; shift 2 ;;
@@ -97,6 +103,7 @@ PLAN=(
     "prefix_sharing|180|$BENCH --only prefix_sharing prefix_sharing-B64"
     "gpu_tests|120|$PY -m pytest tests -m gpu -q -p no:cacheprovider --continue-on-collection-errors"
     "cuda_suite|180|$PY -m pytest tests/backends tests/test_reasoner.py tests/test_search.py -m 'not slow' --backend-device cuda -q -p no:cacheprovider"
+    "kv_budget|420|$BENCH --only kv_budget-gpu"
 )
 
 selected() { [[ ",$STAGES," == *",$1,"* ]]; }

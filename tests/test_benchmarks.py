@@ -602,8 +602,8 @@ def test_run_all_table_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
 
 def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`gpu-check` runs decode at B = 1/8/64 and the self-consistency prefix shape at 8 and 64
-    branches, each given the `--model` that `gpu_check.sh` builds."""
+    """`gpu-check` runs decode at B = 1/8/64, the self-consistency prefix shape at 8 and 64
+    branches and the KV-budget arms, each given the `--model` that `gpu_check.sh` builds."""
     run_all = _script(monkeypatch, "run_all")
     calls: list[list[str]] = []
 
@@ -614,7 +614,12 @@ def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(run_all.subprocess, "run", fake_run)
     args = ["run", "--profile", "gpu-check", "--out", str(tmp_path / "r.jsonl"), "--model", "/m 1b"]
     assert run_all.main([*args, "--device", "cuda"]) == 1  # every run failed, and says so
-    assert [Path(c[1]).name for c in calls] == ["decode.py", "prefix_sharing.py", "prefix_sharing.py"]
+    assert [Path(c[1]).name for c in calls] == [
+        "decode.py",
+        "prefix_sharing.py",
+        "prefix_sharing.py",
+        "kv_budget.py",
+    ]
     assert calls[2][2:10] == ["--prefix", "1024", "--tokens", "64", "--branches", "64", "--repeats", "2"]
     assert all(c[-2:] == ["--model", "/m 1b"] for c in calls)
     assert calls[0][2:8] == ["--batches", "1", "8", "64", "--tokens", "64"]
@@ -641,6 +646,10 @@ def test_gpu_check_script_plans_its_stages_and_refuses_without_cuda(tmp_path: Pa
     lines = plan.stdout.splitlines()
     stages = ["checkpoints", "decode", "prefix_sharing", "gpu_tests", "cuda_suite"]
     assert [line.split()[0] for line in lines[1:]] == stages
+    # the KV-budget arms take a run of their own
+    alone = _gpu_check(str(tmp_path / "out"), "--dry-run", "--stages", "checkpoints,kv_budget", cwd=tmp_path)
+    assert [line.split()[0] for line in alone.stdout.splitlines()[1:]] == ["checkpoints", "kv_budget"]
+    assert "--only kv_budget-gpu" in alone.stdout
     assert all("(timeout " in line for line in lines[1:])
     assert "random_checkpoint.py build --llama-1b" in plan.stdout and "out\\ dir" in plan.stdout
     assert "--profile gpu-check --device cuda --dtype bfloat16" in plan.stdout

@@ -25,7 +25,7 @@ call. The scheduler owns that problem once, generic over the `Backend` protocol:
 * **a KV memory budget**: where the backend has one (`SupportsKVBudget`: the local backend's
   `kv_budget`), a request is taken (into a new batch, or into a running one) only while its
   worst-case KV (`kv_cost`: its prompt and ``n`` rows of ``max_tokens``) fits the room the backend
-  reports (`kv_room`: the budget less what is held and what running rows may still grow by), first
+  reports (`kv_room`: the budget less what is held and what running rows may still need), first
   come, first served; a request that could never fit fails with `KVBudgetExceeded`, one that does
   not fit yet waits for memory to be freed;
 * **cancellation**: a request cancelled while it waits is dropped before it is prefilled (a client

@@ -153,7 +153,8 @@ class KVPool:
     watermark: float = 0.02
     """Fraction of the budget admission leaves free (growth the estimates miss: tails' padding)."""
     reserved: int = 0
-    """Bytes the running decode's rows may still grow by (worst case; set at each step boundary)."""
+    """Bytes the running decode's rows may still need: growth, and the copy of their KV into their
+    nodes not yet made (worst case; set at each step boundary by `Intake.pressure`)."""
     copy_tokens: int = 0
     """Prompts up to this many tokens may be copied into each row's tail (`Computation.assemble`)."""
     preemptions: int = 0
@@ -200,7 +201,7 @@ class KVPool:
 
     def room(self) -> int | None:
         """Bytes admission may still promise (None: unbounded): the budget less the watermark, what
-        is held and what running rows may still grow by; the prefix cache counts as free (it
+        is held and what running rows may still need (`reserved`); the prefix cache counts as free (it
         yields)."""
         if self.budget is None:
             return None

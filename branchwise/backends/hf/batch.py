@@ -176,6 +176,12 @@ class BatchContext:
     taps: list[AttentionTap] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # final-norm hidden state at each row's last fed token
     pool: BlockPool | None = None
+    grow_min: int = 128
+    """Fewest slots per row the tails grow by when a row reaches their end (`grow_by`): fewer where
+    no row may hold more (an eviction policy's cap), since every row grows at once."""
+    grow_limit: int | None = None
+    """The most slots any row of the batch may need (None: unknown): growth stops there, however
+    much `grow_by` would add (`next_capacity`)."""
     """Shared blocks the rows read (ReasonCache); None while no row reads one."""
     # set by begin():
     q_len: int = 0
@@ -228,10 +234,18 @@ class BatchContext:
 
     def grow_by(self) -> int:
         """Slots per row the tails gain when a row reaches their end (amortised growth)."""
-        return max(128, self.capacity // 2)
+        return max(self.grow_min, self.capacity // 2)
+
+    def next_capacity(self, needed: int) -> int:
+        """The tails' capacity once grown to hold `needed` slots per row: amortised (`grow_by`), but
+        never past what a row may need (`grow_limit`), and at least `needed`."""
+        grown = self.capacity + self.grow_by()
+        if self.grow_limit is not None:
+            grown = min(grown, self.grow_limit)
+        return max(needed, grown)
 
     def _grow(self, needed: int) -> None:
-        new_cap = max(needed, self.capacity + self.grow_by())
+        new_cap = self.next_capacity(needed)
         for layer in range(len(self.tail_k)):
             for buf in (self.tail_k, self.tail_v):
                 old = buf[layer]

@@ -228,6 +228,11 @@ class Computation:
             intake.finish()
         return run.generations()
 
+    @staticmethod
+    def _max_tokens(run: DecodeRun | None, params: DecodeParams, seg: Segment) -> int:
+        """The most tokens the row of `seg` decodes (its own parameters where it has them)."""
+        return run.params_of(seg).max_tokens if run is not None else params.max_tokens
+
     def _batch(
         self,
         segs: Sequence[Segment],
@@ -257,7 +262,7 @@ class Computation:
             self._batch(prompts, None, observers)
         extra = 0
         if params is not None:
-            longest = max(run.params_of(s).max_tokens for s in segs) if run is not None else params.max_tokens
+            longest = max(self._max_tokens(run, params, s) for s in segs)
             # no more free slots than a row may hold (an eviction policy's cap): admission prices
             # that many (`KVPool.row_tokens`), and a capped row never fills more
             extra = min(self.row_kv_tokens(longest), TAIL_SLACK)
@@ -267,6 +272,19 @@ class Computation:
             if not extra:
                 raise
             batch = self.assemble(segs, 0)  # no free slots ahead: the tails grow as rows do
+        if params is not None:
+            # the tails grow for every row at once: by no more than a row may hold at once, and not
+            # past what the longest may need (128 slots for each of 166 SkipKV rows capped at 16
+            # once asked 1 GB of a 0.75 GB budget)
+            batch.ctx.grow_min = max(extra, 1)
+            batch.ctx.grow_limit = max(
+                r.tail_start
+                + r.kv_len
+                + len(f)
+                + self.row_kv_tokens(self._max_tokens(run, params, r.seg))
+                + 1
+                for r, f in zip(batch.rows, batch.feeds, strict=True)
+            )
         feeds = batch.feeds
         logits = None
         if any(feeds):

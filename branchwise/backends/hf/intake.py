@@ -274,23 +274,26 @@ class Intake:
         may not promise to newcomers), and name the rows to preempt if the next step would not fit
         the budget.
 
-        A running row may still need its growth (its tail's, up to its cap) and one more copy of its
-        own KV, past and to come, in its node: the batch tails hold a row's KV alone until the batch
-        is re-assembled for a newcomer or the row ends, and both capture it into the node while the
-        tail still holds it. `KVPool.job_cost` prices a row's own KV twice for that reason; without
-        the copy reserved here, admitting a newcomer doubled the running rows' KV unpriced (the
-        dense arm of `benchmarks/kv_budget.py` was preempted 80 times a run). Waiting rows need
-        their recompute or swap-in and their growth."""
+        Running rows may still need what admission priced them at (`KVPool.job_cost`) less what
+        they hold now: each row's own KV twice, as it will be (grown to its cap) — the batch tails
+        hold it alone until the batch is re-assembled for a newcomer or the row ends, and both
+        capture it into the node while the tail still holds it — plus its tail's copied prompt and
+        free slots; they hold their nodes' KV and their tail slots. Reserving growth alone let a
+        newcomer's admission double the running rows' KV unpriced (the dense arm of
+        `benchmarks/kv_budget.py` was preempted 80 times a run). Waiting rows need their recompute
+        or swap-in and their growth."""
         self._just.clear()
         pool, tb = self.pool, self.pool.token_bytes
-        growth = copies = 0
+        worst = held = 0
         for r in alive:
             cap = self._cap(r.seg)
-            grow = max(cap - min(len(r.out), cap), 0)
-            growth += grow
-            copies += max(r.kv_len + grow - r.seg.kv_tokens, 0)
+            final = r.kv_len + max(cap - min(len(r.out), cap), 0)
+            worst += pool.row_slots(final, cap) + r.tail_start
+            held += r.seg.kv_tokens
+        if alive and self.batch is not None:
+            held += len(alive) * self.batch.ctx.capacity
         waiting = sum(self._resume_tokens(s) for s in (*self.prefilling, *self.preempted, *self.ready))
-        pool.reserved = (growth + copies + waiting) * tb
+        pool.reserved = (max(worst - held, 0) + waiting) * tb
         if pool.budget is None:
             return []
         need = len(alive) * tb + self._growth(alive)
@@ -411,9 +414,10 @@ class Intake:
         ctx = None if self.batch is None else self.batch.ctx
         if ctx is None or not alive:
             return 0
-        if int(ctx.lens.max()) < ctx.capacity:  # every row's tail, ended ones not yet compacted too
+        needed = int(ctx.lens.max()) + 1
+        if needed <= ctx.capacity:  # every row's tail, ended ones not yet compacted too
             return 0
-        return ctx.batch * ctx.grow_by() * self.pool.token_bytes
+        return ctx.batch * (ctx.next_capacity(needed) - ctx.capacity) * self.pool.token_bytes
 
     @staticmethod
     def _tail_capacity(alive: list[Row]) -> int:

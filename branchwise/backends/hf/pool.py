@@ -260,7 +260,13 @@ class KVPool:
     @staticmethod
     def row_tokens(max_tokens: int) -> int:
         """KV slots one decoding row may hold at worst besides its prompt (see `job_cost`)."""
-        return 2 * max_tokens + min(max_tokens, TAIL_SLACK)
+        return KVPool.row_slots(max_tokens, max_tokens)
+
+    @staticmethod
+    def row_slots(own: int, cap: int) -> int:
+        """KV slots a decoding row holds at worst once its own KV is `own` tokens, `cap` being the
+        most it may generate: that KV twice (its node and its tail) and its tail's free slots."""
+        return 2 * own + min(cap, TAIL_SLACK)
 
     def job_cost(self, prompt_tokens: int, n: int, max_tokens: int, shared: bool) -> int:
         """Worst-case bytes of ``n`` rows decoding up to ``max_tokens`` each from one prompt (held

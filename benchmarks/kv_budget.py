@@ -39,7 +39,8 @@ tokens/s; ratios vs dense and vs exact (of the medians, and per round); preempti
 at decode step boundaries) beside the real allocation at the same reads (the pool's
 `allocated_bytes()` where it has one, else the distinct tensor storages of the tree's nodes, shared
 blocks and the batches' buffers, walked every `--alloc-every` step reads; the walk's time is left
-out of the timings). Accuracy: each branch's extracted answer scored by reasoning-gym, per branch and
+out of the timings); the run's statistics (`counters`: compressions, blocks reused, River's exits,
+...) as a typical round saw them, the median of each over the rounds. Accuracy: each branch's extracted answer scored by reasoning-gym, per branch and
 by majority vote (all rounds), and of a greedy pass (n=1 per question, temperature 0, untimed);
 agreement with dense = the fraction of questions whose greedy answer equals dense's greedy answer
 (sampled branches cannot be compared: their random streams depend on which requests share a decode
@@ -339,10 +340,10 @@ def summarise(
         for q, (_, e, ds) in enumerate(problems)
     ]
     greedy_q = [correct(a, e, ds) for a, (_, e, ds) in zip(greedy, problems, strict=True)]
-    extra: dict[str, float] = {}
-    for run in runs:
-        for key, value in run["extra"].items():
-            extra[key] = extra.get(key, 0.0) + value
+    # a typical round's statistics: the median of each over the rounds (a sum would add up gauges
+    # such as SkipKV's per-branch peak or ReasonCache's per-step filter time, three rounds' worth)
+    keys = sorted({key for run in runs for key in run["extra"]})
+    extra = {key: statistics.median(run["extra"].get(key, 0.0) for run in runs) for key in keys}
     row: dict[str, Any] = {
         "branches_per_s": spread([r["branches_per_s"] for r in runs]),
         "tokens_per_s": spread([r["tokens_per_s"] for r in runs], 2),

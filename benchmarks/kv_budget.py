@@ -40,8 +40,9 @@ at decode step boundaries) beside the real allocation at the same reads (the poo
 `allocated_bytes()` where it has one, else the distinct tensor storages of the tree's nodes, shared
 blocks and the batches' buffers, walked every `--alloc-every` step reads; the walk's time is left
 out of the timings); the run's statistics (`counters`: compressions, blocks reused, River's exits,
-...) as a typical round saw them, the median of each over the rounds. Accuracy: each branch's extracted answer scored by reasoning-gym, per branch and
-by majority vote (all rounds), and of a greedy pass (n=1 per question, temperature 0, untimed);
+...) as a typical round saw them, the median of each over the rounds. Accuracy: each branch's
+extracted answer scored by reasoning-gym, per branch and by majority vote (all rounds), and of a
+greedy pass (n=1 per question, temperature 0, untimed);
 agreement with dense = the fraction of questions whose greedy answer equals dense's greedy answer
 (sampled branches cannot be compared: their random streams depend on which requests share a decode
 call). 95 % CIs are paired percentile bootstraps over questions (NaN below 5 questions). `goals`

@@ -176,13 +176,13 @@ class BatchContext:
     taps: list[AttentionTap] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # final-norm hidden state at each row's last fed token
     pool: BlockPool | None = None
+    """Shared blocks the rows read (ReasonCache); None while no row reads one."""
     grow_min: int = 128
     """Fewest slots per row the tails grow by when a row reaches their end (`grow_by`): fewer where
     no row may hold more (an eviction policy's cap), since every row grows at once."""
     grow_limit: int | None = None
     """The most slots any row of the batch may need (None: unknown): growth stops there, however
     much `grow_by` would add (`next_capacity`)."""
-    """Shared blocks the rows read (ReasonCache); None while no row reads one."""
     # set by begin():
     q_len: int = 0
     _own_mask: torch.Tensor | None = None  # [B,1,q,T] bool

@@ -228,11 +228,6 @@ class Computation:
             intake.finish()
         return run.generations()
 
-    @staticmethod
-    def _max_tokens(run: DecodeRun | None, params: DecodeParams, seg: Segment) -> int:
-        """The most tokens the row of `seg` decodes (its own parameters where it has them)."""
-        return run.params_of(seg).max_tokens if run is not None else params.max_tokens
-
     def _batch(
         self,
         segs: Sequence[Segment],
@@ -260,12 +255,16 @@ class Computation:
         prompts = [s for s in segs if len(s.pending) > 1]
         if params is not None and prompts and len(prompts) < len(segs):
             self._batch(prompts, None, observers)
-        extra = 0
+        extra, caps = 0, []
         if params is not None:
-            longest = max(self._max_tokens(run, params, s) for s in segs)
-            # no more free slots than a row may hold (an eviction policy's cap): admission prices
-            # that many (`KVPool.row_tokens`), and a capped row never fills more
-            extra = min(self.row_kv_tokens(longest), TAIL_SLACK)
+            # the most KV each row may hold (its max_tokens, or an eviction policy's cap); no more
+            # free slots than the largest: admission prices that many (`KVPool.row_tokens`), and a
+            # capped row never fills more
+            caps = [
+                self.row_kv_tokens(run.params_of(s).max_tokens if run is not None else params.max_tokens)
+                for s in segs
+            ]
+            extra = min(max(caps), TAIL_SLACK)
         try:
             batch = self.assemble(segs, extra)
         except KVBudgetExceeded:
@@ -278,12 +277,8 @@ class Computation:
             # once asked 1 GB of a 0.75 GB budget)
             batch.ctx.grow_min = max(extra, 1)
             batch.ctx.grow_limit = max(
-                r.tail_start
-                + r.kv_len
-                + len(f)
-                + self.row_kv_tokens(self._max_tokens(run, params, r.seg))
-                + 1
-                for r, f in zip(batch.rows, batch.feeds, strict=True)
+                r.tail_start + r.kv_len + len(f) + cap + 1
+                for r, f, cap in zip(batch.rows, batch.feeds, caps, strict=True)
             )
         feeds = batch.feeds
         logits = None

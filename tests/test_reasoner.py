@@ -227,3 +227,25 @@ def test_history_turns_sit_between_the_system_prompt_and_the_question(tiny_backe
     ]
     with pytest.raises(ValueError, match="role/content"):
         Reasoner(self_consistency(n=1), backend=tiny_backend, history=[{"role": "user"}])
+
+
+def test_a_kv_budget_defers_rows_and_a_budget_too_small_is_said(tiny_llama_dir) -> None:
+    """Dense branches under a budget that holds a few at a time decode in turns with the unbounded
+    run's greedy texts; a budget below what the finished branches hold together cannot bound the
+    run, and its result says so instead of running over it silently."""
+    strat = self_consistency(n=6, temperature=0.0, max_tokens=12)
+    free = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
+    want = Reasoner(strat, backend=free, share="none").run("Count to five:")
+    tb = free.engine.pool.token_bytes
+    path = len(want.tree[0].token_ids) + 12  # a dense row: its prompt and its tokens, all its own
+    held = 6 * path * tb  # what the six finished rows hold together
+    # room for them and one row's price (its KV twice and its free slots): not for six rows at once
+    roomy = HFBackend(tiny_llama_dir, kv_budget=int((held + 3 * path * tb) / 0.98), cache_bytes=0)
+    got = Reasoner(strat, backend=roomy, share="none").run("Count to five:")
+    assert [b.text for b in got.branches] == [b.text for b in want.branches]
+    assert got.kv_stats["deferred_rows"] > 0 and not any("kv_budget" in n for n in got.notes)
+    tiny = HFBackend(tiny_llama_dir, kv_budget=int(held * 0.3), cache_bytes=0)
+    small = Reasoner(strat, backend=tiny, share="none").run("Count to five:")
+    assert [b.text for b in small.branches] == [b.text for b in want.branches]
+    assert small.kv_stats["kv_overruns"] > 0
+    assert any(n.startswith(f"kv_budget: {small.kv_stats['kv_overruns']:g} decode step") for n in small.notes)

@@ -510,6 +510,12 @@ class Reasoner:
             # an acceleration that was on but never acted says so (each config words its notes), so a
             # result never implies a speed-up it did not get
             run.notes += run.backend.accel.notes(stats)
+        if stats.get("kv_overruns"):
+            # the budget could not bound this run: never a silent overrun
+            run.notes.append(
+                f"kv_budget: {stats['kv_overruns']:g} decode step(s) ran over the KV budget: what the run "
+                "held (its live branches, and the one row a decode always goes on with) did not fit it"
+            )
         key = run.typed.key if run.typed is not None else extract_answer
         value, calls = self._typed_answer(run)
         branches = [

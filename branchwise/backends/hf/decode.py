@@ -209,6 +209,11 @@ class DecodeRun:
             if self.grammar is not None:
                 self.grammar.attach(seg.id, constraint, row_params.max_tokens)
 
+    def hold(self, seg: Segment) -> None:
+        """The row of `seg` waits outside the batch before its first step (`Intake.start`): carried
+        as a preempted row, so a listener stops it as it stops any waiting row."""
+        self.carried[seg.id] = Row(seg=seg, kv_len=seg.kv_tokens, computed=seg.n_computed, preempted=True)
+
     @property
     def mixed(self) -> bool:
         """Whether some rows decode with their own parameters."""

@@ -200,9 +200,13 @@ class Intake:
         """Copy a row of `batch` back into its node, with the plug-ins' `on_capture` (set with `batch`)."""
         self.prefilling: list[Segment] = []
         self.preempted: list[Segment] = []
+        """Rows out of the batch until their KV fits: preempted, or held back at the start of a
+        call without a scheduler (`start`)."""
         self._just: set[int] = set()
         """Rows preempted at this step boundary (they rejoin from the next one on)."""
         self.ready: list[Segment] = []
+        self._waiting_reserved = 0
+        """Bytes of `pool.reserved` the waiting rows' own joining stands for (`pressure`)."""
         self.batch: Batch | None = None
         """The batch being decoded (set by `Computation.run` before each `decode`)."""
 
@@ -210,12 +214,54 @@ class Intake:
     def start(self, segs: Sequence[Segment]) -> list[Segment]:
         """The call's first rows: those with a long prompt wait in `prefilling` when newcomers may
         join meanwhile (without a scheduler there is nobody to let through: prompts are computed
-        at once, still chunk by chunk to bound the attention's memory)."""
+        at once, still chunk by chunk to bound the attention's memory).
+
+        Without a scheduler nobody priced the call's rows before it started: under a budget, the
+        rows that do not fit it (beyond the first, which always starts) wait in `preempted` as if
+        preempted before their first step, and join as the rows ahead of them end (`_rejoin`). All
+        of them at once used to fail (a beam search's 16 dense rows asked for 3.4x the budget in
+        one batch's tails) or overshoot the budget and preempt a third of its rows a step later."""
+        if self.outer is None:
+            segs = self._fitting(segs)
         if not self.chunk or self.outer is None:
             return list(segs)
         now = [s for s in segs if pending_work(s) <= self.chunk]
         self.prefilling += [s for s in segs if pending_work(s) > self.chunk]
         return now
+
+    def _fitting(self, segs: Sequence[Segment]) -> list[Segment]:
+        """The first of `segs` (at least one) whose worst-case KV fits the budget's room now; the
+        others wait in `preempted` (nothing to drop: they hold no KV of this call yet)."""
+        room = self.pool.room()
+        if room is None or len(segs) < 2:
+            return list(segs)
+        counted: set[int] = set()
+        now: list[Segment] = []
+        for seg in segs:
+            cost = self._join_cost(seg, counted)
+            if now and cost > room:
+                self.preempted.append(seg)
+                self.run.hold(seg)
+                continue
+            now.append(seg)
+            room -= cost
+        if self.preempted:
+            self.host.stats.bump("deferred_rows", len(self.preempted))
+        return now
+
+    def _join_cost(self, seg: Segment, counted: set[int]) -> int:
+        """Bytes a row may still add to what is held once it joins the batch, priced as admission
+        prices a row (`KVPool.row_slots`: its own KV twice, as it will be, and its free slots): its
+        ancestors' pending tokens (once for rows that share them: `counted` collects their ids), its
+        own KV computed or swapped back in, its growth to its cap; less what its node holds now."""
+        ancestors = 0
+        for anc in seg.kv_ancestors():
+            if anc.pending and anc.id not in counted:
+                counted.add(anc.id)
+                ancestors += len(anc.pending)
+        cap = self._cap(seg)
+        own = seg.kv_tokens + self.swap.tokens.get(seg.id, 0) + len(seg.pending) + cap
+        return (ancestors + self.pool.row_slots(own, cap) - seg.kv_tokens) * self.pool.token_bytes
 
     def waiting(self) -> bool:
         return bool(self.prefilling or self.preempted or self.ready)
@@ -280,8 +326,9 @@ class Intake:
         capture it into the node while the tail still holds it — plus its tail's copied prompt and
         free slots; they hold their nodes' KV and their tail slots. Reserving growth alone let a
         newcomer's admission double the running rows' KV unpriced (the dense arm of
-        `benchmarks/kv_budget.py` was preempted 80 times a run). Waiting rows need their recompute
-        or swap-in and their growth."""
+        `benchmarks/kv_budget.py` was preempted 80 times a run). Waiting rows need what they will
+        cost when they join (`_join_cost`): newcomers may not take it, but they themselves may
+        (`_rejoin` adds it back to the room)."""
         self._just.clear()
         pool, tb = self.pool, self.pool.token_bytes
         worst = held = 0
@@ -292,8 +339,11 @@ class Intake:
             held += r.seg.kv_tokens
         if alive and self.batch is not None:
             held += len(alive) * self.batch.ctx.capacity
-        waiting = sum(self._resume_tokens(s) for s in (*self.prefilling, *self.preempted, *self.ready))
-        pool.reserved = (max(worst - held, 0) + waiting) * tb
+        counted: set[int] = set()
+        self._waiting_reserved = sum(
+            self._join_cost(s, counted) for s in (*self.prefilling, *self.preempted, *self.ready)
+        )
+        pool.reserved = max(worst - held, 0) * tb + self._waiting_reserved
         if pool.budget is None:
             return []
         need = len(alive) * tb + self._growth(alive)
@@ -338,11 +388,6 @@ class Intake:
         """Rows of the call that wait here (they count against the scheduler's row bound)."""
         return len(self.prefilling) + len(self.preempted) + len(self.ready)
 
-    def _resume_tokens(self, seg: Segment) -> int:
-        """KV tokens a waiting row needs before it decodes again: what it has to compute or swap
-        back in, and its growth."""
-        return pending_work(seg) + self.swap.tokens.get(seg.id, 0) + self._cap(seg)
-
     def _cap(self, seg: Segment) -> int:
         """Own KV tokens the row of `seg` may hold at most (its max_tokens, or an eviction's cap)."""
         return self.host.row_kv_tokens(self.run.params_of(seg).max_tokens)
@@ -384,17 +429,17 @@ class Intake:
     def _rejoin(self, force: bool) -> list[Segment]:
         """Preempted rows whose recompute and growth fit the budget now, oldest first (with
         `force`, at least one: the batch is empty, so it must make progress)."""
-        tb = self.pool.token_bytes
         rows = self.run.rows
         self.preempted.sort(key=lambda s: rows[s.id])
         back: list[Segment] = []
         room = self.pool.room()
+        if room is not None:  # `reserved` holds the waiting rows' own needs: not theirs to compete with
+            room += self._waiting_reserved
+        counted: set[int] = set()
         for seg in list(self.preempted):
             if seg.id in self._just and not force:
                 continue
-            cap = self._cap(seg)
-            swapped = self.swap.tokens.get(seg.id, 0)
-            cost = (pending_work(seg) + swapped + self.pool.row_tokens(cap)) * tb
+            cost = self._join_cost(seg, counted)
             if room is not None and cost > room and not (force and not back):
                 break
             self.swap.back(seg, self.host.tree)

@@ -87,17 +87,27 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_arch_dir: Path, monkeypatch:
     assert chunked.kv_stats().bytes_held == 0
 
 
-def test_preemption_keeps_greedy_tokens_and_releases_kv(tiny_arch_dir: Path) -> None:
-    """Eight rows that cannot all grow within the budget: the youngest are preempted, recomputed
-    later, and every row ends with the tokens an unbounded run gives."""
+def test_rows_beyond_the_budget_wait_and_keep_greedy_tokens(tiny_arch_dir: Path) -> None:
+    """Eight rows that cannot all decode at once within the budget (a call without a scheduler):
+    the rows beyond it wait outside the batch and join as the first end, so none is preempted,
+    counted KV never passes the budget, and every row ends with the tokens an unbounded run gives.
+    All eight at once used to overshoot the budget and preempt the youngest a step later."""
     free = HFBackend(tiny_arch_dir, kv_budget=None, cache_bytes=0)
     ids = free.encode(TEXT)
     want = decode(free, ids, 8, 48)
     tb = free.engine.pool.token_bytes
-    tight = HFBackend(tiny_arch_dir, kv_budget=(len(ids) + 8 * 48) * tb, cache_bytes=0)
-    assert decode(tight, ids, 8, 48) == want
+    budget = (len(ids) + 8 * 48) * tb
+    tight = HFBackend(tiny_arch_dir, kv_budget=budget, cache_bytes=0)
+    seen: list[int] = []
+    root = tight.prefill(ids)
+    kids = tight.fork(root, 8)
+    params = DecodeParams(max_tokens=48, min_tokens=48)
+    gens = tight.extend(kids, params, on_step=lambda _: seen.append(tight.engine.pool.used()))
+    tight.release([*kids, root])
+    assert [g.token_ids for g in gens] == want
     stats = tight.kv_stats()
-    assert stats.preemptions > 0 and stats.extra["preempted_rows"] == stats.preemptions
+    assert stats.extra["deferred_rows"] > 0 and stats.preemptions == 0
+    assert tight.engine.pool.overruns == 0 and max(seen) <= budget
     assert stats.bytes_held == 0 and stats.used_bytes == 0
 
 

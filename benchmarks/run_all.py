@@ -69,6 +69,7 @@ SCRIPTS = [
     "structured",
     "serve_load",
     "kv_budget",
+    "kv_budget_search",
 ]
 
 PROFILES: dict[str, list[Run]] = {
@@ -97,6 +98,7 @@ PROFILES: dict[str, list[Run]] = {
         Run("structured", "structured"),
         Run("serve_load", "serve_load"),
         Run("kv_budget", "kv_budget"),
+        Run("kv_budget_search", "kv_budget_search"),
     ],
     "gpu-check": [
         Run(

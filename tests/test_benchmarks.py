@@ -799,6 +799,39 @@ def test_kv_budget_worked_solutions_and_bad_input(monkeypatch: pytest.MonkeyPatc
             kv.main(["--budget-fraction", bad])
 
 
+def test_kv_budget_search_refuses_budget_fractions_outside_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fractions outside (0, 1] are refused before any model loads, naming the option."""
+    search = _script(monkeypatch, "kv_budget_search")
+    for bad in ("0", "1.5"):
+        with pytest.raises(SystemExit):
+            search.main(["--budget-fraction", bad])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("rksc_ready")
+def test_kv_budget_search_quick() -> None:
+    out = run_quick("kv_budget_search.py")
+    cfg, arms = out["config"], out["arms"]
+    names = ["dense", "exact", "skipkv_tight", "skipkv_loose", "reasoncache", "rsbcm", "composed"]
+    assert list(arms) == cfg["arms"] == names
+    budget, repeats = out["budget_bytes"], cfg["repeats"]
+    assert budget == math.ceil(cfg["budget_fraction"] * out["exact_one_step_bytes"] / (1 - 0.02))
+    for name, arm in arms.items():
+        assert arm["share"] == ("none" if name == "dense" else "exact")
+        for key in ("searches_per_s", "tokens_per_s", "seconds"):
+            assert len(arm[key]["values"]) == repeats
+        assert len(arm["deferred_rows"]) == len(arm["overruns"]) == repeats
+        assert arm["peak_vs_budget"] == round(arm["peak_bytes"] / budget, 4)
+        # a run that went over the budget says so in its notes, never silently
+        assert (sum(arm["overruns"]) > 0) == any(n.startswith("kv_budget:") for n in arm["notes"])
+        assert 0.0 <= arm["accuracy_vote"]["value"] <= 1.0
+        for base in ("dense", "exact"):
+            medians = arm["searches_per_s"]["median"], arms[base]["searches_per_s"]["median"]
+            assert arm[f"throughput_vs_{base}"] == ratio(*medians)
+    # a dense search holds every leaf's whole path: more than exact needs for all its rows at once
+    assert sum(arms["dense"]["overruns"]) > 0 and sum(arms["exact"]["overruns"]) == 0
+
+
 def test_kv_budget_fails_a_stalled_arm_with_the_pools_figures(monkeypatch: pytest.MonkeyPatch) -> None:
     """An arm whose queue waits for KV room that nothing frees fails (its jobs cancelled) instead
     of hanging the run; one that keeps stepping is waited for."""

@@ -39,6 +39,9 @@ object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
     mass) describing KV the row no longer has. A swap keeps both exactly: the resumed row continues
     as it would have without the preemption, at the cost of copying its KV twice.
 
+A call without a scheduler (a strategy run's step) had nobody price its rows before it started: the
+rows its budget does not hold wait in `preempted` from the start (`start`) and join as rows end.
+
 Rows are numbered (`DecodeRun.join`) when they enter the call, not when they enter the batch, so
 a request's rows keep the indices the scheduler expects whatever they wait for.
 """

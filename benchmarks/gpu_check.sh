@@ -20,6 +20,10 @@
 #                   throughput and memory only (random weights answer nothing: accuracy is 0). About
 #                   6 minutes, so not among the default stages: run it on its own with
 #                   --stages checkpoints,kv_budget (needs reasoning-gym: gpu_wheels.sh brings it)
+#   kv_budget_search kv_budget_search.py on the 1.2B Llama: the same arms on a beam search (4 questions,
+#                   width 16, 3 steps of 32 tokens) at 0.4 of one step's rows under exact sharing, every
+#                   arm once (dense's leaves go over the budget: it decodes a row at a time); about 4-5
+#                   minutes, on its own too: --stages checkpoints,kv_budget_search
 # The benchmarks come first: they are what the check is for, and what a cut-short run should keep.
 # Results: OUT_DIR/results.jsonl (one line per benchmark run, run_all.py's format), OUT_DIR/summary.md
 # (the headline table and each stage's status and seconds). Sized to take about 5 minutes on one
@@ -51,8 +55,8 @@ usage() {
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
-ALL_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite,kv_budget"
-DEFAULT_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite"  # kv_budget: on its own
+ALL_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite,kv_budget,kv_budget_search"
+DEFAULT_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite"  # the KV-budget stages: on their own
 OUT="" SOURCE="" WHEELS="" STAGES="$DEFAULT_STAGES" DRY_RUN=0 BUDGET=540
 while (($#)); do
     case "$1" in
@@ -104,6 +108,7 @@ PLAN=(
     "gpu_tests|120|$PY -m pytest tests -m gpu -q -p no:cacheprovider --continue-on-collection-errors"
     "cuda_suite|180|$PY -m pytest tests/backends tests/test_reasoner.py tests/test_search.py -m 'not slow' --backend-device cuda -q -p no:cacheprovider"
     "kv_budget|420|$BENCH --only kv_budget-gpu"
+    "kv_budget_search|300|$BENCH --only kv_budget_search-gpu"
 )
 
 selected() { [[ ",$STAGES," == *",$1,"* ]]; }

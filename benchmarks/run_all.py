@@ -20,9 +20,9 @@ prefix, RKSC Tables 1-2 and verify isolation, ETS vs REBASE at widths 64 and 256
 ReasonCache, decode at B = 1/8 on the model and on a random ~1B Llama, throughput at a fixed KV
 budget); hours on a CPU. `gpu-check`: the runs of `gpu_check.sh` (decode at B = 1/8/64 and the
 1,024-token prefix at 8 and 64 branches, 64 tokens each, against transformers' compiled static
-cache; and `kv_budget-gpu`, throughput of every KV-saving arm at a budget of a quarter of what exact
-sharing needs), sized to finish in minutes on one H100/H200 with `--model` the random ~1.2B Llama
-of `random_checkpoint.py`.
+cache; `kv_budget-gpu`, throughput of every KV-saving arm at a budget of a quarter of what exact
+sharing needs; `kv_budget_search-gpu`, the same arms on a beam search), sized to finish in minutes
+on one H100/H200 with `--model` the random ~1.2B Llama of `random_checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -113,6 +113,7 @@ PROFILES: dict[str, list[Run]] = {
             ["--prefix", "1024", "--tokens", "64", "--branches", "64", "--repeats", "2"],
         ),
         Run("kv_budget-gpu", "kv_budget", ["--max-tokens", "96", "--repeats", "2"]),
+        Run("kv_budget_search-gpu", "kv_budget_search", ["--questions", "4", "--repeats", "1"]),
     ],
 }
 

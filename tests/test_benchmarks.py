@@ -603,7 +603,7 @@ def test_run_all_table_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
 def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """`gpu-check` runs decode at B = 1/8/64, the self-consistency prefix shape at 8 and 64
-    branches and the KV-budget arms, each given the `--model` that `gpu_check.sh` builds."""
+    branches and the KV-budget arms (self-consistency and beam search), each given the `--model` that `gpu_check.sh` builds."""
     run_all = _script(monkeypatch, "run_all")
     calls: list[list[str]] = []
 
@@ -619,6 +619,7 @@ def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPa
         "prefix_sharing.py",
         "prefix_sharing.py",
         "kv_budget.py",
+        "kv_budget_search.py",
     ]
     assert calls[2][2:10] == ["--prefix", "1024", "--tokens", "64", "--branches", "64", "--repeats", "2"]
     assert all(c[-2:] == ["--model", "/m 1b"] for c in calls)
@@ -650,6 +651,9 @@ def test_gpu_check_script_plans_its_stages_and_refuses_without_cuda(tmp_path: Pa
     alone = _gpu_check(str(tmp_path / "out"), "--dry-run", "--stages", "checkpoints,kv_budget", cwd=tmp_path)
     assert [line.split()[0] for line in alone.stdout.splitlines()[1:]] == ["checkpoints", "kv_budget"]
     assert "--only kv_budget-gpu" in alone.stdout
+    search = _gpu_check(str(tmp_path / "out"), "--dry-run", "--stages", "kv_budget_search", cwd=tmp_path)
+    assert [line.split()[0] for line in search.stdout.splitlines()[1:]] == ["kv_budget_search"]
+    assert "--only kv_budget_search-gpu" in search.stdout
     assert all("(timeout " in line for line in lines[1:])
     assert "random_checkpoint.py build --llama-1b" in plan.stdout and "out\\ dir" in plan.stdout
     assert "--profile gpu-check --device cuda --dtype bfloat16" in plan.stdout

@@ -237,14 +237,14 @@ def test_a_kv_budget_defers_rows_and_a_budget_too_small_is_said(tiny_llama_dir) 
     free = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
     want = Reasoner(strat, backend=free, share="none").run("Count to five:")
     tb = free.engine.pool.token_bytes
-    path = len(want.tree[0].token_ids) + 12  # a dense row: its prompt and its tokens, all its own
-    held = 6 * path * tb  # what the six finished rows hold together
-    # room for them and one row's price (its KV twice and its free slots): not for six rows at once
-    roomy = HFBackend(tiny_llama_dir, kv_budget=int((held + 3 * path * tb) / 0.98), cache_bytes=0)
+    prompt = len(want.tree[0].token_ids)  # each dense row computes and holds it as its own KV
+    row = prompt + 12 + 12  # a dense row's price: its prompt and tokens once, and its free slots
+    # one token short of six rows at once: five start, the sixth waits
+    roomy = HFBackend(tiny_llama_dir, kv_budget=int((6 * row - 1) * tb / 0.98), cache_bytes=0)
     got = Reasoner(strat, backend=roomy, share="none").run("Count to five:")
     assert [b.text for b in got.branches] == [b.text for b in want.branches]
     assert got.kv_stats["deferred_rows"] > 0 and not any("kv_budget" in n for n in got.notes)
-    tiny = HFBackend(tiny_llama_dir, kv_budget=int(held * 0.3), cache_bytes=0)
+    tiny = HFBackend(tiny_llama_dir, kv_budget=2 * row * tb, cache_bytes=0)
     small = Reasoner(strat, backend=tiny, share="none").run("Count to five:")
     assert [b.text for b in small.branches] == [b.text for b in want.branches]
     assert small.kv_stats["kv_overruns"] > 0

@@ -88,7 +88,10 @@ class Computation:
             ready = [a for a in todo.values() if not any(x.id in todo for x in a.kv_ancestors())]
             self.run(ready, None)
 
-    def assemble(self, segs: Sequence[Segment], extra: int) -> Batch:
+    def assemble(self, segs: Sequence[Segment], extra: int, lend: bool = False) -> Batch:
+        """The batch of `segs` with `extra` free slots per row; with `lend`, the rows' nodes lend
+        their own KV to its tails once copied (`KVTree.lend`: a decode batch, which captures every
+        row back), so the tails' reservation counts those bytes as moving, not added."""
         engine = self.engine
         # many short ancestors (many requests' prompts) are copied into the rows' tails
         # (`Batch.assemble`); with an acceleration on, every ancestor stays a shared segment, the
@@ -105,12 +108,32 @@ class Computation:
             engine.broadcast,
             copy_tokens,
             # free slots ahead are refused where they would not fit (`KVPool.reserve_tails`)
-            reserve=functools.partial(engine.pool.reserve_tails, slack=extra > 0),
+            reserve=functools.partial(
+                engine.pool.reserve_tails,
+                slack=extra > 0,
+                moving=sum(s.kv_bytes for s in segs) if lend else 0,
+            ),
         )
+        if lend:
+            for seg in segs:
+                if seg.keys is not None:
+                    self.tree.lend(seg)
         engine.pool.track(batch.ctx)
-        for plugin in overrides(self.plugins, "on_batch"):
-            plugin.on_batch(batch)
+        try:
+            for plugin in overrides(self.plugins, "on_batch"):
+                plugin.on_batch(batch)
+        except BaseException:
+            self.abandon(batch)
+            raise
         return batch
+
+    def abandon(self, batch: Batch) -> None:
+        """A batch ended abnormally (its call raised): its tails go now (the error's traceback must
+        not keep them allocated and counted), and the rows it did not capture, whose KV went with
+        them, compute their tokens again on next use (`KVTree.reclaim`)."""
+        self.engine.pool.end(batch.ctx)
+        for r in batch.rows:
+            self.tree.reclaim(r.seg)
 
     def forward(
         self, batch: Batch, feeds: Sequence[Sequence[int]], observers: Sequence[Acceleration] = ()
@@ -222,8 +245,8 @@ class Computation:
                 del batch, capture
                 observers = ()
         finally:
-            if intake.batch is not None:  # the call raised mid-batch: the traceback must not hold its tails
-                self.engine.pool.end(intake.batch.ctx)
+            if intake.batch is not None:  # the call raised mid-batch
+                self.abandon(intake.batch)
             self.engine.stepper.forget()
             intake.finish()
         return run.generations()
@@ -265,12 +288,13 @@ class Computation:
                 for s in segs
             ]
             extra = min(max(caps), TAIL_SLACK)
+        lend = params is not None  # a decode batch: every row is captured back when it leaves
         try:
-            batch = self.assemble(segs, extra)
+            batch = self.assemble(segs, extra, lend)
         except KVBudgetExceeded:
             if not extra:
                 raise
-            batch = self.assemble(segs, 0)  # no free slots ahead: the tails grow as rows do
+            batch = self.assemble(segs, 0, lend)  # no free slots ahead: the tails grow as rows do
         if params is not None:
             # the tails grow for every row at once: by no more than a row may hold at once, and not
             # past what the longest may need (128 slots for each of 166 SkipKV rows capped at 16
@@ -280,6 +304,21 @@ class Computation:
                 r.tail_start + r.kv_len + len(f) + cap + 1
                 for r, f, cap in zip(batch.rows, batch.feeds, caps, strict=True)
             )
+        try:
+            return self._first_forward(batch, params, observers)
+        except BaseException:
+            self.abandon(batch)
+            raise
+
+    def _first_forward(
+        self,
+        batch: Batch,
+        params: DecodeParams | None,
+        observers: Sequence[Acceleration],
+    ) -> tuple[Batch, list[torch.Tensor]]:
+        """`_batch`'s second half: compute the rows' pending tokens in the assembled batch (a
+        prefill batch's rows are captured back at once, each with its logits)."""
+        segs = [r.seg for r in batch.rows]
         feeds = batch.feeds
         logits = None
         if any(feeds):

@@ -254,7 +254,7 @@ class Intake:
 
     def _join_cost(self, seg: Segment, counted: set[int]) -> int:
         """Bytes a row may still add to what is held once it joins the batch, priced as admission
-        prices a row (`KVPool.row_slots`: its own KV twice, as it will be, and its free slots): its
+        prices a row (`KVPool.row_slots`: its own KV as it will be, and its free slots): its
         ancestors' pending tokens (once for rows that share them: `counted` collects their ids), its
         own KV computed or swapped back in, its growth to its cap; less what its node holds now."""
         ancestors = 0
@@ -324,10 +324,9 @@ class Intake:
         the budget.
 
         Running rows may still need what admission priced them at (`KVPool.job_cost`) less what
-        they hold now: each row's own KV twice, as it will be (grown to its cap) — the batch tails
-        hold it alone until the batch is re-assembled for a newcomer or the row ends, and both
-        capture it into the node while the tail still holds it — plus its tail's copied prompt and
-        free slots; they hold their nodes' KV and their tail slots. Reserving growth alone let a
+        they hold now: each row's own KV as it will be (grown to its cap; its node lends it to the
+        tail while it decodes), plus its tail's copied prompt and free slots; they hold their
+        nodes' KV (none while lent) and their tail slots. Reserving growth alone let a
         newcomer's admission double the running rows' KV unpriced (the dense arm of
         `benchmarks/kv_budget.py` was preempted 80 times a run). Waiting rows need what they will
         cost when they join (`_join_cost`): newcomers may not take it, but they themselves may

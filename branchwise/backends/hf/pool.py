@@ -8,7 +8,7 @@ all of that costs and whether more fits. Every byte of KV is counted here, in on
   of ReasonCache: the tree's `total` ledger;
 - the prefix cache across requests: the tree's `cache` ledger;
 - the batch tails a decode writes into while it runs (`BatchContext` buffers, which hold each row's
-  own tokens beside its node's copy until the batch ends): tracked while their batch is alive.
+  own tokens: its node lends them to the batch, `KVTree.lend`): tracked while their batch is alive.
 
 With a budget (`HFBackend(kv_budget=...)`), three things act on it: admission (a scheduler takes a
 queued request only while the worst-case KV of the running rows and of the request fits under the
@@ -227,8 +227,10 @@ class KVPool:
             return 0
         return self.tree.trim(max(0, self.tree.accounts.cache.held - over))
 
-    def reserve_tails(self, nbytes: int, slack: bool = False) -> None:
-        """A batch is about to allocate `nbytes` of tails: let the prefix cache yield.
+    def reserve_tails(self, nbytes: int, slack: bool = False, moving: int = 0) -> None:
+        """A batch is about to allocate `nbytes` of tails: let the prefix cache yield. `moving` is
+        what the batch's rows' nodes hold now and lend to the tails once copied (`KVTree.lend`):
+        those bytes move, they are not added (for the copy's moment they are held twice).
 
         Tails that still do not fit are refused with `TailSlackRefused` when they include free slots
         ahead (`slack`: the caller assembles them again without, `Computation.assemble`): a fresh
@@ -239,10 +241,11 @@ class KVPool:
         tails without slack (what the rows already hold, copied) is let through and counted
         (`overruns`): the decode's next step preempts rows to make up for it
         (`intake.Intake.pressure`), which failing every request of the batch would not."""
-        if self.budget is None or self.over(nbytes) <= 0:
+        need = max(nbytes - moving, 0)
+        if self.budget is None or self.over(need) <= 0:
             return
-        self.yield_cache(nbytes)
-        if self.over(nbytes) <= 0:
+        self.yield_cache(need)
+        if self.over(need) <= 0:
             return
         if slack:
             raise TailSlackRefused(
@@ -265,29 +268,30 @@ class KVPool:
     @staticmethod
     def row_slots(own: int, cap: int) -> int:
         """KV slots a decoding row holds at worst once its own KV is `own` tokens, `cap` being the
-        most it may generate: that KV twice (its node and its tail) and its tail's free slots."""
-        return 2 * own + min(cap, TAIL_SLACK)
+        most it may generate: that KV once (in its tail while it decodes: its node lends it, and
+        in its node once captured) and its tail's free slots."""
+        return own + min(cap, TAIL_SLACK)
 
     def job_cost(self, prompt_tokens: int, n: int, max_tokens: int, shared: bool) -> int:
         """Worst-case bytes of ``n`` rows decoding up to ``max_tokens`` each from one prompt (held
         once when `shared` by ``n > 1`` rows, by each row otherwise: a lone row, or rows that do not
-        share, hold the prompt as their own KV, counted twice like their tokens); cached prompt
-        tokens are not subtracted.
+        share, hold the prompt as their own KV); cached prompt tokens are not subtracted.
 
-        Per row it counts what a decode really holds, not only the tokens: a row's own KV twice
-        (its node keeps what it had when a batch was re-assembled for a newcomer, its tail holds
-        that again plus what it adds until the batch ends), the free slots a batch's tails are
-        assembled with (`Computation.assemble`'s ``extra``: up to 128 per row), and, when many short
-        prompts decode together, its own copy of its prompt in its tail (`copy_tokens`). Counting
-        the tokens alone made admission promise room that decoding then took back by preemption;
-        the tails are rectangular (every row gets the longest row's room), which paged KV blocks
-        would avoid."""
+        Per row it counts what a decode really holds, not only the tokens: a row's own KV once (its
+        node lends it to the batch's tail while the row decodes, `KVTree.lend`, and takes it back
+        when the row ends or the batch is re-assembled for a newcomer), the free slots a batch's
+        tails are assembled with (`Computation.assemble`'s ``extra``: up to 128 per row), and, when
+        many short prompts decode together, its own copy of its prompt in its tail
+        (`copy_tokens`). Counting the tokens alone made admission promise room that decoding then
+        took back by preemption; counting a row's own KV twice, as the node kept a copy of what
+        its tail held, admitted two thirds of the rows a budget holds. The tails are rectangular
+        (every row gets the longest row's room), which paged KV blocks would avoid."""
         if shared and n > 1:  # one prompt node the rows read (or copy into their tails, if short)
             prompt = prompt_tokens
             row = self.row_tokens(max_tokens) + (prompt_tokens if prompt_tokens <= self.copy_tokens else 0)
-        else:  # each row's prompt is its own KV, held like its tokens: in its node and in its tail
+        else:  # each row's prompt is its own KV, held like its tokens
             prompt = 0
-            row = self.row_tokens(max_tokens) + 2 * prompt_tokens
+            row = self.row_slots(prompt_tokens + max_tokens, max_tokens)
         return (prompt + n * row) * self.token_bytes
 
     def minimum_budget(self, prompt_tokens: int = 1, max_tokens: int = 1) -> int:

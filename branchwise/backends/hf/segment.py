@@ -77,6 +77,9 @@ class Segment:
     """Cache clock tick of the last insert or match through this node (LRU order)."""
     blocks: list[tuple[int, Block]] = field(default_factory=list)
     """Shared blocks read in place of own KV: (logical start in this node's own tokens, block)."""
+    lent: bool = False
+    """Its own KV lives in a decoding batch's tail, not here (`KVTree.lend`), until the batch
+    captures it back (`KVTree.set_kv`); `kv_tokens` is then 0 while `n_computed` is not."""
 
     def kv_ancestors(self) -> list[Segment]:
         """Ancestors whose KV this segment attends to, nearest first."""

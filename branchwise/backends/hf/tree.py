@@ -255,9 +255,11 @@ class KVTree:
     def set_kv(
         self, seg: Segment, keys: list[torch.Tensor] | None, values: list[torch.Tensor] | None
     ) -> None:
-        """Replace a segment's KV tensors, keeping the byte accounting exact."""
+        """Replace a segment's KV tensors, keeping the byte accounting exact (a lent node's KV is
+        back: it holds what it is given)."""
         delta = -seg.kv_bytes
         seg.keys, seg.values = keys, values
+        seg.lent = False
         if keys:
             assert values is not None  # a segment's keys and values come together
             seg.kv_bytes = sum(t.nbytes for t in keys) + sum(t.nbytes for t in values)
@@ -265,6 +267,25 @@ class KVTree:
             seg.kv_bytes = 0
         delta += seg.kv_bytes
         self.accounts.charge(seg.owner, delta)
+
+    def lend(self, seg: Segment) -> None:
+        """`seg`'s own KV was just copied into a decoding batch's tail: its tensors go, so the KV is
+        held once while the row decodes (the tail is the only copy), and the batch's capture puts it
+        back (`set_kv`). Holding it in both, as every re-assembled row did, cost admission a second
+        copy of every row's own KV."""
+        self.set_kv(seg, None, None)
+        seg.lent = True
+
+    def reclaim(self, seg: Segment) -> None:
+        """A lent node whose batch ended without capturing it (its call raised): what it had
+        computed is lost with the tail, so all its tokens are pending again (computed on next use)
+        and it reads no shared block."""
+        if not seg.lent:
+            return
+        self.blocks.unref_all(seg)
+        self.set_kv(seg, None, None)
+        seg.n_computed = 0
+        seg.last_logits = None
 
     def keep_kv(self, seg: Segment, keep: torch.Tensor) -> None:
         """Evict the physical KV positions where `keep` is False (their tensors are really freed)."""

@@ -182,6 +182,86 @@ def test_admitted_rows_join_a_running_decode_and_decode_as_they_would_alone(tiny
     assert tiny_hf.kv_stats().extra["admitted_rows"] - before == 2
 
 
+def test_rows_of_a_re_assembled_batch_hold_their_kv_once(tiny_hf) -> None:
+    """A newcomer joining at step 3 re-assembles the batch: the running rows are captured into
+    their nodes and copied into the new tails, and their nodes then lend the KV to the tails (it is
+    held once, not in both), so admission may price a row's own KV once. Their tokens are unchanged,
+    and the nodes hold their KV again once the rows end."""
+    params = DecodeParams(max_tokens=10, min_tokens=10)
+    first, late = "What is 12 + 7?", "Name a prime number."
+    alone_first = _greedy_alone(tiny_hf, first, 2, params)
+    kids = _kids(tiny_hf, 2)
+    made: list[int] = []
+    held: list[list[int]] = []
+    tree = tiny_hf.engine.tree
+
+    def admit(alive: int) -> list[int]:
+        if made or len(held) < 3:
+            return []
+        root = tiny_hf.prefill(tiny_hf.encode(late))
+        made.extend(tiny_hf.fork(root, 2))
+        tiny_hf.release([root])
+        return made
+
+    def listen(step):
+        held.append([tree.get(k).kv_bytes for k in kids])
+
+    try:
+        gens = tiny_hf.extend(kids, params, on_step=listen, admit=admit)
+        after = [(tree.get(k).kv_bytes, tree.get(k).lent) for k in kids]
+    finally:
+        tiny_hf.release(kids + made)
+    assert [g.token_ids for g in gens[:2]] == alone_first
+    # steps 3-8, after the re-assembly and before the rows end: lent to the tails, not held twice
+    assert len(held) > 9 and all(h == [0, 0] for h in held[3:9])
+    assert all(nbytes > 0 and not lent for nbytes, lent in after)
+
+
+def test_a_call_that_raises_with_rows_lent_leaves_their_nodes_recomputable(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tails hold a lent row's only copy of its KV: when the call raises, the nodes it did not
+    capture hold none and have every token pending (computed again on next use), the books
+    balance, and the nodes decode on from their tokens."""
+    from branchwise.backends.hf import HFBackend
+    from branchwise.backends.hf.compute import Computation
+
+    backend = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
+    params = DecodeParams(max_tokens=12, min_tokens=12)
+    kids = _kids(backend, 2)
+    made: list[int] = []
+    forward = Computation.forward
+    calls = [0]
+
+    def admit(alive: int) -> list[int]:
+        if made:
+            return []
+        root = backend.prefill(backend.encode("Name a prime number."))
+        made.extend(backend.fork(root, 2))
+        backend.release([root])
+        return made
+
+    def failing(self: Computation, *args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 6:
+            raise RuntimeError("device lost")
+        return forward(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Computation, "forward", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        backend.extend(kids, params, admit=admit)
+    monkeypatch.setattr(Computation, "forward", forward)
+    tree, pool = backend.engine.tree, backend.engine.pool
+    for k in kids:
+        seg = tree.get(k)
+        assert not seg.lent and seg.kv_bytes == 0 and seg.n_computed == 0 and seg.pending
+    assert pool.tails == 0 and pool.used() == pool.tree.accounts.total.held
+    gens = backend.extend(kids, DecodeParams(max_tokens=4, min_tokens=4))
+    assert all(len(g.token_ids) == 4 for g in gens)
+    backend.release(kids + made)
+    assert pool.used() == 0
+
+
 def test_a_newcomers_prompt_is_prefilled_on_its_own(tiny_llama_dir) -> None:
     """A prompt node admitted beside decoding rows is computed in a forward of its own: one forward
     with both would pad each decoding row's one-token feed to the prompt's length, and so give

@@ -41,14 +41,15 @@ def test_budget_forms_and_errors() -> None:
 
 def test_admission_prices_a_prompt_by_how_its_rows_hold_it(tiny_llama_dir: Path) -> None:
     """Rows that share a prompt read it once (or each copy a short one into its tail); a row that
-    holds its prompt as its own KV holds it like its tokens, in its node and in its re-assembled
-    tail. The scheduler prices a job by the router's layout: a lone short prompt is a plain row."""
+    holds its prompt as its own KV holds it like its tokens, once (its node lends it to the batch's
+    tail). The scheduler prices a job by the router's layout: a lone short prompt is a plain row."""
     pool = HFBackend(tiny_llama_dir).engine.pool
     tb, row = pool.token_bytes, pool.row_tokens(16)
     long = pool.copy_tokens + 100
     assert pool.job_cost(long, 4, 16, shared=True) == (long + 4 * row) * tb
-    assert pool.job_cost(long, 4, 16, shared=False) == 4 * (row + 2 * long) * tb
-    assert pool.job_cost(long, 1, 16, shared=False) == (row + 2 * long) * tb
+    assert pool.job_cost(long, 4, 16, shared=False) == 4 * (row + long) * tb
+    assert pool.job_cost(long, 1, 16, shared=False) == (row + long) * tb
+    assert row == 16 + 16  # its tokens once and its free slots
     params = DecodeParams(max_tokens=16)
     short_prompt, long_prompt = [1] * 8, [1] * (PLAIN_ROW_TOKENS + 1)
     assert prompt_share(Job(prompt=short_prompt, n=1, params=params)) == "none"  # its own node

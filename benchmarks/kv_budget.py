@@ -408,6 +408,59 @@ def goals_of(arms: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def rotated(rnd: int) -> list[str]:
+    """The arms in round `rnd`'s order: rotated by one per round, so no arm always runs first or
+    last on a machine whose load drifts."""
+    return list(ARMS[rnd % len(ARMS) :] + ARMS[: rnd % len(ARMS)])
+
+
+def add_arm_options(
+    parser: BenchParser, *, budget_fraction: float, budget_of: str, skipkv_budgets: list[int]
+) -> None:
+    """The options every KV-budget workload shares (this script's and `kv_budget_search.py`'s): the
+    task and its few-shot prompt, sampling, the budget as a fraction of exact sharing's worst case
+    for `budget_of`, SkipKV's two budgets, the rounds, and the decode step every arm takes."""
+    parser.add_argument("--task", default="basic_arithmetic", help="reasoning-gym generator of the questions")
+    parser.add_argument(
+        "--temperature", type=float, default=0.7, help="sampling temperature of the timed runs"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="problem split; round r samples with seed + r")
+    parser.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=budget_fraction,
+        help=f"the KV budget, as a fraction of the worst-case KV exact sharing needs for {budget_of}",
+    )
+    parser.add_argument(
+        "--skipkv-budgets",
+        type=int,
+        nargs=2,
+        default=skipkv_budgets,
+        help="SkipKV's two per-branch KV budgets (tokens)",
+    )
+    parser.add_argument("--skipkv-interval", type=int, default=8, help="decode steps between compressions")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of every arm, order rotated per round")
+    parser.add_argument(
+        "--decode-step",
+        choices=["auto", "eager", "graphs", "layers"],
+        default="layers",
+        help="HFBackend's decode_step for every arm. Accelerated arms run the layer loop whatever this is, "
+        "so the default puts dense and exact on it too and the ratios compare the methods, not two decode "
+        "paths; 'auto' times what a user of each arm gets",
+    )
+
+
+def check_arm_options(parser: BenchParser, args: argparse.Namespace, positive: Sequence[str]) -> None:
+    """Refuse, naming the option, what `add_arm_options` and the `positive` options may not be."""
+    for name in (*positive, "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0.0 < args.budget_fraction <= 1.0:
+        parser.error(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
+    if min(args.skipkv_budgets) < 2:
+        parser.error(f"--skipkv-budgets must be >= 2 tokens each, got {args.skipkv_budgets}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = BenchParser(
         __doc__,
@@ -422,30 +475,11 @@ def main(argv: list[str] | None = None) -> None:
             "repeats": 2,
         },
     )
-    parser.add_argument("--task", default="basic_arithmetic", help="reasoning-gym generator of the questions")
+    add_arm_options(parser, budget_fraction=0.25, budget_of="all questions at once", skipkv_budgets=[8, 32])
     parser.add_argument("--questions", type=int, default=32, help="questions (one job each, all at once)")
     parser.add_argument("--n", type=int, default=8, help="branches per question (self-consistency)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="few-shot prompt length to reach")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per branch at most")
-    parser.add_argument(
-        "--temperature", type=float, default=0.7, help="sampling temperature of the timed runs"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="problem split; round r samples with seed + r")
-    parser.add_argument(
-        "--budget-fraction",
-        type=float,
-        default=0.25,
-        help="the KV budget, as a fraction of the worst-case KV exact sharing needs for all questions at once",
-    )
-    parser.add_argument(
-        "--skipkv-budgets",
-        type=int,
-        nargs=2,
-        default=[8, 32],
-        help="SkipKV's two per-branch KV budgets (tokens)",
-    )
-    parser.add_argument("--skipkv-interval", type=int, default=8, help="decode steps between compressions")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of every arm, order rotated per round")
     parser.add_argument(
         "--alloc-every", type=int, default=16, help="step reads between walks of the real allocation"
     )
@@ -460,22 +494,8 @@ def main(argv: list[str] | None = None) -> None:
         "prompts whatever this is, so the default gives dense and exact the same; chunked prefill beside "
         "decoding rows made plain exact 2.5x slower than lossless RSBCM at the quick shapes (128-token chunks)",
     )
-    parser.add_argument(
-        "--decode-step",
-        choices=["auto", "eager", "graphs", "layers"],
-        default="layers",
-        help="HFBackend's decode_step for every arm. Accelerated arms run the layer loop whatever this is, "
-        "so the default puts dense and exact on it too and the ratios compare the methods, not two decode "
-        "paths; 'auto' times what a user of each arm gets",
-    )
     args = parser.parse_args(argv)
-    for name, low in (("questions", 1), ("n", 1), ("max_tokens", 1), ("repeats", 1), ("alloc_every", 1)):
-        if getattr(args, name) < low:
-            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
-    if not 0.0 < args.budget_fraction <= 1.0:
-        parser.error(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
-    if min(args.skipkv_budgets) < 2:
-        parser.error(f"--skipkv-budgets must be >= 2 tokens each, got {args.skipkv_budgets}")
+    check_arm_options(parser, args, ("questions", "n", "max_tokens", "alloc_every"))
 
     bench = start("kv_budget", args, kv_budget=None, decode_step=args.decode_step)
     backend = bench.backend
@@ -521,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
     sampled: dict[str, list[list[list[str | None]]]] = {name: [] for name in ARMS}
     orders = []
     for rnd in range(args.repeats):
-        order = list(ARMS[rnd % len(ARMS) :] + ARMS[: rnd % len(ARMS)])
+        order = rotated(rnd)
         orders.append(order)
         params = DecodeParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + rnd)
         for name in order:

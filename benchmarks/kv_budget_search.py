@@ -40,7 +40,19 @@ import time
 from typing import Any
 
 from _common import Bench, BenchParser, load_problems, start, sync
-from kv_budget import ARMS, COMPOSED_LEFT_OUT, TASKS, correct, few_shot, make_arms, mean_ci, spread
+from kv_budget import (
+    ARMS,
+    COMPOSED_LEFT_OUT,
+    TASKS,
+    add_arm_options,
+    check_arm_options,
+    correct,
+    few_shot,
+    make_arms,
+    mean_ci,
+    rotated,
+    spread,
+)
 
 from branchwise.backends.accel import Accel
 from branchwise.reasoners import Reasoner, ReasoningResult
@@ -106,44 +118,15 @@ def main(argv: list[str] | None = None) -> None:
             "repeats": 1,
         },
     )
-    parser.add_argument("--task", default="basic_arithmetic", help="reasoning-gym generator of the questions")
+    add_arm_options(parser, budget_fraction=0.4, budget_of="one step's rows at once", skipkv_budgets=[8, 16])
     parser.add_argument("--questions", type=int, default=4, help="questions, one search each")
     parser.add_argument("--width", type=int, default=16, help="the beam's width (rows per step)")
     parser.add_argument("--depth", type=int, default=3, help="search steps")
     parser.add_argument("--step-tokens", type=int, default=32, help="tokens per step at most")
     parser.add_argument("--verifier", default="confidence", help="the step scorer (a verifier name)")
     parser.add_argument("--prompt-tokens", type=int, default=160, help="few-shot prompt length to reach")
-    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
-    parser.add_argument("--seed", type=int, default=0, help="problem split; round r samples with seed + r")
-    parser.add_argument(
-        "--budget-fraction",
-        type=float,
-        default=0.4,
-        help="the KV budget, as a fraction of the worst-case KV of one step's rows at once under exact sharing",
-    )
-    parser.add_argument(
-        "--skipkv-budgets",
-        type=int,
-        nargs=2,
-        default=[8, 16],
-        help="SkipKV's two per-branch KV budgets (tokens)",
-    )
-    parser.add_argument("--skipkv-interval", type=int, default=8, help="decode steps between compressions")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of every arm, order rotated per round")
-    parser.add_argument(
-        "--decode-step",
-        choices=["auto", "eager", "graphs", "layers"],
-        default="layers",
-        help="HFBackend's decode_step for every arm (accelerated arms run the layer loop whatever this is)",
-    )
     args = parser.parse_args(argv)
-    for name in ("questions", "width", "depth", "step_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not 0.0 < args.budget_fraction <= 1.0:
-        parser.error(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
-    if min(args.skipkv_budgets) < 2:
-        parser.error(f"--skipkv-budgets must be >= 2 tokens each, got {args.skipkv_budgets}")
+    check_arm_options(parser, args, ("questions", "width", "depth", "step_tokens"))
 
     bench = start("kv_budget_search", args, kv_budget=None, decode_step=args.decode_step)
     backend = bench.backend
@@ -190,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     answers: dict[str, list[list[str | None]]] = {name: [] for name in ARMS}
     orders = []
     for rnd in range(args.repeats):
-        order = list(ARMS[rnd % len(ARMS) :] + ARMS[: rnd % len(ARMS)])
+        order = rotated(rnd)
         orders.append(order)
         for name in order:
             run, results = run_arm(

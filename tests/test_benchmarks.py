@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -547,7 +548,11 @@ def test_run_all_profiles_name_real_scripts_and_options(monkeypatch: pytest.Monk
     for name, runs in run_all.PROFILES.items():
         assert len({r.id for r in runs}) == len(runs), f"duplicate run ids in {name}"
         for r in runs:
+            # the script's text and that of the benchmark modules it imports options from
             source = (ROOT / "benchmarks" / f"{r.script}.py").read_text()
+            for module in re.findall(r"^from (\w+) import", source, flags=re.MULTILINE):
+                if (ROOT / "benchmarks" / f"{module}.py").exists():
+                    source += (ROOT / "benchmarks" / f"{module}.py").read_text()
             for option in (a for a in r.args if a.startswith("--")):
                 assert f'"{option}"' in source or option == "--quick", (r.id, option)
     assert {r.script for r in run_all.PROFILES["quick"]} == set(run_all.SCRIPTS)

@@ -58,7 +58,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from _common import Bench, BenchParser, load_problems, start, sync
@@ -408,6 +408,11 @@ def goals_of(arms: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def share_of(arm: str) -> Literal["none", "exact"]:
+    """The arm's sharing mode: dense holds every prompt per branch, every other arm shares it."""
+    return "none" if arm == "dense" else "exact"
+
+
 def rotated(rnd: int) -> list[str]:
     """The arms in round `rnd`'s order: rotated by one per round, so no arm always runs first or
     last on a machine whose load drifts."""
@@ -516,9 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     worst: dict[str, int] = {}
     for name, accel in arms.items():
         backend.accel = accel
-        worst[name] = backend.kv_cost(
-            max(lengths), args.n, args.max_tokens, "none" if name == "dense" else "exact"
-        )
+        worst[name] = backend.kv_cost(max(lengths), args.n, args.max_tokens, share_of(name))
     backend.accel = Accel()
     limit = int(budget * (1.0 - pool.watermark))
     if max(worst.values()) > limit:
@@ -535,7 +538,7 @@ def main(argv: list[str] | None = None) -> None:
 
     short = prompts[0][-48:]
     for name, accel in arms.items():  # warm-up outside the timings: lazy init, plug-in builds
-        run_arm(bench, accel, "none" if name == "dense" else "exact", [short], 2, DecodeParams(max_tokens=4))
+        run_arm(bench, accel, share_of(name), [short], 2, DecodeParams(max_tokens=4))
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ARMS}
     sampled: dict[str, list[list[list[str | None]]]] = {name: [] for name in ARMS}
@@ -545,9 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         orders.append(order)
         params = DecodeParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + rnd)
         for name in order:
-            run, gens = run_arm(
-                bench, arms[name], "none" if name == "dense" else "exact", prompts, args.n, params
-            )
+            run, gens = run_arm(bench, arms[name], share_of(name), prompts, args.n, params)
             runs[name].append(run)
             sampled[name].append(answers_of(gens))
             bench.log(
@@ -559,9 +560,7 @@ def main(argv: list[str] | None = None) -> None:
     greedy_params = DecodeParams(temperature=0.0, max_tokens=args.max_tokens)
     greedy: dict[str, list[str | None]] = {}
     for name in ARMS:
-        _, gens = run_arm(
-            bench, arms[name], "none" if name == "dense" else "exact", prompts, 1, greedy_params
-        )
+        _, gens = run_arm(bench, arms[name], share_of(name), prompts, 1, greedy_params)
         greedy[name] = [a[0] for a in answers_of(gens)]
 
     rows: dict[str, Any] = {}
@@ -572,7 +571,7 @@ def main(argv: list[str] | None = None) -> None:
             reference = (branch_q, greedy["dense"])
         accel = arms[name]
         rows[name] = {
-            "share": "none" if name == "dense" else "exact",
+            "share": share_of(name),
             "accel": accel.model_dump(exclude_defaults=True),
             "worst_case_bytes_per_request": worst[name],
             "admitted_worst_case_requests": limit // worst[name],

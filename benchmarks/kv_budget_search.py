@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any
+from typing import Any, Literal
 
 from _common import Bench, BenchParser, load_problems, start, sync
 from kv_budget import (
@@ -51,6 +51,7 @@ from kv_budget import (
     make_arms,
     mean_ci,
     rotated,
+    share_of,
     spread,
 )
 
@@ -59,15 +60,11 @@ from branchwise.reasoners import Reasoner, ReasoningResult
 from branchwise.strategies import Strategy, beam_search
 
 
-def share_of(arm: str) -> str:
-    return "none" if arm == "dense" else "exact"
-
-
 def run_arm(
     bench: Bench,
     strategy: Strategy,
     accel: Accel,
-    share: str,
+    share: Literal["none", "exact"],
     questions: list[str],
     shots: list[dict[str, str]],
 ) -> tuple[dict[str, Any], list[ReasoningResult]]:
@@ -77,7 +74,7 @@ def run_arm(
     reasoner = Reasoner(
         strategy,
         backend,
-        share=share,  # type: ignore[arg-type]
+        share=share,
         accel=accel,
         system_prompt=shots[0]["content"],
         history=shots[1:],
@@ -139,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = math.ceil(args.budget_fraction * one_step / (1.0 - pool.watermark))
     # one dense row's tail holds its whole path and its free slots: a budget below that cannot even
     # assemble it (dense goes over a larger budget too, from the leaves it keeps: counted and noted)
-    dense_tail = (max(lengths) + 2 * args.step_tokens) * pool.token_bytes
+    dense_tail = backend.kv_cost(max(lengths), 1, args.step_tokens, "none")
     least = dense_tail / one_step
     if args.budget_fraction < least:
         parser.error(

@@ -1,5 +1,5 @@
-"""What many test files share: one fake `Backend` and one `wait_until` (imported by conftest.py, so
-every test module can ``from testkit import ...``).
+"""What many test files share: one fake `Backend`, one `wait_until` and one failing forward of the
+local backend (imported by conftest.py, so every test module can ``from testkit import ...``).
 
 Why one fake: the scheduler, the server, the DSPy and LangChain plug-ins all drive a backend through
 the same few calls (``chat_prompt``, ``prefill``, ``fork``, ``extend``, ``release``). A fake per
@@ -18,7 +18,7 @@ from typing import Any
 
 from branchwise.backends.base import DecodeParams, Generation
 
-__all__ = ["FakeBackend", "GatedBackend", "Lines", "wait_until"]
+__all__ = ["FakeBackend", "GatedBackend", "Lines", "fail_forward", "wait_until"]
 
 
 class Lines(logging.Handler):
@@ -41,6 +41,24 @@ def wait_until(cond: Callable[[], Any], what: str, limit_s: float = 30.0, every_
             return
         time.sleep(every_s)
     raise AssertionError(f"timed out waiting until {what}")
+
+
+def fail_forward(monkeypatch: Any, at: int, message: str = "device lost") -> Callable[[], None]:
+    """Make the `at`-th forward of the local backend from now on raise ``RuntimeError(message)``
+    (a device lost mid-decode); returns what puts the real forward back before the test ends."""
+    from branchwise.backends.hf.compute import Computation
+
+    forward = Computation.forward
+    calls = [0]
+
+    def failing(self: Computation, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == at:
+            raise RuntimeError(message)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(Computation, "forward", failing)
+    return lambda: monkeypatch.setattr(Computation, "forward", forward)
 
 
 class FakeBackend:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from testkit import fail_forward
 
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf.decode import TextTail, finish_text
@@ -78,6 +79,14 @@ def tiny_hf(tiny_llama_dir):
     from branchwise.backends.hf import HFBackend
 
     return HFBackend(tiny_llama_dir)
+
+
+def _newcomers(backend, prompt: str, made: list[int]) -> list[int]:
+    """Two branches of a new prompt, for an `admit` to hand in mid-decode (recorded in `made`)."""
+    root = backend.prefill(backend.encode(prompt))
+    made.extend(backend.fork(root, 2))
+    backend.release([root])
+    return made
 
 
 def _kids(backend, n: int) -> list[int]:
@@ -158,12 +167,7 @@ def test_admitted_rows_join_a_running_decode_and_decode_as_they_would_alone(tiny
 
     def admit(alive: int) -> list[int]:
         asked.append(alive)
-        if len(asked) != 3:
-            return []
-        root = tiny_hf.prefill(tiny_hf.encode(late))
-        made.extend(tiny_hf.fork(root, 2))
-        tiny_hf.release([root])
-        return made
+        return [] if len(asked) != 3 else _newcomers(tiny_hf, late, made)
 
     def listen(step):
         steps.append((sorted(step.tokens), sorted(step.finished)))
@@ -196,12 +200,7 @@ def test_rows_of_a_re_assembled_batch_hold_their_kv_once(tiny_hf) -> None:
     tree = tiny_hf.engine.tree
 
     def admit(alive: int) -> list[int]:
-        if made or len(held) < 3:
-            return []
-        root = tiny_hf.prefill(tiny_hf.encode(late))
-        made.extend(tiny_hf.fork(root, 2))
-        tiny_hf.release([root])
-        return made
+        return [] if made or len(held) < 3 else _newcomers(tiny_hf, late, made)
 
     def listen(step):
         held.append([tree.get(k).kv_bytes for k in kids])
@@ -224,33 +223,19 @@ def test_a_call_that_raises_with_rows_lent_leaves_their_nodes_recomputable(
     capture hold none and have every token pending (computed again on next use), the books
     balance, and the nodes decode on from their tokens."""
     from branchwise.backends.hf import HFBackend
-    from branchwise.backends.hf.compute import Computation
 
     backend = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
     params = DecodeParams(max_tokens=12, min_tokens=12)
     kids = _kids(backend, 2)
     made: list[int] = []
-    forward = Computation.forward
-    calls = [0]
 
     def admit(alive: int) -> list[int]:
-        if made:
-            return []
-        root = backend.prefill(backend.encode("Name a prime number."))
-        made.extend(backend.fork(root, 2))
-        backend.release([root])
-        return made
+        return [] if made else _newcomers(backend, "Name a prime number.", made)
 
-    def failing(self: Computation, *args: object, **kwargs: object) -> object:
-        calls[0] += 1
-        if calls[0] == 6:
-            raise RuntimeError("device lost")
-        return forward(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Computation, "forward", failing)
+    restore = fail_forward(monkeypatch, at=6)
     with pytest.raises(RuntimeError, match="device lost"):
         backend.extend(kids, params, admit=admit)
-    monkeypatch.setattr(Computation, "forward", forward)
+    restore()
     tree, pool = backend.engine.tree, backend.engine.pool
     for k in kids:
         seg = tree.get(k)

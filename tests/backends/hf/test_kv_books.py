@@ -10,11 +10,11 @@ import random
 from pathlib import Path
 
 import pytest
+from testkit import fail_forward
 
 from branchwise.backends.accel import Accel, ReasonCacheConfig, SkipKVConfig
 from branchwise.backends.base import DecodeParams, DecodeStep, KVBudgetExceeded
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.compute import Computation
 from branchwise.backends.hf.reasoncache import ReasonCache, StepBoundaries
 from branchwise.backends.scheduler import Job, Scheduler
 
@@ -219,16 +219,7 @@ def test_a_request_that_raises_leaves_the_books_balanced(
     batch's tails and nodes are all let go (the error's traceback does not keep the tails)."""
     backend = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
     pool = backend.engine.pool
-    forward = Computation.forward
-    calls = [0]
-
-    def failing(self: Computation, *args: object, **kwargs: object) -> object:
-        calls[0] += 1
-        if calls[0] == 6:
-            raise RuntimeError("device lost")
-        return forward(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Computation, "forward", failing)
+    fail_forward(monkeypatch, at=6)
     sched = Scheduler(backend, window_s=0.2)
     try:
         jobs = [

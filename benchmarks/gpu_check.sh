@@ -13,6 +13,11 @@
 #                   generate, eager and with its compiled static cache (CUDA graphs); HBM fraction
 #   prefix_sharing  prefix_sharing.py on the same model: 1,024-token prefix, 8 and 64 branches,
 #                   64 tokens
+#   paged_attention paged_attention.py on the same model's shapes at B = 1, 8, 64 (rows of 256 to 1,024
+#                   tokens): the decode step's attention over its rectangular tails against the same
+#                   KV in a pool of 16-token blocks, gathered for SDPA, and read in place by
+#                   FlashInfer's paged decode where flashinfer-python is installed (its wheel, 62 MB,
+#                   does not fit what gpu_wheels.sh carries: elsewhere the JSON says it is missing)
 #   gpu_tests       python -m pytest tests -m gpu (the captured step's token equality among them)
 #   cuda_suite      the backend, reasoner and search tests with --backend-device cuda, not slow
 #   kv_budget       kv_budget.py on the 1.2B Llama: 32 questions x 8 branches, 512-token prompts, 96
@@ -55,8 +60,8 @@ usage() {
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
-ALL_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite,kv_budget,kv_budget_search"
-DEFAULT_STAGES="checkpoints,decode,prefix_sharing,gpu_tests,cuda_suite"  # the KV-budget stages: on their own
+ALL_STAGES="checkpoints,decode,prefix_sharing,paged_attention,gpu_tests,cuda_suite,kv_budget,kv_budget_search"
+DEFAULT_STAGES="checkpoints,decode,prefix_sharing,paged_attention,gpu_tests,cuda_suite"  # the KV-budget stages: on their own
 OUT="" SOURCE="" WHEELS="" STAGES="$DEFAULT_STAGES" DRY_RUN=0 BUDGET=540
 while (($#)); do
     case "$1" in
@@ -105,6 +110,7 @@ PLAN=(
     "checkpoints|120|$PY benchmarks/random_checkpoint.py build --llama-1b $(printf %q "$MODEL")$SRC_ARG"
     "decode|240|$BENCH --only decode"
     "prefix_sharing|180|$BENCH --only prefix_sharing prefix_sharing-B64"
+    "paged_attention|60|$BENCH --only paged_attention-gpu"
     "gpu_tests|120|$PY -m pytest tests -m gpu -q -p no:cacheprovider --continue-on-collection-errors"
     "cuda_suite|180|$PY -m pytest tests/backends tests/test_reasoner.py tests/test_search.py -m 'not slow' --backend-device cuda -q -p no:cacheprovider"
     "kv_budget|420|$BENCH --only kv_budget-gpu"

@@ -18,10 +18,11 @@ Profiles. `quick`: every benchmark's `--quick` smoke settings (minutes on a CPU)
 settings of the papers' tables and of the GPU checklist (prefix sharing at B = 8/32/64 and a 4k
 prefix, RKSC Tables 1-2 and verify isolation, ETS vs REBASE at widths 64 and 256, SkipKV, River,
 ReasonCache, decode at B = 1/8 on the model and on a random ~1B Llama, throughput at a fixed KV
-budget); hours on a CPU. `gpu-check`: the runs of `gpu_check.sh` (decode at B = 1/8/64 and the
+budget, the decode attention over the step's tails against a paged pool); hours on a CPU. `gpu-check`: the runs of `gpu_check.sh` (decode at B = 1/8/64 and the
 1,024-token prefix at 8 and 64 branches, 64 tokens each, against transformers' compiled static
 cache; `kv_budget-gpu`, throughput of every KV-saving arm at a budget of a quarter of what exact
-sharing needs; `kv_budget_search-gpu`, the same arms on a beam search), sized to finish in minutes
+sharing needs; `kv_budget_search-gpu`, the same arms on a beam search; `paged_attention-gpu`, the
+decode attention over the step's tails against a paged pool, gathered or read by FlashInfer), sized to finish in minutes
 on one H100/H200 with `--model` the random ~1.2B Llama of `random_checkpoint.py`.
 """
 
@@ -70,6 +71,7 @@ SCRIPTS = [
     "serve_load",
     "kv_budget",
     "kv_budget_search",
+    "paged_attention",
 ]
 
 PROFILES: dict[str, list[Run]] = {
@@ -99,6 +101,8 @@ PROFILES: dict[str, list[Run]] = {
         Run("serve_load", "serve_load"),
         Run("kv_budget", "kv_budget"),
         Run("kv_budget_search", "kv_budget_search"),
+        Run("paged_attention", "paged_attention"),
+        Run("paged_attention-random-1b", "paged_attention", ["--random-config", "1b", "--batches", "1", "8"]),
     ],
     "gpu-check": [
         Run(
@@ -114,6 +118,7 @@ PROFILES: dict[str, list[Run]] = {
         ),
         Run("kv_budget-gpu", "kv_budget", ["--max-tokens", "96", "--repeats", "2"]),
         Run("kv_budget_search-gpu", "kv_budget_search", ["--questions", "4", "--repeats", "1"]),
+        Run("paged_attention-gpu", "paged_attention", ["--batches", "1", "8", "64", "--context", "1024"]),
     ],
 }
 
@@ -210,6 +215,13 @@ HEADLINES: dict[str, list[str]] = {
         "arms.*.agreement_greedy.value",
         "arms.*.accuracy_branch.value",
         "goals.*.met",
+    ],
+    "paged_attention": [
+        "batches.*.paged_gather.vs_tails",
+        "batches.*.flashinfer.vs_tails",
+        "batches.*.flashinfer.skipped",
+        "batches.*.*.same_output",
+        "batches.*.paged_vs_tails_bytes",
     ],
 }
 FALLBACK = re.compile(r"speedup|ratio|reduction|agreement|accuracy")

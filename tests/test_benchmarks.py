@@ -275,6 +275,25 @@ def test_linear_kernels_quick() -> None:
         assert abs(got["gb_per_s"] - out["weight_mb"] / got["ms"]) <= 0.02 * got["gb_per_s"], name
 
 
+def test_paged_attention_quick() -> None:
+    """Both layouts compute the same attention; each ratio is the tails' time over the arm's own; the
+    pool holds fewer bytes than the tails for rows of unequal length; FlashInfer, CUDA-only, is said
+    to be skipped on a CPU rather than timed."""
+    out = run_quick("paged_attention.py")
+    assert [row["batch"] for row in out["batches"]] == out["config"]["batches"] == [1, 4]
+    for row in out["batches"]:
+        for arm in ("tails", "paged_gather"):
+            got = row[arm]
+            assert got["ms"] > 0 and got["same_output"] is True, (row["batch"], arm)
+            assert got["vs_tails"] == round(row["tails"]["ms"] / got["ms"], 3)
+        assert "CUDA" in row["flashinfer"]["skipped"]
+        held = row["kv_mb"]
+        assert held["tokens"] <= held["paged"] and held["tokens"] <= held["tails"]
+    ragged = out["batches"][1]
+    assert ragged["lens"] == [24, 96]  # a quarter of --context up to all of it
+    assert ragged["paged_vs_tails_bytes"] < 1
+
+
 @pytest.mark.slow
 def test_agent_quick(embedded_dir: Path) -> None:
     pytest.importorskip("dspy")
@@ -608,7 +627,7 @@ def test_run_all_table_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
 def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """`gpu-check` runs decode at B = 1/8/64, the self-consistency prefix shape at 8 and 64
-    branches and the KV-budget arms (self-consistency and beam search), each given the `--model` that `gpu_check.sh` builds."""
+    branches, the KV-budget arms (self-consistency and beam search) and the paged-pool attention, each given the `--model` that `gpu_check.sh` builds."""
     run_all = _script(monkeypatch, "run_all")
     calls: list[list[str]] = []
 
@@ -625,6 +644,7 @@ def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPa
         "prefix_sharing.py",
         "kv_budget.py",
         "kv_budget_search.py",
+        "paged_attention.py",
     ]
     assert calls[2][2:10] == ["--prefix", "1024", "--tokens", "64", "--branches", "64", "--repeats", "2"]
     assert all(c[-2:] == ["--model", "/m 1b"] for c in calls)
@@ -650,7 +670,7 @@ def test_gpu_check_script_plans_its_stages_and_refuses_without_cuda(tmp_path: Pa
     plan = _gpu_check(str(tmp_path / "out dir"), "--dry-run", cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr
     lines = plan.stdout.splitlines()
-    stages = ["checkpoints", "decode", "prefix_sharing", "gpu_tests", "cuda_suite"]
+    stages = ["checkpoints", "decode", "prefix_sharing", "paged_attention", "gpu_tests", "cuda_suite"]
     assert [line.split()[0] for line in lines[1:]] == stages
     # the KV-budget arms take a run of their own
     alone = _gpu_check(str(tmp_path / "out"), "--dry-run", "--stages", "checkpoints,kv_budget", cwd=tmp_path)

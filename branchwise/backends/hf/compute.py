@@ -23,7 +23,7 @@ from branchwise.backends.hf.intake import Intake, alone_chunk, policy_of
 from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.pool import TAIL_SLACK
 from branchwise.backends.hf.segment import Segment
-from branchwise.backends.hf.step import is_decode_step
+from branchwise.backends.hf.step import Chunk, is_decode_step
 from branchwise.constraints import Constraint
 
 
@@ -39,6 +39,8 @@ class Computation:
         self.plugins = plugins
         self.stats = stats
         self.ledger = ledger
+        self._carried: Batch | None = None
+        """A chunk of prefill the next decode step computes beside its rows (`carry_part`)."""
         self.exact_kv = not plugins
         """Whether this run's KV is what exact recompute gives. Conservative: any acceleration may
         approximate or evict KV (River, SkipKV, RSBCM, ASKS), so a run with one neither inserts its
@@ -54,8 +56,32 @@ class Computation:
         self.run(segs, None, observers)
 
     def compute_part(self, seg: Segment, limit: int) -> None:
-        """Compute the next `limit` pending tokens of `seg` (its ancestors are computed): one chunk
-        of a chunked prefill. Only for runs without accelerations (their hooks see whole prompts)."""
+        """Compute the next `limit` pending tokens of `seg` (its ancestors are computed) in a forward
+        of their own: one chunk of a chunked prefill. Only for runs without accelerations (their
+        hooks see whole prompts)."""
+        part = self._part(seg, limit)
+        self._end_part(part, self.forward(part, part.feeds)[0])
+
+    def carry_part(self, seg: Segment, limit: int) -> bool:
+        """Let the next decode step compute the next `limit` pending tokens of `seg` in its own
+        forward (`step.Chunk`: every weight read once for both, where a chunk in a forward of its
+        own reads them all again). False where a step cannot carry it (steps through the layer
+        loop): the caller computes it now (`compute_part`). A chunk no step took is computed by the
+        next forward of another batch, or by `flush_part`."""
+        if self.engine.stepper.mode == "layers" or self.plugins:
+            return False
+        self.flush_part()
+        self._carried = self._part(seg, limit)
+        return True
+
+    def flush_part(self) -> None:
+        """Compute the chunk handed to a decode step that did not take it (none: nothing to do)."""
+        part, self._carried = self._carried, None
+        if part is not None:
+            self._end_part(part, self.forward(part, part.feeds)[0])
+
+    def _part(self, seg: Segment, limit: int) -> Batch:
+        """The batch of one chunk of `seg`'s pending tokens (ancestors computed first)."""
         self.materialize_ancestors([seg])
         engine = self.engine
         batch = Batch.assemble(
@@ -69,10 +95,15 @@ class Computation:
             reserve=engine.pool.reserve_tails,
         )
         engine.pool.track(batch.ctx)
-        logits = self.forward(batch, batch.feeds)
-        batch.advance([0], batch.feeds)
-        batch.capture(self.tree, 0, batch.rows[0])
-        seg.last_logits = None if seg.pending else logits[0].detach().clone()
+        return batch
+
+    def _end_part(self, part: Batch, logits: torch.Tensor) -> None:
+        """A chunk's tokens are computed: its KV goes back into its node, with the logits after its
+        last token where that was the prompt's last."""
+        part.advance([0], part.feeds)
+        part.capture(self.tree, 0, part.rows[0])
+        seg = part.rows[0].seg
+        seg.last_logits = None if seg.pending else logits.detach().clone()
         self.stats.bump("prefill_chunks")
 
     def materialize_ancestors(self, segs: Sequence[Segment]) -> None:
@@ -140,9 +171,17 @@ class Computation:
     ) -> torch.Tensor:
         stepper = self.engine.stepper
         if stepper.applies(batch.ctx, feeds, self.plugins, observers):
-            logits = stepper.forward(batch.ctx, feeds)
+            part, self._carried = self._carried, None
+            chunk = None if part is None else Chunk(part.ctx, part.feeds[0])
+            logits = stepper.forward(batch.ctx, feeds, chunk)
             self.stats.bump("decode_steps_captured" if stepper.replayed else "decode_steps_fixed")
+            if part is not None and chunk is not None and chunk.logits is not None:
+                self._end_part(part, chunk.logits)
+                self.stats.bump("decode_steps_carrying_prefill")
+                self.stats.tokens_computed += len(chunk.ids)
+                self.tree.accounts.note_transient(self.ledger, batch.ctx.nbytes + part.ctx.nbytes)
         else:
+            self.flush_part()  # a chunk handed to this step goes first, in its own forward
             logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
             if is_decode_step(feeds):
                 self._count_layer_loop_step(batch, observers)
@@ -247,6 +286,9 @@ class Computation:
         finally:
             if intake.batch is not None:  # the call raised mid-batch
                 self.abandon(intake.batch)
+            if self._carried is not None:  # a chunk no step took: its tokens stay pending
+                self.abandon(self._carried)
+                self._carried = None
             self.engine.stepper.forget()
             intake.finish()
         return run.generations()

@@ -81,7 +81,9 @@ def policy_of(plugins: Sequence[Acceleration]) -> Policy:
 
 class IntakeHost(Protocol):
     """What an `Intake` asks of the run that decodes (`compute.Computation`): its tree and
-    statistics, its device, a row's worst-case KV, and one bounded prefill of a waiting prompt.
+    statistics, its device, a row's worst-case KV, and one bounded prefill of a waiting prompt,
+    computed now (`compute_part`) or carried by the next decode step (`carry_part`: False where
+    steps cannot carry one; `flush_part` computes a carried chunk no step took).
 
     Why a protocol: the computation builds and drives the intake, so the intake must not know the
     computation's class; naming only these keeps the dependency one way (compute -> intake)."""
@@ -93,6 +95,10 @@ class IntakeHost(Protocol):
     def row_kv_tokens(self, max_tokens: int) -> int: ...
 
     def compute_part(self, seg: Segment, limit: int) -> None: ...
+
+    def carry_part(self, seg: Segment, limit: int) -> bool: ...
+
+    def flush_part(self) -> None: ...
 
 
 ALONE_CHUNK = 512
@@ -208,6 +214,10 @@ class Intake:
         self._just: set[int] = set()
         """Rows preempted at this step boundary (they rejoin from the next one on)."""
         self.ready: list[Segment] = []
+        self._carried = 0
+        """Prompt tokens handed to the next decode step (`_prefill_step`), until it computed them."""
+        self._size = chunk
+        """The size of the last chunk: rows with at most this much left to compute are ready."""
         self._waiting_reserved = 0
         """Bytes of `pool.reserved` the waiting rows' own joining stands for (`pressure`)."""
         self.batch: Batch | None = None
@@ -275,6 +285,7 @@ class Intake:
         self._let_go_stopped()
         if self.preempted:
             return self._rejoin(force=True)
+        self._carried_done()
         self.pace.idle()  # nothing decodes: chunks run back to back at their full size
         while self.prefilling and not self.ready:
             self._prefill_step(self.chunk)
@@ -375,10 +386,14 @@ class Intake:
         first; the scheduler's newcomers only once none of those wait)."""
         self._let_go_stopped()
         self.pace.boundary()
+        self._carried_done()
         if self.prefilling:  # sized so the rows decoding wait about a share of their own step
             started = time.perf_counter()
-            done = self._prefill_step(self.pace.size(self.chunk))
-            self.pace.timed_chunk(done, started, self.host.device)
+            done, carried = self._prefill_step(self.pace.size(self.chunk), carry=True)
+            if carried:
+                self.pace.carries(done)
+            else:
+                self.pace.timed_chunk(done, started, self.host.device)
         if self.preempted:
             self.ready += self._rejoin(force=False)
         elif self.outer is not None:
@@ -408,18 +423,36 @@ class Intake:
             long = self.chunk and pending_work(seg) > self.chunk
             (self.prefilling if long else self.ready).append(seg)
 
-    def _prefill_step(self, size: int) -> int:
-        """Compute `size` tokens of the first waiting prompt (returns how many it computed); rows
-        left with at most `size` tokens are ready."""
+    def _prefill_step(self, size: int, carry: bool = False) -> tuple[int, bool]:
+        """The next `size` tokens of the first waiting prompt: with `carry`, handed to the next
+        decode step, which computes them in its own forward (the rows they leave ready are sorted
+        at the next boundary, `_carried_done`), else computed now. Returns how many tokens, and
+        whether the step carries them."""
         seg = self.prefilling[0]
         top = next(s for s in [*reversed(seg.kv_ancestors()), seg] if s.pending)
         done = min(size, len(top.pending))
+        self._size = size
+        if carry and self.host.carry_part(top, size):
+            self._carried = done
+            return done, True
         self.host.compute_part(top, size)
+        self._sort_prefilling()
+        return done, False
+
+    def _carried_done(self) -> None:
+        """The chunk handed to the last step is computed (a step that did not come computes it now):
+        the rows it left with at most one chunk to go are ready."""
+        self.host.flush_part()
+        if self._carried:
+            self._carried = 0
+            self._sort_prefilling()
+
+    def _sort_prefilling(self) -> None:
+        """Rows left with at most one chunk (`_size` tokens) to compute are ready; the rest wait."""
         still: list[Segment] = []
         for s in self.prefilling:
-            (still if pending_work(s) > size else self.ready).append(s)
+            (still if pending_work(s) > self._size else self.ready).append(s)
         self.prefilling = still
-        return done
 
     def _let_go_stopped(self) -> None:
         """Preempted rows stopped while they waited (a cancelled request, `DecodeRun.stopped`) do not

@@ -11,6 +11,11 @@ which follow the prompt's growing attention), between `floor` tokens (progress f
 prompt) and the configured chunk (`HFBackend.prefill_chunk`, the most a step carries). With
 `share=1.0` a step with a chunk takes about twice a plain one, which is the bound the serving
 benchmark checks (the short requests' p99 at most 2x their p99 without the long prompt).
+
+A chunk's cost is measured where it is computed: carried by the decode step in the same forward
+(`step.Chunk`: every weight read once for both), it is what that step took beyond a plain one
+(`carries`, then `boundary`); in a forward of its own before the step (the layer loop's steps,
+which cannot carry one), its own time (`timed_chunk`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+MIN_TOKEN_S = 1e-7
+"""The least a carried prompt token is taken to cost (seconds): a step that carried a chunk and
+measured no slower than a plain one (noise, or a device where it is nearly free) makes the next
+chunk as large as the configured chunk allows, not unbounded."""
 
 
 @dataclass
@@ -38,6 +48,8 @@ class PrefillPace:
     token_s: float | None = None
     """Seconds per prefilled token of the last chunks (moving average)."""
     _since: float | None = None
+    _carried: int = 0
+    """Prompt tokens the step now running carries (`carries`): its time is not a plain step's."""
 
     def __post_init__(self) -> None:
         self.check_share(self.share)
@@ -64,11 +76,22 @@ class PrefillPace:
 
     def boundary(self) -> None:
         """A decode step just ended (a step boundary, before any chunk): the time since the last
-        boundary's end is one decode step."""
+        boundary's end is one decode step; if that step carried a chunk (`carries`), what it took
+        beyond a plain step is the chunk's cost (where no plain step was measured yet, all of it)."""
         now = time.perf_counter()
         if self._since is not None:
-            self.step_s = self._average(self.step_s, now - self._since)
-        self._since = now
+            took = now - self._since
+            if self._carried:
+                extra = took if self.step_s is None else max(took - self.step_s, MIN_TOKEN_S * self._carried)
+                self.token_s = self._average(self.token_s, extra / self._carried)
+            else:
+                self.step_s = self._average(self.step_s, took)
+        self._since, self._carried = now, 0
+
+    def carries(self, tokens: int) -> None:
+        """The next decode step carries a chunk of `tokens` prompt tokens in its own forward
+        (`step.Chunk`): its next `boundary` measures the chunk's cost, not a plain step's."""
+        self._carried = tokens
 
     def timed_chunk(self, tokens: int, started: float, device: torch.device) -> None:
         """A chunk of `tokens` prompt tokens, started at `started` (`time.perf_counter()`), has been
@@ -79,11 +102,11 @@ class PrefillPace:
         now = time.perf_counter()
         if tokens > 0:
             self.token_s = self._average(self.token_s, (now - started) / tokens)
-        self._since = now
+        self._since, self._carried = now, 0
 
     def idle(self) -> None:
         """No decode step runs now (the batch emptied): the next boundary starts a new clock."""
-        self._since = None
+        self._since, self._carried = None, 0
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else (1.0 - self.smoothing) * old + self.smoothing * new

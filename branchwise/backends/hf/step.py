@@ -100,6 +100,42 @@ class StaticAttention:
         return fused_cascade(query, k_own, v_own, self.bias, ctx.shared, layer, scaling)
 
 
+@dataclass
+class Chunk:
+    """Prompt tokens a decode step carries beside its rows (chunked prefill in one forward): the
+    next `ids` of one waiting prompt, in a batch of their own (`ctx`: the prompt's row, its KV so
+    far in the tail, its ancestors shared)."""
+
+    ctx: BatchContext
+    ids: Sequence[int]
+    logits: torch.Tensor | None = None
+    """The logits after the chunk's last token, once a step has computed it `[V]`."""
+
+
+class MixedAttention:
+    """The attention of a decode step that carries a prefill chunk. The forward runs the rows' tokens
+    and the chunk's as one sequence `[1, B + C]` (every linear layer reads its weights once for
+    both), and attention splits it again: the first B positions are the decoding rows', attended
+    as the fixed-shape step attends them, the last C the chunk's, causal over its own batch."""
+
+    def __init__(self, rows: StaticAttention, chunk: BatchContext) -> None:
+        self.rows = rows
+        self.chunk = chunk
+        self.b = rows.ctx.batch
+
+    def attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        b = self.b
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:  # [1, H, B + C, D] -> [B, H, 1, D]
+            return t[0, :, :b].transpose(0, 1).unsqueeze(2)
+
+        out = self.rows.attend(layer, rows_of(query), rows_of(key), rows_of(value), scaling)
+        tail = self.chunk.attend(layer, query[:, :, b:], key[:, :, b:], value[:, :, b:], scaling)
+        return torch.cat([out.transpose(0, 1), tail], dim=1)  # [1, B + C, H, D]
+
+
 class Recorder(Protocol):
     """Records a step once and gives back how to replay it and where its output lands."""
 
@@ -164,6 +200,36 @@ class StepGraph:
                 bw_ctx=self.attention,
             )
         return parts.head(parts.norm(h[:, -1]))
+
+    def mixed(self, ids: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """One step of the rows' `ids` that also computes `chunk`, eagerly (its length varies from
+        step to step, so it is never recorded): the rows' logits `[B, V]`; the chunk's batch
+        advances past its tokens and its last token's logits go into `chunk.logits`."""
+        ctx, parts, c = self.ctx, self.parts, chunk.ctx
+        assert ctx.pos_next is not None and c.pos_next is not None
+        self.ids[:, 0].copy_(ids)
+        self.pos[:, 0].copy_(ctx.pos_next)
+        self.lens.copy_(ctx.lens)
+        n = len(chunk.ids)
+        c.begin(n)
+        fed = torch.tensor(list(chunk.ids), dtype=torch.long).to(self.ids.device, non_blocking=True)
+        ids_all = torch.cat([self.ids.view(1, -1), fed.view(1, -1)], dim=1)
+        pos = torch.cat(
+            [self.pos.view(1, -1), c.pos_next[:, None] + torch.arange(n, device=c.pos_next.device)], dim=1
+        )
+        h = parts.embed(ids_all)
+        self.attention.prepare(h.dtype)
+        attention = MixedAttention(self.attention, c)
+        cos, sin = parts.rotary(h, pos)
+        for block in parts.layers:
+            h = block(
+                h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), bw_ctx=attention
+            )
+        logits = parts.head(parts.norm(torch.cat([h[0, : ctx.batch], h[0, -1:]])))
+        c.lens = c.lens + n
+        c.pos_next = c.pos_next + n
+        chunk.logits = logits[ctx.batch]
+        return logits[: ctx.batch]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits `[B, V]` after each row's token `ids` `[B]` at the batch's positions and lengths.
@@ -279,10 +345,13 @@ class Stepper:
         return self._mode != "layers" and is_decode_step(feeds) and not self.blockers(ctx, hooks, observers)
 
     @torch.inference_mode()
-    def forward(self, ctx: BatchContext, feeds: Sequence[Sequence[int]]) -> torch.Tensor:
+    def forward(
+        self, ctx: BatchContext, feeds: Sequence[Sequence[int]], chunk: Chunk | None = None
+    ) -> torch.Tensor:
         """One decode step of `feeds` (one token or none per row): logits `[B, V]`. A row that feeds
         nothing (it ended) runs a pad token whose K/V lands in a slot its length does not cover, and
-        neither its length nor its position advances."""
+        neither its length nor its position advances. With a `chunk`, the same forward computes
+        it (`StepGraph.mixed`, eagerly; its last token's logits land in `chunk.logits`)."""
         fed = [len(f) for f in feeds]
         span = self.span(ctx.make_room(1), ctx.capacity)
         graph = self._graph
@@ -292,9 +361,13 @@ class Stepper:
         graph.attention.span = span
         ids = torch.tensor([f[0] if f else self.pad_id for f in feeds], dtype=torch.long)
         recorded = graph.replay is not None
-        logits = graph(ids.to(self.device, non_blocking=True))
-        self.replayed = graph.replay is not None
-        self.captures += int(self.replayed and not recorded)
+        if chunk is not None:
+            logits = graph.mixed(ids.to(self.device, non_blocking=True), chunk)
+            self.replayed = False
+        else:
+            logits = graph(ids.to(self.device, non_blocking=True))
+            self.replayed = graph.replay is not None
+            self.captures += int(self.replayed and not recorded)
         advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         ctx.lens = ctx.lens + advance
         assert ctx.pos_next is not None

@@ -74,3 +74,23 @@ def test_backend_prefill_share(tiny_llama_dir) -> None:
     with pytest.raises(ValueError, match=r"prefill_share=-0.5 must be a number in \[0, 100\]"):
         backend.prefill_share = -0.5
     assert backend.prefill_share == 0.0
+
+
+def test_a_carried_chunk_costs_what_its_step_took_beyond_a_plain_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk computed by the decode step itself (`carries`) is timed by the next boundary: what
+    that step took beyond a plain step, per token; the plain step's own average is left as it was.
+    A step no slower than a plain one makes the next chunk the whole configured chunk."""
+    clock = iter([10.0, 10.05, 10.20, 10.25, 10.30])
+    monkeypatch.setattr("branchwise.backends.hf.pace.time.perf_counter", lambda: next(clock))
+    pace = PrefillPace(smoothing=1.0)
+    pace.boundary()  # 10.0
+    pace.boundary()  # 10.05: a plain 50 ms step
+    pace.carries(20)
+    pace.boundary()  # 10.20: 150 ms with 20 prompt tokens: 100 ms for the chunk
+    assert pace.step_s == pytest.approx(0.05) and pace.token_s == pytest.approx(0.005)
+    assert pace.size(128) == 10  # 50 ms of prefill
+    pace.boundary()  # 10.25: plain again
+    assert pace.step_s == pytest.approx(0.05)
+    pace.carries(20)
+    pace.boundary()  # 10.30: no slower than a plain step
+    assert pace.size(128) == 128

@@ -187,3 +187,48 @@ def test_recorded_steps_replay_the_layer_loops_tokens(backend: HFBackend) -> Non
     assert rerun.records == backend.engine.stepper.captures
     assert rerun.replays == stats["decode_steps_captured"] >= 140  # most steps replay
     assert rerun.records * WARMUP <= stats["decode_steps_fixed"] <= 8 * WARMUP  # each layout's first
+
+
+def test_a_decode_step_carries_a_waiting_prompts_chunk(backend: HFBackend) -> None:
+    """A long prompt handed in mid-decode is prefilled a chunk per step, each chunk computed by the
+    decode step itself (one forward for the rows and the chunk): every row's greedy tokens equal
+    those of the same call whose chunks run in forwards of their own (the layer loop's steps cannot
+    carry one), and the statistics count the steps that carried a chunk."""
+    backend.prefill_chunk = 16
+    backend.cache_bytes = 0  # each run computes the long prompt again
+    long_prompt = PROMPT + " Show every step of the work, then the answer." * 6
+
+    def run(mode: str) -> tuple[list[list[int]], dict[str, float]]:
+        backend.decode_step = mode
+        backend.reset_stats()
+        root = backend.prefill(backend.encode(PROMPT))
+        kids = backend.fork(root, 2)
+        backend.release([root])
+        made: list[int] = []
+        asked: list[int] = []
+
+        def admit(alive: int) -> list[int]:
+            asked.append(alive)
+            if len(asked) != 2:
+                return []
+            late = backend.prefill(backend.encode(long_prompt))
+            made.extend(backend.fork(late, 2))
+            backend.release([late])
+            return made
+
+        try:
+            gens = backend.extend(kids, DecodeParams(max_tokens=24, min_tokens=24), admit=admit)
+        finally:
+            backend.release(kids + made)
+        assert len(gens) == 4
+        return [g.token_ids for g in gens], backend.kv_stats().as_dict()
+
+    prompt_tokens = len(backend.encode(long_prompt))
+    assert prompt_tokens > 4 * 16
+    layers, plain = run("layers")
+    assert "decode_steps_carrying_prefill" not in plain and plain["prefill_chunks"] >= 3
+    carried, stats = run("eager")
+    assert carried == layers
+    assert stats["decode_steps_carrying_prefill"] >= 3
+    assert stats["prefill_chunks"] >= stats["decode_steps_carrying_prefill"]
+    assert backend.kv_stats().bytes_held == 0

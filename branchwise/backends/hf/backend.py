@@ -42,6 +42,7 @@ from branchwise.backends.base import (
 from branchwise.backends.hf.arch import decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
+from branchwise.backends.hf.compute_thread import on_compute_thread
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.engine import Engine, check_broadcast
 from branchwise.backends.hf.hooks import Acceleration
@@ -121,6 +122,7 @@ class HFBackend:
 
     name = "hf"
 
+    @on_compute_thread  # the weights load and are packed where every computation runs
     def __init__(
         self,
         model: str | os.PathLike[str] | None = None,
@@ -181,6 +183,7 @@ class HFBackend:
         self.decode_step = decode_step
         return self
 
+    @on_compute_thread
     def _setup(
         self,
         model: PreTrainedModel,
@@ -246,6 +249,7 @@ class HFBackend:
         return self._default.accel
 
     @accel.setter
+    @on_compute_thread
     def accel(self, value: Accel) -> None:
         with self.engine.lock:
             old = self._default
@@ -267,6 +271,7 @@ class HFBackend:
         return self.tree.prefix.budget
 
     @cache_bytes.setter
+    @on_compute_thread
     def cache_bytes(self, value: int) -> None:
         if value < 0:
             raise ValueError(f"cache_bytes={value} must be >= 0")
@@ -283,6 +288,7 @@ class HFBackend:
         return self.engine.pool.budget
 
     @kv_budget.setter
+    @on_compute_thread
     def kv_budget(self, value: int | float | str | None) -> None:
         budget = parse_budget(value, self.device)
         with self.engine.lock:
@@ -327,6 +333,7 @@ class HFBackend:
         (a monitor such as the server's `/health` must not wait for a running decode)."""
         return self.engine.pool.stats()
 
+    @on_compute_thread
     def trim_memory(self) -> None:
         """Return memory freed by released KV to the system (`pool.return_freed_memory`); a
         scheduler calls it when its queue has drained."""
@@ -434,6 +441,7 @@ class HFBackend:
         self._default.reset_stats()
 
     # ------------------------------------------------------------------ baseline
+    @on_compute_thread
     def hf_generate(
         self,
         prompts: Sequence[Sequence[int]],

@@ -173,9 +173,15 @@ class Computation:
         if stepper.applies(batch.ctx, feeds, self.plugins, observers):
             part, self._carried = self._carried, None
             chunk = None if part is None else Chunk(part.ctx, part.feeds[0])
-            logits = stepper.forward(batch.ctx, feeds, chunk)
+            try:
+                logits = stepper.forward(batch.ctx, feeds, chunk)
+            except BaseException:
+                if part is not None:  # its tokens stay pending; its tails go now
+                    self.abandon(part)
+                raise
             self.stats.bump("decode_steps_captured" if stepper.replayed else "decode_steps_fixed")
-            if part is not None and chunk is not None and chunk.logits is not None:
+            if part is not None:
+                assert chunk is not None and chunk.logits is not None  # the step computed it
                 self._end_part(part, chunk.logits)
                 self.stats.bump("decode_steps_carrying_prefill")
                 self.stats.tokens_computed += len(chunk.ids)

@@ -36,6 +36,7 @@ from branchwise.backends.base import (
     check_share,
 )
 from branchwise.backends.hf.compute import Computation
+from branchwise.backends.hf.compute_thread import on_compute_thread
 from branchwise.backends.hf.engine import Engine, check_broadcast
 from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, KVEdits, overrides
 from branchwise.backends.hf.ledger import Ledger
@@ -60,6 +61,7 @@ class Session:
 
     name = "hf"
 
+    @on_compute_thread  # the plug-ins' builds run torch (River's quantized layers, ...)
     def __init__(
         self,
         engine: Engine,
@@ -111,6 +113,7 @@ class Session:
         pool = self.engine.pool
         return None if pool.budget is None else int(pool.budget * (1.0 - pool.watermark))
 
+    @on_compute_thread
     def kv_room(self) -> int | None:
         """Bytes a scheduler may still promise to new requests (None: unbounded; `KVPool.room`)."""
         with self.engine.lock:
@@ -136,6 +139,7 @@ class Session:
         return self.engine.chat_prompt(messages, tools)
 
     # ------------------------------------------------------------------ tree ops
+    @on_compute_thread
     def prefill(self, token_ids: Sequence[int]) -> NodeId:
         ids = self.engine.check_ids(token_ids, "token_ids")
         if not ids:
@@ -151,6 +155,7 @@ class Session:
                     return tree.add(node, True, ids[hit:], self.ledger).id
             return tree.add(None, False, ids, self.ledger).id
 
+    @on_compute_thread
     def fork(self, node: NodeId, n: int, share: ShareMode | None = None) -> list[NodeId]:
         if n < 1:
             raise ValueError(f"n={n} must be >= 1")
@@ -170,6 +175,7 @@ class Session:
                 children.append(child.id)
             return children
 
+    @on_compute_thread
     def fork_prompts(
         self, node: NodeId, prompts: Sequence[Sequence[int]], share: ShareMode | None = None
     ) -> list[NodeId]:
@@ -259,6 +265,7 @@ class Session:
     def _sharing_pays(self, path: list[int], n: int, parent: Segment) -> bool:
         return all(plugin.on_fork(self, path, n, parent) for plugin in overrides(self.plugins, "on_fork"))
 
+    @on_compute_thread
     def append(self, nodes: Sequence[NodeId], token_ids: Sequence[Sequence[int]]) -> None:
         if len(nodes) != len(token_ids):
             raise ValueError(f"token_ids has {len(token_ids)} entries for {len(nodes)} nodes")
@@ -271,6 +278,7 @@ class Session:
                 seg.tokens.extend(checked)
             self.stats.cache_evictions += self.tree.prefix.evictions - evictions
 
+    @on_compute_thread
     def extend(
         self,
         nodes: Sequence[NodeId],
@@ -304,6 +312,7 @@ class Session:
                 segs, params, on_step=on_step, admit=admit, constraints=constraints, row_params=row_params
             )
 
+    @on_compute_thread
     def score_next(
         self,
         nodes: Sequence[NodeId],
@@ -346,6 +355,7 @@ class Session:
             finally:
                 self.release(probes)
 
+    @on_compute_thread
     def embed_nodes(self, nodes: Sequence[NodeId], probe: Sequence[int]) -> torch.Tensor:
         """The model's own embedding of each node: its final-norm hidden state after `node + probe`.
 
@@ -375,6 +385,7 @@ class Session:
             finally:
                 self.release(kids)
 
+    @on_compute_thread
     def release(self, nodes: Sequence[NodeId]) -> None:
         with self.engine.lock:
             releasers = overrides(self.plugins, "on_release")
@@ -390,10 +401,12 @@ class Session:
         """Release a segment an acceleration made for its own use."""
         self.release([seg.id])
 
+    @on_compute_thread
     def tokens(self, node: NodeId) -> list[int]:
         with self.engine.lock:
             return self.tree.path_tokens(self.tree.get(node))
 
+    @on_compute_thread
     def set_scores(self, nodes: Sequence[NodeId], scores: Sequence[float]) -> None:
         """Tell the accelerations how good each branch is (a verifier's score; RSBCM keeps the
         blocks of better branches longer)."""
@@ -406,11 +419,13 @@ class Session:
         """Whether an acceleration (CGEE level 1) says the verify pass is not needed."""
         return any(p.skip_verify(confidences) for p in self.plugins)
 
+    @on_compute_thread
     def compute(self, segs: Sequence[Segment], observers: Sequence[Acceleration] = ()) -> None:
         """Compute the pending tokens of `segs` (ancestors first), watched by `observers` (`Host`)."""
         self.computation.compute(segs, observers)
 
     # ------------------------------------------------------------------ statistics
+    @on_compute_thread
     def kv_stats(self) -> KVStats:
         with self.engine.lock:
             s = self.stats
@@ -431,6 +446,7 @@ class Session:
                 extra=dict(s.extra),
             )
 
+    @on_compute_thread
     def reset_stats(self) -> None:
         with self.engine.lock:
             self.stats.reset()

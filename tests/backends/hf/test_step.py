@@ -189,17 +189,21 @@ def test_recorded_steps_replay_the_layer_loops_tokens(backend: HFBackend) -> Non
     assert rerun.records * WARMUP <= stats["decode_steps_fixed"] <= 8 * WARMUP  # each layout's first
 
 
-def test_a_decode_step_carries_a_waiting_prompts_chunk(backend: HFBackend) -> None:
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_decode_step_carries_a_waiting_prompts_chunk(backend: HFBackend, cached: bool) -> None:
     """A long prompt handed in mid-decode is prefilled a chunk per step, each chunk computed by the
     decode step itself (one forward for the rows and the chunk): every row's greedy tokens equal
     those of the same call whose chunks run in forwards of their own (the layer loop's steps cannot
-    carry one), and the statistics count the steps that carried a chunk."""
+    carry one), and the statistics count the steps that carried a chunk. With the prefix cache on,
+    the long prompt starts with the running rows' prompt, so its chunks read that node as a shared
+    ancestor."""
     backend.prefill_chunk = 16
-    backend.cache_bytes = 0  # each run computes the long prompt again
     long_prompt = PROMPT + " Show every step of the work, then the answer." * 6
 
     def run(mode: str) -> tuple[list[list[int]], dict[str, float]]:
         backend.decode_step = mode
+        backend.cache_bytes = 0  # each run computes the long prompt again
+        backend.cache_bytes = 2**30 if cached else 0
         backend.reset_stats()
         root = backend.prefill(backend.encode(PROMPT))
         kids = backend.fork(root, 2)

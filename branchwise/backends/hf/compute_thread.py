@@ -1,0 +1,101 @@
+"""The one thread of a process on which the local backend runs torch: loading, prefill, decode.
+
+Why: torch's CPU kernels parallelise with OpenMP, and GNU OpenMP (what torch's CPU wheels use)
+keeps a pool of worker threads for every thread that ever ran a parallel region. Once a process
+has more OpenMP threads than cores, OpenMP stops letting idle workers spin between parallel regions
+and puts them to sleep at once, so each of the thousands of small regions of a decode step waits
+for its workers to wake. A second thread that computes is enough: a model loaded on the main
+thread and decoded on a scheduler's thread decoded at 14-16 tokens/s on a 2-core machine, against
+22-24 with both on one thread (whichever). Serving computes on several threads by nature (the
+scheduler's worker, the threads that score log-probabilities or run strategies for requests, the
+thread that loaded the model), so the backend hands every computation to this one thread instead
+(`on_compute_thread`); a call made on it (a callback of a decode calling back into the backend)
+runs at once.
+
+The thread starts on first use and is a daemon. A caller interrupted while it waits (Ctrl-C) stops
+waiting; the computation it handed over still ends before the next one starts. The caller's torch
+thread count goes with each call (OpenMP's count is per thread), so `torch.set_num_threads` in the
+caller still decides how many cores a computation uses.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+
+__all__ = ["ComputeThread", "on_compute_thread"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Task = tuple[Future[Any], Callable[[], Any], int]
+
+
+class ComputeThread:
+    """A thread that runs the callables handed to it (`run`), one at a time, in order."""
+
+    def __init__(self, name: str = "branchwise-compute") -> None:
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._tasks: queue.SimpleQueue[Task] = queue.SimpleQueue()
+        self._starting = threading.Lock()
+
+    def run(self, fn: Callable[[], R]) -> R:
+        """`fn()` on this thread, its result or exception returned or raised here; at once when
+        called on this thread."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        self._start()
+        done: Future[R] = Future()
+        self._tasks.put((done, fn, torch.get_num_threads()))
+        return done.result()
+
+    def _start(self) -> None:
+        with self._starting:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            done, fn, threads = self._tasks.get()
+            if not done.set_running_or_notify_cancel():
+                continue
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            try:
+                result = fn()
+            except BaseException as exc:  # handed back to the caller, whatever it is
+                done.set_exception(exc)
+            else:
+                done.set_result(result)
+            del done, fn  # a traceback or result must not outlive its caller's wait here
+
+    def _forget(self) -> None:
+        """In a forked child the thread does not exist: the next call starts a new one."""
+        self._thread = None
+        self._tasks = queue.SimpleQueue()
+        self._starting = threading.Lock()
+
+
+COMPUTE = ComputeThread()
+"""The process's compute thread."""
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=COMPUTE._forget)
+
+
+def on_compute_thread(method: Callable[P, R]) -> Callable[P, R]:
+    """Run `method` on the process's compute thread (see the module docstring)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        return COMPUTE.run(functools.partial(method, *args, **kwargs))
+
+    return wrapper

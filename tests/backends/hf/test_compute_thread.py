@@ -1,0 +1,82 @@
+"""The process's compute thread (`compute_thread.py`): every computation of the local backend runs on
+one thread, whichever thread asks for it.
+
+Why it matters: with GNU OpenMP, a second thread that computes makes every parallel region of a
+decode step wait for sleeping workers (a third slower on 2 cores, measured in the module's
+docstring). No timing is asserted here; what is asserted is where the work runs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from branchwise.backends import DecodeParams
+from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.compute_thread import COMPUTE, ComputeThread
+
+
+def test_calls_from_any_thread_run_on_one_thread_and_nested_calls_run_at_once() -> None:
+    worker = ComputeThread(name="test-compute")
+    seen: list[str] = []
+
+    def where() -> str:
+        seen.append(threading.current_thread().name)
+        return worker.run(lambda: threading.current_thread().name)  # nested: no deadlock
+
+    assert worker.run(where) == "test-compute"
+    box: list[str] = []
+    other = threading.Thread(target=lambda: box.append(worker.run(where)))
+    other.start()
+    other.join()
+    assert box == ["test-compute"] and seen == ["test-compute", "test-compute"]
+
+
+def test_errors_come_back_to_the_caller_and_the_thread_goes_on() -> None:
+    worker = ComputeThread(name="test-errors")
+
+    def fail() -> None:
+        raise ValueError("bad input")
+
+    with pytest.raises(ValueError, match="bad input"):
+        worker.run(fail)
+    assert worker.run(lambda: 7) == 7
+
+
+def test_the_callers_thread_count_goes_with_each_call() -> None:
+    worker = ComputeThread(name="test-threads")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert worker.run(torch.get_num_threads) == 1
+        torch.set_num_threads(max(before, 2))
+        assert worker.run(torch.get_num_threads) == max(before, 2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_decode_runs_on_the_compute_thread_from_any_caller(tiny_llama_dir) -> None:
+    """Loading, and a decode asked for from the main thread and from another thread (a scheduler's,
+    a server's worker): every step runs on the compute thread, and the tokens are the same."""
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    names: list[str] = []
+
+    def decode() -> list[int]:
+        root = backend.prefill(backend.encode("What is 12 + 7?"))
+        gens = backend.extend(
+            [root],
+            DecodeParams(max_tokens=6, min_tokens=6),
+            on_step=lambda _: names.append(threading.current_thread().name),
+        )
+        backend.release([root])
+        return gens[0].token_ids
+
+    here = decode()
+    box: list[list[int]] = []
+    other = threading.Thread(target=lambda: box.append(decode()))
+    other.start()
+    other.join()
+    assert box == [here]
+    assert set(names) == {COMPUTE.name} and len(names) == 12

@@ -404,6 +404,8 @@ class PRMVerifier:
             AutoTokenizer,
         )
 
+        from branchwise.backends.compute_thread import COMPUTE
+
         if reduce not in ("last", "min", "prod", "mean"):
             raise ValueError(f"reduce={reduce!r} is not one of 'last', 'min', 'prod', 'mean'")
         remote = {"trust_remote_code": True} if trust_remote_code else {}
@@ -419,7 +421,8 @@ class PRMVerifier:
             else:  # a custom PRM class (remote code): its own AutoModel mapping builds it
                 loader = AutoModel
             kwargs = {**remote, **({} if dtype is None else {"dtype": dtype})}
-            model = loader.from_pretrained(path, **kwargs)
+            # loaded, moved and run on the thread where the backend computes (`backends/compute_thread.py`)
+            model = COMPUTE.run(lambda: loader.from_pretrained(path, **kwargs))
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(path, **remote)
         elif tokenizer is None:
             raise ValueError("pass the tokenizer together with an already loaded PRM model")
@@ -427,7 +430,7 @@ class PRMVerifier:
             head = "token_classification" if _is_classifier(type(model).__name__) else "causal_lm"
         if head not in ("token_classification", "causal_lm"):
             raise ValueError(f"head={head!r} is not one of 'auto', 'token_classification', 'causal_lm'")
-        self.model = model.to(device).eval()
+        self.model = COMPUTE.run(lambda: model.to(device).eval())
         self.tokenizer = tokenizer
         self.head: PRMHead = head
         self.step_tag = step_tag
@@ -464,7 +467,13 @@ class PRMVerifier:
         return ids[cut:], kept or [len(ids) - cut - 1]
 
     def step_scores(self, question: str, candidates: Sequence[Candidate]) -> list[list[float]]:
-        """Every step's score, per candidate (the PRM's raw per-step output)."""
+        """Every step's score, per candidate (the PRM's raw per-step output), computed on the
+        process's compute thread, where the backend decodes (`backends/compute_thread.py`)."""
+        from branchwise.backends.compute_thread import COMPUTE
+
+        return COMPUTE.run(lambda: self._step_scores(question, candidates))
+
+    def _step_scores(self, question: str, candidates: Sequence[Candidate]) -> list[list[float]]:
         import torch
 
         out: list[list[float]] = []

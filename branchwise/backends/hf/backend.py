@@ -39,10 +39,10 @@ from branchwise.backends.base import (
     StepListener,
     check_share,
 )
+from branchwise.backends.compute_thread import on_compute_thread
 from branchwise.backends.hf.arch import decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
-from branchwise.backends.hf.compute_thread import on_compute_thread
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.engine import Engine, check_broadcast
 from branchwise.backends.hf.hooks import Acceleration

@@ -35,8 +35,8 @@ from branchwise.backends.base import (
     check_context,
     check_share,
 )
+from branchwise.backends.compute_thread import on_compute_thread
 from branchwise.backends.hf.compute import Computation
-from branchwise.backends.hf.compute_thread import on_compute_thread
 from branchwise.backends.hf.engine import Engine, check_broadcast
 from branchwise.backends.hf.hooks import Acceleration, HiddenCapture, KVEdits, overrides
 from branchwise.backends.hf.ledger import Ledger

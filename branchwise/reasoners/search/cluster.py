@@ -165,9 +165,16 @@ class MiniLMEmbedder:
         return self._model
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Embed ``texts`` as float64 rows (384 dimensions); an empty list loads nothing."""
+        """Embed ``texts`` as float64 rows (384 dimensions); an empty list loads nothing. Loading and
+        encoding run on the process's compute thread, where the backend decodes: torch on a second
+        thread slows both (`backends/compute_thread.py`)."""
         if len(texts) == 0:
             return np.zeros((0, 0), dtype=np.float64)
+        from branchwise.backends.compute_thread import COMPUTE  # imports torch: only once needed
+
+        return COMPUTE.run(lambda: self._embed(texts))
+
+    def _embed(self, texts: Sequence[str]) -> np.ndarray:
         model = self._load()
         out = model.encode(
             list(texts), batch_size=self.batch_size, convert_to_numpy=True, show_progress_bar=False

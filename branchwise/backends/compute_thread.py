@@ -1,4 +1,6 @@
-"""The one thread of a process on which the local backend runs torch: loading, prefill, decode.
+"""The one thread of a process on which branchwise runs torch: the local backend's loading,
+prefill and decode, and the models a reasoner runs beside it (a PRM verifier, the sentence embedder
+of ETS's clustering).
 
 Why: torch's CPU kernels parallelise with OpenMP, and GNU OpenMP (what torch's CPU wheels use)
 keeps a pool of worker threads for every thread that ever ran a parallel region. Once a process
@@ -8,9 +10,10 @@ for its workers to wake. A second thread that computes is enough: a model loaded
 thread and decoded on a scheduler's thread decoded at 14-16 tokens/s on a 2-core machine, against
 22-24 with both on one thread (whichever). Serving computes on several threads by nature (the
 scheduler's worker, the threads that score log-probabilities or run strategies for requests, the
-thread that loaded the model), so the backend hands every computation to this one thread instead
-(`on_compute_thread`); a call made on it (a callback of a decode calling back into the backend)
-runs at once.
+thread that loaded the model), and a strategy run embeds or scores with other models on its own
+thread while the backend decodes; so every such computation is handed to this one thread instead
+(`on_compute_thread`, `COMPUTE.run`); a call made on it (a callback of a decode calling back into
+the backend) runs at once.
 
 The thread starts on first use and is a daemon. A caller interrupted while it waits (Ctrl-C) stops
 waiting; the computation it handed over still ends before the next one starts. The caller's torch

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from branchwise.backends import DecodeParams
+from branchwise.backends.compute_thread import COMPUTE, ComputeThread
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.compute_thread import COMPUTE, ComputeThread
 
 
 def test_calls_from_any_thread_run_on_one_thread_and_nested_calls_run_at_once() -> None:
@@ -80,3 +80,23 @@ def test_a_decode_runs_on_the_compute_thread_from_any_caller(tiny_llama_dir) -> 
     other.join()
     assert box == [here]
     assert set(names) == {COMPUTE.name} and len(names) == 12
+
+
+def test_models_beside_the_backend_compute_on_the_same_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PRM verifier's scores and ETS's sentence embeddings, asked for on the caller's thread, are
+    computed on the compute thread where the backend decodes."""
+    from branchwise.reasoners.search.cluster import MiniLMEmbedder
+    from branchwise.reasoners.verifiers import PRMVerifier
+
+    names: list[str] = []
+
+    def record(*_: object) -> list[list[float]]:
+        names.append(threading.current_thread().name)
+        return [[1.0]]
+
+    monkeypatch.setattr(PRMVerifier, "_step_scores", record)
+    monkeypatch.setattr(MiniLMEmbedder, "_embed", record)
+    prm = PRMVerifier.__new__(PRMVerifier)  # no model: only where its scoring runs is checked
+    assert prm.step_scores("q", []) == [[1.0]]
+    assert MiniLMEmbedder().embed(["a sentence"]) == [[1.0]]
+    assert names == [COMPUTE.name, COMPUTE.name]

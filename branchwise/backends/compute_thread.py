@@ -15,8 +15,11 @@ thread while the backend decodes; so every such computation is handed to this on
 (`on_compute_thread`, `COMPUTE.run`); a call made on it (a callback of a decode calling back into
 the backend) runs at once.
 
-The thread starts on first use and is a daemon. A caller interrupted while it waits (Ctrl-C) stops
-waiting; the computation it handed over still ends before the next one starts. The caller's torch
+The thread starts on first use and is a daemon. A caller interrupted while it waits (Ctrl-C) gets
+its `KeyboardInterrupt` at once: a computation of its still queued is dropped, and the one running
+for it stops at its next check (`COMPUTE.check()`, which the decode loop calls every step and a
+chunked prefill every chunk) with a `KeyboardInterrupt` of its own, so its cleanup runs there and
+the caller's cleanup (releasing its nodes) runs right after, not once a long decode has ended. The caller's torch
 thread count goes with each call (OpenMP's count is per thread), so `torch.set_num_threads` in the
 caller still decides how many cores a computation uses.
 """
@@ -49,6 +52,8 @@ class ComputeThread:
         self._thread: threading.Thread | None = None
         self._tasks: queue.SimpleQueue[Task] = queue.SimpleQueue()
         self._starting = threading.Lock()
+        self._running: Future[Any] | None = None
+        self._interrupted: Future[Any] | None = None
 
     def run(self, fn: Callable[[], R]) -> R:
         """`fn()` on this thread, its result or exception returned or raised here; at once when
@@ -58,7 +63,19 @@ class ComputeThread:
         self._start()
         done: Future[R] = Future()
         self._tasks.put((done, fn, torch.get_num_threads()))
-        return done.result()
+        try:
+            return done.result()
+        except BaseException:
+            if not done.cancel() and not done.done():  # running: it stops at its next check
+                self._interrupted = done
+            raise
+
+    def check(self) -> None:
+        """Raise `KeyboardInterrupt` on this thread when the caller of the computation running here
+        was interrupted while it waited (see the module docstring); nothing elsewhere."""
+        task = self._interrupted
+        if task is not None and task is self._running and threading.current_thread() is self._thread:
+            raise KeyboardInterrupt("the caller waiting for this computation was interrupted")
 
     def _start(self) -> None:
         with self._starting:
@@ -73,12 +90,15 @@ class ComputeThread:
                 continue
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
+            self._running = done
             try:
                 result = fn()
             except BaseException as exc:  # handed back to the caller, whatever it is
                 done.set_exception(exc)
             else:
                 done.set_result(result)
+            finally:
+                self._running = self._interrupted = None
             del done, fn  # a traceback or result must not outlive its caller's wait here
 
     def _forget(self) -> None:
@@ -86,6 +106,7 @@ class ComputeThread:
         self._thread = None
         self._tasks = queue.SimpleQueue()
         self._starting = threading.Lock()
+        self._running = self._interrupted = None
 
 
 COMPUTE = ComputeThread()

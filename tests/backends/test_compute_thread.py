@@ -8,7 +8,9 @@ docstring). No timing is asserted here; what is asserted is where the work runs.
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -43,6 +45,35 @@ def test_errors_come_back_to_the_caller_and_the_thread_goes_on() -> None:
     with pytest.raises(ValueError, match="bad input"):
         worker.run(fail)
     assert worker.run(lambda: 7) == 7
+
+
+def test_an_interrupted_caller_stops_the_computation_it_waits_for() -> None:
+    """Ctrl-C while waiting: the caller gets its KeyboardInterrupt, the computation running for it
+    stops at its next `check` (a decode checks every step), and the thread serves the next call."""
+    worker = ComputeThread(name="test-interrupt")
+    steps: list[int] = []
+
+    def long() -> str:
+        for i in range(500):
+            worker.check()
+            steps.append(i)
+            time.sleep(0.01)
+        return "finished"
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            worker.run(long)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert worker.run(lambda: "next") == "next"  # runs once the stopped computation has unwound
+    assert 0 < len(steps) < 500
+    worker.check()  # nothing is interrupted any more (and off its thread, check never raises)
 
 
 def test_the_callers_thread_count_goes_with_each_call() -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from branchwise.backends.base import Admit, DecodeParams, Generation, KVBudgetExceeded, KVStats, StepListener
+from branchwise.backends.compute_thread import COMPUTE
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun, decode
 from branchwise.backends.hf.engine import COPY_MIN_SEGMENTS, COPY_TOKENS, Engine
@@ -313,6 +314,7 @@ class Computation:
         chunk = 0 if self.plugins else alone_chunk(self.engine.prefill_chunk)
         for seg in segs if chunk else ():
             while len(seg.pending) > chunk:  # a long prompt: its attention's memory stays bounded
+                COMPUTE.check()
                 self.compute_part(seg, chunk)
         if not self.exact_kv:
             for seg in segs:

@@ -42,6 +42,7 @@ from branchwise.backends.base import (
     NodeId,
     StepListener,
 )
+from branchwise.backends.compute_thread import COMPUTE
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.grammar import Grammars, RowGrammars
 from branchwise.backends.hf.hooks import Acceleration, overrides
@@ -265,6 +266,7 @@ def decode(
     admitted: list[NodeId] = []
     grammar = run.grammar
     while True:
+        COMPUTE.check()  # a caller interrupted while it waits stops the decode here
         early = [pos for pos, ri in enumerate(present) if len(rows[ri].out) < stops.of(rows[ri]).min_tokens]
         if early and eos.numel():
             logits = logits.clone()

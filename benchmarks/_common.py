@@ -133,21 +133,46 @@ class Bench:
         print(f"[{self.name}] {msg}", file=sys.stderr, flush=True)
 
     def emit(self, results: dict[str, Any], *, config: dict[str, Any] | None = None) -> None:
-        """Print the envelope around `results` as one JSON line: the name, model, device, dtype,
-        `config` (every option but --model, updated with `config`: values derived from the options),
-        the results, seconds since the run started (model load included) and the machine."""
+        """Print the envelope around `results` as one JSON line (`emit`): the run's model, device,
+        dtype, `config` (every option but --model, updated with `config`: values derived from the
+        options), the results, seconds since the run started (model load included), the machine."""
         backend = self.backend
-        envelope = {
-            "benchmark": self.name,
-            "model": backend.model_name,
-            "device": backend.device.type,
-            "dtype": str(backend.dtype).removeprefix("torch."),
-            "config": {k: v for k, v in vars(self.args).items() if k != "model"} | (config or {}),
-            **results,
-            "seconds": round(time.perf_counter() - self.started, 1),
-            "machine": machine(),
-        }
-        print(json.dumps(envelope))
+        emit(
+            self.name,
+            model=backend.model_name,
+            device=backend.device.type,
+            dtype=str(backend.dtype).removeprefix("torch."),
+            config={k: v for k, v in vars(self.args).items() if k != "model"} | (config or {}),
+            results=results,
+            started=self.started,
+        )
+
+
+def emit(
+    name: str,
+    *,
+    model: str,
+    device: str,
+    dtype: str,
+    config: dict[str, Any],
+    results: dict[str, Any],
+    started: float,
+    digits: int = 1,
+) -> None:
+    """Print one benchmark's JSON envelope as one line: its name, model, device, dtype and
+    configuration, its results, the seconds since `started` (`time.perf_counter()`, rounded to
+    `digits`) and the machine; for a script without a backend of its own too (`Bench.emit`)."""
+    envelope = {
+        "benchmark": name,
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "config": config,
+        **results,
+        "seconds": round(time.perf_counter() - started, digits),
+        "machine": machine(),
+    }
+    print(json.dumps(envelope))
 
 
 HF_STATIC_HELP = (

@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.worker:  # inside vLLM's Python: no branchwise there, just the numbers
         print(json.dumps(measure(Path(args.model), dtype, args.rows, args.repeats, with_vllm=True)))
         return
-    from _common import machine
+    from _common import emit
 
     from branchwise.backends.hf.embedded import embedded_model_dir
 
@@ -176,18 +176,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         results = measure(model_dir, dtype, args.rows, args.repeats, with_vllm=False)
         where = sys.executable
-    envelope = {
-        "benchmark": "linear_kernels",
-        "model": str(model_dir),
-        "device": "cpu",
-        "dtype": args.dtype,
-        "config": {k: v for k, v in vars(args).items() if k not in ("model", "worker")},
-        **results,
-        "measured_in": where,
-        "seconds": round(time.perf_counter() - started, 1),
-        "machine": machine(),
-    }
-    print(json.dumps(envelope))
+    emit(
+        "linear_kernels",
+        model=str(model_dir),
+        device="cpu",
+        dtype=args.dtype,
+        config={k: v for k, v in vars(args).items() if k not in ("model", "worker")},
+        results={**results, "measured_in": where},
+        started=started,
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ them evenly between a quarter of `--context` and all of it).
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.nn.functional as F
-from _common import BenchParser, machine, set_threads
+from _common import BenchParser, emit, set_threads
 from random_checkpoint import RANDOM_CONFIGS
 
 from branchwise.backends.hf.backend import resolve_device, resolve_dtype
@@ -109,11 +108,11 @@ class Rows:
                 v = torch.randn(h, n, d, generator=gen).to(dtype=dtype, device=device)
                 self.tail_k[layer][i, :, :n] = k
                 self.tail_v[layer][i, :, :n] = v
-                blocks = torch.tensor(used[i], device=device)
+                where = torch.tensor(used[i], device=device)
                 for pool, kv in ((self.pool_k[layer], k), (self.pool_v[layer], v)):
                     padded = kv.new_zeros(h, len(used[i]) * block, d)
                     padded[:, :n] = kv
-                    pool[blocks] = padded.view(h, len(used[i]), block, d).permute(1, 2, 0, 3)
+                    pool[where] = padded.view(h, len(used[i]), block, d).permute(1, 2, 0, 3)
         self.query = torch.randn(b, shapes.heads, 1, d, generator=gen).to(dtype=dtype, device=device)
         self.new_k = torch.randn(b, h, 1, d, generator=gen).to(dtype=dtype, device=device)
         self.new_v = torch.randn(b, h, 1, d, generator=gen).to(dtype=dtype, device=device)
@@ -304,12 +303,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[paged_attention] B={b}: {entry}", file=sys.stderr, flush=True)
             results.append(entry)
             del rows
-    envelope = {
-        "benchmark": "paged_attention",
-        "model": model,
-        "device": device.type,
-        "dtype": str(dtype).removeprefix("torch."),
-        "config": {k: v for k, v in vars(args).items() if k != "model"}
+    emit(
+        "paged_attention",
+        model=model,
+        device=device.type,
+        dtype=str(dtype).removeprefix("torch."),
+        config={k: v for k, v in vars(args).items() if k != "model"}
         | {
             "layers": shapes.layers,
             "heads": shapes.heads,
@@ -317,11 +316,10 @@ def main(argv: list[str] | None = None) -> None:
             "head_dim": shapes.head_dim,
             "tolerance": tolerance,
         },
-        "batches": results,
-        "seconds": round(time.perf_counter() - started, 2),
-        "machine": machine(),
-    }
-    print(json.dumps(envelope))
+        results={"batches": results},
+        started=started,
+        digits=2,  # a smoke run takes under 0.05 s
+    )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -77,7 +76,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
-from _common import BenchParser, machine, set_threads
+from _common import BenchParser, emit, set_threads
 
 from branchwise.backends.hf.backend import resolve_device, resolve_dtype
 
@@ -698,17 +697,15 @@ def main(argv: list[str] | None = None) -> None:
     # `_common.Bench.emit`'s envelope; the model runs in the server process, which resolves
     # --device / --dtype the same way a backend does
     device = resolve_device(args.device)
-    envelope = {
-        "benchmark": "serve_load",
-        "model": args.model or "embedded",
-        "device": device.type,
-        "dtype": str(resolve_dtype(args.dtype, device)).removeprefix("torch."),
-        "config": {k: v for k, v in vars(args).items() if k != "model"},
-        **out,
-        "seconds": round(time.perf_counter() - started, 1),
-        "machine": machine(),
-    }
-    print(json.dumps(envelope))
+    emit(
+        "serve_load",
+        model=args.model or "embedded",
+        device=device.type,
+        dtype=str(resolve_dtype(args.dtype, device)).removeprefix("torch."),
+        config={k: v for k, v in vars(args).items() if k != "model"},
+        results=out,
+        started=started,
+    )
 
 
 if __name__ == "__main__":

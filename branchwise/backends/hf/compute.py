@@ -171,6 +171,7 @@ class Computation:
         self, batch: Batch, feeds: Sequence[Sequence[int]], observers: Sequence[Acceleration] = ()
     ) -> torch.Tensor:
         stepper = self.engine.stepper
+        transient = batch.ctx.nbytes
         if stepper.applies(batch.ctx, feeds, self.plugins, observers):
             part, self._carried = self._carried, None
             chunk = None if part is None else Chunk(part.ctx, part.feeds[0])
@@ -186,7 +187,7 @@ class Computation:
                 self._end_part(part, chunk.logits)
                 self.stats.bump("decode_steps_carrying_prefill")
                 self.stats.tokens_computed += len(chunk.ids)
-                self.tree.accounts.note_transient(self.ledger, batch.ctx.nbytes + part.ctx.nbytes)
+                transient += part.ctx.nbytes
         else:
             self.flush_part()  # a chunk handed to this step goes first, in its own forward
             logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
@@ -194,7 +195,7 @@ class Computation:
                 self._count_layer_loop_step(batch, observers)
         self.stats.tokens_computed += sum(len(f) for f in feeds)
         self.stats.forward_calls += 1
-        self.tree.accounts.note_transient(self.ledger, batch.ctx.nbytes)
+        self.tree.accounts.note_transient(self.ledger, transient)
         return logits
 
     def _count_layer_loop_step(self, batch: Batch, observers: Sequence[Acceleration]) -> None:

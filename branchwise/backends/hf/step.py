@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from branchwise.backends.hf.arch import DecoderParts
-from branchwise.backends.hf.attention import fused_cascade
+from branchwise.backends.hf.attention import AttentionContext, fused_cascade
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, needs_layer_loop
 
@@ -186,30 +186,38 @@ class StepGraph:
         self.lens = torch.zeros(b, dtype=torch.long, device=device)
         self.attention = StaticAttention(self.ctx, self.lens)
 
-    def _step(self) -> torch.Tensor:
+    def _layers(self, ids: torch.Tensor, pos: torch.Tensor, attention: AttentionContext) -> torch.Tensor:
+        """The hidden states after every layer for tokens `ids` at positions `pos`, attended by
+        `attention` (the step's own mask is prepared first: both attentions read it)."""
         parts = self.parts
-        h = parts.embed(self.ids)
+        h = parts.embed(ids)
         self.attention.prepare(h.dtype)
-        cos, sin = parts.rotary(h, self.pos)
+        cos, sin = parts.rotary(h, pos)
         for block in parts.layers:
             h = block(
-                h,
-                attention_mask=None,
-                position_ids=self.pos,
-                position_embeddings=(cos, sin),
-                bw_ctx=self.attention,
+                h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), bw_ctx=attention
             )
-        return parts.head(parts.norm(h[:, -1]))
+        return h
+
+    def _step(self) -> torch.Tensor:
+        h = self._layers(self.ids, self.pos, self.attention)
+        return self.parts.head(self.parts.norm(h[:, -1]))
+
+    def _load(self, ids: torch.Tensor) -> None:
+        """The step's inputs: each row's token `ids` `[B]`, and the batch's positions and lengths."""
+        ctx = self.ctx
+        assert ctx.pos_next is not None
+        self.ids[:, 0].copy_(ids)
+        self.pos[:, 0].copy_(ctx.pos_next)
+        self.lens.copy_(ctx.lens)
 
     def mixed(self, ids: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         """One step of the rows' `ids` that also computes `chunk`, eagerly (its length varies from
         step to step, so it is never recorded): the rows' logits `[B, V]`; the chunk's batch
         advances past its tokens and its last token's logits go into `chunk.logits`."""
-        ctx, parts, c = self.ctx, self.parts, chunk.ctx
-        assert ctx.pos_next is not None and c.pos_next is not None
-        self.ids[:, 0].copy_(ids)
-        self.pos[:, 0].copy_(ctx.pos_next)
-        self.lens.copy_(ctx.lens)
+        b, c = self.ctx.batch, chunk.ctx
+        assert c.pos_next is not None
+        self._load(ids)
         n = len(chunk.ids)
         c.begin(n)
         fed = torch.tensor(list(chunk.ids), dtype=torch.long).to(self.ids.device, non_blocking=True)
@@ -217,29 +225,18 @@ class StepGraph:
         pos = torch.cat(
             [self.pos.view(1, -1), c.pos_next[:, None] + torch.arange(n, device=c.pos_next.device)], dim=1
         )
-        h = parts.embed(ids_all)
-        self.attention.prepare(h.dtype)
-        attention = MixedAttention(self.attention, c)
-        cos, sin = parts.rotary(h, pos)
-        for block in parts.layers:
-            h = block(
-                h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), bw_ctx=attention
-            )
-        logits = parts.head(parts.norm(torch.cat([h[0, : ctx.batch], h[0, -1:]])))
+        h = self._layers(ids_all, pos, MixedAttention(self.attention, c))
+        logits = self.parts.head(self.parts.norm(torch.cat([h[0, :b], h[0, -1:]])))
         c.lens = c.lens + n
         c.pos_next = c.pos_next + n
-        chunk.logits = logits[ctx.batch]
-        return logits[: ctx.batch]
+        chunk.logits = logits[b]
+        return logits[:b]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits `[B, V]` after each row's token `ids` `[B]` at the batch's positions and lengths.
         A recorder records the step on the layout's first step after `WARMUP` eager ones, and
         replays it from then on."""
-        ctx = self.ctx
-        assert ctx.pos_next is not None
-        self.ids[:, 0].copy_(ids)
-        self.pos[:, 0].copy_(ctx.pos_next)
-        self.lens.copy_(ctx.lens)
+        self._load(ids)
         self.runs += 1
         if self.recorder is None or self.runs <= WARMUP:
             return self._step()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.step import STEP_MODES
 
 THREADS_HELP = (
     "torch CPU threads (default: torch's choice). On a shared CPU, 1 keeps timings stable: with as "
@@ -182,6 +183,28 @@ HF_STATIC_HELP = (
     "(on the CPU only where the backend did not pack the weights for oneDNN, else the arm is skipped "
     "and the JSON says why; ~1 minute per batch shape on 2 cores); off: leave the arm out"
 )
+
+
+def step_description(backend: HFBackend) -> str:
+    """How the backend's decode steps ran, for the JSON: `compiled+graphs`, `compiled`, `graphs`
+    or `eager` (the fixed-shape step, `step.py`), and why compilation stopped if it did."""
+    stepper = backend.engine.stepper
+    kind = "+".join(
+        [*(["compiled"] if stepper.compiler is not None else []), *(["graphs"] if stepper.recorder else [])]
+    )
+    failed = stepper.compiler.failed if stepper.compiler is not None else None
+    return (kind or "eager") + (f" (compilation failed: {failed})" if failed else "")
+
+
+def add_decode_step_option(parser: argparse.ArgumentParser, default: str = "auto", why: str = "") -> None:
+    """`--decode-step`: HFBackend's `decode_step` (`step.py`), for the benchmarks that time it."""
+    parser.add_argument(
+        "--decode-step",
+        choices=STEP_MODES,
+        default=default,
+        help="HFBackend's decode_step ('auto': compiled and captured as CUDA graphs on CUDA, the "
+        f"fixed-shape step eagerly elsewhere){why}",
+    )
 
 
 def add_hf_static_option(parser: argparse.ArgumentParser) -> None:

@@ -61,7 +61,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from _common import Bench, BenchParser, load_problems, start, sync
+from _common import Bench, BenchParser, add_decode_step_option, load_problems, start, sync
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import (
@@ -445,13 +445,12 @@ def add_arm_options(
     )
     parser.add_argument("--skipkv-interval", type=int, default=8, help="decode steps between compressions")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every arm, order rotated per round")
-    parser.add_argument(
-        "--decode-step",
-        choices=["auto", "eager", "graphs", "layers"],
+    add_decode_step_option(
+        parser,
         default="layers",
-        help="HFBackend's decode_step for every arm. Accelerated arms run the layer loop whatever this is, "
-        "so the default puts dense and exact on it too and the ratios compare the methods, not two decode "
-        "paths; 'auto' times what a user of each arm gets",
+        why=". Accelerated arms run the layer loop whatever this is, so the default puts dense and exact on "
+        "it too and the ratios compare the methods, not two decode paths; 'auto' times what a user of each "
+        "arm gets",
     )
 
 

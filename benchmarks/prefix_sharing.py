@@ -22,7 +22,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import BenchParser, StaticGenerate, add_hf_static_option, start
+from _common import (
+    BenchParser,
+    StaticGenerate,
+    add_decode_step_option,
+    add_hf_static_option,
+    start,
+    step_description,
+)
 from _rksc import hint_suffixes
 
 from branchwise.backends import DecodeParams
@@ -67,10 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--suffix", type=int, default=16, help="tokens of each branch hint (paper: 16)")
     parser.add_argument("--tokens", "-t", type=int, default=8, help="decoded tokens per branch (paper: 8)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats after one warm-up")
+    add_decode_step_option(parser, why="; where it compiles, exact sharing uncompiled is an arm too")
     add_hf_static_option(parser)
     args = parser.parse_args(argv)
 
-    bench = start("prefix_sharing", args)
+    bench = start("prefix_sharing", args, decode_step=args.decode_step)
     backend = bench.backend
     prefix = exact_tokens(backend, PASSAGE, args.prefix)
     suffixes = hint_suffixes(backend, args.branches, args.suffix)
@@ -96,8 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     t_none, (tok_none, kv_none) = median_time(lambda: ours("none"), args.repeats)
     t_exact, (tok_exact, kv_exact) = median_time(lambda: ours("exact"), args.repeats)
     step_mode = backend.decode_step
+    stepper = backend.engine.stepper
+    uncompiled_mode = None if stepper.compiler is None else "graphs" if stepper.recorder else "eager"
     backend.decode_step = "layers"  # every decode step through the layer loop: the step before
     t_loop, (tok_loop, _) = median_time(lambda: ours("exact"), args.repeats)
+    uncompiled: dict[str, float] = {}
+    if uncompiled_mode is not None:  # what compiling adds: the same step uncompiled
+        backend.decode_step = uncompiled_mode  # type: ignore[assignment]
+        uncompiled["exact_uncompiled"], (tok_unc, _) = median_time(lambda: ours("exact"), args.repeats)
     backend.decode_step = step_mode
     backend.broadcast = "copy"  # RKSC notebook's repeat_interleave(...).clone() path
     t_copy, (tok_copy, kv_copy) = median_time(lambda: ours("exact"), args.repeats)
@@ -119,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         ("exact_vs_layer_loop", tok_loop, tok_exact),
     ]
     static_results: dict[str, Any] = {}
+    if uncompiled:
+        latency.update(uncompiled)
+        agreements.append(("exact_vs_uncompiled", tok_unc, tok_exact))
+        static_results["speedup_compiled_vs_uncompiled"] = round(uncompiled["exact_uncompiled"] / t_exact, 3)
     if static.skipped is None:  # its warm-up call is where transformers compiles it
         latency["hf_static"], tok_static = median_time(lambda: static(prompts, args.tokens), args.repeats)
         agreements.append(("exact_vs_hf_static", tok_static, tok_exact))
@@ -131,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             "speedup_exact_vs_hf_generate": round(t_hf / t_exact, 3),
             "speedup_cascade_vs_copy_broadcast": round(t_copy / t_exact, 3),
             "speedup_exact_vs_layer_loop": round(t_loop / t_exact, 3),
-            "decode_step": "graphs" if backend.engine.stepper.captures_graphs else "eager",
+            "decode_step": step_description(backend),
             "kv_peak_bytes": {
                 "none": kv_none["peak_bytes"],
                 "exact": kv_exact["peak_bytes"],

@@ -580,6 +580,9 @@ class Accel(AccelConfig):
             by = ", ".join(k.removeprefix("uncaptured_by ") for k in stats if k.startswith("uncaptured_by "))
             lead = f"{uncaptured} decode steps ran uncaptured through the layer loop, not as CUDA graphs"
             notes.append(f"{lead}: {by} need its hook points (they act between layers or watch attention)")
+        if uncompiled := int(stats.get("decode_steps_uncompiled", 0)):  # decode_step="compiled"
+            why = "; ".join(k.removeprefix("uncompiled_by ") for k in stats if k.startswith("uncompiled_by "))
+            notes.append(f"{uncompiled} decode steps ran uncompiled, their compilation failed: {why}")
         return notes
 
     def needs_model(self) -> list[str]:

@@ -50,6 +50,7 @@ from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
 from branchwise.backends.hf.prepack import Prepacked
 from branchwise.backends.hf.prepack import prepack as pack_weights
+from branchwise.backends.hf.prepack import unpack as unpack_weights
 from branchwise.backends.hf.session import Session
 from branchwise.backends.hf.step import StepMode
 from branchwise.constraints import Constraint
@@ -150,7 +151,8 @@ class HFBackend:
         tokenizer = AutoTokenizer.from_pretrained(path)
         # transformers' wrapped `to` types its first argument as the model, where `dev` goes
         on_device = loaded.to(dev)  # type: ignore[arg-type]
-        self._setup(on_device, tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
+        packs = prepack and decode_step != "compiled"  # the compiled step reads plain weights
+        self._setup(on_device, tokenizer, share=share, model_name=name, accel=accel, prepack=packs)
         self.broadcast = broadcast
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # the setter resolves it to bytes
@@ -176,7 +178,8 @@ class HFBackend:
         self = cls.__new__(cls)
         register()
         name = getattr(model.config, "_name_or_path", "model")
-        self._setup(model, tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
+        packs = prepack and decode_step != "compiled"  # the compiled step reads plain weights
+        self._setup(model, tokenizer, share=share, model_name=name, accel=accel, prepack=packs)
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
@@ -308,14 +311,26 @@ class HFBackend:
 
     @property
     def decode_step(self) -> StepMode:
-        """How decode steps run (`step.py`): ``auto`` (CUDA graphs on a GPU, the same fixed-shape
-        step eagerly elsewhere), ``graphs``, ``eager``, or ``layers`` (every step through the layer
-        loop: the baseline the fixed-shape step is measured against)."""
+        """How decode steps run (`step.py`): ``auto`` (compiled and captured as CUDA graphs on a
+        GPU, the same fixed-shape step eagerly elsewhere), ``compiled`` (inductor; captured on
+        CUDA), ``graphs`` (captured, uncompiled), ``eager``, or ``layers`` (every step through the
+        layer loop: the baseline the fixed-shape step is measured against). Compiling on a CPU
+        unpacks the prepacked weights (`prepack.unpack`: inductor cannot read oneDNN's layout),
+        for good: `prepacked` says so."""
         return self.engine.stepper.mode
 
     @decode_step.setter
+    @on_compute_thread
     def decode_step(self, mode: StepMode) -> None:
-        self.engine.stepper.mode = mode
+        with self.engine.lock:
+            stepper = self.engine.stepper
+            stepper.mode = mode
+            if stepper.compiler is not None and self.prepacked.active:
+                unpack_weights(self.model, self.parts.layers)
+                self.parts.rehead(self.model.get_output_embeddings())
+                self.prepacked = Prepacked(
+                    reason="decode_step='compiled': the compiled step reads plain weights"
+                )
 
     @property
     def prefill_share(self) -> float:

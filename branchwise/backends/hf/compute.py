@@ -182,6 +182,7 @@ class Computation:
                     self.abandon(part)
                 raise
             self.stats.bump("decode_steps_captured" if stepper.replayed else "decode_steps_fixed")
+            self._count_compiled_step(chunk is not None)
             if part is not None:
                 assert chunk is not None and chunk.logits is not None  # the step computed it
                 self._end_part(part, chunk.logits)
@@ -197,6 +198,22 @@ class Computation:
         self.stats.forward_calls += 1
         self.tree.accounts.note_transient(self.ledger, transient)
         return logits
+
+    def _count_compiled_step(self, carried: bool) -> None:
+        """Where steps are compiled (`decode_step="compiled"`): whether this one was, the time it
+        spent compiling, and why it was not if compilation failed (`Accel.notes` says so). A step
+        carrying a prefill chunk runs uncompiled by design (its length varies) and is counted as
+        carrying one, not here."""
+        compiler = self.engine.stepper.compiler
+        if compiler is None or carried:
+            return
+        if compiler.last_seconds:
+            self.stats.bump("decode_step_compile_s", round(compiler.last_seconds, 3))
+        if self.engine.stepper.compiled:
+            self.stats.bump("decode_steps_compiled")
+        else:
+            self.stats.bump("decode_steps_uncompiled")
+            self.stats.extra[f"uncompiled_by {compiler.failed}"] = 1.0
 
     def _count_layer_loop_step(self, batch: Batch, observers: Sequence[Acceleration]) -> None:
         """A decode step ran through the layer loop. Where steps are captured as CUDA graphs and a

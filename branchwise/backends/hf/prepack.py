@@ -33,7 +33,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["PackedLinear", "Prepacked", "plain", "prepack", "prepack_support"]
+__all__ = ["PackedLinear", "Prepacked", "plain", "prepack", "prepack_support", "unpack"]
 
 
 class PackedLinear(nn.Module):
@@ -142,6 +142,32 @@ def prepack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head")
         if tied:  # the embedding keeps the plain weight for its lookup; the head has its own copy
             extra = packed.nbytes
     return Prepacked(modules=count, extra_bytes=extra)
+
+
+def unpack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head") -> int:
+    """Undo `prepack` in place: every `PackedLinear` in `layers` and the head becomes an `nn.Linear`
+    again (for the compiled decode step: inductor cannot trace oneDNN's opaque weights and lays the
+    plain ones out itself). A head tied to the input embedding shares its weight again. Returns how
+    many layers were unpacked."""
+    count = 0
+    for layer in layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, PackedLinear):
+                    setattr(parent, name, child.unpacked())
+                    count += 1
+    head = getattr(model, head_name, None)
+    if isinstance(head, PackedLinear):
+        linear = head.unpacked()
+        embed = cast("PreTrainedModel", model).get_input_embeddings()
+        config = getattr(model, "config", None)
+        weight = getattr(embed, "weight", None)
+        tied = getattr(config, "tie_word_embeddings", False) and isinstance(weight, nn.Parameter)
+        if tied and weight.shape == linear.weight.shape:
+            linear.weight = weight
+        setattr(model, head_name, linear)
+        count += 1
+    return count
 
 
 def plain(module: nn.Module) -> nn.Module:

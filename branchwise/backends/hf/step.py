@@ -22,13 +22,27 @@ that kept it there), so the result's notes say so. A batch whose tails grow, who
 whose shared segments change is a new layout and a new `StepGraph` (a new recording on CUDA),
 which is rare: the tails grow by at least 128 slots, the span by 128, and rows leave a batch only
 once a quarter of it has ended.
+
+Compiled (`decode_step="compiled"`): the same step function through `torch.compile` (inductor),
+with batch size, tail capacity and span symbolic, so one compilation serves every layout of the
+same kind (a batch of one row, and each count of shared segments, are kinds of their own). What it
+buys is fusion: the eager step is ~40 kernels a layer (norms, rotary, residual adds one
+elementwise kernel each), which on a GPU sets the replayed graph's length and on a CPU its
+per-operation overhead; inductor fuses each run of elementwise work into one kernel. On CUDA the
+compiled step is then recorded as CUDA graphs like the eager one. A compilation costs tens of
+seconds per kind (minutes on a small CPU), so it pays in a process that decodes for long: a
+server, an eval. A compilation or a compiled step that fails is never hidden: the step runs
+eagerly from then on for this engine, the run's statistics count the uncompiled steps and the
+notes say why (`Stepper.compile_failed`).
 """
 
 from __future__ import annotations
 
+import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +52,13 @@ from branchwise.backends.hf.attention import AttentionContext, fused_cascade
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, needs_layer_loop
 
-StepMode = Literal["auto", "graphs", "eager", "layers"]
-"""How decode steps run: `graphs` captures the fixed-shape step as CUDA graphs (CUDA only), `eager`
-runs the same step without capture, `layers` runs every step through the layer loop (the baseline),
-`auto` is `graphs` on CUDA and `eager` elsewhere."""
-STEP_MODES: tuple[StepMode, ...] = ("auto", "graphs", "eager", "layers")
+StepMode = Literal["auto", "compiled", "graphs", "eager", "layers"]
+"""How decode steps run: `compiled` runs the fixed-shape step compiled by inductor (and captures it
+as CUDA graphs on CUDA), `graphs` captures the uncompiled step as CUDA graphs (CUDA only), `eager`
+runs the uncompiled step without capture, `layers` runs every step through the layer loop (the
+baseline), `auto` is `compiled` on CUDA and `eager` elsewhere (where a compilation costs minutes
+of a small CPU's time before it pays)."""
+STEP_MODES: tuple[StepMode, ...] = ("auto", "compiled", "graphs", "eager", "layers")
 
 SPAN = 128
 """Recorded steps read the tails in multiples of this many slots (a new recording per multiple)."""
@@ -59,8 +75,13 @@ class StaticAttention:
     def __init__(self, ctx: BatchContext, lens: torch.Tensor) -> None:
         self.ctx = ctx
         self.lens = lens
-        self.span = ctx.capacity
-        """Tail slots read (at least the longest row's length + 1; see `Stepper.span`)."""
+        self.slots = torch.arange(ctx.capacity, device=lens.device)
+        """The tail slots read, `0 .. span - 1` (at least the longest row's length + 1; see
+        `Stepper.span`): a tensor, so that a compiled step reads the span as a size, not a number
+        it would be specialised on."""
+        self.grouped = ctx.n_groups > 1
+        """Whether query heads share K/V heads (a bool here, outside any compilation, where sizes
+        are symbolic and SDPA's `enable_gqa` takes no symbolic bool)."""
         self.bias: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
 
@@ -69,8 +90,7 @@ class StaticAttention:
         j <= its length (the slot it is written to). Boolean `[B, 1, 1, span]` for one SDPA when no
         row reads a shared segment, else an additive bias `[B, 1, G, span]` for the cascade."""
         ctx = self.ctx
-        slots = torch.arange(self.span, device=self.lens.device)
-        visible = slots[None, :] <= self.lens[:, None]
+        visible = self.slots[None, :] <= self.lens[:, None]
         if not ctx.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
             self.mask = visible[:, None, None, :]
             return
@@ -78,6 +98,15 @@ class StaticAttention:
         bias.masked_fill_(~visible, float("-inf"))
         # materialised once per step: the CPU's flash kernel copies a broadcast mask in every layer
         self.bias = bias[:, None, None, :].expand(-1, 1, ctx.n_groups, -1).contiguous()
+
+    @property
+    def span(self) -> int:
+        return int(self.slots.shape[0])
+
+    @span.setter
+    def span(self, span: int) -> None:
+        if span != self.slots.shape[0]:
+            self.slots = torch.arange(span, device=self.lens.device)
 
     def attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
@@ -88,12 +117,11 @@ class StaticAttention:
         at = self.lens.view(b, 1, 1, 1).expand(b, h_kv, 1, d)
         tk.scatter_(2, at, key)
         tv.scatter_(2, at, value)
-        span = self.span
+        span = self.slots.shape[0]
         k_own, v_own = tk[:, :, :span], tv[:, :, :span]
         if not ctx.shared:  # what the layer loop runs for rows without shared ancestors
-            grouped = ctx.n_groups > 1
             out = F.scaled_dot_product_attention(
-                query, k_own, v_own, attn_mask=self.mask, scale=scaling, enable_gqa=grouped
+                query, k_own, v_own, attn_mask=self.mask, scale=scaling, enable_gqa=self.grouped
             )
             return out.transpose(1, 2)
         assert self.bias is not None, "attend() before prepare()"
@@ -136,6 +164,78 @@ class MixedAttention:
         return torch.cat([out.transpose(0, 1), tail], dim=1)  # [1, B + C, H, D]
 
 
+class StepCompiler:
+    """The fixed-shape step through `torch.compile` (inductor), for one engine (see the module
+    docstring). The sizes that vary between layouts are symbolic from the first compilation
+    (`_mark_sizes`); a change that a compiled version's guards reject (a batch of one row, another count of shared segments) compiles
+    once more. A failure, at compilation or in a compiled step, switches compilation off for good
+    (`failed` says why, once, as a warning too): the caller then runs the step uncompiled, which
+    rewrites the same K/V slots, so a step that failed half way is simply run again."""
+
+    def __init__(self) -> None:
+        self.compiles = 0
+        """Graphs inductor compiled (one per kind of layout: see the module docstring)."""
+        self.seconds = 0.0
+        """Wall time of the steps that compiled something (tracing and code generation included)."""
+        self.last_seconds = 0.0
+        """What the last call spent compiling (0.0 when it ran compiled code as it was)."""
+        self.failed: str | None = None
+        """Why compilation is off (None while it works)."""
+        self._fn = torch.compile(StepGraph.computed, fullgraph=True, backend=self._inductor)
+
+    @staticmethod
+    def _mark_sizes(graph: StepGraph) -> None:
+        """Mark the sizes that vary between layouts of one kind as symbolic before they are first
+        seen (batch rows, tail capacity, span, shared lengths and readers), so the first compilation
+        serves them all; every other size (heads, widths, vocabulary) stays a constant, which the
+        generated kernels need to be fast (all sizes symbolic made the CPU's step 40 % slower)."""
+        mark = torch._dynamo.maybe_mark_dynamic
+        for t in (graph.ids, graph.pos, graph.lens, graph.attention.slots):
+            mark(t, 0)
+        ctx = graph.ctx
+        for t in (*ctx.tail_k, *ctx.tail_v):
+            mark(t, 0)
+            mark(t, 2)
+        for seg in ctx.shared:
+            for t in (*seg.keys, *seg.values):
+                mark(t, 1)
+            for t in (seg.rows, seg.mask):
+                if t is not None:
+                    mark(t, 0)
+
+    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compiles += 1
+        return compile_fx(gm, example_inputs)
+
+    def __call__(self, graph: StepGraph) -> torch.Tensor | None:
+        """The step's logits, compiled; None once compilation has failed (run it uncompiled)."""
+        self.last_seconds = 0.0
+        if self.failed is not None:
+            return None
+        before, start = self.compiles, time.perf_counter()
+        try:
+            self._mark_sizes(graph)
+            logits: torch.Tensor = self._fn(graph)
+        except Exception as exc:  # a missing C++ compiler, an operation inductor cannot lower, ...
+            root: BaseException = exc
+            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+                root = inner  # torch wraps the compiler's error: name the cause
+            first = (str(root).strip().splitlines() or [""])[0]
+            self.failed = f"{type(root).__name__}: {first}"[:300]
+            warnings.warn(
+                f"the compiled decode step failed; steps run uncompiled from now on: {self.failed}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
+        if self.compiles != before:
+            self.last_seconds = time.perf_counter() - start
+            self.seconds += self.last_seconds
+        return logits
+
+
 class Recorder(Protocol):
     """Records a step once and gives back how to replay it and where its output lands."""
 
@@ -172,6 +272,7 @@ class StepGraph:
     ctx: BatchContext
     signature: tuple[object, ...]
     recorder: Recorder | None
+    compiler: StepCompiler | None = None
     ids: torch.Tensor = field(init=False)
     pos: torch.Tensor = field(init=False)
     lens: torch.Tensor = field(init=False)
@@ -199,9 +300,16 @@ class StepGraph:
             )
         return h
 
-    def _step(self) -> torch.Tensor:
+    def computed(self) -> torch.Tensor:
+        """The step itself, uncompiled: logits `[B, V]` from the loaded inputs (what the compiler
+        compiles, and what runs where it is off or failed)."""
         h = self._layers(self.ids, self.pos, self.attention)
         return self.parts.head(self.parts.norm(h[:, -1]))
+
+    def _step(self) -> torch.Tensor:
+        if self.compiler is not None and (logits := self.compiler(self)) is not None:
+            return logits
+        return self.computed()
 
     def _load(self, ids: torch.Tensor) -> None:
         """The step's inputs: each row's token `ids` `[B]`, and the batch's positions and lengths."""
@@ -283,12 +391,17 @@ class Stepper:
         self.device = device
         self.recorder: Recorder | None = None
         """What records steps (`CudaGraphs` where they are captured; set with `mode`)."""
+        self.compiler: StepCompiler | None = None
+        """What compiles the step (`decode_step="compiled"`; set with `mode`)."""
+        self._compiler: StepCompiler | None = None  # kept across mode changes: its compilations stay
         self.mode = mode
         self._graph: StepGraph | None = None
         self.captures = 0
         """Steps recorded so far (one per batch layout that stepped more than `WARMUP` times)."""
         self.replayed = False
         """Whether the last step was a replay of a recording (else it ran eagerly)."""
+        self.compiled = False
+        """Whether the last step ran compiled code (replayed or not)."""
 
     @property
     def mode(self) -> StepMode:
@@ -302,8 +415,12 @@ class Stepper:
             raise ValueError(f"decode_step='graphs' needs a CUDA device; this backend runs on {self.device}")
         self._mode = mode
         self._graph = None
-        capture = mode == "graphs" or (mode == "auto" and self.device.type == "cuda")
-        self.recorder = CudaGraphs() if capture else None
+        cuda = self.device.type == "cuda"
+        compiled = mode == "compiled" or (mode == "auto" and cuda)
+        self.recorder = CudaGraphs() if mode == "graphs" or (compiled and cuda) else None
+        if compiled and self._compiler is None:
+            self._compiler = StepCompiler()
+        self.compiler = self._compiler if compiled else None
 
     @property
     def captures_graphs(self) -> bool:
@@ -354,17 +471,20 @@ class Stepper:
         graph = self._graph
         sig = (*signature(ctx), span if self.recorder is not None else None)
         if graph is None or graph.ctx is not ctx or graph.signature != sig:
-            graph = self._graph = StepGraph(self.parts, ctx, sig, self.recorder)
+            graph = self._graph = StepGraph(self.parts, ctx, sig, self.recorder, self.compiler)
         graph.attention.span = span
         ids = torch.tensor([f[0] if f else self.pad_id for f in feeds], dtype=torch.long)
         recorded = graph.replay is not None
+        if self.compiler is not None:
+            self.compiler.last_seconds = 0.0
         if chunk is not None:
             logits = graph.mixed(ids.to(self.device, non_blocking=True), chunk)
-            self.replayed = False
+            self.replayed = self.compiled = False
         else:
             logits = graph(ids.to(self.device, non_blocking=True))
             self.replayed = graph.replay is not None
             self.captures += int(self.replayed and not recorded)
+            self.compiled = self.compiler is not None and self.compiler.failed is None
         advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         ctx.lens = ctx.lens + advance
         assert ctx.pos_next is not None

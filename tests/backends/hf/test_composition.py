@@ -299,6 +299,9 @@ def test_which_accelerations_decode_on_the_fixed_step(backend: HFBackend, name: 
     stats = session.kv_stats().as_dict()
     session.release([root, *kids])
     fixed = FIXED_STEP[name]
-    assert (stats.get("decode_steps_fixed", 0) >= 5) is fixed, stats
+    on_fixed_step = stats.get("decode_steps_fixed", 0) + stats.get(
+        "decode_steps_captured", 0
+    )  # captured: CUDA
+    assert (on_fixed_step >= 5) is fixed, stats
     assert (stats.get("decode_steps_layer_loop", 0) >= 5) is not fixed, stats
     assert needs_layer_loop(session.plugins) == ([] if fixed else [name])

@@ -14,7 +14,7 @@ import torch
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, SkipKVConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.step import WARMUP
+from branchwise.backends.hf.step import WARMUP, StepCompiler
 
 PROMPT = "What is 12 + 7? Think step by step."
 
@@ -109,7 +109,7 @@ def test_accelerated_runs_use_the_layer_loop_and_count_it(tiny_llama_dir) -> Non
 
 def test_bad_decode_step_names_the_field(tiny_llama_dir) -> None:
     backend = HFBackend(tiny_llama_dir)
-    with pytest.raises(ValueError, match=r"decode_step='warp' is not one of 'auto', 'graphs'"):
+    with pytest.raises(ValueError, match=r"decode_step='warp' is not one of 'auto', 'compiled', 'graphs'"):
         backend.decode_step = "warp"  # type: ignore[assignment]
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"decode_step='graphs' needs a CUDA device"):
@@ -130,6 +130,53 @@ def test_captured_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
     assert graphs == layers
     assert stats.get("decode_steps_captured", 0) >= params.max_tokens - 1 - WARMUP
     assert 1 <= backend.engine.stepper.captures < params.max_tokens // 4
+
+
+def test_compiled_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
+    """`decode_step="compiled"` (inductor; what CUDA then captures): the layer loop's greedy tokens
+    in fp32 for one row and for a shared prompt read by rows of unequal lengths, every step counted
+    as compiled, the time spent compiling reported, and the CPU's prepacked weights unpacked (inductor
+    cannot read oneDNN's layout), which the backend says; the layer loop reads the same weights."""
+    backend = HFBackend(tiny_llama_dir)
+    assert backend.prepacked.active
+    params = DecodeParams(max_tokens=12, min_tokens=12)
+    hints = ["", " hint", " hint hint"]
+    before = _branches(backend, "layers", [params], hints)
+    compiled = _branches(backend, "compiled", [params], hints)
+    stats = backend.kv_stats().as_dict()
+    assert compiled == before
+    assert stats.get("decode_steps_compiled", 0) >= params.max_tokens - 1
+    assert "decode_steps_uncompiled" not in stats and stats.get("decode_step_compile_s", 0) > 0
+    assert not backend.prepacked.active and "compiled" in str(backend.prepacked.reason)
+    compiler = backend.engine.stepper.compiler
+    assert compiler is not None and compiler.failed is None and compiler.compiles >= 1
+    assert _branches(backend, "compiled", [params], [""]) == _branches(backend, "layers", [params], [""])
+
+
+def test_a_failed_compilation_is_noted_and_the_step_runs_uncompiled(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compilation that fails (here: as where no C++ compiler is installed) warns once, switches
+    compilation off for the engine, and the steps run uncompiled with the same tokens; the run's
+    statistics count them and its notes say why."""
+
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(StepCompiler, "_inductor", broken)
+    backend = HFBackend(tiny_llama_dir, decode_step="compiled")
+    params = DecodeParams(max_tokens=8, min_tokens=8)
+    with pytest.warns(RuntimeWarning, match="the compiled decode step failed.*no C.. compiler found"):
+        tokens = _branches(backend, "compiled", [params], ["", " x"])
+    stats = backend.kv_stats().as_dict()
+    assert tokens == _branches(backend, "layers", [params], ["", " x"])
+    assert (
+        stats.get("decode_steps_uncompiled", 0) >= params.max_tokens - 1
+        and "decode_steps_compiled" not in stats
+    )
+    (note,) = Accel().notes(stats)
+    assert note.startswith(f"{int(stats['decode_steps_uncompiled'])} decode steps ran uncompiled")
+    assert "no C++ compiler found" in note
 
 
 def test_uncaptured_steps_are_noted() -> None:

@@ -23,6 +23,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from branchwise.backends.step_notes import step_notes
+
 
 @dataclass(frozen=True)
 class Examples:
@@ -576,14 +578,7 @@ class Accel(AccelConfig):
     def notes(self, stats: Mapping[str, float]) -> list[str]:
         """Every enabled acceleration's notes on a run with these statistics (see `AccelConfig.notes`)."""
         notes = [note for cfg in self.enabled().values() for note in cfg.notes(stats)]
-        if uncaptured := int(stats.get("decode_steps_uncaptured", 0)):  # hf/step.py's fixed-shape step
-            by = ", ".join(k.removeprefix("uncaptured_by ") for k in stats if k.startswith("uncaptured_by "))
-            lead = f"{uncaptured} decode steps ran uncaptured through the layer loop, not as CUDA graphs"
-            notes.append(f"{lead}: {by} need its hook points (they act between layers or watch attention)")
-        if uncompiled := int(stats.get("decode_steps_uncompiled", 0)):  # decode_step="compiled"
-            why = "; ".join(k.removeprefix("uncompiled_by ") for k in stats if k.startswith("uncompiled_by "))
-            notes.append(f"{uncompiled} decode steps ran uncompiled, their compilation failed: {why}")
-        return notes
+        return notes + step_notes(stats)
 
     def needs_model(self) -> list[str]:
         """What of the enabled accelerations needs the model's internals (`AccelConfig.needs_model`):

@@ -162,8 +162,8 @@ def unpack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head") 
         embed = cast("PreTrainedModel", model).get_input_embeddings()
         config = getattr(model, "config", None)
         weight = getattr(embed, "weight", None)
-        tied = getattr(config, "tie_word_embeddings", False) and isinstance(weight, nn.Parameter)
-        if tied and weight.shape == linear.weight.shape:
+        tied = getattr(config, "tie_word_embeddings", False)
+        if tied and isinstance(weight, nn.Parameter) and weight.shape == linear.weight.shape:
             linear.weight = weight
         setattr(model, head_name, linear)
         count += 1

@@ -33,16 +33,14 @@ compiled step is then recorded as CUDA graphs like the eager one. A compilation 
 seconds per kind (minutes on a small CPU), so it pays in a process that decodes for long: a
 server, an eval. A compilation or a compiled step that fails is never hidden: the step runs
 eagerly from then on for this engine, the run's statistics count the uncompiled steps and the
-notes say why (`Stepper.compile_failed`).
+notes say why (`step_compiler.py`).
 """
 
 from __future__ import annotations
 
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +49,7 @@ from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import AttentionContext, fused_cascade
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, needs_layer_loop
+from branchwise.backends.hf.step_compiler import StepCompiler
 
 StepMode = Literal["auto", "compiled", "graphs", "eager", "layers"]
 """How decode steps run: `compiled` runs the fixed-shape step compiled by inductor (and captures it
@@ -162,78 +161,6 @@ class MixedAttention:
         out = self.rows.attend(layer, rows_of(query), rows_of(key), rows_of(value), scaling)
         tail = self.chunk.attend(layer, query[:, :, b:], key[:, :, b:], value[:, :, b:], scaling)
         return torch.cat([out.transpose(0, 1), tail], dim=1)  # [1, B + C, H, D]
-
-
-class StepCompiler:
-    """The fixed-shape step through `torch.compile` (inductor), for one engine (see the module
-    docstring). The sizes that vary between layouts are symbolic from the first compilation
-    (`_mark_sizes`); a change that a compiled version's guards reject (a batch of one row, another count of shared segments) compiles
-    once more. A failure, at compilation or in a compiled step, switches compilation off for good
-    (`failed` says why, once, as a warning too): the caller then runs the step uncompiled, which
-    rewrites the same K/V slots, so a step that failed half way is simply run again."""
-
-    def __init__(self) -> None:
-        self.compiles = 0
-        """Graphs inductor compiled (one per kind of layout: see the module docstring)."""
-        self.seconds = 0.0
-        """Wall time of the steps that compiled something (tracing and code generation included)."""
-        self.last_seconds = 0.0
-        """What the last call spent compiling (0.0 when it ran compiled code as it was)."""
-        self.failed: str | None = None
-        """Why compilation is off (None while it works)."""
-        self._fn = torch.compile(StepGraph.computed, fullgraph=True, backend=self._inductor)
-
-    @staticmethod
-    def _mark_sizes(graph: StepGraph) -> None:
-        """Mark the sizes that vary between layouts of one kind as symbolic before they are first
-        seen (batch rows, tail capacity, span, shared lengths and readers), so the first compilation
-        serves them all; every other size (heads, widths, vocabulary) stays a constant, which the
-        generated kernels need to be fast (all sizes symbolic made the CPU's step 40 % slower)."""
-        mark = torch._dynamo.maybe_mark_dynamic
-        for t in (graph.ids, graph.pos, graph.lens, graph.attention.slots):
-            mark(t, 0)
-        ctx = graph.ctx
-        for t in (*ctx.tail_k, *ctx.tail_v):
-            mark(t, 0)
-            mark(t, 2)
-        for seg in ctx.shared:
-            for t in (*seg.keys, *seg.values):
-                mark(t, 1)
-            for t in (seg.rows, seg.mask):
-                if t is not None:
-                    mark(t, 0)
-
-    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
-        self.compiles += 1
-        return compile_fx(gm, example_inputs)
-
-    def __call__(self, graph: StepGraph) -> torch.Tensor | None:
-        """The step's logits, compiled; None once compilation has failed (run it uncompiled)."""
-        self.last_seconds = 0.0
-        if self.failed is not None:
-            return None
-        before, start = self.compiles, time.perf_counter()
-        try:
-            self._mark_sizes(graph)
-            logits: torch.Tensor = self._fn(graph)
-        except Exception as exc:  # a missing C++ compiler, an operation inductor cannot lower, ...
-            root: BaseException = exc
-            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
-                root = inner  # torch wraps the compiler's error: name the cause
-            first = (str(root).strip().splitlines() or [""])[0]
-            self.failed = f"{type(root).__name__}: {first}"[:300]
-            warnings.warn(
-                f"the compiled decode step failed; steps run uncompiled from now on: {self.failed}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return None
-        if self.compiles != before:
-            self.last_seconds = time.perf_counter() - start
-            self.seconds += self.last_seconds
-        return logits
 
 
 class Recorder(Protocol):
@@ -419,7 +346,7 @@ class Stepper:
         compiled = mode == "compiled" or (mode == "auto" and cuda)
         self.recorder = CudaGraphs() if mode == "graphs" or (compiled and cuda) else None
         if compiled and self._compiler is None:
-            self._compiler = StepCompiler()
+            self._compiler = StepCompiler(StepGraph.computed)
         self.compiler = self._compiler if compiled else None
 
     @property

@@ -14,7 +14,8 @@ import torch
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, SkipKVConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.step import WARMUP, StepCompiler
+from branchwise.backends.hf.step import WARMUP
+from branchwise.backends.hf.step_compiler import StepCompiler
 
 PROMPT = "What is 12 + 7? Think step by step."
 

@@ -215,3 +215,11 @@ def test_serve_ends_the_process_right_after_the_drain(monkeypatch: pytest.Monkey
     with socket.socket() as sock:
         runner.serve(object(), sock, drain_timeout_s=1.0)
     assert exits == ([0] if started else [])
+
+
+def test_a_bad_decode_step_names_the_option(tiny_llama_dir: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["serve", "--model", str(tiny_llama_dir), "--port", "0", "--decode-step", "warp"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "--decode-step" in result.output and "'warp' is not one of 'auto', 'compiled'" in result.output

@@ -2,7 +2,8 @@
 
 Why: a result must never imply a speed it did not get. The local backend's fixed-shape step
 (`hf/step.py`) counts the steps a plug-in kept on the layer loop where steps are captured, and the
-steps that ran uncompiled after a compilation failed; this turns those counters into the result's
+steps that ran uncompiled (a compilation failed, or a kind of batch came past torch's recompile
+limit); this turns those counters into the result's
 notes (`Accel.notes` adds them to the accelerations' own), in one place for every front end.
 """
 
@@ -17,7 +18,7 @@ STEP_NOTES = (
         "{count} decode steps ran uncaptured through the layer loop, not as CUDA graphs: "
         "{why} need its hook points (they act between layers or watch attention)",
     ),
-    ("uncompiled", "; ", "{count} decode steps ran uncompiled, their compilation failed: {why}"),
+    ("uncompiled", "; ", "{count} decode steps ran uncompiled: {why}"),
 )
 """Notes on decode steps that did not run as their mode asked: the statistic's kind, how its
 reasons join, the wording."""

@@ -124,6 +124,14 @@ def serve_command(
             100.0,
         ),
     ] = 1.0,
+    decode_step: Annotated[
+        str,
+        typer.Option(
+            help="How decode steps run: auto (compiled and captured as CUDA graphs on a GPU, eager "
+            "elsewhere), compiled, graphs, eager or layers. Where steps compile, the server compiles "
+            "them before it listens."
+        ),
+    ] = "auto",
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     try:
@@ -141,7 +149,12 @@ def serve_command(
     except ValueError as err:
         raise typer.BadParameter(str(err), param_hint="--share") from None
     if endpoint:
-        _local_only(device=device != "auto", dtype=dtype != "auto", kv_budget=kv_budget is not None)
+        _local_only(
+            device=device != "auto",
+            dtype=dtype != "auto",
+            kv_budget=kv_budget is not None,
+            decode_step=decode_step != "auto",
+        )
     else:
         _check_model_path(model)
     try:
@@ -166,6 +179,11 @@ def serve_command(
         if hasattr(backend, "prefill_chunk"):
             backend.prefill_chunk = prefill_chunk
             backend.prefill_share = prefill_share
+        if hasattr(backend, "decode_step"):
+            try:
+                backend.decode_step = decode_step
+            except ValueError as err:
+                raise typer.BadParameter(str(err), param_hint="--decode-step") from None
         app = create_app(
             backend,
             model_name=served_model_name or model,
@@ -187,6 +205,14 @@ def serve_command(
             strategy_timeout_s=strategy_timeout,
         )
         _log_to_stderr()
+        if hasattr(backend, "warm_up"):  # compiles the decode step where it is compiled, else nothing
+            warmed = backend.warm_up()
+            if warmed["compiles"]:
+                logging.getLogger("branchwise.serve").info(
+                    "compiled the decode step for its first kinds of batch (%d compilations, %.1f s)",
+                    warmed["compiles"],
+                    warmed["seconds"],
+                )
         address, bound = sock.getsockname()[:2]
         shown = f"[{address}]" if ":" in address else address
         logging.getLogger("branchwise.serve").info("serving on http://%s:%d (Ctrl-C to stop)", shown, bound)

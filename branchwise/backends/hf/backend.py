@@ -52,7 +52,7 @@ from branchwise.backends.hf.prepack import Prepacked
 from branchwise.backends.hf.prepack import prepack as pack_weights
 from branchwise.backends.hf.prepack import unpack as unpack_weights
 from branchwise.backends.hf.session import Session
-from branchwise.backends.hf.step import StepMode
+from branchwise.backends.hf.step import WARMUP, StepMode
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)
@@ -454,6 +454,28 @@ class HFBackend:
 
     def reset_stats(self) -> None:
         self._default.reset_stats()
+
+    def warm_up(self) -> dict[str, float]:
+        """Compile the decode step now for the kinds of batch a server meets first (one row, several
+        rows, several rows over a shared prompt), so the first requests do not wait for it (tens of
+        seconds a kind on a GPU's host). A no-op where steps are not compiled (`decode_step`).
+        Returns the compilations made and their seconds."""
+        compiler = self.engine.stepper.compiler
+        if compiler is None:
+            return {"compiles": 0, "seconds": 0.0}
+        before, seconds = compiler.compiles, compiler.seconds
+        session = self.session(share="exact")  # its own statistics: the default session's stay clean
+        params = DecodeParams(max_tokens=WARMUP + 3, min_tokens=WARMUP + 3)  # past the eager warm-up step
+        roots = [session.prefill(self.encode(text)) for text in ("Hello", "Good morning")]
+        kids: list[NodeId] = []
+        try:
+            session.extend(roots[:1], params)
+            session.extend(roots, params)
+            kids = session.fork(roots[1], 2)
+            session.extend(kids, params)
+        finally:
+            session.release([*roots, *kids])
+        return {"compiles": compiler.compiles - before, "seconds": round(compiler.seconds - seconds, 3)}
 
     # ------------------------------------------------------------------ baseline
     @on_compute_thread

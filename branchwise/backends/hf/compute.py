@@ -213,7 +213,7 @@ class Computation:
             self.stats.bump("decode_steps_compiled")
         else:
             self.stats.bump("decode_steps_uncompiled")
-            self.stats.extra[f"uncompiled_by {compiler.failed}"] = 1.0
+            self.stats.extra[f"uncompiled_by {compiler.unused}"] = 1.0
 
     def _count_layer_loop_step(self, batch: Batch, observers: Sequence[Acceleration]) -> None:
         """A decode step ran through the layer loop. Where steps are captured as CUDA graphs and a

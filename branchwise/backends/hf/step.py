@@ -411,7 +411,7 @@ class Stepper:
             logits = graph(ids.to(self.device, non_blocking=True))
             self.replayed = graph.replay is not None
             self.captures += int(self.replayed and not recorded)
-            self.compiled = self.compiler is not None and self.compiler.failed is None
+            self.compiled = self.compiler is not None and self.compiler.unused is None
         advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         ctx.lens = ctx.lens + advance
         assert ctx.pos_next is not None

@@ -22,10 +22,12 @@ import torch
 class StepCompiler:
     """The fixed-shape step through `torch.compile` (inductor), for one engine (see the module
     docstring). The sizes that vary between layouts are symbolic from the first compilation
-    (`_mark_sizes`); a change that a compiled version's guards reject (a batch of one row, another count of shared segments) compiles
-    once more. A failure, at compilation or in a compiled step, switches compilation off for good
-    (`failed` says why, once, as a warning too): the caller then runs the step uncompiled, which
-    rewrites the same K/V slots, so a step that failed half way is simply run again."""
+    (`_mark_sizes`); a change that a compiled version's guards reject (a batch of one row, another
+    count of shared segments) compiles once more, up to torch's recompile limit (8 kinds by
+    default): a kind past it runs uncompiled, the kinds compiled before keep their code. Any other
+    failure, at compilation or in a compiled step, switches compilation off for good (`failed` says
+    why, once, as a warning too). Either way the caller runs the step uncompiled (`unused` says
+    why), which rewrites the same K/V slots, so a step that failed half way is simply run again."""
 
     def __init__(self, step: Callable[[Any], torch.Tensor]) -> None:
         self.compiles = 0
@@ -36,6 +38,8 @@ class StepCompiler:
         """What the last call spent compiling (0.0 when it ran compiled code as it was)."""
         self.failed: str | None = None
         """Why compilation is off (None while it works)."""
+        self.unused: str | None = None
+        """Why the last call ran no compiled code (None when it did)."""
         self._fn = torch.compile(step, fullgraph=True, backend=self._inductor)
 
     @staticmethod
@@ -65,20 +69,26 @@ class StepCompiler:
         return compile_fx(gm, example_inputs)
 
     def __call__(self, graph: Any) -> torch.Tensor | None:
-        """The step's logits, compiled; None once compilation has failed (run it uncompiled)."""
+        """The step's logits, compiled; None where it ran no compiled code (`unused` says why: run
+        it uncompiled)."""
         self.last_seconds = 0.0
+        self.unused = self.failed
         if self.failed is not None:
             return None
         before, start = self.compiles, time.perf_counter()
         try:
             self._mark_sizes(graph)
             logits: torch.Tensor = self._fn(graph)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            limit = torch._dynamo.config.recompile_limit
+            self.unused = f"a new kind of batch past torch's recompile limit ({limit} kinds compiled)"
+            return None
         except Exception as exc:  # a missing C++ compiler, an operation inductor cannot lower, ...
             root: BaseException = exc
             while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
                 root = inner  # torch wraps the compiler's error: name the cause
             first = (str(root).strip().splitlines() or [""])[0]
-            self.failed = f"{type(root).__name__}: {first}"[:300]
+            self.failed = self.unused = f"{type(root).__name__}: {first}"[:300]
             warnings.warn(
                 f"the compiled decode step failed; steps run uncompiled from now on: {self.failed}",
                 RuntimeWarning,

@@ -154,6 +154,24 @@ def test_compiled_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
     assert _branches(backend, "compiled", [params], [""]) == _branches(backend, "layers", [params], [""])
 
 
+def test_warm_up_compiles_the_first_kinds_of_batch(tiny_llama_dir) -> None:
+    """`warm_up` (what `branchwise serve` calls before it listens) compiles the step for one row,
+    several rows and rows over a shared prompt, in a session of its own (the backend's statistics
+    stay clean); where steps are not compiled it does nothing."""
+    assert HFBackend(tiny_llama_dir).warm_up() == {"compiles": 0, "seconds": 0.0}  # eager on the CPU
+    backend = HFBackend(tiny_llama_dir, decode_step="compiled")
+    warmed = backend.warm_up()
+    assert warmed["compiles"] >= 1 and warmed["seconds"] > 0
+    assert "decode_steps_compiled" not in backend.kv_stats().as_dict() and backend.kv_stats().live_nodes == 0
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+    _branches(backend, "compiled", [params], ["", " x"])
+    stats = backend.kv_stats().as_dict()
+    assert (
+        stats.get("decode_steps_compiled", 0) >= params.max_tokens - 1
+        and "decode_step_compile_s" not in stats
+    )
+
+
 def test_a_failed_compilation_is_noted_and_the_step_runs_uncompiled(
     tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -178,6 +196,47 @@ def test_a_failed_compilation_is_noted_and_the_step_runs_uncompiled(
     (note,) = Accel().notes(stats)
     assert note.startswith(f"{int(stats['decode_steps_uncompiled'])} decode steps ran uncompiled")
     assert "no C++ compiler found" in note
+
+
+def test_a_kind_of_batch_past_the_recompile_limit_runs_uncompiled(tiny_llama_dir) -> None:
+    """Torch refuses to compile a new kind of batch once its recompile limit is reached (simulated
+    here for batches without a shared segment): such a batch runs uncompiled with a note naming
+    the limit, compilation stays on, and the kinds compiled before run their compiled code again.
+    Tokens: the layer loop's."""
+    backend = HFBackend(tiny_llama_dir, decode_step="compiled", cache_bytes=0)  # the lone row shares nothing
+    compiler = backend.engine.stepper.compiler
+    assert compiler is not None
+    compiled = compiler._fn
+
+    def limited(graph):
+        if not graph.ctx.shared:
+            raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached with fullgraph=True")
+        return compiled(graph)
+
+    compiler._fn = limited
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+
+    def lone(mode: str) -> list[int]:
+        backend.decode_step = mode
+        root = backend.prefill(backend.encode(PROMPT))
+        (gen,) = backend.extend([root], params)
+        backend.release([root])
+        return gen.token_ids
+
+    branches = _branches(backend, "compiled", [params], ["", " x"])
+    assert backend.kv_stats().as_dict().get("decode_steps_compiled", 0) >= params.max_tokens - 1
+    backend.reset_stats()
+    assert lone("compiled") == lone("layers")
+    stats = backend.kv_stats().as_dict()
+    assert stats.get("decode_steps_uncompiled", 0) >= params.max_tokens - 1
+    (note,) = Accel().notes(stats)
+    assert "a new kind of batch past torch's recompile limit" in note
+    assert (
+        _branches(backend, "compiled", [params], ["", " x"])
+        == branches
+        == _branches(backend, "layers", [params], ["", " x"])
+    )
+    assert compiler.failed is None
 
 
 def test_uncaptured_steps_are_noted() -> None:

@@ -18,13 +18,19 @@ from typing import Any
 
 import torch
 
+RECOMPILE_LIMIT = 64
+"""Compiled versions of the step a process keeps (torch's default, 8 per function, is for code
+whose shapes should not vary). Every engine of the process compiles the same function, and each
+model, dtype, one-row batch and count of shared segments is a version of its own: a process
+holding a few models meets tens, never hundreds."""
+
 
 class StepCompiler:
     """The fixed-shape step through `torch.compile` (inductor), for one engine (see the module
     docstring). The sizes that vary between layouts are symbolic from the first compilation
     (`_mark_sizes`); a change that a compiled version's guards reject (a batch of one row, another
-    count of shared segments) compiles once more, up to torch's recompile limit (8 kinds by
-    default): a kind past it runs uncompiled, the kinds compiled before keep their code. Any other
+    count of shared segments) compiles once more, up to `RECOMPILE_LIMIT` versions in the
+    process: a kind past it runs uncompiled, the kinds compiled before keep their code. Any other
     failure, at compilation or in a compiled step, switches compilation off for good (`failed` says
     why, once, as a warning too). Either way the caller runs the step uncompiled (`unused` says
     why), which rewrites the same K/V slots, so a step that failed half way is simply run again."""
@@ -78,10 +84,10 @@ class StepCompiler:
         before, start = self.compiles, time.perf_counter()
         try:
             self._mark_sizes(graph)
-            logits: torch.Tensor = self._fn(graph)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                logits: torch.Tensor = self._fn(graph)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
-            limit = torch._dynamo.config.recompile_limit
-            self.unused = f"a new kind of batch past torch's recompile limit ({limit} kinds compiled)"
+            self.unused = f"a new kind of batch past the recompile limit ({RECOMPILE_LIMIT} kinds compiled)"
             return None
         except Exception as exc:  # a missing C++ compiler, an operation inductor cannot lower, ...
             root: BaseException = exc

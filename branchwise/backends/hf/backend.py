@@ -56,6 +56,9 @@ from branchwise.backends.hf.step import WARMUP, StepMode
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)
+
+COMPILED_READS_PLAIN = "decode_step='compiled': the compiled step reads plain weights"
+"""Why a backend whose steps compile holds no prepacked weights (`prepack.unpack`)."""
 A = TypeVar("A", bound=Acceleration)
 
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -151,8 +154,15 @@ class HFBackend:
         tokenizer = AutoTokenizer.from_pretrained(path)
         # transformers' wrapped `to` types its first argument as the model, where `dev` goes
         on_device = loaded.to(dev)  # type: ignore[arg-type]
-        packs = prepack and decode_step != "compiled"  # the compiled step reads plain weights
-        self._setup(on_device, tokenizer, share=share, model_name=name, accel=accel, prepack=packs)
+        self._setup(
+            on_device,
+            tokenizer,
+            share=share,
+            model_name=name,
+            accel=accel,
+            prepack=prepack,
+            decode_step=decode_step,
+        )
         self.broadcast = broadcast
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # the setter resolves it to bytes
@@ -178,8 +188,15 @@ class HFBackend:
         self = cls.__new__(cls)
         register()
         name = getattr(model.config, "_name_or_path", "model")
-        packs = prepack and decode_step != "compiled"  # the compiled step reads plain weights
-        self._setup(model, tokenizer, share=share, model_name=name, accel=accel, prepack=packs)
+        self._setup(
+            model,
+            tokenizer,
+            share=share,
+            model_name=name,
+            accel=accel,
+            prepack=prepack,
+            decode_step=decode_step,
+        )
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
@@ -196,13 +213,17 @@ class HFBackend:
         model_name: str,
         accel: Accel | None,
         prepack: bool,
+        decode_step: StepMode,
     ) -> None:
         check_share(share)
         model.eval()
         model.set_attn_implementation(ATTN_NAME)
-        self.prepacked = (
-            pack_weights(model, decoder_parts(model).layers) if prepack else Prepacked(reason="prepack=False")
-        )
+        if not prepack:
+            self.prepacked = Prepacked(reason="prepack=False")
+        elif decode_step == "compiled":
+            self.prepacked = Prepacked(reason=COMPILED_READS_PLAIN)
+        else:
+            self.prepacked = pack_weights(model, decoder_parts(model).layers)
         """Whether the linear layers run on weights packed for the CPU's kernels (`prepack.py`), and
         why not where they do not."""
         parts = decoder_parts(model)
@@ -328,9 +349,7 @@ class HFBackend:
             if stepper.compiler is not None and self.prepacked.active:
                 unpack_weights(self.model, self.parts.layers)
                 self.parts.rehead(self.model.get_output_embeddings())
-                self.prepacked = Prepacked(
-                    reason="decode_step='compiled': the compiled step reads plain weights"
-                )
+                self.prepacked = Prepacked(reason=COMPILED_READS_PLAIN)
 
     @property
     def prefill_share(self) -> float:

@@ -24,6 +24,7 @@ between batch sizes of the BLAS call.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -116,6 +117,19 @@ def prepack_support(device: torch.device, dtype: torch.dtype) -> str | None:
     return f"dtype {dtype}: oneDNN packs float32 here (bfloat16 only on CPUs with native bf16)"
 
 
+def _swap_linears(layers: nn.ModuleList, swap: Callable[[nn.Module], nn.Module | None]) -> int:
+    """Replace, in place, every submodule of `layers` for which `swap` gives a replacement (None:
+    keep it); the walk `prepack` and `unpack` share. Returns how many were replaced."""
+    count = 0
+    for layer in layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if (new := swap(child)) is not None:
+                    setattr(parent, name, new)
+                    count += 1
+    return count
+
+
 def prepack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head") -> Prepacked:
     """Replace every `nn.Linear` in `layers` and the LM head (`model.<head_name>`) by a
     `PackedLinear`, in place. Returns what was done; packs nothing where `prepack_support` says no."""
@@ -123,13 +137,7 @@ def prepack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head")
     reason = prepack_support(param.device, param.dtype)
     if reason is not None:
         return Prepacked(reason=reason)
-    count = 0
-    for layer in layers:
-        for parent in list(layer.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is nn.Linear:
-                    setattr(parent, name, PackedLinear(child))
-                    count += 1
+    count = _swap_linears(layers, lambda m: PackedLinear(m) if type(m) is nn.Linear else None)
     extra = 0
     head = getattr(model, head_name, None)
     if type(head) is nn.Linear:
@@ -149,13 +157,7 @@ def unpack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head") 
     again (for the compiled decode step: inductor cannot trace oneDNN's opaque weights and lays the
     plain ones out itself). A head tied to the input embedding shares its weight again. Returns how
     many layers were unpacked."""
-    count = 0
-    for layer in layers:
-        for parent in list(layer.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, PackedLinear):
-                    setattr(parent, name, child.unpacked())
-                    count += 1
+    count = _swap_linears(layers, lambda m: m.unpacked() if isinstance(m, PackedLinear) else None)
     head = getattr(model, head_name, None)
     if isinstance(head, PackedLinear):
         linear = head.unpacked()

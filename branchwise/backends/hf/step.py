@@ -31,9 +31,10 @@ elementwise kernel each), which on a GPU sets the replayed graph's length and on
 per-operation overhead; inductor fuses each run of elementwise work into one kernel. On CUDA the
 compiled step is then recorded as CUDA graphs like the eager one. A compilation costs tens of
 seconds per kind (minutes on a small CPU), so it pays in a process that decodes for long: a
-server, an eval. A compilation or a compiled step that fails is never hidden: the step runs
-eagerly from then on for this engine, the run's statistics count the uncompiled steps and the
-notes say why (`step_compiler.py`).
+server, an eval. A step that could not run compiled is never hidden: it runs uncompiled (from
+then on, for this engine, where compilation failed; for that kind of batch alone, past the
+recompile limit), the run's statistics count the uncompiled steps and the notes say why
+(`step_compiler.py`).
 """
 
 from __future__ import annotations

@@ -118,17 +118,22 @@ def test_bad_decode_step_names_the_field(tiny_llama_dir) -> None:
     assert backend.decode_step == "auto"
 
 
+def _as_the_layer_loop(backend: HFBackend, mode: str, params: DecodeParams) -> dict[str, float]:
+    """Branches over a shared prompt, of unequal lengths, decoded by the layer loop and then in
+    `mode`: the same tokens (asserted); the statistics of the run in `mode`."""
+    hints = ["", " hint", " hint hint"]
+    layers = _branches(backend, "layers", [params], hints)
+    assert _branches(backend, mode, [params], hints) == layers
+    return backend.kv_stats().as_dict()
+
+
 @pytest.mark.gpu
 def test_captured_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
     """On CUDA, fp32: the step captured as CUDA graphs decodes the layer loop's tokens, captures
     once per batch layout (not per step), and replays otherwise."""
     backend = HFBackend(tiny_llama_dir, device="cuda", dtype="float32")
     params = DecodeParams(max_tokens=40, min_tokens=40)
-    hints = ["", " hint", " hint hint"]
-    layers = _branches(backend, "layers", [params], hints)
-    graphs = _branches(backend, "graphs", [params], hints)
-    stats = backend.kv_stats().as_dict()
-    assert graphs == layers
+    stats = _as_the_layer_loop(backend, "graphs", params)
     assert stats.get("decode_steps_captured", 0) >= params.max_tokens - 1 - WARMUP
     assert 1 <= backend.engine.stepper.captures < params.max_tokens // 4
 
@@ -141,11 +146,7 @@ def test_compiled_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
     backend = HFBackend(tiny_llama_dir)
     assert backend.prepacked.active
     params = DecodeParams(max_tokens=12, min_tokens=12)
-    hints = ["", " hint", " hint hint"]
-    before = _branches(backend, "layers", [params], hints)
-    compiled = _branches(backend, "compiled", [params], hints)
-    stats = backend.kv_stats().as_dict()
-    assert compiled == before
+    stats = _as_the_layer_loop(backend, "compiled", params)
     assert stats.get("decode_steps_compiled", 0) >= params.max_tokens - 1
     assert "decode_steps_uncompiled" not in stats and stats.get("decode_step_compile_s", 0) > 0
     assert not backend.prepacked.active and "compiled" in str(backend.prepacked.reason)

@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
-from _common import Bench, BenchParser, machine, set_threads
+from _common import Bench, BenchParser, add_decode_step_option, machine, set_threads, step_description
 from prefix_sharing import PASSAGE
 from serve_load import _free_port, _start, _stop, serve_options, wait_healthy
 
@@ -196,6 +196,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode-tokens", type=int, default=128, help="tokens of the B=1 decode row")
     parser.add_argument("--clients", type=int, default=16, help="concurrent requests of the server row")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (median), after a warm-up")
+    add_decode_step_option(
+        parser,
+        why="; for the server and in-process sides alike, each compiling its step before it is timed",
+    )
     parser.add_argument(
         "--rows", nargs="+", choices=ROWS, default=list(ROWS), help="which workloads to time (default: all)"
     )
@@ -235,10 +239,11 @@ def main(argv: list[str] | None = None) -> None:
             threads=args.threads,
         )
         serve_args.serve_options = serve_options(serve_args)
-        procs.append(_start(serve_args, serve_port))
+        procs.append(_start(serve_args, serve_port, extra=["--decode-step", args.decode_step]))
         set_threads(args.threads)
         started = time.perf_counter()
-        backend = HFBackend(args.model, device=args.device, dtype=args.dtype)
+        backend = HFBackend(args.model, device=args.device, dtype=args.dtype, decode_step=args.decode_step)
+        backend.warm_up()  # as `branchwise serve` does before it listens
         bench = Bench("vs_vllm", args, backend, started)
         sides: list[Any] = [Server("vllm", vllm_url), Server("serve", f"http://127.0.0.1:{serve_port}")]
         sides.append(InProcess(backend))
@@ -250,7 +255,13 @@ def main(argv: list[str] | None = None) -> None:
         versions = {"vllm": vllm_version(python, vllm_url)}
         packed = {"modules": backend.prepacked.modules, "reason": backend.prepacked.reason}
         bench.emit(
-            {"rows": results, "goals": goals(results, args), "versions": versions, "prepacked": packed}
+            {
+                "rows": results,
+                "goals": goals(results, args),
+                "versions": versions,
+                "prepacked": packed,
+                "decode_step": step_description(backend),
+            }
         )
     finally:
         for proc in procs:

@@ -36,11 +36,6 @@ class DecoderParts:
     def n_layers(self) -> int:
         return len(self.layers)
 
-    def rehead(self, head: nn.Module) -> None:
-        """Point at a replaced LM head (`prepack.unpack` swaps the module). The one change these
-        parts allow, made in place because the engine, its runner and its stepper share them."""
-        object.__setattr__(self, "head", head)
-
 
 def decoder_parts(model: nn.Module) -> DecoderParts:
     """Return the pieces of a supported causal LM, or raise naming what is unsupported."""

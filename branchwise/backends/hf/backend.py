@@ -50,15 +50,12 @@ from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
 from branchwise.backends.hf.prepack import Prepacked
 from branchwise.backends.hf.prepack import prepack as pack_weights
-from branchwise.backends.hf.prepack import unpack as unpack_weights
 from branchwise.backends.hf.session import Session
 from branchwise.backends.hf.step import WARMUP, StepMode
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)
 
-COMPILED_READS_PLAIN = "decode_step='compiled': the compiled step reads plain weights"
-"""Why a backend whose steps compile holds no prepacked weights (`prepack.unpack`)."""
 A = TypeVar("A", bound=Acceleration)
 
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -220,8 +217,6 @@ class HFBackend:
         model.set_attn_implementation(ATTN_NAME)
         if not prepack:
             self.prepacked = Prepacked(reason="prepack=False")
-        elif decode_step == "compiled":
-            self.prepacked = Prepacked(reason=COMPILED_READS_PLAIN)
         else:
             self.prepacked = pack_weights(model, decoder_parts(model).layers)
         """Whether the linear layers run on weights packed for the CPU's kernels (`prepack.py`), and
@@ -335,21 +330,15 @@ class HFBackend:
         """How decode steps run (`step.py`): ``auto`` (compiled and captured as CUDA graphs on a
         GPU, the same fixed-shape step eagerly elsewhere), ``compiled`` (inductor; captured on
         CUDA), ``graphs`` (captured, uncompiled), ``eager``, or ``layers`` (every step through the
-        layer loop: the baseline the fixed-shape step is measured against). Compiling on a CPU
-        unpacks the prepacked weights (`prepack.unpack`: inductor cannot read oneDNN's layout),
-        for good: `prepacked` says so."""
+        layer loop: the baseline the fixed-shape step is measured against). A compiled step on a
+        CPU calls the same oneDNN products on the prepacked weights (`prepack.packed_product`)."""
         return self.engine.stepper.mode
 
     @decode_step.setter
     @on_compute_thread
     def decode_step(self, mode: StepMode) -> None:
         with self.engine.lock:
-            stepper = self.engine.stepper
-            stepper.mode = mode
-            if stepper.compiler is not None and self.prepacked.active:
-                unpack_weights(self.model, self.parts.layers)
-                self.parts.rehead(self.model.get_output_embeddings())
-                self.prepacked = Prepacked(reason=COMPILED_READS_PLAIN)
+            self.engine.stepper.mode = mode
 
     @property
     def prefill_share(self) -> float:

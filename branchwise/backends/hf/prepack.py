@@ -24,7 +24,6 @@ between batch sizes of the BLAS call.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,7 +33,29 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["PackedLinear", "Prepacked", "plain", "prepack", "prepack_support", "unpack"]
+__all__ = ["PackedLinear", "Prepacked", "packed_product", "plain", "prepack", "prepack_support"]
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("branchwise::packed_product", mutates_args=())
+def packed_product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """`x @ W.T + bias` over a oneDNN-packed `W`, as one opaque operation for `torch.compile`.
+
+    Why: inductor lowers oneDNN's linear only over weights it packed itself (freezing, which keeps
+    a packed copy of every weight per compiled graph) and fails on a weight packed before; called
+    through this op, the compiled step calls the same kernel on the same packed weight, and fuses
+    everything between the products."""
+    return _product(x, packed, bias)
+
+
+@packed_product.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 class PackedLinear(nn.Module):
@@ -62,7 +83,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        if torch.compiler.is_compiling():
+            out = packed_product(flat, self.packed, self.bias, self.out_features)
+        else:  # eagerly the op itself: a custom op's dispatch costs ~10 us a call, ~2 ms a step
+            out = _product(flat, self.packed, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def unpacked(self) -> nn.Linear:
@@ -117,19 +141,6 @@ def prepack_support(device: torch.device, dtype: torch.dtype) -> str | None:
     return f"dtype {dtype}: oneDNN packs float32 here (bfloat16 only on CPUs with native bf16)"
 
 
-def _swap_linears(layers: nn.ModuleList, swap: Callable[[nn.Module], nn.Module | None]) -> int:
-    """Replace, in place, every submodule of `layers` for which `swap` gives a replacement (None:
-    keep it); the walk `prepack` and `unpack` share. Returns how many were replaced."""
-    count = 0
-    for layer in layers:
-        for parent in list(layer.modules()):
-            for name, child in list(parent.named_children()):
-                if (new := swap(child)) is not None:
-                    setattr(parent, name, new)
-                    count += 1
-    return count
-
-
 def prepack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head") -> Prepacked:
     """Replace every `nn.Linear` in `layers` and the LM head (`model.<head_name>`) by a
     `PackedLinear`, in place. Returns what was done; packs nothing where `prepack_support` says no."""
@@ -137,7 +148,13 @@ def prepack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head")
     reason = prepack_support(param.device, param.dtype)
     if reason is not None:
         return Prepacked(reason=reason)
-    count = _swap_linears(layers, lambda m: PackedLinear(m) if type(m) is nn.Linear else None)
+    count = 0
+    for layer in layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(parent, name, PackedLinear(child))
+                    count += 1
     extra = 0
     head = getattr(model, head_name, None)
     if type(head) is nn.Linear:
@@ -150,26 +167,6 @@ def prepack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head")
         if tied:  # the embedding keeps the plain weight for its lookup; the head has its own copy
             extra = packed.nbytes
     return Prepacked(modules=count, extra_bytes=extra)
-
-
-def unpack(model: nn.Module, layers: nn.ModuleList, head_name: str = "lm_head") -> int:
-    """Undo `prepack` in place: every `PackedLinear` in `layers` and the head becomes an `nn.Linear`
-    again (for the compiled decode step: inductor cannot trace oneDNN's opaque weights and lays the
-    plain ones out itself). A head tied to the input embedding shares its weight again. Returns how
-    many layers were unpacked."""
-    count = _swap_linears(layers, lambda m: m.unpacked() if isinstance(m, PackedLinear) else None)
-    head = getattr(model, head_name, None)
-    if isinstance(head, PackedLinear):
-        linear = head.unpacked()
-        embed = cast("PreTrainedModel", model).get_input_embeddings()
-        config = getattr(model, "config", None)
-        weight = getattr(embed, "weight", None)
-        tied = getattr(config, "tie_word_embeddings", False)
-        if tied and isinstance(weight, nn.Parameter) and weight.shape == linear.weight.shape:
-            linear.weight = weight
-        setattr(model, head_name, linear)
-        count += 1
-    return count
 
 
 def plain(module: nn.Module) -> nn.Module:

@@ -246,12 +246,15 @@ class BatchContext:
 
     def _grow(self, needed: int) -> None:
         new_cap = self.next_capacity(needed)
-        for layer in range(len(self.tail_k)):
-            for buf in (self.tail_k, self.tail_v):
-                old = buf[layer]
-                new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
-                new[:, :, : old.shape[2]] = old
-                buf[layer] = new
+        # plain tensors, like the tails a batch is assembled with, though this runs inside a
+        # forward: a compiled step checks which kind its inputs are, and recompiles for the other
+        with torch.inference_mode(False):
+            for layer in range(len(self.tail_k)):
+                for buf in (self.tail_k, self.tail_v):
+                    old = buf[layer]
+                    new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
+                    new[:, :, : old.shape[2]] = old
+                    buf[layer] = new
         for tap in self.taps:
             tap.grow(new_cap)
 
@@ -293,7 +296,7 @@ class BatchContext:
         every tap move together, so nothing is left pointing at a slot that moved.
         """
         kept = int(index.numel())
-        with torch.inference_mode():  # buffers grown during a forward are inference tensors
+        with torch.inference_mode():  # a write that needs no autograd record
             for buffers in (self.tail_k, self.tail_v):
                 for t in buffers:
                     t[pos, :, start : start + kept] = t[pos, :, index]

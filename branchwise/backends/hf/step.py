@@ -423,7 +423,13 @@ class Stepper:
         """Tail slots a step reads, `needed` being the longest row's length + 1. Run eagerly, exactly
         that (the layer loop reads no more); recorded, rounded up to `SPAN` slots, so a recording
         serves `SPAN` steps of a growing batch instead of one (reading the tails' whole capacity
-        instead cost the CPU up to 8 % a step with 32 rows)."""
+        instead cost the CPU up to 8 % a step with 32 rows). Compiled, the whole capacity: a span
+        below it and one equal to it are different programs to the compiler (slicing to the end is
+        a case of its own, as is a span of one slot), so any other choice compiles each kind of
+        batch two or three times; the tails grow by at least `SPAN` slots, so it reads on average
+        half that many masked slots more."""
+        if self.compiler is not None:
+            return capacity
         if self.recorder is None:
             return needed
         return min(capacity, -(-needed // SPAN) * SPAN)

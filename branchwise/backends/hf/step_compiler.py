@@ -25,12 +25,21 @@ model, dtype, one-row batch and count of shared segments is a version of its own
 holding a few models meets tens, never hundreds."""
 
 
+SEGMENTS = 2
+"""Shared segments a compiled step reads at most. Each count of segments (and each pattern of the
+rows that read them) is a kind of batch of its own, compiled anew: a tree search whose rows descend
+from ever more ancestors, or a prefix cache that splits prompts at every common lead-in, would
+compile at every new depth (tens of seconds each). One or two segments are the shapes that recur
+(a prompt shared by its branches, under a cached lead-in); deeper batches run uncompiled and say so."""
+
+
 class StepCompiler:
     """The fixed-shape step through `torch.compile` (inductor), for one engine (see the module
     docstring). The sizes that vary between layouts are symbolic from the first compilation
     (`_mark_sizes`); a change that a compiled version's guards reject (a batch of one row, another
     count of shared segments) compiles once more, up to `RECOMPILE_LIMIT` versions in the
-    process: a kind past it runs uncompiled, the kinds compiled before keep their code. Any other
+    process: a kind past it runs uncompiled, the kinds compiled before keep their code, and a batch
+    reading more than `SEGMENTS` shared segments is not compiled at all. Any other
     failure, at compilation or in a compiled step, switches compilation off for good (`failed` says
     why, once, as a warning too). Either way the caller runs the step uncompiled (`unused` says
     why), which rewrites the same K/V slots, so a step that failed half way is simply run again."""
@@ -80,6 +89,9 @@ class StepCompiler:
         self.last_seconds = 0.0
         self.unused = self.failed
         if self.failed is not None:
+            return None
+        if len(graph.ctx.shared) > SEGMENTS:
+            self.unused = f"more than {SEGMENTS} shared segments (each count would compile anew)"
             return None
         before, start = self.compiles, time.perf_counter()
         try:

@@ -15,7 +15,7 @@ from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, SkipKVConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.step import WARMUP
-from branchwise.backends.hf.step_compiler import StepCompiler
+from branchwise.backends.hf.step_compiler import SEGMENTS, StepCompiler
 
 PROMPT = "What is 12 + 7? Think step by step."
 
@@ -153,6 +153,54 @@ def test_compiled_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
     compiler = backend.engine.stepper.compiler
     assert compiler is not None and compiler.failed is None and compiler.compiles >= 1
     assert _branches(backend, "compiled", [params], [""]) == _branches(backend, "layers", [params], [""])
+
+
+def test_each_kind_of_batch_compiles_once(tiny_llama_dir) -> None:
+    """Fresh prompts of other lengths, batches that grow past their tails' capacity, a first step
+    with one slot in use: none compiles a kind of batch again (the span read is the capacity, never
+    a size the compiler would specialise on; tails grown inside a step are the same kind of tensor
+    as those a batch is assembled with). No prefix cache: a cached prompt is one more segment."""
+    backend = HFBackend(tiny_llama_dir, decode_step="compiled", cache_bytes=0)
+    compiler = backend.engine.stepper.compiler
+    assert compiler is not None
+    for tokens in (6, 150):  # 150: past the first tail capacity, so the tails grow
+        for hints in (["", " a b"], [" x"], [" hint", "", " hint hint hint"]):
+            _branches(backend, "compiled", [DecodeParams(max_tokens=tokens, min_tokens=tokens)], hints)
+        if tokens == 6:
+            first = compiler.compiles
+    assert compiler.compiles == first and compiler.failed is None
+
+
+def test_deeper_batches_run_uncompiled_and_say_so(tiny_llama_dir) -> None:
+    """Rows reading more than `SEGMENTS` shared ancestors (a tree three forks deep) are not compiled
+    (each count of segments would be a compilation of its own): those steps run uncompiled with the
+    layer loop's tokens, and the statistics and notes say why."""
+    backend = HFBackend(tiny_llama_dir, decode_step="compiled")
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+
+    def tree(mode: str) -> list[list[int]]:
+        backend.decode_step = mode
+        backend.reset_stats()
+        nodes = [backend.prefill(backend.encode(PROMPT))]
+        made = list(nodes)
+        for depth in range(SEGMENTS + 1):
+            nodes = [kid for node in nodes for kid in backend.fork(node, 2)]
+            backend.append(nodes, [backend.encode(f" {depth} {i}") for i in range(len(nodes))])
+            made += nodes
+        tokens = [g.token_ids for g in backend.extend(nodes, params)]
+        backend.release(made)
+        return tokens
+
+    layers = tree("layers")
+    assert tree("compiled") == layers
+    stats = backend.kv_stats().as_dict()
+    # the first step's batch holds the leaves' ancestors in their tails (copied while they are
+    # computed); every later one reads them as shared segments
+    assert stats.get("decode_steps_uncompiled", 0) >= params.max_tokens - 2
+    reason = f"uncompiled_by more than {SEGMENTS} shared segments (each count would compile anew)"
+    assert reason in stats
+    (note,) = Accel().notes(stats)
+    assert f"more than {SEGMENTS} shared segments" in note
 
 
 def test_warm_up_compiles_the_first_kinds_of_batch(tiny_llama_dir) -> None:

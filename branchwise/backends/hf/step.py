@@ -25,7 +25,8 @@ once a quarter of it has ended.
 
 Compiled (`decode_step="compiled"`): the same step function through `torch.compile` (inductor),
 with batch size, tail capacity and span symbolic, so one compilation serves every layout of the
-same kind (a batch of one row, and each count of shared segments, are kinds of their own). What it
+same kind (a batch of one row, and each count of shared segments up to `step_compiler.SEGMENTS`,
+are kinds of their own; deeper batches run uncompiled). What it
 buys is fusion: the eager step is ~40 kernels a layer (norms, rotary, residual adds one
 elementwise kernel each), which on a GPU sets the replayed graph's length and on a CPU its
 per-operation overhead; inductor fuses each run of elementwise work into one kernel. On CUDA the

@@ -55,7 +55,6 @@ from branchwise.backends.hf.step import WARMUP, StepMode
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)
-
 A = TypeVar("A", bound=Acceleration)
 
 DEFAULT_CACHE_BYTES = 1 << 30
@@ -151,15 +150,7 @@ class HFBackend:
         tokenizer = AutoTokenizer.from_pretrained(path)
         # transformers' wrapped `to` types its first argument as the model, where `dev` goes
         on_device = loaded.to(dev)  # type: ignore[arg-type]
-        self._setup(
-            on_device,
-            tokenizer,
-            share=share,
-            model_name=name,
-            accel=accel,
-            prepack=prepack,
-            decode_step=decode_step,
-        )
+        self._setup(on_device, tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
         self.broadcast = broadcast
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # the setter resolves it to bytes
@@ -185,15 +176,7 @@ class HFBackend:
         self = cls.__new__(cls)
         register()
         name = getattr(model.config, "_name_or_path", "model")
-        self._setup(
-            model,
-            tokenizer,
-            share=share,
-            model_name=name,
-            accel=accel,
-            prepack=prepack,
-            decode_step=decode_step,
-        )
+        self._setup(model, tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
         self.cache_bytes = cache_bytes
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
@@ -210,15 +193,13 @@ class HFBackend:
         model_name: str,
         accel: Accel | None,
         prepack: bool,
-        decode_step: StepMode,
     ) -> None:
         check_share(share)
         model.eval()
         model.set_attn_implementation(ATTN_NAME)
-        if not prepack:
-            self.prepacked = Prepacked(reason="prepack=False")
-        else:
-            self.prepacked = pack_weights(model, decoder_parts(model).layers)
+        self.prepacked = (
+            pack_weights(model, decoder_parts(model).layers) if prepack else Prepacked(reason="prepack=False")
+        )
         """Whether the linear layers run on weights packed for the CPU's kernels (`prepack.py`), and
         why not where they do not."""
         parts = decoder_parts(model)

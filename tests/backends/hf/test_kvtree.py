@@ -46,7 +46,8 @@ def _slots(seg: Segment) -> list[int]:
 
 
 def _cached_tree(budget: int = 1 << 20) -> tuple[KVTree, Ledger]:
-    tree = KVTree(prefix=PrefixCache(budget=budget))
+    """A tree whose cache splits at any match (`min_split=1`): these tests walk a few tokens."""
+    tree = KVTree(prefix=PrefixCache(budget=budget, min_split=1))
     return tree, Ledger()
 
 
@@ -378,7 +379,7 @@ def test_an_evicted_node_shares_only_up_to_its_start() -> None:
 
 
 def test_every_byte_is_in_exactly_one_of_a_run_and_the_cache() -> None:
-    tree = KVTree(prefix=PrefixCache(budget=1 << 20))
+    tree = KVTree(prefix=PrefixCache(budget=1 << 20, min_split=1))
     runs = [Ledger(), Ledger()]
     prompt = _node(tree, None, [1, 2, 3], runs[0])
     kids = [_node(tree, prompt, [4 + i, 9], runs[i], pending=1) for i in range(2)]

@@ -52,13 +52,15 @@ def test_greedy_tokens_equal_with_and_without_the_cache(tiny_arch_dir: Path) -> 
     other = cached.encode(" 1 2 3 4 5 6 7 8 9 10 11 12. The answer is 42.")
     first, stats = request(cached, base)
     assert first == request(plain, base)[0] and stats["cache_hit_tokens"] == 0
+    cut = PrefixCache().min_split
+    assert len(base) > 2 * cut and len(other) > cut
     requests = [
         base,  # an exact repeat: all but the last token hit
         base + other,  # extends a cached path
-        base[:9] + other,  # diverges inside a cached segment: split
-        base[:9] + other[:5] + base,  # shares the split head, then diverges from both children
+        base[: cut + 2] + other,  # diverges inside a cached segment: split
+        base[: cut + 2] + other[:cut] + base,  # shares the split head, then splits its child
         base + first[0][:-1] + other,  # a conversation's next turn: prompt + answer + more
-        base[:4],  # a short prefix of everything
+        base[:4],  # a short prefix of everything: too short to split a node for
         other + base,  # nothing in common at the root
     ]
     hits = []
@@ -71,8 +73,9 @@ def test_greedy_tokens_equal_with_and_without_the_cache(tiny_arch_dir: Path) -> 
         hits.append(stats["cache_hit_tokens"])
         check_ledgers(cached)
     assert hits[0] == len(base) - 1 and hits[1] >= len(base)
-    assert hits[2] == 9 and hits[3] == 9 + 5 and hits[4] >= len(base) + len(first[0]) - 1
-    assert hits[5] == 3 and hits[6] == 0
+    assert hits[2] == cut + 2 and hits[3] == cut + 2 + cut
+    assert hits[4] >= len(base) + len(first[0]) - 1
+    assert hits[5] == 0 and hits[6] == 0
     assert cached.kv_stats().bytes_held == 0 and cached.kv_stats().cache_bytes > 0
     assert len(plain.tree) == 0
 

@@ -46,7 +46,7 @@ def test_a_transient_buffer_raises_peaks_but_holds_nothing() -> None:
 
 
 def test_lookup_says_how_far_into_a_node_the_match_ends() -> None:
-    cache = PrefixCache(budget=1 << 20)
+    cache = PrefixCache(budget=1 << 20, min_split=1)
     root = _seg(0, [1, 2, 3, 4])
     kid = _seg(1, [5, 6, 7], parent=root)
     cache.insert(root)
@@ -55,6 +55,20 @@ def test_lookup_says_how_far_into_a_node_the_match_ends() -> None:
     assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 8]) == (kid, 7, 0)  # takes the node whole
     assert cache.lookup([1, 2, 3, 4]) == (root, 3, 3)  # never the last token: it needs logits
     assert cache.lookup([9, 1]) == (None, 0, 0)
+
+
+def test_a_match_too_short_to_pay_for_a_split_ends_at_the_node_above() -> None:
+    """A match ending inside a node splits it only when it takes `min_split` of its tokens; a
+    whole node is always taken, however short."""
+    cache = PrefixCache(budget=1 << 20, min_split=3)
+    root = _seg(0, [1, 2])
+    kid = _seg(1, [5, 6, 7, 8], parent=root)
+    cache.insert(root)
+    cache.insert(kid)
+    assert cache.lookup([1, 2, 5, 6, 9]) == (root, 2, 0)  # 2 of kid's tokens: no split
+    assert cache.lookup([1, 2, 5, 6, 7, 9]) == (kid, 5, 3)  # 3: split
+    assert cache.lookup([1, 9, 9]) == (None, 0, 0)  # 1 of root's: nothing
+    assert cache.lookup([1, 2, 9]) == (root, 2, 0)  # the whole (short) root
 
 
 def test_an_inexact_node_is_neither_admitted_nor_matched() -> None:

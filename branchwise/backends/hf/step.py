@@ -76,6 +76,7 @@ class StaticAttention:
     def __init__(self, ctx: BatchContext, lens: torch.Tensor) -> None:
         self.ctx = ctx
         self.lens = lens
+        self.rows = torch.arange(ctx.batch, device=lens.device)
         self.slots = torch.arange(ctx.capacity, device=lens.device)
         """The tail slots read, `0 .. span - 1` (at least the longest row's length + 1; see
         `Stepper.span`): a tensor, so that a compiled step reads the span as a size, not a number
@@ -114,10 +115,12 @@ class StaticAttention:
     ) -> torch.Tensor:
         ctx = self.ctx
         tk, tv = ctx.tail_k[layer], ctx.tail_v[layer]
-        b, h_kv, _, d = key.shape
-        at = self.lens.view(b, 1, 1, 1).expand(b, h_kv, 1, d)
-        tk.scatter_(2, at, key)
-        tv.scatter_(2, at, value)
+        # Each row's new K/V at slot `lens[row]`, written in place. An index_put, not a scatter:
+        # a compiled step's mutation of its inputs must be re-done in place by inductor, which it
+        # does for index_put and not for scatter (it then copied every layer's whole tails at
+        # every step, a cost that grew with rows x capacity).
+        tk[self.rows, :, self.lens] = key[:, :, 0]
+        tv[self.rows, :, self.lens] = value[:, :, 0]
         span = self.slots.shape[0]
         k_own, v_own = tk[:, :, :span], tv[:, :, :span]
         if not ctx.shared:  # what the layer loop runs for rows without shared ancestors

@@ -8,8 +8,11 @@ past their first capacity, prompts copied into tails — and say which step each
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, SkipKVConfig
@@ -153,6 +156,29 @@ def test_compiled_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
     compiler = backend.engine.stepper.compiler
     assert compiler is not None and compiler.failed is None and compiler.compiles >= 1
     assert _branches(backend, "compiled", [params], [""]) == _branches(backend, "layers", [params], [""])
+
+
+def test_the_compiled_step_writes_the_tails_in_place(tiny_llama_dir) -> None:
+    """The compiled step writes each row's new K/V into its tail where it lies: the code inductor
+    generates allocates no buffer of a tail's shape `[B, H_kv, capacity, D]`. (A step that wrote
+    with a scatter was compiled into a copy of every layer's whole tails at every step, a cost
+    that grows with rows x capacity; what a scatter or a whole-tail clone would allocate is what
+    this looks for.)"""
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    config = backend.engine.model.config
+    h_kv = config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, sources = run_and_get_code(_branches, backend, "compiled", [params], ["", " a b"])
+    assert sources, "nothing was compiled"
+    shapes = [
+        [part.strip() for part in shape.split(",")]
+        for code in sources
+        for shape in re.findall(r"empty_strided_\w+\(\(([^()]*)\)", code)
+    ]
+    tails = [s for s in shapes if len(s) == 4 and s[1] == str(h_kv) and s[3] == str(d) and s[2] != "1"]
+    assert shapes and not tails, tails
 
 
 def test_each_kind_of_batch_compiles_once(tiny_llama_dir) -> None:

@@ -76,7 +76,6 @@ class StaticAttention:
     def __init__(self, ctx: BatchContext, lens: torch.Tensor) -> None:
         self.ctx = ctx
         self.lens = lens
-        self.rows = torch.arange(ctx.batch, device=lens.device)
         self.slots = torch.arange(ctx.capacity, device=lens.device)
         """The tail slots read, `0 .. span - 1` (at least the longest row's length + 1; see
         `Stepper.span`): a tensor, so that a compiled step reads the span as a size, not a number
@@ -86,12 +85,17 @@ class StaticAttention:
         are symbolic and SDPA's `enable_gqa` takes no symbolic bool)."""
         self.bias: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
+        self.rows = self.slots[:0]
+        """`0 .. B - 1`, the rows' indices for the K/V writes (made in `prepare`, from the lengths:
+        a tensor of its own among a compiled step's inputs would be one more size to specialise
+        on, and it was: each kind compiled twice)."""
 
     def prepare(self, dtype: torch.dtype) -> None:
         """The tail's mask, built on the device once per step: slot j is visible to a row's token iff
         j <= its length (the slot it is written to). Boolean `[B, 1, 1, span]` for one SDPA when no
         row reads a shared segment, else an additive bias `[B, 1, G, span]` for the cascade."""
         ctx = self.ctx
+        self.rows = torch.arange(self.lens.shape[0], device=self.lens.device)
         visible = self.slots[None, :] <= self.lens[:, None]
         if not ctx.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
             self.mask = visible[:, None, None, :]

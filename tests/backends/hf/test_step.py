@@ -182,18 +182,19 @@ def test_the_compiled_step_writes_the_tails_in_place(tiny_llama_dir) -> None:
 
 
 def test_each_kind_of_batch_compiles_once(tiny_llama_dir) -> None:
-    """Fresh prompts of other lengths, batches that grow past their tails' capacity, a first step
-    with one slot in use: none compiles a kind of batch again (the span read is the capacity, never
+    """Fresh prompts of other lengths, other numbers of rows, batches that grow past their tails'
+    capacity, a first step with one slot in use: none compiles a kind of batch again (the span read is the capacity, never
     a size the compiler would specialise on; tails grown inside a step are the same kind of tensor
     as those a batch is assembled with). No prefix cache: a cached prompt is one more segment."""
     backend = HFBackend(tiny_llama_dir, decode_step="compiled", cache_bytes=0)
     compiler = backend.engine.stepper.compiler
     assert compiler is not None
+    for hints in (["", " a b"], [" x"]):  # the two kinds: several rows, and one
+        _branches(backend, "compiled", [DecodeParams(max_tokens=6, min_tokens=6)], hints)
+    first = compiler.compiles
     for tokens in (6, 150):  # 150: past the first tail capacity, so the tails grow
-        for hints in (["", " a b"], [" x"], [" hint", "", " hint hint hint"]):
+        for hints in (["", " a b"], [" x"], [" hint", "", " hint hint hint"], ["", " a", " b", " c", " d"]):
             _branches(backend, "compiled", [DecodeParams(max_tokens=tokens, min_tokens=tokens)], hints)
-        if tokens == 6:
-            first = compiler.compiles
     assert compiler.compiles == first and compiler.failed is None
 
 

@@ -55,6 +55,7 @@ from branchwise.backends.hf.step import WARMUP, StepMode
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)
+
 A = TypeVar("A", bound=Acceleration)
 
 DEFAULT_CACHE_BYTES = 1 << 30

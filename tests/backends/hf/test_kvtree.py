@@ -379,7 +379,7 @@ def test_an_evicted_node_shares_only_up_to_its_start() -> None:
 
 
 def test_every_byte_is_in_exactly_one_of_a_run_and_the_cache() -> None:
-    tree = KVTree(prefix=PrefixCache(budget=1 << 20, min_split=1))
+    tree, _ = _cached_tree()
     runs = [Ledger(), Ledger()]
     prompt = _node(tree, None, [1, 2, 3], runs[0])
     kids = [_node(tree, prompt, [4 + i, 9], runs[i], pending=1) for i in range(2)]

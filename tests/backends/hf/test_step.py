@@ -165,9 +165,8 @@ def test_the_compiled_step_writes_the_tails_in_place(tiny_llama_dir) -> None:
     that grows with rows x capacity; what a scatter or a whole-tail clone would allocate is what
     this looks for.)"""
     backend = HFBackend(tiny_llama_dir, cache_bytes=0)
-    config = backend.engine.model.config
-    h_kv = config.num_key_value_heads
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    parts = backend.engine.stepper.parts
+    h_kv, d = parts.n_kv_heads, parts.head_dim
     params = DecodeParams(max_tokens=6, min_tokens=6)
     with torch._inductor.config.patch(fx_graph_cache=False):
         _, sources = run_and_get_code(_branches, backend, "compiled", [params], ["", " a b"])
@@ -183,9 +182,10 @@ def test_the_compiled_step_writes_the_tails_in_place(tiny_llama_dir) -> None:
 
 def test_each_kind_of_batch_compiles_once(tiny_llama_dir) -> None:
     """Fresh prompts of other lengths, other numbers of rows, batches that grow past their tails'
-    capacity, a first step with one slot in use: none compiles a kind of batch again (the span read is the capacity, never
-    a size the compiler would specialise on; tails grown inside a step are the same kind of tensor
-    as those a batch is assembled with). No prefix cache: a cached prompt is one more segment."""
+    capacity, a first step with one slot in use: none compiles a kind of batch again (the span
+    read is the capacity, never a size the compiler would specialise on; tails grown inside a step
+    are the same kind of tensor as those a batch is assembled with). No prefix cache: a cached
+    prompt is one more segment."""
     backend = HFBackend(tiny_llama_dir, decode_step="compiled", cache_bytes=0)
     compiler = backend.engine.stepper.compiler
     assert compiler is not None

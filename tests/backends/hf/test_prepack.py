@@ -13,7 +13,7 @@ from torch import nn
 from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.arch import linear_params
-from branchwise.backends.hf.prepack import PackedLinear, plain, prepack, prepack_support
+from branchwise.backends.hf.prepack import FusedLinear, PackedLinear, plain, prepack, prepack_support
 
 pytestmark = pytest.mark.skipif(
     prepack_support(torch.device("cpu"), torch.float32) is not None,
@@ -49,6 +49,62 @@ def test_copies_share_the_packed_weight_and_plain_gives_a_linear_back() -> None:
     assert plain(unpacked) is unpacked  # nothing packed: no copy
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_siblings_packed_as_one_product_give_each_its_own(bias: bool) -> None:
+    """Sibling layers packed as one product (`FusedLinear`): each gives its own layer's output
+    whichever sibling reads an input first, a sibling called alone or on another input computes
+    it anew, the product is computed once per input (not once per sibling), and each reads back
+    its own weight, bias and plain `nn.Linear`."""
+    from branchwise.backends.hf import prepack as prepack_module
+
+    torch.manual_seed(0)
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (
+        nn.Linear(24, 24, bias=bias),
+        nn.Linear(24, 8, bias=bias),
+        nn.Linear(24, 8, bias=bias),
+    )
+    plain_linears = copy.deepcopy(attn)
+    layers = nn.ModuleList([attn])
+    model = nn.Module()
+    model.layers = layers
+    done = prepack(model, layers)
+    assert done.fused == 3 and all(
+        isinstance(getattr(attn, n), FusedLinear) for n in ("q_proj", "k_proj", "v_proj")
+    )
+    calls = 0
+    real = prepack_module._apply
+
+    def counted(*args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return real(*args)  # type: ignore[arg-type]
+
+    x, other = torch.randn(3, 24), torch.randn(2, 5, 24)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prepack_module, "_apply", counted)
+        for order in (("q_proj", "k_proj", "v_proj"), ("v_proj", "q_proj", "k_proj")):
+            calls = 0
+            for name in order:
+                torch.testing.assert_close(
+                    getattr(attn, name)(x), getattr(plain_linears, name)(x), rtol=1e-5, atol=1e-5
+                )
+            assert calls == 1
+        calls = 0
+        torch.testing.assert_close(attn.k_proj(other), plain_linears.k_proj(other), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attn.k_proj(x), plain_linears.k_proj(x), rtol=1e-5, atol=1e-5)
+        assert calls == 2  # alone, and on another input: computed anew each time
+    for name in ("q_proj", "k_proj", "v_proj"):
+        fused, linear = getattr(attn, name), getattr(plain_linears, name)
+        assert torch.equal(fused.weight, linear.weight.detach())
+        assert (fused.bias is None) == (not bias) and (
+            not bias or torch.equal(fused.bias, linear.bias.detach())
+        )
+        back = plain(fused)
+        assert type(back) is nn.Linear and torch.equal(back.weight, linear.weight.detach())
+        assert linear_params(fused) == linear_params(linear)
+
+
 def test_support_names_why_not() -> None:
     assert "device" in (prepack_support(torch.device("meta"), torch.float32) or "")
     assert "device cuda" in (prepack_support(torch.device("cuda"), torch.float32) or "")
@@ -60,6 +116,8 @@ def test_prepack_packs_every_layer_linear_and_the_head(tiny_llama: tuple) -> Non
     layers = model.model.layers
     done = prepack(model, layers)
     assert done.active and done.modules == 7 * len(layers) + 1
+    assert done.fused == 5 * len(layers)  # q, k, v as one product; gate, up as another
+    assert all(isinstance(layer.self_attn.k_proj, FusedLinear) for layer in layers)
     assert done.extra_bytes == 0  # untied head: packed in place, nothing duplicated
     assert isinstance(model.lm_head, PackedLinear)
     assert not any(type(m) is nn.Linear for m in model.modules())

@@ -142,7 +142,8 @@ class PackedLinear(nn.Module):
 
 class _Siblings:
     """The packed product of sibling layers (`FusedLinear`), and the last input it was computed
-    for, kept until every sibling has taken its part."""
+    for, kept until every sibling has taken its part (a forward that raised between siblings leaves
+    one activation held until the next input replaces it)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         with torch.no_grad():

@@ -141,9 +141,7 @@ class PackedLinear(nn.Module):
 
 
 class _Siblings:
-    """The packed product of sibling layers (`FusedLinear`), and the last input it was computed
-    for, kept until every sibling has taken its part (a forward that raised between siblings leaves
-    one activation held until the next input replaces it)."""
+    """The packed product of sibling layers (`FusedLinear`)."""
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         with torch.no_grad():
@@ -156,22 +154,29 @@ class _Siblings:
         self.in_features = linears[0].in_features
         self.out_features = int(weight.shape[0])
         self.count = len(linears)
-        self.input: torch.Tensor | None = None
-        self.output: torch.Tensor | None = None
-        self.left = 0
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The whole product for `x`: computed once per input, whichever sibling asks first. The
         siblings read the same tensor object one after another (`self.q_proj(h)`, `self.k_proj(h)`,
         ...); any other call computes it anew, so a sibling called alone is never wrong."""
-        if self.left and self.input is x and self.output is not None:
-            out, self.left = self.output, self.left - 1
-            if not self.left:  # every sibling served: hold nothing between forwards
-                self.input = self.output = None
-            return out
+        held = _PENDING.get(self)
+        if held is not None and held[0] is x:
+            if held[2] == 1:  # the last sibling: hold nothing between forwards
+                del _PENDING[self]
+            else:
+                _PENDING[self] = (x, held[1], held[2] - 1)
+            return held[1]
         out = _apply(x, self.packed, self.bias, self.in_features, self.out_features)
-        self.input, self.output, self.left = x, out, self.count - 1
+        _PENDING[self] = (x, out, self.count - 1)
         return out
+
+
+_PENDING: dict[_Siblings, tuple[torch.Tensor, torch.Tensor, int]] = {}
+"""Each sibling group's last input, its product and how many siblings have yet to take their part:
+one dict for the process, empty between forwards, rather than state on each group, which a
+compiled step would re-write attribute by attribute after every call (measured: 5 ms a step for
+60 groups). A forward that raised between siblings leaves its entry until the group's next input
+replaces it."""
 
 
 class FusedLinear(PackedLinear):

@@ -7,7 +7,9 @@ that lies in the kernel. This script times only that part: one pass over every 2
 weight of the model's checkpoint, in layer order (so the weights stream from memory as in a real
 step, not from cache), at M input rows (`--rows`: 1 = one request, 8 = eight branches), for
 
-* ``packed``: oneDNN over a weight reordered once for it, what the local backend runs
+* ``packed``: oneDNN over a weight reordered once for it, one product per weight;
+* ``packed_fused``: the same, with sibling weights that read the same input (q/k/v, gate/up:
+  `prepack.SIBLINGS`) concatenated into one product, what the local backend runs
   (`branchwise.backends.hf.prepack`);
 * ``dense``: `torch.nn.functional.linear` over the row-major weight (MKL's GEMM);
 * ``read``: a plain sum over the same bytes, the memory roofline no product can beat;
@@ -36,9 +38,9 @@ import torch
 QUICK = {"rows": [1], "repeats": 2}
 
 
-def checkpoint_weights(model_dir: Path, dtype: torch.dtype) -> list[torch.Tensor]:
+def checkpoint_weights(model_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every 2-D projection weight of the checkpoint in layer order, plus the LM head (the tied
-    input embedding when the model has no separate head): what a decode step multiplies by."""
+    input embedding when the model has no separate head), by name: what a decode step multiplies by."""
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -54,21 +56,49 @@ def checkpoint_weights(model_dir: Path, dtype: torch.dtype) -> list[torch.Tensor
 
     names = sorted((n for n, t in tensors.items() if t.ndim == 2 and "layers." in n), key=order)
     head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
-    return [tensors[n].to(dtype).contiguous() for n in [*names, head]]
+    return {n: tensors[n].to(dtype).contiguous() for n in [*names, head]}
+
+
+def fused(named: dict[str, torch.Tensor], siblings: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+    """The same weights in the same order, each complete group of `siblings` (`prepack.SIBLINGS`,
+    handed over: vLLM's Python has no branchwise) under one parent concatenated into one weight,
+    as `prepack` packs them."""
+    out: list[torch.Tensor] = []
+    done: set[str] = set()
+    for name, weight in named.items():
+        if name in done:
+            continue
+        parent, _, leaf = name.removesuffix(".weight").rpartition(".")
+        group = next((g for g in siblings if leaf in g), None)
+        members = [f"{parent}.{sib}.weight" for sib in group] if group else []
+        if members and all(m in named for m in members):
+            out.append(torch.cat([named[m] for m in members]))
+            done.update(members)
+        else:
+            out.append(weight)
+    return out
 
 
 Pass = Callable[[dict[int, torch.Tensor]], object]
 """One pass over every weight, given an input row block per input width."""
 
 
-def kernels(weights: Sequence[torch.Tensor], with_vllm: bool) -> dict[str, Pass]:
-    """name → one pass over `weights` given an input row block per input width (packed once here)."""
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-    found: dict[str, Pass] = {
-        "packed": lambda xs: [
+def kernels(
+    named: dict[str, torch.Tensor], siblings: Sequence[Sequence[str]], with_vllm: bool
+) -> dict[str, Pass]:
+    """name → one pass over the weights given an input row block per input width (packed once here)."""
+    weights = list(named.values())
+
+    def packed_pass(ws: list[torch.Tensor]) -> Pass:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
+        return lambda xs: [
             torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-            for w, p in zip(weights, packed, strict=True)
-        ],
+            for w, p in zip(ws, packed, strict=True)
+        ]
+
+    found: dict[str, Pass] = {
+        "packed": packed_pass(weights),
+        "packed_fused": packed_pass(fused(named, siblings)),
         "dense": lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
         "read": lambda xs: [w.sum() for w in weights],
     }
@@ -83,12 +113,18 @@ def kernels(weights: Sequence[torch.Tensor], with_vllm: bool) -> dict[str, Pass]
 
 
 def measure(
-    model_dir: Path, dtype: torch.dtype, rows: Sequence[int], repeats: int, with_vllm: bool
+    model_dir: Path,
+    dtype: torch.dtype,
+    rows: Sequence[int],
+    repeats: int,
+    siblings: Sequence[Sequence[str]],
+    with_vllm: bool,
 ) -> dict[str, Any]:
     """Median ms per pass and GB/s per kernel and row count, kernels interleaved repeat by repeat."""
-    weights = checkpoint_weights(model_dir, dtype)
+    named = checkpoint_weights(model_dir, dtype)
+    weights = list(named.values())
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    runs = kernels(weights, with_vllm)
+    runs = kernels(named, siblings, with_vllm)
     widths = sorted({w.shape[1] for w in weights})
     out: dict[str, Any] = {"weights": len(weights), "weight_mb": round(nbytes / 1e6, 1)}
     with torch.inference_mode():
@@ -131,9 +167,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the Python of a virtualenv with vLLM's CPU build: the measurement runs there, with vLLM's kernel",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: --rows 1 --repeats 2")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--worker", action="store_true", help=argparse.SUPPRESS
-    )  # the run inside vLLM's Python
+        "--siblings", nargs="*", default=[], help=argparse.SUPPRESS
+    )  # the worker's  # the run inside vLLM's Python
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():
@@ -147,11 +184,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.worker:  # inside vLLM's Python: no branchwise there, just the numbers
-        print(json.dumps(measure(Path(args.model), dtype, args.rows, args.repeats, with_vllm=True)))
+        siblings = [group.split(",") for group in args.siblings]
+        print(json.dumps(measure(Path(args.model), dtype, args.rows, args.repeats, siblings, with_vllm=True)))
         return
     from _common import emit
 
     from branchwise.backends.hf.embedded import embedded_model_dir
+    from branchwise.backends.hf.prepack import SIBLINGS
 
     started = time.perf_counter()
     model_dir = Path(args.model) if args.model else embedded_model_dir()
@@ -166,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.dtype,
         ]
         argv_child += ["--rows", *map(str, args.rows), "--repeats", str(args.repeats)]
+        argv_child += ["--siblings", *(",".join(group) for group in SIBLINGS)]
         if args.threads is not None:
             argv_child += ["--threads", str(args.threads)]
         child = subprocess.run(argv_child, capture_output=True, text=True)
@@ -174,14 +214,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = json.loads(child.stdout.strip().splitlines()[-1])
         where = args.vllm_python
     else:
-        results = measure(model_dir, dtype, args.rows, args.repeats, with_vllm=False)
+        results = measure(model_dir, dtype, args.rows, args.repeats, SIBLINGS, with_vllm=False)
         where = sys.executable
     emit(
         "linear_kernels",
         model=str(model_dir),
         device="cpu",
         dtype=args.dtype,
-        config={k: v for k, v in vars(args).items() if k not in ("model", "worker")},
+        config={k: v for k, v in vars(args).items() if k not in ("model", "worker", "siblings")},
         results={**results, "measured_in": where},
         started=started,
     )

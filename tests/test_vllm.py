@@ -415,7 +415,7 @@ def test_linear_kernels_benchmark_times_vllms_own_matmul_beside_torchs() -> None
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["measured_in"] == python
     row = out["m1"]
-    assert set(row) == {"packed", "dense", "read", "vllm"}
+    assert set(row) == {"packed", "packed_fused", "dense", "read", "vllm"}
     assert row["vllm"]["ms"] > 0 and row["vllm"]["vs_packed"] == round(
         row["packed"]["ms"] / row["vllm"]["ms"], 3
     )

@@ -267,7 +267,8 @@ def test_linear_kernels_quick() -> None:
     out = run_quick("linear_kernels.py")
     assert out["weights"] > 0 and out["weight_mb"] > 0
     row = out["m1"]
-    assert set(row) == {"packed", "packed_fused", "dense", "read"}  # no vLLM in this Python: its kernel is not claimed
+    # no vLLM in this Python: its kernel is not claimed
+    assert set(row) == {"packed", "packed_fused", "dense", "read"}
     for name, got in row.items():
         assert got["ms"] > 0
         assert got["vs_packed"] == round(row["packed"]["ms"] / got["ms"], 3), name

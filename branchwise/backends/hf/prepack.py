@@ -18,9 +18,9 @@ are packed (float32; bfloat16 where the CPU has native bf16), and nothing on a G
 Siblings fed the same input are packed as one product (`FusedLinear`): a layer's query, key and
 value projections, and its MLP's gate and up projections (`SIBLINGS`, the names transformers'
 decoder families use; a model with other names keeps one product per layer). Each oneDNN call
-has a fixed cost, and one wider product streams the same weights in fewer calls: 30 layers of
-SmolLM2-135M's shapes took 12.2 ms against 13.4 at one row, 13.4 against 14.8 at eight (2 cores,
-float32), the same grouping vLLM's `QKVParallelLinear` and merged gate-up layers make.
+has a fixed cost, and one wider product streams the same weights in fewer calls: a pass over
+SmolLM2-135M's weights took 15.6 ms against 16.9 at one row, 16.4 against 18.5 at eight (2 cores,
+float32, `benchmarks/linear_kernels.py`), the grouping vLLM's merged q/k/v and gate/up layers make.
 
 Cost: a tied input embedding keeps its plain weight for the lookup while the LM head gets a packed
 copy (`Prepacked.extra_bytes` says how much). Results differ from the unpacked products by
@@ -159,24 +159,25 @@ class _Siblings:
         """The whole product for `x`: computed once per input, whichever sibling asks first. The
         siblings read the same tensor object one after another (`self.q_proj(h)`, `self.k_proj(h)`,
         ...); any other call computes it anew, so a sibling called alone is never wrong."""
-        held = _PENDING.get(self)
+        key = id(self)
+        held = _PENDING.get(key)
         if held is not None and held[0] is x:
             if held[2] == 1:  # the last sibling: hold nothing between forwards
-                del _PENDING[self]
+                del _PENDING[key]
             else:
-                _PENDING[self] = (x, held[1], held[2] - 1)
+                _PENDING[key] = (x, held[1], held[2] - 1)
             return held[1]
         out = _apply(x, self.packed, self.bias, self.in_features, self.out_features)
-        _PENDING[self] = (x, out, self.count - 1)
+        _PENDING[key] = (x, out, self.count - 1)
         return out
 
 
-_PENDING: dict[_Siblings, tuple[torch.Tensor, torch.Tensor, int]] = {}
-"""Each sibling group's last input, its product and how many siblings have yet to take their part:
-one dict for the process, empty between forwards, rather than state on each group, which a
-compiled step would re-write attribute by attribute after every call (measured: 5 ms a step for
-60 groups). A forward that raised between siblings leaves its entry until the group's next input
-replaces it."""
+_PENDING: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+"""Each sibling group's last input, its product and how many siblings have yet to take their part,
+by the group's id: one dict for the process, empty between forwards, rather than state on each
+group, which a compiled step would re-write attribute by attribute after every call (measured:
+5 ms a step for 60 groups). A forward that raised between siblings leaves its entry (two
+activations, never the group and its weights) until the group's next input replaces it."""
 
 
 class FusedLinear(PackedLinear):

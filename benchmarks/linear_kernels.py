@@ -167,10 +167,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the Python of a virtualenv with vLLM's CPU build: the measurement runs there, with vLLM's kernel",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: --rows 1 --repeats 2")
+    # the run inside vLLM's Python, and the sibling names it is handed (it has no branchwise)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--siblings", nargs="*", default=[], help=argparse.SUPPRESS
-    )  # the worker's  # the run inside vLLM's Python
+    parser.add_argument("--siblings", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         for key, value in QUICK.items():

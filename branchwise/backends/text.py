@@ -37,7 +37,18 @@ class TextTail:
         self._read = 0
 
     def push(self, token: int) -> None:
-        self.ids.append(token)
+        self.extend((token,))
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Take several tokens at once: two decodes for all of them, not two per token.
+
+        Why: a consumer that fell behind (a streamed request whose tokens arrive several a step, or
+        a remote backend whose detokenization is an HTTP round trip) catches up in one step
+        instead of paying per token and falling further behind. The text is the same."""
+        size = len(self.ids)
+        self.ids.extend(tokens)
+        if len(self.ids) == size:
+            return
         before = self._detokenize(self.ids[self._prefix : self._read])
         after = self._detokenize(self.ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):
@@ -86,8 +97,7 @@ class TextStream:
     def push(self, tokens: Iterable[int]) -> str:
         """Take the newest tokens; the text that is now safe to release ("" if none)."""
         tail = self._tail
-        for token in tokens:
-            tail.push(token)
+        tail.extend(tokens)
         text = tail.text
         end = len(text) - self._hold
         if end <= self._sent or finish_text(text, self._params)[1] is not None:

@@ -22,8 +22,9 @@ client answered with a JSON 503 (`streaming.watch` sees the drain's deadline bes
 disconnect), so the process exits within the timeout, not after it plus the scheduler's own wait.
 
 Streaming is server-sent events in OpenAI's chunk format, sent as the tokens are decoded
-(`streaming`): the scheduler hands each decode step to the request on its own thread, the event
-loop turns tokens into text (`TextStream`) and text into chunks. Why text is held back at times: a
+(`streaming`): the scheduler hands each decode step to the request on its own thread, a worker
+thread turns tokens into text (`TextStream`) and the event loop text into chunks. Translations
+(chat templates, tokenization) run off the loop too: a remote backend's tokenizer is an HTTP call. Why text is held back at times: a
 stop string cuts itself and what follows out of the final text, so the last
 ``len(longest stop) - 1`` characters wait until no stop string can begin in them, and a character
 split over several tokens waits for its last token. Hence the streamed deltas, concatenated, equal
@@ -163,14 +164,14 @@ def _routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_route(request: Request) -> Response:
         async def run(body: bytes, request: Request) -> Response:
-            return await answer(server, chat_completion(server, body), request)
+            return await answer(server, await asyncio.to_thread(chat_completion, server, body), request)
 
         return await handle(server, request, run)
 
     @app.post("/v1/completions")
     async def completions_route(request: Request) -> Response:
         async def run(body: bytes, request: Request) -> Response:
-            return await answer(server, text_completion(server, body), request)
+            return await answer(server, await asyncio.to_thread(text_completion, server, body), request)
 
         return await handle(server, request, run)
 
@@ -201,7 +202,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         appended)."""
 
         async def run(body: bytes, _: Request) -> Response:
-            tokens = tokenized(server.backend, body)
+            tokens = await asyncio.to_thread(tokenized, server.backend, body)
             return JSONResponse({"tokens": tokens, "count": len(tokens)})
 
         return await handle(server, request, run)
@@ -209,6 +210,6 @@ def _routes(app: FastAPI, server: Server) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         async def run(body: bytes, _: Request) -> Response:
-            return JSONResponse({"prompt": detokenized(server, body)})
+            return JSONResponse({"prompt": await asyncio.to_thread(detokenized, server, body)})
 
         return await handle(server, request, run)

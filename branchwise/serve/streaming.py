@@ -9,8 +9,10 @@ the run's own deadline (a 504). `watch` waits for whichever comes first.
 
 Streaming: the scheduler hands each decode step of a request's branches to the request
 (`Job.on_step`, on the decoding thread), which only queues it for the event loop (`StepFeed`), so
-a slow client never holds up the batch; the loop turns tokens into text (`TextStream`) and the
-reply's readers (`replies.ChatChunks`, `replies.TextChunks`) turn text into OpenAI's chunks.
+a slow client never holds up the batch; a worker thread turns the queued tokens into text
+(`TextStream`: a remote backend detokenizes over HTTP, which must not stall the loop and every
+other request with it) and the reply's readers (`replies.ChatChunks`, `replies.TextChunks`) turn
+text into OpenAI's chunks.
 """
 
 from __future__ import annotations
@@ -136,6 +138,35 @@ class StepFeed:
         return steps
 
 
+def _deltas(
+    steps: Sequence[DecodeStep], texts: Sequence[TextStream], ended: list[bool]
+) -> list[tuple[int, str, Generation | None]]:
+    """The text deltas of queued steps, in order (`Stream.choices`' items); marks ended choices.
+
+    Each choice's tokens of all the steps are detokenized together (two decodes a choice, however
+    far the consumer fell behind), so a slow detokenizer lets the stream catch up instead of
+    falling further behind; a choice's deltas still come out in the order of its steps."""
+    out: list[tuple[int, str, Generation | None]] = []
+    pending: dict[int, list[int]] = {}
+
+    def flush(i: int) -> None:
+        if (tokens := pending.pop(i, None)) and (delta := texts[i].push(tokens)):
+            out.append((i, delta, None))
+
+    for step in steps:
+        for i, tokens in step.tokens.items():
+            if not ended[i]:
+                pending.setdefault(i, []).extend(tokens)
+        for i, gen in step.finished.items():
+            if not ended[i]:
+                flush(i)
+                ended[i] = True
+                out.append((i, texts[i].finish(gen.text), gen))
+    for i in list(pending):
+        flush(i)
+    return out
+
+
 class Stream:
     """A request being streamed: its job, the task awaiting it, and the steps it produces."""
 
@@ -156,14 +187,10 @@ class Stream:
         try:
             while True:
                 last = self.work.done()  # every step was queued before the job ended
-                for step in self.feed.drain():
-                    for i, tokens in step.tokens.items():
-                        if not ended[i] and (delta := texts[i].push(tokens)):
-                            yield i, delta, None
-                    for i, gen in step.finished.items():
-                        if not ended[i]:
-                            ended[i] = True
-                            yield i, texts[i].finish(gen.text), gen
+                steps = self.feed.drain()
+                if steps:  # detokenizing may block (a remote backend's is an HTTP call): not on the loop
+                    for item in await asyncio.to_thread(_deltas, steps, texts, ended):
+                        yield item
                 if last:
                     break
                 await self._next()

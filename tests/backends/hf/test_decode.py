@@ -31,6 +31,29 @@ def test_text_tail_equals_full_decode(tiny_tokenizer, text: str) -> None:
     assert tail.text == text == detok(ids)
 
 
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("size", [2, 3, 7])
+def test_text_tail_takes_tokens_in_chunks_at_two_decodes_a_chunk(
+    tiny_tokenizer, text: str, size: int
+) -> None:
+    """Tokens handed over several at a time (a consumer that fell behind) give the text they give
+    one by one, at two detokenizations a chunk."""
+    ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    calls = []
+
+    def detok(t):
+        calls.append(len(t))
+        return tiny_tokenizer.decode(list(t), skip_special_tokens=True)
+
+    tail = TextTail(detok)
+    chunks = [ids[i : i + size] for i in range(0, len(ids), size)]
+    for chunk in chunks:
+        tail.extend(chunk)
+    tail.extend([])  # nothing new: no decode
+    assert tail.text == text
+    assert len(calls) == 2 * len(chunks)
+
+
 def test_finish_text_rules() -> None:
     stop = DecodeParams(stop=("####",))
     assert finish_text("so 19 #### 19", stop) == ("so 19 ", "stop")

@@ -466,6 +466,51 @@ def test_a_client_leaving_mid_stream_stops_its_branches(
     assert [(r.levelno, r.exc_info) for r in gone] == [(logging.INFO, None)], caplog.records
 
 
+class SlowTextBackend(SteppingBackend):
+    """A backend whose detokenizer blocks (as a remote backend's HTTP call does) while the test
+    holds it: `decode` waits for `released` whenever the decode is held in its first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_decode = threading.Event()
+        self.released = threading.Event()
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if not self.gate.is_set() and ids:  # only the stream's text is computed meanwhile
+            self.in_decode.set()
+            assert self.released.wait(30), "the test never released the detokenizer"
+        return super().decode(ids)
+
+
+def test_a_blocking_detokenizer_never_stalls_the_server() -> None:
+    """The stream's text is computed off the event loop: while its detokenizer blocks, the server
+    still answers (with the old in-loop text, /health waited for the detokenizer)."""
+    backend = SlowTextBackend()
+    app = create_app(backend, window_s=0.0)
+    body = {"prompt": "go", "stream": True, "max_tokens": 100}
+    texts: list[str] = []
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            texts.extend(e["choices"][0]["text"] for e in _events(r.iter_lines()) if e["choices"])
+
+    try:
+        with serve_in_thread(app) as url:
+            client = threading.Thread(target=stream)
+            client.start()
+            assert backend.in_decode.wait(30), "the stream never detokenized its first step"
+            health = httpx.get(f"{url}/health", timeout=10)
+            assert health.status_code == 200 and health.json()["busy"]
+            backend.released.set()
+            backend.gate.set()
+            client.join(60)
+            assert not client.is_alive()
+    finally:
+        backend.released.set()
+        backend.gate.set()
+    assert "".join(texts) == ANSWER
+
+
 # --------------------------------------------------------------------------------------------------
 # SIGTERM drains (the real `branchwise serve` process)
 # --------------------------------------------------------------------------------------------------

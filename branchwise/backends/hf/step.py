@@ -20,8 +20,9 @@ Otherwise the step runs through the layer loop, and the run's statistics count i
 (`decode_steps_layer_loop`; where steps are captured, `decode_steps_uncaptured` and the plug-ins
 that kept it there), so the result's notes say so. A batch whose tails grow, whose rows leave or
 whose shared segments change is a new layout and a new `StepGraph` (a new recording on CUDA),
-which is rare: the tails grow by at least 128 slots, the span by 128, and rows leave a batch only
-once a quarter of it has ended.
+which is rare: the tails grow by at least 128 slots, a recorded span by 128 (a compiled step's
+span is a symbolic size: one program for every span), and rows leave a batch only once a quarter
+of it has ended.
 
 Compiled (`decode_step="compiled"`): the same step function through `torch.compile` (inductor),
 with batch size, tail capacity and span symbolic, so one compilation serves every layout of the
@@ -63,6 +64,9 @@ STEP_MODES: tuple[StepMode, ...] = ("auto", "compiled", "graphs", "eager", "laye
 
 SPAN = 128
 """Recorded steps read the tails in multiples of this many slots (a new recording per multiple)."""
+COMPILED_SPAN = 16
+"""Compiled steps that are not recorded read the tails in multiples of this many slots: the span is
+a symbolic size there, so a finer multiple costs no compilation and saves reading masked slots."""
 WARMUP = 1
 """Steps a new batch layout runs eagerly before its step is captured: real steps (their logits are
 used) that do the first-call work on the current stream (allocator growth, library handles)."""
@@ -403,7 +407,9 @@ class Stepper:
         neither its length nor its position advances. With a `chunk`, the same forward computes
         it (`StepGraph.mixed`, eagerly; its last token's logits land in `chunk.logits`)."""
         fed = [len(f) for f in feeds]
-        span = self.span(ctx.make_room(1), ctx.capacity)
+        # compiled, one slot to spare: the span read then always stays below the capacity (`span`)
+        spare = int(self.compiler is not None)
+        span = self.span(ctx.make_room(1 + spare) - spare, ctx.capacity)
         graph = self._graph
         sig = (*signature(ctx), span if self.recorder is not None else None)
         if graph is None or graph.ctx is not ctx or graph.signature != sig:
@@ -431,13 +437,16 @@ class Stepper:
         """Tail slots a step reads, `needed` being the longest row's length + 1. Run eagerly, exactly
         that (the layer loop reads no more); recorded, rounded up to `SPAN` slots, so a recording
         serves `SPAN` steps of a growing batch instead of one (reading the tails' whole capacity
-        instead cost the CPU up to 8 % a step with 32 rows). Compiled, the whole capacity: a span
-        below it and one equal to it are different programs to the compiler (slicing to the end is
-        a case of its own, as is a span of one slot), so any other choice compiles each kind of
-        batch two or three times; the tails grow by at least `SPAN` slots, so it reads on average
-        half that many masked slots more."""
+        instead cost the CPU up to 8 % a step with 32 rows). Compiled, rounded up to
+        `COMPILED_SPAN` (`SPAN` where also recorded) and always below the capacity (`forward`
+        keeps a slot to spare): a span equal to the capacity, or of one slot, is a program of its
+        own to the compiler (slicing to the end, a size-1 dimension), and any span in between is
+        the same program. Reading the whole capacity instead (the tails grow by at least `SPAN`)
+        read ~64 masked slots a row more on average: 2.2 ms a step at 8 rows over 128 more slots
+        on a 2-core CPU (benchmarks/RESULTS.md)."""
         if self.compiler is not None:
-            return capacity
+            grain = SPAN if self.recorder is not None else COMPILED_SPAN
+            return min(capacity - 1, -(-needed // grain) * grain)
         if self.recorder is None:
             return needed
         return min(capacity, -(-needed // SPAN) * SPAN)

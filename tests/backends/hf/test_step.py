@@ -9,6 +9,7 @@ past their first capacity, prompts copied into tails — and say which step each
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch._inductor.utils import run_and_get_code
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, SkipKVConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.step import WARMUP
+from branchwise.backends.hf.step import COMPILED_SPAN, WARMUP
 from branchwise.backends.hf.step_compiler import SEGMENTS, StepCompiler
 
 PROMPT = "What is 12 + 7? Think step by step."
@@ -186,7 +187,8 @@ def test_the_compiled_step_writes_the_tails_in_place(tiny_llama_dir) -> None:
 def test_each_kind_of_batch_compiles_once(tiny_llama_dir) -> None:
     """Fresh prompts of other lengths, other numbers of rows, batches that grow past their tails'
     capacity, a first step with one slot in use: none compiles a kind of batch again (the span
-    read is the capacity, never a size the compiler would specialise on; tails grown inside a step
+    read stays below the capacity and above one slot, never a size the compiler would specialise
+    on; tails grown inside a step
     are the same kind of tensor as those a batch is assembled with). No prefix cache: a cached
     prompt is one more segment."""
     backend = HFBackend(tiny_llama_dir, decode_step="compiled", cache_bytes=0)
@@ -199,6 +201,31 @@ def test_each_kind_of_batch_compiles_once(tiny_llama_dir) -> None:
         for hints in (["", " a b"], [" x"], [" hint", "", " hint hint hint"], ["", " a", " b", " c", " d"]):
             _branches(backend, "compiled", [DecodeParams(max_tokens=tokens, min_tokens=tokens)], hints)
     assert compiler.compiles == first and compiler.failed is None
+
+
+def test_the_compiled_step_reads_the_slots_in_use_not_the_capacity(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled, a step reads its rows' tails up to the longest row rounded to `COMPILED_SPAN`
+    slots, always below the capacity (one program for every span), not the whole capacity: the
+    tails grow by 128 slots at least, which a step read in full (masked) before. Same tokens."""
+    backend = HFBackend(tiny_llama_dir, decode_step="compiled", cache_bytes=0)
+    seen: list[tuple[int, int, int]] = []
+    call = StepCompiler.__call__
+
+    def spy(self: StepCompiler, graph: Any) -> Any:
+        ctx = graph.ctx
+        seen.append((graph.attention.span, int(ctx.lens.max()) + 1, ctx.capacity))
+        return call(self, graph)
+
+    monkeypatch.setattr(StepCompiler, "__call__", spy)
+    params = DecodeParams(max_tokens=150, min_tokens=150)  # past the first capacity: the tails grow
+    compiled = _branches(backend, "compiled", [params], ["", " a b"])
+    assert seen and backend.engine.stepper.compiler.failed is None
+    for span, needed, capacity in seen:
+        assert span == min(capacity - 1, -(-needed // COMPILED_SPAN) * COMPILED_SPAN) >= needed
+    assert len({capacity for _, _, capacity in seen}) > 1  # it grew, and the span followed the rows
+    assert compiled == _branches(backend, "layers", [params], ["", " a b"])
 
 
 def test_deeper_batches_run_uncompiled_and_say_so(tiny_llama_dir) -> None:

@@ -24,10 +24,10 @@ disconnect), so the process exits within the timeout, not after it plus the sche
 Streaming is server-sent events in OpenAI's chunk format, sent as the tokens are decoded
 (`streaming`): the scheduler hands each decode step to the request on its own thread, a worker
 thread turns tokens into text (`TextStream`) and the event loop text into chunks. Translations
-(chat templates, tokenization) run off the loop too: a remote backend's tokenizer is an HTTP call. Why text is held back at times: a
-stop string cuts itself and what follows out of the final text, so the last
-``len(longest stop) - 1`` characters wait until no stop string can begin in them, and a character
-split over several tokens waits for its last token. Hence the streamed deltas, concatenated, equal
+(chat templates, tokenization) run off the loop too: a remote backend's tokenizer is an HTTP
+call. Why text is held back at times: a stop string cuts itself and what follows out of the final
+text, so the last ``len(longest stop) - 1`` characters wait until no stop string can begin in
+them, and a character split over several tokens waits for its last token. Hence the streamed deltas, concatenated, equal
 the non-streamed text exactly. With ``n > 1`` the choices' chunks interleave (each names its
 ``index``); a choice's last chunk carries its ``finish_reason`` as soon as that branch ends. A
 backend that cannot report steps streams each choice whole once its batch has decoded.

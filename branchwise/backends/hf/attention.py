@@ -151,8 +151,9 @@ def fused_attention(
     Inside a compiled step on a CPU (the fixed-shape step's cascade) it is the plain products:
     inductor fuses the softmax between the two batched matmuls, which at decode shapes beat the
     flash kernel with its additive bias (an ad-hoc micro-benchmark in benchmarks/RESULTS.md; 8
-    rows, 3 query heads per KV head, compiled, 2 cores: 278 against 310 us a layer over a 1,024-token shared prompt and 256 own slots, 103 against
-    144 over 32 and 128, 112 against 124 for one row); uncompiled, the products were no faster.
+    rows, 3 query heads per KV head, compiled, 2 cores: 278 against 310 us a layer over a
+    1,024-token shared prompt and 256 own slots, 103 against 144 over 32 and 128, 112 against 124
+    for one row); uncompiled, the products were no faster.
     """
     if query.device.type == "cpu" and not torch.compiler.is_compiling():
         bias = None if mask is None else bias_of(mask, query.dtype)

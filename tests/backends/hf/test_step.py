@@ -18,7 +18,7 @@ from torch._inductor.utils import run_and_get_code
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, SkipKVConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.step import COMPILED_SPAN, WARMUP
+from branchwise.backends.hf.step import COMPILED_SPAN, SPAN, WARMUP
 from branchwise.backends.hf.step_compiler import SEGMENTS, StepCompiler
 
 PROMPT = "What is 12 + 7? Think step by step."
@@ -400,6 +400,49 @@ def test_recorded_steps_replay_the_layer_loops_tokens(backend: HFBackend) -> Non
     assert rerun.records == backend.engine.stepper.captures
     assert rerun.replays == stats["decode_steps_captured"] >= 140  # most steps replay
     assert rerun.records * WARMUP <= stats["decode_steps_fixed"] <= 8 * WARMUP  # each layout's first
+
+
+def test_the_compiled_step_recorded_as_cuda_does(tiny_llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path a GPU takes by default, compiled and then recorded, run here with a CPU recorder:
+    the layer loop's tokens; each recording reads the rows rounded up to `SPAN` slots and stays below
+    the tails' capacity (a recording serves `SPAN` steps of growth, and a span at the capacity would
+    be a program of its own); recordings, not compilations, follow the span, so recording adds no
+    compilation to the run compiled without a recorder."""
+    backend = HFBackend(tiny_llama_dir, decode_step="compiled", cache_bytes=0)
+    params = DecodeParams(max_tokens=150, min_tokens=150)  # past the first capacity: the tails grow
+    hints = ["", " a b"]
+    layers = _branches(backend, "layers", [params], hints)
+    assert _branches(backend, "compiled", [params], hints) == layers  # the kinds compile here
+    compiler = backend.engine.stepper.compiler
+    assert compiler is not None and compiler.failed is None
+    compiles = compiler.compiles
+    recorded: list[tuple[int, int, int]] = []
+    rerun = Rerun()
+    record = rerun.record
+
+    def spy(step: Any) -> Any:
+        graph = backend.engine.stepper._graph
+        recorded.append((graph.attention.span, int(graph.lens.max()) + 1, graph.ctx.capacity))
+        return record(step)
+
+    monkeypatch.setattr(rerun, "record", spy)
+    backend.decode_step = "compiled"
+    backend.engine.stepper.recorder = rerun
+    root = backend.prefill(backend.encode(PROMPT))
+    kids = backend.fork(root, len(hints))
+    backend.release([root])
+    backend.append(kids, [backend.encode(h) for h in hints])
+    backend.reset_stats()
+    got = [g.token_ids for g in backend.extend(kids, params)]
+    backend.release(kids)
+    stats = backend.kv_stats().as_dict()
+    assert got == layers
+    assert compiler.compiles == compiles and compiler.failed is None
+    assert len(recorded) == rerun.records >= 2  # a new span after 128 slots of growth
+    for span, needed, capacity in recorded:
+        assert span == min(capacity - 1, -(-needed // SPAN) * SPAN) >= needed
+    assert rerun.replays == stats["decode_steps_captured"] >= params.max_tokens - 1 - 2 * rerun.records
+    assert stats.get("decode_steps_compiled", 0) >= params.max_tokens - 1
 
 
 @pytest.mark.parametrize("cached", [False, True])

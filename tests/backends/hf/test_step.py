@@ -30,10 +30,17 @@ def backend(request: pytest.FixtureRequest, tiny_model_dir) -> HFBackend:
 
 
 def _branches(
-    backend: HFBackend, mode: str, params_list: list[DecodeParams], hints: list[str]
+    backend: HFBackend,
+    mode: str,
+    params_list: list[DecodeParams],
+    hints: list[str],
+    recorder: Rerun | None = None,
 ) -> list[list[int]]:
-    """Fork the prompt into one branch per hint, decode each with its own parameters in one call."""
+    """Fork the prompt into one branch per hint, decode each with its own parameters in one call
+    (steps recorded by `recorder` where given)."""
     backend.decode_step = mode
+    if recorder is not None:
+        backend.engine.stepper.recorder = recorder
     backend.reset_stats()
     root = backend.prefill(backend.encode(PROMPT))
     kids = backend.fork(root, len(hints))
@@ -384,16 +391,8 @@ def test_recorded_steps_replay_the_layer_loops_tokens(backend: HFBackend) -> Non
     params = [DecodeParams(max_tokens=m, min_tokens=m) for m in lengths]
     hints = ["", " a", " b c", " d"]
     layers = _branches(backend, "layers", params, hints)
-    backend.decode_step = "eager"
     rerun = Rerun()
-    backend.engine.stepper.recorder = rerun
-    root = backend.prefill(backend.encode(PROMPT))
-    kids = backend.fork(root, len(hints))
-    backend.release([root])
-    backend.append(kids, [backend.encode(h) for h in hints])
-    backend.reset_stats()
-    got = [g.token_ids for g in backend.extend(kids, params[0], row_params=params)]
-    backend.release(kids)
+    got = _branches(backend, "eager", params, hints, recorder=rerun)
     stats = backend.kv_stats().as_dict()
     assert got == layers
     assert 3 <= rerun.records <= 8  # the first layout, compactions as rows end, grown tails
@@ -426,15 +425,7 @@ def test_the_compiled_step_recorded_as_cuda_does(tiny_llama_dir, monkeypatch: py
         return record(step)
 
     monkeypatch.setattr(rerun, "record", spy)
-    backend.decode_step = "compiled"
-    backend.engine.stepper.recorder = rerun
-    root = backend.prefill(backend.encode(PROMPT))
-    kids = backend.fork(root, len(hints))
-    backend.release([root])
-    backend.append(kids, [backend.encode(h) for h in hints])
-    backend.reset_stats()
-    got = [g.token_ids for g in backend.extend(kids, params)]
-    backend.release(kids)
+    got = _branches(backend, "compiled", [params], hints, recorder=rerun)
     stats = backend.kv_stats().as_dict()
     assert got == layers
     assert compiler.compiles == compiles and compiler.failed is None

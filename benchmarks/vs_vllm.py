@@ -18,6 +18,10 @@ interleaved within each repeat so a slow spell of the machine hits all of them:
   server), on fresh long prompts; vLLM's prefix-cache hit rate of each, from its ``/metrics``.
 
 Every prompt is fresh (a unique lead-in), so no cache helps either side unless the row says so.
+Before every timed request the script waits until the machine is idle (`settle`): vLLM's CPU
+engine keeps a core busy for about a second after each request, so whichever side was timed right
+after it ran on one core of two for that second (a self-consistency request of 8 x 8 tokens took
+2.4 s instead of 1.5 s through `branchwise serve`). Each row keeps every repeat's figure (`runs`).
 Token-id prompts of exact lengths; ``min_tokens`` = ``max_tokens`` so every sample has the same
 length on both sides. Ratios are vLLM's seconds over branchwise's (> 1: branchwise is faster; for
 the throughput rows, branchwise's rate over vLLM's).
@@ -166,6 +170,52 @@ class InProcess:
         return took
 
 
+SETTLE_IDLE = 0.9
+"""The machine counts as idle when its cores were at least this idle over `SETTLE_WINDOW_S`."""
+SETTLE_WINDOW_S = 0.1
+SETTLE_LIMIT_S = 10.0
+"""Longest wait for idle cores; past it the request is timed anyway and counted (`unsettled`)."""
+SETTLE_PAUSE_S = 1.5
+"""Where the cores' idle time cannot be read (no /proc/stat), a fixed pause instead."""
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all cores since boot, from /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + fields[4], sum(fields)  # idle + iowait; user .. steal
+
+
+class Settle:
+    """Waits before each timed request until the other processes leave the cores idle (see the
+    module docstring), and counts what it waited and when it gave up."""
+
+    def __init__(self) -> None:
+        self.waited_s = 0.0
+        self.unsettled = 0
+
+    def __call__(self) -> None:
+        start = time.perf_counter()
+        before = _cpu_ticks()
+        if before is None:
+            time.sleep(SETTLE_PAUSE_S)
+        while before is not None:
+            time.sleep(SETTLE_WINDOW_S)
+            after = _cpu_ticks()
+            assert after is not None
+            idle, total = after[0] - before[0], after[1] - before[1]
+            if total and idle / total >= SETTLE_IDLE:
+                break
+            if time.perf_counter() - start > SETTLE_LIMIT_S:
+                self.unsettled += 1
+                break
+            before = after
+        self.waited_s += time.perf_counter() - start
+
+
 def fresh_prompt(backend: HFBackend, passage: list[int], length: int) -> list[int]:
     """`length` token ids starting with a unique lead-in, so no prefix cache has seen them."""
     lead = backend.encode(f"Session {uuid.uuid4().hex[:12]}. ")
@@ -247,7 +297,8 @@ def main(argv: list[str] | None = None) -> None:
         bench = Bench("vs_vllm", args, backend, started)
         sides: list[Any] = [Server("vllm", vllm_url), Server("serve", f"http://127.0.0.1:{serve_port}")]
         sides.append(InProcess(backend))
-        results = run_rows(args, backend, sides, bench.log)
+        settle = Settle()
+        results = run_rows(args, backend, sides, bench.log, settle)
         if "affinity" in args.rows:
             results["affinity"] = affinity_row(
                 list(dict.fromkeys([vllm_url, *(args.vllm_url or [])])), bench.log
@@ -265,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
                 "versions": versions,
                 "prepacked": packed,
                 "decode_step": step_description(backend),
+                "settle": {"waited_s": round(settle.waited_s, 2), "unsettled": settle.unsettled},
             }
         )
     finally:
@@ -290,7 +342,11 @@ def vllm_version(python: str | None, url: str) -> str | None:
 
 
 def run_rows(
-    args: argparse.Namespace, backend: HFBackend, sides: list[Any], log: Callable[[str], None]
+    args: argparse.Namespace,
+    backend: HFBackend,
+    sides: list[Any],
+    log: Callable[[str], None],
+    settle: Callable[[], None],
 ) -> dict[str, Any]:
     passage = backend.encode(PASSAGE)
     rows: dict[str, Any] = {}
@@ -303,12 +359,14 @@ def run_rows(
         got: dict[str, list[float]] = {s.name: [] for s in sides}
         for r in range(args.repeats):
             for side in sides if r % 2 == 0 else reversed(sides):
+                settle()
                 got[side.name].append(measure(side, r))
         row: dict[str, Any] = {k: _median(v) for k, v in got.items()}
         for k in ("serve", "inprocess"):
             if k in row and row["vllm"]:
                 ratio = row[k] / row["vllm"] if higher_is_better else row["vllm"] / row[k]
                 row[f"{k}_vs_vllm"] = round(ratio, 3)
+        row["runs"] = {k: [round(x, 4) for x in v] for k, v in got.items()}
         rows[name] = row
         log(f"{name}: {row}")
 
@@ -321,6 +379,7 @@ def run_rows(
     def warm(side: Any, r: int) -> float:
         prompt = fresh_prompt(backend, passage, args.prompt)
         side.complete(prompt, 8, args.sc_tokens[0], r)
+        settle()
         return side.complete(prompt, 8, args.sc_tokens[0], r)
 
     if "warm" in args.rows:
@@ -328,6 +387,7 @@ def run_rows(
 
     def decode(side: Any, r: int) -> float:
         t_full = side.complete(fresh_prompt(backend, passage, 32), 1, args.decode_tokens, r)
+        settle()
         t_one = side.complete(fresh_prompt(backend, passage, 32), 1, 1, r)
         return (args.decode_tokens - 1) / max(t_full - t_one, 1e-9)
 

@@ -485,6 +485,37 @@ def test_reasoncache_matched_budget_evicts_the_saving_on_the_eviction_schedule(
     assert script.matched_budget(lengths, 0.0) == max(lengths)
 
 
+def test_vs_vllm_times_a_request_only_once_the_cores_are_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU engine keeps a core busy for about a second after each request, so the side timed
+    next would run on fewer cores: `Settle` waits, window by window, until the cores were idle
+    enough; past its limit it times the request anyway and counts it; with no /proc/stat to read
+    it pauses instead. The cores' ticks are scripted (idle, total) readings."""
+    script = _script(monkeypatch, "vs_vllm")
+    monkeypatch.setattr(script, "SETTLE_WINDOW_S", 0.0)
+    readings: list[tuple[int, int] | None] = []
+    monkeypatch.setattr(script, "_cpu_ticks", lambda: readings.pop(0))
+
+    def windows(*idle_share: float) -> list[tuple[int, int] | None]:
+        ticks, out = (0, 0), [(0, 0)]
+        for share in idle_share:
+            ticks = (ticks[0] + round(100 * share), ticks[1] + 100)
+            out.append(ticks)
+        return out
+
+    settle = script.Settle()
+    readings[:] = windows(0.5, 0.5, 0.95)  # one core busy for two windows, then idle
+    settle()
+    assert not readings and settle.unsettled == 0
+    monkeypatch.setattr(script, "SETTLE_LIMIT_S", 0.0)
+    readings[:] = windows(0.5, 0.5)
+    settle()  # never idle: gives up after a window past the limit, and says so
+    assert readings == [windows(0.5, 0.5)[-1]] and settle.unsettled == 1
+    monkeypatch.setattr(script, "SETTLE_PAUSE_S", 0.0)
+    readings[:] = [None]
+    settle()
+    assert not readings and settle.unsettled == 1 and settle.waited_s >= 0
+
+
 def test_ets_benchmark_stops_without_a_solver(monkeypatch: pytest.MonkeyPatch) -> None:
     import pulp
 

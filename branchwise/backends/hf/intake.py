@@ -16,8 +16,9 @@ object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
   at 2.3x, for a long request 23 % slower than whole). When nothing decodes, chunks run back to
   back, and newcomers are asked for between them, so a short request that arrives meanwhile starts
   decoding after at most one chunk (larger chunks there left waves of short requests that all
-  ended together waiting for one: p99 9.2x). Without a scheduler nobody can arrive, and a prompt
-  is computed in `ALONE_CHUNK`s.
+  ended together waiting for one: p99 9.2x); those chunks are sized by that wait
+  (`PrefillPace.idle_size`: about a quarter of a second, from `chunk` to `ALONE_CHUNK` tokens).
+  Without a scheduler nobody can arrive, and a prompt is computed in `ALONE_CHUNK`s.
 - **Preemption.** When the engine's KV would exceed its budget at the next step, the prefix cache
   yields first (`KVPool.yield_cache`); if that is not enough, the youngest rows (the last to join
   the call) leave the batch at once (`preempt`) and wait in `preempted` with their tokens so far.
@@ -286,11 +287,14 @@ class Intake:
         if self.preempted:
             return self._rejoin(force=True)
         self._carried_done()
-        self.pace.idle()  # nothing decodes: chunks run back to back at their full size
+        self.pace.idle()  # nothing decodes: chunks run back to back, sized by the wait they impose
         while self.prefilling and not self.ready:
-            self._prefill_step(self.chunk)
+            started = time.perf_counter()
+            done, _ = self._prefill_step(self.pace.idle_size(self.chunk, alone_chunk(self.chunk)))
+            self.pace.timed_chunk(done, started, self.host.device)
             if self.outer is not None and not self.ready:
                 self._take(self.outer(self._held()))
+        self.pace.idle()  # the first decode step is not timed from the last chunk
         return self._pop_ready()
 
     def preempt(self, pos: int, row: Row) -> None:

@@ -12,6 +12,13 @@ prompt) and the configured chunk (`HFBackend.prefill_chunk`, the most a step car
 `share=1.0` a step with a chunk takes about twice a plain one, which is the bound the serving
 benchmark checks (the short requests' p99 at most 2x their p99 without the long prompt).
 
+While nothing decodes (the batch emptied, a long prompt alone), chunks run back to back and a
+request arriving meanwhile is let in between two of them, so there a chunk is sized by the wait it
+may impose: as many tokens as take about `idle_s`, never fewer than the configured chunk nor more
+than a prompt alone takes per forward (`idle_size`). A fixed chunk there cost every lone prompt a forward's fixed costs per chunk: on a
+2-core CPU a 1,024-token prompt took ~10 % longer in 128-token chunks than in 256-token ones, and
+on a GPU, where a chunk is nearly free, the same per-chunk cost is all there is.
+
 A chunk's cost is measured where it is computed: carried by the decode step in the same forward
 (`step.Chunk`: every weight read once for both), it is what that step took beyond a plain one
 (`carries`, then `boundary`); in a forward of its own before the step (the layer loop's steps,
@@ -41,6 +48,9 @@ class PrefillPace:
     the configured chunk, whatever it costs)."""
     floor: int = 8
     """The fewest prompt tokens a step carries (the long prompt's progress)."""
+    idle_s: float = 0.25
+    """While nothing decodes, a chunk may take about this long (seconds): the most a request
+    arriving meanwhile waits to be let in (`idle_size`)."""
     smoothing: float = 0.3
     """Weight of the newest measurement in the moving averages."""
     step_s: float | None = None
@@ -55,6 +65,8 @@ class PrefillPace:
         self.check_share(self.share)
         if self.floor < 1:
             raise ValueError(f"prefill floor={self.floor!r} must be an int >= 1 (tokens per step)")
+        if not self.idle_s >= 0:
+            raise ValueError(f"prefill idle_s={self.idle_s!r} must be >= 0 (seconds a chunk may take alone)")
 
     @staticmethod
     def check_share(share: float) -> None:
@@ -73,6 +85,15 @@ class PrefillPace:
             return min(limit, self.floor)
         fits = int(self.share * self.step_s / self.token_s)
         return max(min(self.floor, limit), min(limit, fits))
+
+    def idle_size(self, limit: int, most: int) -> int:
+        """Prompt tokens for the next chunk while nothing decodes: what takes about `idle_s` at the
+        measured cost per token, between `limit` (the configured chunk: all of it before a token's
+        cost was measured, and always with `share=0`, fixed chunks) and `most` (what bounds a
+        forward's attention memory)."""
+        if not self.share or self.token_s is None or self.token_s <= 0:
+            return limit
+        return max(limit, min(most, int(self.idle_s / self.token_s)))
 
     def boundary(self) -> None:
         """A decode step just ended (a step boundary, before any chunk): the time since the last

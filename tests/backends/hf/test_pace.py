@@ -55,11 +55,29 @@ def test_measurements_follow_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_share_zero_is_fixed_chunks() -> None:
     pace = PrefillPace(share=0.0, step_s=0.060, token_s=0.004)
     assert pace.size(128) == 128
+    assert pace.idle_size(128, 512) == 128
 
 
-@pytest.mark.parametrize(("field", "value"), [("share", -1.0), ("share", True), ("floor", 0)])
+def test_a_chunk_while_nothing_decodes_takes_about_idle_s() -> None:
+    """With no decoding row to wait, a chunk is bounded by the wait it imposes on a request that
+    arrives meanwhile: `idle_s` of prefill at the measured cost per token, never below the configured
+    chunk (a long context's chunk keeps its size however slow its tokens are) nor above what bounds
+    a forward's attention memory."""
+    pace = PrefillPace(idle_s=0.25)
+    assert pace.idle_size(128, 512) == 128  # nothing measured yet
+    pace.token_s = 0.001  # 1 ms per prompt token (a 2-core CPU, a short context)
+    assert pace.idle_size(128, 512) == 250
+    pace.token_s = 0.000002  # a GPU
+    assert pace.idle_size(128, 512) == 512
+    pace.token_s = 0.01  # attention over a long context: 10 ms per token
+    assert pace.idle_size(128, 512) == 128
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("share", -1.0), ("share", True), ("floor", 0), ("idle_s", -0.1)]
+)
 def test_bad_pace_names_the_field(field: str, value: float) -> None:
-    name = {"share": "prefill_share", "floor": "prefill floor"}[field]
+    name = {"share": "prefill_share", "floor": "prefill floor", "idle_s": "prefill idle_s"}[field]
     with pytest.raises(ValueError, match=f"{name}={value!r} must be"):
         PrefillPace(**{field: value})
 

@@ -88,6 +88,41 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_arch_dir: Path, monkeypatch:
     assert chunked.kv_stats().bytes_held == 0
 
 
+def test_a_prompt_alone_is_chunked_by_the_wait_it_imposes(
+    tiny_arch_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call that newcomers may join (an `admit`) prefills a long prompt alone chunk by chunk,
+    asking for newcomers between chunks. The chunks are sized by time (`PrefillPace.idle_size`):
+    where a token costs next to nothing, as large as a prompt alone is computed (`ALONE_CHUNK`
+    tokens); with fixed chunks (`prefill_share=0`), `prefill_chunk` tokens. Chunks run until at
+    most one is left, which the decode's first forward computes. The tokens are a whole prefill's."""
+    monkeypatch.setattr(intake, "ALONE_CHUNK", 32)
+    whole = HFBackend(tiny_arch_dir, prefill_chunk=0, cache_bytes=0)
+    ids = whole.encode(TEXT * 3)
+    assert len(ids) > 3 * 16
+    expected = decode(whole, ids, 3, 8)
+    asked: list[int] = []
+
+    def admit(alive: int) -> list[int]:
+        asked.append(alive)
+        return []
+
+    for share in (1.0, 0.0):
+        backend = HFBackend(tiny_arch_dir, prefill_chunk=16, cache_bytes=0)
+        backend.prefill_share = share
+        backend.engine.pace.token_s = 1e-9  # as if an earlier call had measured it
+        asked.clear()
+        root = backend.prefill(ids)
+        kids = backend.fork(root, 3)
+        gens = backend.extend(kids, DecodeParams(max_tokens=8, min_tokens=8), admit=admit)
+        backend.release([*kids, root])
+        chunks = backend.kv_stats().extra["prefill_chunks"]
+        assert [g.token_ids for g in gens] == expected
+        assert asked  # newcomers were asked for
+        size = 32 if share else 16
+        assert chunks == -(-len(ids) // size) - 1
+
+
 def test_rows_beyond_the_budget_wait_and_keep_greedy_tokens(tiny_arch_dir: Path) -> None:
     """Eight rows that cannot all decode at once within the budget (a call without a scheduler):
     the rows beyond it wait outside the batch and join as the first end, so none is preempted,

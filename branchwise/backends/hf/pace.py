@@ -15,9 +15,9 @@ benchmark checks (the short requests' p99 at most 2x their p99 without the long 
 While nothing decodes (the batch emptied, a long prompt alone), chunks run back to back and a
 request arriving meanwhile is let in between two of them, so there a chunk is sized by the wait it
 may impose: as many tokens as take about `idle_s`, never fewer than the configured chunk nor more
-than a prompt alone takes per forward (`idle_size`). A fixed chunk there cost every lone prompt a forward's fixed costs per chunk: on a
-2-core CPU a 1,024-token prompt took ~10 % longer in 128-token chunks than in 256-token ones, and
-on a GPU, where a chunk is nearly free, the same per-chunk cost is all there is.
+than a prompt alone takes per forward (`idle_size`). Fixed chunks there cost every lone prompt a
+forward's fixed costs per chunk: on a 2-core CPU a 1,024-token prompt took ~10 % longer in
+128-token chunks than in 256-token ones.
 
 A chunk's cost is measured where it is computed: carried by the decode step in the same forward
 (`step.Chunk`: every weight read once for both), it is what that step took beyond a plain one

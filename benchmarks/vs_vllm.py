@@ -18,7 +18,7 @@ interleaved within each repeat so a slow spell of the machine hits all of them:
   server), on fresh long prompts; vLLM's prefix-cache hit rate of each, from its ``/metrics``.
 
 Every prompt is fresh (a unique lead-in), so no cache helps either side unless the row says so.
-Before every timed request the script waits until the machine is idle (`settle`): vLLM's CPU
+Before every timed request the script waits until the machine is idle (`Settle`): vLLM's CPU
 engine keeps a core busy for about a second after each request, so whichever side was timed right
 after it ran on one core of two for that second (a self-consistency request of 8 x 8 tokens took
 2.4 s instead of 1.5 s through `branchwise serve`). Each row keeps every repeat's figure (`runs`).

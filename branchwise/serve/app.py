@@ -27,10 +27,11 @@ thread turns tokens into text (`TextStream`) and the event loop text into chunks
 (chat templates, tokenization) run off the loop too: a remote backend's tokenizer is an HTTP
 call. Why text is held back at times: a stop string cuts itself and what follows out of the final
 text, so the last ``len(longest stop) - 1`` characters wait until no stop string can begin in
-them, and a character split over several tokens waits for its last token. Hence the streamed deltas, concatenated, equal
-the non-streamed text exactly. With ``n > 1`` the choices' chunks interleave (each names its
-``index``); a choice's last chunk carries its ``finish_reason`` as soon as that branch ends. A
-backend that cannot report steps streams each choice whole once its batch has decoded.
+them, and a character split over several tokens waits for its last token. Hence the streamed
+deltas, concatenated, equal the non-streamed text exactly. With ``n > 1`` the choices' chunks
+interleave (each names its ``index``); a choice's last chunk carries its ``finish_reason`` as soon
+as that branch ends. A backend that cannot report steps streams each choice whole once its batch
+has decoded.
 
 Tools and structured output: the request's ``tools`` / ``response_format`` become one `Constraint`
 (`protocol`), carried to the backend in `DecodeParams.constraint` (requests with different

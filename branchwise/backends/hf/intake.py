@@ -287,14 +287,13 @@ class Intake:
         if self.preempted:
             return self._rejoin(force=True)
         self._carried_done()
-        self.pace.idle()  # nothing decodes: chunks run back to back, sized by the wait they impose
-        while self.prefilling and not self.ready:
+        while self.prefilling and not self.ready:  # nothing decodes: chunks sized by the wait they impose
             started = time.perf_counter()
             done, _ = self._prefill_step(self.pace.idle_size(self.chunk, alone_chunk(self.chunk)))
             self.pace.timed_chunk(done, started, self.host.device)
             if self.outer is not None and not self.ready:
                 self._take(self.outer(self._held()))
-        self.pace.idle()  # the first decode step is not timed from the last chunk
+        self.pace.idle()  # the first decode step is timed from neither an old step nor the last chunk
         return self._pop_ready()
 
     def preempt(self, pos: int, row: Row) -> None:

@@ -219,6 +219,7 @@ class HFBackend:
             dtype=param.dtype,
             eos_ids=eos_ids,
             pad_id=pad_id,
+            prepacked=self.prepacked.active,
         )
         self.model, self.tokenizer, self.model_name, self.parts = model, tokenizer, model_name, parts
         self.device, self.dtype, self.eos_ids, self.pad_id = param.device, param.dtype, eos_ids, pad_id
@@ -445,15 +446,16 @@ class HFBackend:
     def reset_stats(self) -> None:
         self._default.reset_stats()
 
-    def warm_up(self) -> dict[str, float]:
-        """Compile the decode step now for the kinds of batch a server meets first (one row, several
-        rows, several rows over a shared prompt), so the first requests do not wait for it (tens of
-        seconds a kind on a GPU's host). A no-op where steps are not compiled (`decode_step`).
-        Returns the compilations made and their seconds."""
+    def warm_up(self, wait: float | None = 0.0) -> dict[str, Any]:
+        """Start compiling the decode step for the kinds of batch a server meets first (one row,
+        several rows, several rows over a shared prompt) by decoding a few tokens of each, which run
+        eagerly while the kinds compile in the background (`step_compiler.py`); kinds compiled by an
+        earlier process load from the cache instead. `wait` seconds (None: until done; the default
+        0: not at all) to block for them, which a benchmark or a test may want and a server does
+        not. A no-op where steps are not compiled (`decode_step`). Returns the compiler's `status`."""
         compiler = self.engine.stepper.compiler
         if compiler is None:
-            return {"compiles": 0, "seconds": 0.0}
-        before, seconds = compiler.compiles, compiler.seconds
+            return {"compiled": 0, "loaded": 0, "compiling": 0, "uncompiled": [], "compile_s": 0.0}
         session = self.session(share="exact")  # its own statistics: the default session's stay clean
         params = DecodeParams(max_tokens=WARMUP + 3, min_tokens=WARMUP + 3)  # past the eager warm-up step
         roots = [session.prefill(self.encode(text)) for text in ("Hello", "Good morning")]
@@ -465,7 +467,9 @@ class HFBackend:
             session.extend(kids, params)
         finally:
             session.release([*roots, *kids])
-        return {"compiles": compiler.compiles - before, "seconds": round(compiler.seconds - seconds, 3)}
+        if wait is None or wait > 0:
+            compiler.wait(wait)
+        return compiler.status()
 
     # ------------------------------------------------------------------ baseline
     @on_compute_thread

@@ -200,15 +200,13 @@ class Computation:
         return logits
 
     def _count_compiled_step(self, carried: bool) -> None:
-        """Where steps are compiled (`decode_step="compiled"`): whether this one was, the time it
-        spent compiling, and why it was not if compilation failed (`Accel.notes` says so). A step
-        carrying a prefill chunk runs uncompiled by design (its length varies) and is counted as
-        carrying one, not here."""
+        """Where steps are compiled (`decode_step="compiled"`): whether this one was, and why not
+        where it was not (its kind compiling in the background, a compilation that failed):
+        `Accel.notes` says so. A step carrying a prefill chunk runs uncompiled by design (its
+        length varies) and is counted as carrying one, not here."""
         compiler = self.engine.stepper.compiler
         if compiler is None or carried:
             return
-        if compiler.last_seconds:
-            self.stats.bump("decode_step_compile_s", round(compiler.last_seconds, 3))
         if self.engine.stepper.compiled:
             self.stats.bump("decode_steps_compiled")
         else:

@@ -7,6 +7,7 @@ the engine is made once per loaded model and outlives every session. The backend
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +24,11 @@ from branchwise.backends.hf.pace import PrefillPace
 from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.step import Stepper
+from branchwise.backends.hf.step_compiler import ModelSpec
 from branchwise.backends.hf.tree import KVTree
 from branchwise.toolcalls import render_messages, template_has_tools
+
+log = logging.getLogger(__name__)
 
 COPY_TOKENS = 64
 COPY_MIN_SEGMENTS = 8
@@ -66,6 +70,9 @@ class Engine:
     dtype: torch.dtype
     eos_ids: set[int]
     pad_id: int
+    prepacked: bool = False
+    """Whether the model's linear layers were packed (`prepack.py`): the step compiler's worker
+    packs its copy alike."""
     broadcast: Broadcast = "cascade"
     tree: KVTree = field(default_factory=KVTree)
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -84,9 +91,17 @@ class Engine:
     """Prompt tokens computed per decode step while other rows decode (0: whole prompts); alone,
     `intake.ALONE_CHUNK` per forward (`intake.py`)."""
 
+    def _spec(self) -> ModelSpec | None:
+        """What the step compiler's worker rebuilds the model from (None: a config it cannot read)."""
+        try:
+            return ModelSpec.of(self.model, self.prepacked)
+        except Exception:  # a config that does not serialise: the step runs uncompiled, saying so
+            log.warning("the model's config could not be read; decode steps will not compile", exc_info=True)
+            return None
+
     def __post_init__(self) -> None:
         self.runner = Runner(self.parts, self.pad_id, self.device)
-        self.stepper = Stepper(self.parts, self.pad_id, self.device)
+        self.stepper = Stepper(self.parts, self.pad_id, self.device, spec=self._spec())
         vocab = (
             int(cast(int, self.parts.head.out_features))
             if hasattr(self.parts.head, "out_features")

@@ -52,7 +52,7 @@ from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import AttentionContext, fused_cascade
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, needs_layer_loop
-from branchwise.backends.hf.step_compiler import StepCompiler
+from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
 
 StepMode = Literal["auto", "compiled", "graphs", "eager", "layers"]
 """How decode steps run: `compiled` runs the fixed-shape step compiled by inductor (and captures it
@@ -219,6 +219,13 @@ class StepGraph:
     replay: Callable[[], None] | None = None
     logits: torch.Tensor | None = None
     runs: int = 0
+    ahead: Callable[[StepGraph], torch.Tensor] | None = None
+    """The compiled step that accepted this layout (`StepCompiler`: its guards checked once)."""
+    ahead_span: int = 0
+    """The span `ahead` was checked at (a new span is checked again)."""
+    recorded_compiled: bool = False
+    """Whether the recording replays compiled code (a layout recorded before its kind was compiled
+    is recorded again once it is)."""
 
     def __post_init__(self) -> None:
         b, device = self.ctx.batch, self.ctx.lens.device
@@ -288,8 +295,17 @@ class StepGraph:
         self.runs += 1
         if self.recorder is None or self.runs <= WARMUP:
             return self._step()
+        compiler = self.compiler
+        if (
+            self.replay is not None
+            and not self.recorded_compiled
+            and compiler is not None
+            and compiler.ready(self)
+        ):
+            self.replay = None  # its kind compiled since it was recorded: record it anew
         if self.replay is None:
             self.replay, self.logits = self.recorder.record(self._step)
+            self.recorded_compiled = self.compiler is not None and self.compiler.unused is None
         assert self.logits is not None
         self.replay()
         return self.logits.clone()  # the next replay overwrites it
@@ -324,9 +340,16 @@ class Stepper:
     """
 
     def __init__(
-        self, parts: DecoderParts, pad_id: int, device: torch.device, mode: StepMode = "auto"
+        self,
+        parts: DecoderParts,
+        pad_id: int,
+        device: torch.device,
+        mode: StepMode = "auto",
+        spec: ModelSpec | None = None,
     ) -> None:
         self.parts = parts
+        self.spec = spec
+        """What the step compiler's worker builds its copy of the model from."""
         self.pad_id = pad_id
         self.device = device
         self.recorder: Recorder | None = None
@@ -359,7 +382,7 @@ class Stepper:
         compiled = mode == "compiled" or (mode == "auto" and cuda)
         self.recorder = CudaGraphs() if mode == "graphs" or (compiled and cuda) else None
         if compiled and self._compiler is None:
-            self._compiler = StepCompiler(StepGraph.computed)
+            self._compiler = StepCompiler(self.spec)
         self.compiler = self._compiler if compiled else None
 
     @property
@@ -417,8 +440,6 @@ class Stepper:
         graph.attention.span = span
         ids = torch.tensor([f[0] if f else self.pad_id for f in feeds], dtype=torch.long)
         recorded = graph.replay is not None
-        if self.compiler is not None:
-            self.compiler.last_seconds = 0.0
         if chunk is not None:
             logits = graph.mixed(ids.to(self.device, non_blocking=True), chunk)
             self.replayed = self.compiled = False

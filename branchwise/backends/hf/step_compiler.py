@@ -1,119 +1,415 @@
-"""The fixed-shape decode step through `torch.compile` (inductor): one compiler per engine.
+"""The fixed-shape decode step compiled by inductor, without a request ever waiting for it.
 
-Why: the eager step is ~40 kernels a layer (norms, rotary, residual adds one elementwise kernel
-each); on a GPU that sets the length of the replayed CUDA graph, and on an H100 the uncompiled
-captured step ran at 0.6x transformers' compiled static-cache `generate` at one row. Inductor
-fuses each run of elementwise work into one kernel; compiled, then captured, the same step ran at
-1.5-1.6x the uncompiled one (benchmarks/RESULTS.md). It compiles `StepGraph.computed` (`step.py`,
-which hands it over: this module does not import it), reading the step's inputs from the graph it
-is called with; the sizes that vary between batch layouts are marked symbolic first.
+Why compiled: the eager step is ~40 kernels a layer (norms, rotary, residual adds one elementwise
+kernel each); on a GPU that sets the length of the replayed CUDA graph (the uncompiled captured step
+ran at 0.6x transformers' compiled static-cache `generate` on an H100) and on a CPU its
+per-operation overhead. Inductor fuses each run of elementwise work into one kernel: compiled, then
+captured, the step ran at 1.5-1.6x the uncompiled one (benchmarks/RESULTS.md).
+
+Why ahead, in another process: a compilation costs tens of seconds a kind of batch on a GPU's host
+and minutes on a small CPU (510 s for the three first kinds of the embedded model on 2 busy cores),
+and it used to run inside whichever request first met a new kind (a 374 s request). Compiled in a
+thread of this process it would still stall every step: tracing is Python, and the decode thread
+waited for the interpreter lock after each of its ~1,200 operations (a 32-token decode took 4-5x as
+long while a thread traced beside it, on 2 cores). So a kind not yet compiled runs eagerly, a worker
+process (`step_worker.py`) compiles it with `torch.compile(...).aot_compile` on a copy of the model
+built from its config (weights do not matter to a compilation, only shapes and types) and a small
+batch of the same kind (`skeleton`), and writes the compiled step to the cache
+(`<cache>/steps/<fingerprint>/`); this process loads it in a background thread and switches the
+kind's next steps to it. The file outlives the process: a second server or eval on the same model,
+dtype, device and torch compiles nothing it compiled before.
+
+A compiled step is trusted only after its guards accept the batch it is given (once per batch
+layout and span, `StepGraph.ahead`): a kind whose compiled step refuses the real batch, a kind the
+worker could not compile, or compilation turned off (no C++ toolchain, a worker that died) keeps
+running eagerly, and `unused` says why, so each run's notes can.
 """
 
 from __future__ import annotations
 
-import time
-import warnings
+import atexit
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import threading
+import weakref
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import torch
+import transformers
 
-RECOMPILE_LIMIT = 64
-"""Compiled versions of the step a process keeps (torch's default, 8 per function, is for code
-whose shapes should not vary). Every engine of the process compiles the same function, and each
-model, dtype, one-row batch and count of shared segments is a version of its own: a process
-holding a few models meets tens, never hundreds."""
+from branchwise.backends.hf.embedded import branchwise_cache_dir
 
+log = logging.getLogger(__name__)
 
 SEGMENTS = 2
 """Shared segments a compiled step reads at most. Each count of segments (and each pattern of the
 rows that read them) is a kind of batch of its own, compiled anew: a tree search whose rows descend
 from ever more ancestors, or a prefix cache that splits prompts at every common lead-in, would
-compile at every new depth (tens of seconds each). One or two segments are the shapes that recur
-(a prompt shared by its branches, under a cached lead-in); deeper batches run uncompiled and say so."""
+compile at every new depth. One or two segments are the shapes that recur (a prompt shared by its
+branches, under a cached lead-in); deeper batches run uncompiled and say so."""
+
+SKELETON_CAPACITY, SKELETON_SPAN, SKELETON_SEGMENT = 48, 32, 24
+"""Sizes of the small batch a kind is compiled on (tail capacity, span read, shared segment length).
+Each of these sizes is symbolic in the compiled step (`mark_sizes`), so any value serves, as long
+as it is above 1 (0 and 1 are specialised) and the span stays below the capacity (`step.Stepper.span`
+keeps it there for real batches too)."""
+
+WORKER_IDLE_S = 300.0
+"""Seconds the worker process waits for another kind before it exits (its copy of the model goes
+with it; the next new kind starts one again)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the worker process needs to build a model that compiles to the same step: the model's
+    config, dtype, device, and whether its linear layers were packed (`prepack.py`)."""
+
+    config: dict[str, Any]
+    dtype: str
+    device: str
+    prepacked: bool
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, prepacked: bool) -> ModelSpec:
+        param = next(model.parameters())
+        config = json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[union-attr,operator]
+        return cls(config, str(param.dtype).removeprefix("torch."), str(param.device), prepacked)
+
+    def fingerprint(self) -> str:
+        """Everything a compiled step depends on besides the kind of batch: a change of any of these
+        (another torch, another CPU, an edited step) makes another folder of compiled steps."""
+        here = Path(__file__).parent
+        code = [hashlib.sha256((here / name).read_bytes()).hexdigest() for name in STEP_SOURCES]
+        text = json.dumps(
+            [self.config, self.dtype, self.device, self.prepacked, torch.__version__, transformers.__version__, code,
+             sys.version, platform.machine(), torch.backends.cpu.get_cpu_capability()],
+            sort_keys=True, default=str,
+        )  # fmt: skip
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+STEP_SOURCES = ("step.py", "attention.py", "batch.py", "arch.py", "prepack.py", "step_worker.py")
+"""The modules whose code a compiled step was traced from: a compiled step never outlives an edit."""
+
+
+def mark_sizes(graph: Any) -> None:
+    """Mark the sizes that vary between layouts of one kind as symbolic (batch rows, tail capacity,
+    span, shared lengths and readers), so one compilation serves them all; every other size
+    (heads, widths, vocabulary) stays a constant, which the generated kernels need to be fast (all
+    sizes symbolic made the CPU's step 40 % slower)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for t in (graph.ids, graph.pos, graph.lens, graph.attention.slots):
+        mark(t, 0)
+    ctx = graph.ctx
+    for t in (*ctx.tail_k, *ctx.tail_v):
+        mark(t, 0)
+        mark(t, 2)
+    for seg in ctx.shared:
+        for t in (*seg.keys, *seg.values):
+            mark(t, 1)
+        for extra in (seg.rows, seg.mask):
+            if extra is not None:
+                mark(extra, 0)
+
+
+def kind_of(graph: Any) -> str:
+    """A kind of batch: what the compiler specialises on besides the symbolic sizes (one row or
+    several; per shared segment, whether it is read by all rows, by one, and through a mask)."""
+    segs = [
+        (
+            s.rows is None,
+            s.rows is not None and s.rows.numel() == 1,
+            s.mask is not None,
+            s.keys[0].shape[1] == 1,
+        )
+        for s in graph.ctx.shared
+    ]
+    return hashlib.sha256(repr((graph.ctx.batch == 1, graph.ctx.n_groups, segs)).encode()).hexdigest()[:16]
+
+
+def skeleton(graph: Any) -> dict[str, Any]:
+    """A small batch of `graph`'s kind, on the CPU, for the worker to compile on: the same rows, the
+    same tensors' types and inference flags (a compiled step's guards check both), zeroed, with
+    every symbolic size cut to a skeleton size."""
+    ctx = graph.ctx
+
+    def cut(t: torch.Tensor, dim: int, n: int) -> dict[str, Any]:
+        shape = list(t.shape)
+        shape[dim] = n if shape[dim] > 1 else shape[dim]  # 0 and 1 are kinds of their own
+        return {"data": torch.zeros(shape, dtype=t.dtype), "inference": t.is_inference()}
+
+    def keep(t: torch.Tensor | None) -> dict[str, Any] | None:
+        return None if t is None else {"data": t.detach().cpu().clone(), "inference": t.is_inference()}
+
+    return {
+        "tail_k": [cut(t, 2, SKELETON_CAPACITY) for t in ctx.tail_k],
+        "tail_v": [cut(t, 2, SKELETON_CAPACITY) for t in ctx.tail_v],
+        "lens": cut(ctx.lens, 0, ctx.batch),
+        "pos_next": None if ctx.pos_next is None else cut(ctx.pos_next, 0, ctx.batch),
+        "n_groups": ctx.n_groups,
+        "span": SKELETON_SPAN,
+        "shared": [
+            {
+                "keys": [cut(k, 1, SKELETON_SEGMENT) for k in s.keys],
+                "values": [cut(v, 1, SKELETON_SEGMENT) for v in s.values],
+                "rows": keep(s.rows),
+                "mask": None if s.mask is None else cut(s.mask, 1, SKELETON_SEGMENT),
+            }
+            for s in ctx.shared
+        ],
+    }
 
 
 class StepCompiler:
-    """The fixed-shape step through `torch.compile` (inductor), for one engine (see the module
-    docstring). The sizes that vary between layouts are symbolic from the first compilation
-    (`_mark_sizes`); a change that a compiled version's guards reject (a batch of one row, another
-    count of shared segments) compiles once more, up to `RECOMPILE_LIMIT` versions in the
-    process: a kind past it runs uncompiled, the kinds compiled before keep their code, and a batch
-    reading more than `SEGMENTS` shared segments is not compiled at all. Any other
-    failure, at compilation or in a compiled step, switches compilation off for good (`failed` says
-    why, once, as a warning too). Either way the caller runs the step uncompiled (`unused` says
-    why), which rewrites the same K/V slots, so a step that failed half way is simply run again."""
+    """The compiled steps of one engine, compiled ahead by a worker process (module docstring).
 
-    def __init__(self, step: Callable[[Any], torch.Tensor]) -> None:
+    `__call__(graph)` runs the compiled step of the graph's kind where one is loaded and accepts the
+    batch, else returns None at once (the caller runs the step eagerly) and, the first time a kind
+    is met, has it compiled or loaded in the background. Nothing here ever makes a step wait.
+    """
+
+    def __init__(self, spec: ModelSpec | None, cache: Path | None = None) -> None:
+        self.spec = spec
+        self.folder = (cache or branchwise_cache_dir() / "steps") / (spec.fingerprint() if spec else "none")
         self.compiles = 0
-        """Graphs inductor compiled (one per kind of layout: see the module docstring)."""
+        """Kinds the worker compiled for this engine."""
+        self.loaded = 0
+        """Kinds whose compiled step came from the cache folder, compiled by an earlier process."""
         self.seconds = 0.0
-        """Wall time of the steps that compiled something (tracing and code generation included)."""
-        self.last_seconds = 0.0
-        """What the last call spent compiling (0.0 when it ran compiled code as it was)."""
-        self.failed: str | None = None
-        """Why compilation is off (None while it works)."""
+        """The worker's seconds compiling them (spent in another process: no step waited)."""
+        self.failed: str | None = None if spec is not None else "the model's config could not be read"
+        """Why nothing compiles for this engine (None while it works)."""
         self.unused: str | None = None
         """Why the last call ran no compiled code (None when it did)."""
-        self._fn = torch.compile(step, fullgraph=True, backend=self._inductor)
+        self._steps: dict[str, Any] = {}  # kind -> its loaded compiled step
+        self._trouble: dict[str, str] = {}  # kind -> why it runs eagerly for good
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._worker: _Worker | None = None
 
-    @staticmethod
-    def _mark_sizes(graph: Any) -> None:
-        """Mark the sizes that vary between layouts of one kind as symbolic before they are first
-        seen (batch rows, tail capacity, span, shared lengths and readers), so the first compilation
-        serves them all; every other size (heads, widths, vocabulary) stays a constant, which the
-        generated kernels need to be fast (all sizes symbolic made the CPU's step 40 % slower)."""
-        mark = torch._dynamo.maybe_mark_dynamic
-        for t in (graph.ids, graph.pos, graph.lens, graph.attention.slots):
-            mark(t, 0)
-        ctx = graph.ctx
-        for t in (*ctx.tail_k, *ctx.tail_v):
-            mark(t, 0)
-            mark(t, 2)
-        for seg in ctx.shared:
-            for t in (*seg.keys, *seg.values):
-                mark(t, 1)
-            for extra in (seg.rows, seg.mask):
-                if extra is not None:
-                    mark(extra, 0)
+    @property
+    def pending(self) -> int:
+        """Kinds being compiled or loaded in the background now."""
+        with self._lock:
+            return len(self._pending)
 
-    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        from torch._inductor.compile_fx import compile_fx
+    def ready(self, graph: Any) -> bool:
+        """Whether a compiled step of `graph`'s kind is loaded (its guards not yet checked)."""
+        kind = kind_of(graph)
+        with self._lock:
+            return kind in self._steps
 
-        self.compiles += 1
-        return compile_fx(gm, example_inputs)
+    def status(self) -> dict[str, Any]:
+        """What a server's `/health` shows: kinds compiled, loaded from the cache, compiling now,
+        running uncompiled for good (and why), the worker's seconds."""
+        with self._lock:
+            return {
+                "compiled": self.compiles,
+                "loaded": self.loaded,
+                "compiling": len(self._pending),
+                "uncompiled": sorted(set(self._trouble.values())) + ([self.failed] if self.failed else []),
+                "compile_s": round(self.seconds, 1),
+            }
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until no kind is pending (a benchmark's or a test's choice, never a step's): True
+        when none is left within `timeout` seconds."""
+        with self._ready:
+            return self._ready.wait_for(lambda: not self._pending, timeout)
 
     def __call__(self, graph: Any) -> torch.Tensor | None:
-        """The step's logits, compiled; None where it ran no compiled code (`unused` says why: run
-        it uncompiled)."""
-        self.last_seconds = 0.0
+        """The step's logits, compiled; None where no compiled code ran (`unused` says why: run it
+        uncompiled)."""
         self.unused = self.failed
         if self.failed is not None:
             return None
         if len(graph.ctx.shared) > SEGMENTS:
             self.unused = f"more than {SEGMENTS} shared segments (each count would compile anew)"
             return None
-        before, start = self.compiles, time.perf_counter()
-        try:
-            self._mark_sizes(graph)
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                logits: torch.Tensor = self._fn(graph)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            self.unused = f"a new kind of batch past the recompile limit ({RECOMPILE_LIMIT} kinds compiled)"
-            return None
-        except Exception as exc:  # a missing C++ compiler, an operation inductor cannot lower, ...
-            root: BaseException = exc
-            while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
-                root = inner  # torch wraps the compiler's error: name the cause
-            first = (str(root).strip().splitlines() or [""])[0]
-            self.failed = self.unused = f"{type(root).__name__}: {first}"[:300]
-            warnings.warn(
-                f"the compiled decode step failed; steps run uncompiled from now on: {self.failed}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return None
-        if self.compiles != before:
-            self.last_seconds = time.perf_counter() - start
-            self.seconds += self.last_seconds
+        span = graph.attention.span
+        if graph.ahead is None or graph.ahead_span != span:
+            graph.ahead = self._accepting(graph)
+            graph.ahead_span = span
+            if graph.ahead is None:
+                return None
+        logits: torch.Tensor = graph.ahead(graph)
         return logits
+
+    def _accepting(self, graph: Any) -> Any:
+        """The loaded compiled step whose guards accept `graph`; None (with `unused`) where there is
+        none yet: the kind's compilation or loading is started, or it failed for good."""
+        kind = kind_of(graph)
+        with self._lock:
+            step, trouble, pending = self._steps.get(kind), self._trouble.get(kind), kind in self._pending
+        if trouble is not None:
+            self.unused = trouble
+            return None
+        if step is not None:
+            if step.guard_check(graph):
+                return step
+            reason = str(step._artifacts.guard_manager.check_verbose(step.prepare_f_locals(graph)))
+            with self._lock:
+                self._trouble[kind] = f"the step compiled ahead refused this batch ({reason[:200]})"
+            self.unused = self._trouble[kind]
+            return None
+        self.unused = "its kind of batch is compiling in the background"
+        if not pending:
+            self._start(kind, graph)
+        return None
+
+    def _start(self, kind: str, graph: Any) -> None:
+        """Load the kind's compiled step from the cache folder, or have the worker compile it, in
+        the background either way (loading one is seconds of Python)."""
+        with self._lock:
+            self._pending.add(kind)
+        path = self.folder / f"{kind}.step"
+        if path.exists():
+            threading.Thread(target=self._load, args=(kind, path, 0.0, True), daemon=True).start()
+            return
+        try:
+            if self._worker is None or not self._worker.alive():
+                assert self.spec is not None
+                self._worker = _Worker(self.spec, self.folder)
+            self._worker.submit(kind, skeleton(graph), path, self._compiled)
+        except Exception as exc:  # no interpreter to start, a full disk, ...
+            self._give_up(kind, f"the compile worker could not start: {type(exc).__name__}: {exc}")
+
+    def _compiled(self, kind: str, reply: dict[str, Any]) -> None:
+        """The worker's reply for a kind (on the worker's reader thread)."""
+        if not reply.get("ok"):
+            self._give_up(kind, f"compiling it failed: {reply.get('error', 'the worker ended')}")
+            return
+        self._load(kind, Path(reply["path"]), float(reply.get("seconds", 0.0)), False)
+
+    def _load(self, kind: str, path: Path, seconds: float, cached: bool) -> None:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        try:
+            with torch.inference_mode():  # a step's inputs are inference tensors (guards check it)
+                step = AOTCompiledFunction.deserialize(path.read_bytes())
+            step.disable_guard_check()  # checked once per batch layout instead (`_accepting`)
+        except Exception as exc:  # a file from an incompatible build, a truncated write, ...
+            if cached:  # an old file: compile the kind anew
+                path.unlink(missing_ok=True)
+                log.info("recompiling a kind of batch whose cached step could not load: %s", exc)
+                with self._lock:
+                    self._pending.discard(kind)
+                return
+            self._give_up(kind, f"its compiled step could not load: {type(exc).__name__}: {exc}")
+            return
+        with self._ready:
+            self._steps[kind] = step
+            self._pending.discard(kind)
+            if cached:
+                self.loaded += 1
+            else:
+                self.compiles += 1
+                self.seconds += seconds
+            self._ready.notify_all()
+        log.info(
+            "decode step ready for a new kind of batch (%s)",
+            "from the cache" if cached else f"compiled in {seconds:.1f} s",
+        )
+
+    def _give_up(self, kind: str, why: str) -> None:
+        log.warning("a kind of batch keeps running uncompiled: %s", why)
+        with self._ready:
+            self._trouble[kind] = why
+            self._pending.discard(kind)
+            self._ready.notify_all()
+
+    def close(self) -> None:
+        """Stop the worker process (at exit, or when the engine goes)."""
+        if self._worker is not None:
+            self._worker.close()
+
+
+class _Worker:
+    """The compile worker process (`python -m branchwise.backends.hf.step_worker`): kinds go to it
+    one at a time through its stdin, replies come back on its stdout to a reader thread. It exits
+    by itself after `WORKER_IDLE_S` idle; this process stops it at exit."""
+
+    def __init__(self, spec: ModelSpec, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        spec_path = folder / "model.json"
+        spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
+        env = dict(os.environ)
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder.parent / "inductor"))
+        self._log: IO[bytes] = (folder / "worker.log").open("ab")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "branchwise.backends.hf.step_worker", str(spec_path), str(WORKER_IDLE_S)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            start_new_session=True,  # a Ctrl-C at the terminal is this process's to handle
+        )
+        self._jobs: dict[str, Callable[[str, dict[str, Any]], None]] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name="step-worker-replies", daemon=True).start()
+        _LIVE.add(self)
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def submit(
+        self, kind: str, batch: dict[str, Any], path: Path, done: Callable[[str, dict[str, Any]], None]
+    ) -> None:
+        job = path.with_suffix(".batch")
+        torch.save(batch, job)
+        with self._lock:
+            self._jobs[kind] = done
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(
+            (json.dumps({"kind": kind, "batch": str(job), "path": str(path)}) + "\n").encode()
+        )
+        self._proc.stdin.flush()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                continue
+            with self._lock:
+                done = self._jobs.pop(reply.get("kind", ""), None)
+            if done is not None:
+                done(reply["kind"], reply)
+        self._proc.wait()
+        with self._lock:  # the worker ended: whatever it had not answered failed
+            left, self._jobs = self._jobs, {}
+        for kind, done in left.items():
+            done(
+                kind,
+                {
+                    "ok": False,
+                    "error": f"the compile worker exited ({self._proc.returncode}); see worker.log",
+                },
+            )
+
+    def close(self) -> None:
+        if self.alive():
+            self._proc.kill()
+            self._proc.wait()
+        self._log.close()
+        _LIVE.discard(self)
+
+
+_LIVE: weakref.WeakSet[_Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """No worker outlives this process."""
+    for worker in list(_LIVE):
+        worker.close()

@@ -1,0 +1,338 @@
+"""The compiled decode step (`step_compiler.py`, `step_worker.py`): compiled ahead in a worker
+process, never inside a request, and the layer loop's tokens once it runs.
+
+Why: a compilation costs minutes of a small CPU's time, and it used to run inside whichever request
+first met a new kind of batch. Now a kind not yet compiled runs eagerly while a worker process
+compiles it; these tests hold that no step waits for it, that the compiled step gives the layer
+loop's greedy tokens once it is there, that what was compiled is reused by the next process from
+the cache folder, and that every step that did not run compiled says why.
+
+Compilations are slow even on the tiny model (~20-40 s a kind on 2 cores), so the tests of this
+module share one cache folder (`shared_cache`): a kind compiled by one test loads from disk in the
+next, as it would in a second server. Tests that need nothing cached use a folder of their own.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from branchwise.backends import DecodeParams
+from branchwise.backends.accel import Accel
+from branchwise.backends.hf import HFBackend, step_compiler
+from branchwise.backends.hf.step import COMPILED_SPAN, SPAN, StepGraph
+from branchwise.backends.hf.step_compiler import SEGMENTS, StepCompiler, skeleton
+from branchwise.backends.hf.step_worker import aot_step, compile_kind, rebuild
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_step import PROMPT, Rerun, _branches
+
+pytestmark = pytest.mark.slow
+
+WAIT_S = 900.0
+"""How long a test waits for the worker (a bound on a hung worker, not a speed claim)."""
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("branchwise-cache")
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(shared_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BRANCHWISE_CACHE_DIR", str(shared_cache))
+
+
+def _compiler(backend: HFBackend) -> StepCompiler:
+    backend.decode_step = "compiled"
+    compiler = backend.engine.stepper.compiler
+    assert compiler is not None
+    return compiler
+
+
+def _settled(backend: HFBackend, params: list[DecodeParams], hints: list[str]) -> list[list[int]]:
+    """`_branches` compiled, once its kinds are ready: a first call (eager where a kind is not),
+    then a wait for the worker, then the call whose steps and tokens the test checks."""
+    _branches(backend, "compiled", params, hints)
+    assert _compiler(backend).wait(WAIT_S), "the compile worker did not finish"
+    return _branches(backend, "compiled", params, hints)
+
+
+def test_no_request_waits_for_a_compilation(
+    tiny_llama_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing compiled yet, a request's steps run eagerly with the layer loop's tokens, and it
+    returns while its kind is still compiling in the worker (it did not wait: the compilation takes
+    tens of seconds, the request a fraction of one); its notes say why its steps ran uncompiled.
+    Once compiled, the same request runs compiled. A second engine (as a second process would)
+    loads the compiled step from the cache folder and compiles nothing."""
+    monkeypatch.setenv("BRANCHWISE_CACHE_DIR", str(tmp_path))
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    params = [DecodeParams(max_tokens=8, min_tokens=8)]
+    hints = ["", " a b"]
+    layers = _branches(backend, "layers", params, hints)
+    compiler = _compiler(backend)
+    assert _branches(backend, "compiled", params, hints) == layers
+    assert compiler.pending >= 1 and compiler.compiles == 0  # returned before its kind compiled
+    stats = backend.kv_stats().as_dict()
+    assert stats.get("decode_steps_uncompiled", 0) >= params[0].max_tokens - 1
+    assert "decode_steps_compiled" not in stats
+    (note,) = Accel().notes(stats)
+    assert "its kind of batch is compiling in the background" in note
+
+    assert compiler.wait(WAIT_S) and compiler.compiles >= 1 and compiler.seconds > 0
+    assert _branches(backend, "compiled", params, hints) == layers
+    stats = backend.kv_stats().as_dict()
+    assert stats.get("decode_steps_compiled", 0) >= params[0].max_tokens - 1
+    assert "decode_steps_uncompiled" not in stats
+
+    again = HFBackend(tiny_llama_dir, cache_bytes=0)
+    second = _compiler(again)
+    assert _branches(again, "compiled", params, hints) == layers
+    assert second.wait(WAIT_S) and second.loaded >= 1 and second.compiles == 0
+    assert _branches(again, "compiled", params, hints) == layers
+    assert again.kv_stats().as_dict().get("decode_steps_compiled", 0) >= params[0].max_tokens - 1
+
+
+def test_compiled_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
+    """The compiled step gives the layer loop's greedy tokens in fp32, for one row and for a shared
+    prompt read by rows of unequal lengths, every step counted as compiled, with the CPU's
+    prepacked weights kept (the compiled step calls the same oneDNN products on them)."""
+    backend = HFBackend(tiny_llama_dir)
+    assert backend.prepacked.active
+    params = [DecodeParams(max_tokens=12, min_tokens=12)]
+    for hints in (["", " hint", " hint hint"], [""]):
+        layers = _branches(backend, "layers", params, hints)
+        assert _settled(backend, params, hints) == layers
+        stats = backend.kv_stats().as_dict()
+        assert stats.get("decode_steps_compiled", 0) >= params[0].max_tokens - 1, str(stats)
+        assert "decode_steps_uncompiled" not in stats
+    assert _compiler(backend).status()["uncompiled"] == []
+
+
+def test_each_kind_of_batch_compiles_once(tiny_llama_dir) -> None:
+    """Fresh prompts of other lengths, other numbers of rows, batches that grow past their tails'
+    capacity: once the two kinds (several rows, one row) are compiled, none is compiled again and
+    every step runs compiled (the compiled step's guards accept every layout of its kind; the
+    span read stays below the capacity and above one slot). No prefix cache: a cached prompt is
+    one more segment."""
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    compiler = _compiler(backend)
+    for hints in (["", " a b"], [" x"]):
+        _settled(backend, [DecodeParams(max_tokens=6, min_tokens=6)], hints)
+    made = compiler.compiles + compiler.loaded
+    for tokens in (6, 150):  # 150: past the first tail capacity, so the tails grow
+        for hints in (["", " a b"], [" x"], [" hint", "", " hint hint hint"], ["", " a", " b", " c", " d"]):
+            _branches(backend, "compiled", [DecodeParams(max_tokens=tokens, min_tokens=tokens)], hints)
+            stats = backend.kv_stats().as_dict()
+            assert "decode_steps_uncompiled" not in stats, stats
+    assert compiler.compiles + compiler.loaded == made and compiler.pending == 0
+
+
+def test_the_compiled_step_reads_the_slots_in_use_not_the_capacity(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled, a step reads its rows' tails up to the longest row rounded to `COMPILED_SPAN`
+    slots, always below the capacity (one program for every span), not the whole capacity: the
+    tails grow by 128 slots at least, which a step read in full (masked) before. Same tokens."""
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    params = [DecodeParams(max_tokens=150, min_tokens=150)]  # past the first capacity: the tails grow
+    hints = ["", " a b"]
+    layers = _branches(backend, "layers", params, hints)
+    _settled(backend, [DecodeParams(max_tokens=4, min_tokens=4)], hints)
+    seen: list[tuple[int, int, int]] = []
+    call = StepCompiler.__call__
+
+    def spy(self: StepCompiler, graph: Any) -> Any:
+        ctx = graph.ctx
+        seen.append((graph.attention.span, int(ctx.lens.max()) + 1, ctx.capacity))
+        return call(self, graph)
+
+    monkeypatch.setattr(StepCompiler, "__call__", spy)
+    assert _branches(backend, "compiled", params, hints) == layers
+    assert backend.kv_stats().as_dict().get("decode_steps_compiled", 0) >= params[0].max_tokens - 1
+    for span, needed, capacity in seen:
+        assert span == min(capacity - 1, -(-needed // COMPILED_SPAN) * COMPILED_SPAN) >= needed
+    assert len({capacity for _, _, capacity in seen}) > 1  # it grew, and the span followed the rows
+
+
+def _graph_of(backend: HFBackend, hints: list[str]) -> StepGraph:
+    """A real batch's step (the last layout of an eager decode of `hints`)."""
+    seen: list[StepGraph] = []
+    call = StepGraph.__call__
+
+    def spy(self: StepGraph, ids: torch.Tensor) -> torch.Tensor:
+        seen.append(self)
+        return call(self, ids)
+
+    StepGraph.__call__ = spy  # type: ignore[method-assign]
+    try:
+        _branches(backend, "eager", [DecodeParams(max_tokens=4, min_tokens=4)], hints)
+    finally:
+        StepGraph.__call__ = call  # type: ignore[method-assign]
+    return seen[-1]
+
+
+def test_the_compiled_step_writes_the_tails_in_place(tiny_llama_dir, tmp_path: Path) -> None:
+    """What the worker compiles (`compile_kind`, run here in this process to read its code) writes
+    each row's new K/V into its tail where it lies: the generated code allocates no buffer of a
+    tail's shape `[B, H_kv, capacity, D]` (a step that wrote with a scatter was compiled into a copy
+    of every layer's whole tails at every step). Its cascade over the shared prompt is the plain
+    products on a CPU, which inductor fuses (`attention.fused_attention`), not the flash kernel."""
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    parts = backend.engine.stepper.parts
+    graph = rebuild(skeleton(_graph_of(backend, ["", " a b"])), parts, backend.device)
+    assert graph.ctx.shared
+    step = aot_step()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, sources = run_and_get_code(compile_kind, step, graph, tmp_path / "kind.step")
+    assert sources, "nothing was compiled"
+    h_kv, d = parts.n_kv_heads, parts.head_dim
+    shapes = [
+        [part.strip() for part in shape.split(",")]
+        for code in sources
+        for shape in re.findall(r"empty_strided_\w+\(\(([^()]*)\)", code)
+    ]
+    tails = [s for s in shapes if len(s) == 4 and s[1] == str(h_kv) and s[3] == str(d) and s[2] != "1"]
+    assert shapes and not tails, tails
+    assert not [code for code in sources if "_scaled_dot_product_flash_attention_for_cpu" in code]
+
+
+def test_deeper_batches_run_uncompiled_and_say_so(tiny_llama_dir) -> None:
+    """Rows reading more than `SEGMENTS` shared ancestors (a tree three forks deep) are not compiled
+    (each count of segments would be a compilation of its own): those steps run uncompiled with the
+    layer loop's tokens, and the statistics and notes say why."""
+    backend = HFBackend(tiny_llama_dir)
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+
+    def tree(mode: str) -> list[list[int]]:
+        backend.decode_step = mode  # type: ignore[assignment]
+        backend.reset_stats()
+        nodes = [backend.prefill(backend.encode(PROMPT))]
+        made = list(nodes)
+        for depth in range(SEGMENTS + 1):
+            nodes = [kid for node in nodes for kid in backend.fork(node, 2)]
+            backend.append(nodes, [backend.encode(f" {depth} {i}") for i in range(len(nodes))])
+            made += nodes
+        tokens = [g.token_ids for g in backend.extend(nodes, params)]
+        backend.release(made)
+        return tokens
+
+    layers = tree("layers")
+    assert tree("compiled") == layers
+    stats = backend.kv_stats().as_dict()
+    # the first step's batch holds the leaves' ancestors in their tails (copied while they are
+    # computed); every later one reads them as shared segments
+    assert stats.get("decode_steps_uncompiled", 0) >= params.max_tokens - 2
+    assert f"uncompiled_by more than {SEGMENTS} shared segments (each count would compile anew)" in stats
+    assert any(f"more than {SEGMENTS} shared segments" in note for note in Accel().notes(stats))
+
+
+def test_warm_up_starts_the_first_kinds_and_can_wait(tiny_llama_dir) -> None:
+    """`warm_up` (what `branchwise serve` calls as it starts) decodes a few tokens of one row,
+    several rows and rows over a shared prompt in a session of its own (the backend's statistics
+    stay clean), which starts their compilation; with `wait` it blocks until they are ready, and
+    the next steps run compiled. Where steps are not compiled it does nothing."""
+    assert HFBackend(tiny_llama_dir).warm_up()["compiled"] == 0  # eager on the CPU
+    backend = HFBackend(tiny_llama_dir, decode_step="compiled")
+    warmed = backend.warm_up(wait=WAIT_S)
+    assert warmed["compiled"] + warmed["loaded"] >= 2 and warmed["compiling"] == 0, warmed
+    assert "decode_steps_compiled" not in backend.kv_stats().as_dict() and backend.kv_stats().live_nodes == 0
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+    _branches(backend, "compiled", [params], ["", " x"])
+    stats = backend.kv_stats().as_dict()
+    assert (
+        stats.get("decode_steps_compiled", 0) >= params.max_tokens - 1
+        and "decode_steps_uncompiled" not in stats
+    )
+
+
+def test_a_failed_compilation_is_noted_and_the_step_runs_uncompiled(
+    tiny_llama_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compilation that fails (here: the C++ compiler is missing, as on a machine without a
+    toolchain) leaves its kind running uncompiled with the same tokens, for good (it is not tried
+    at every step); the run's statistics count those steps and its notes say why."""
+    monkeypatch.setenv("BRANCHWISE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing compiled before
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    params = [DecodeParams(max_tokens=8, min_tokens=8)]
+    layers = _branches(backend, "layers", params, ["", " x"])
+    assert _settled(backend, params, ["", " x"]) == layers
+    stats = backend.kv_stats().as_dict()
+    assert (
+        stats.get("decode_steps_uncompiled", 0) >= params[0].max_tokens - 1
+        and "decode_steps_compiled" not in stats
+    )
+    (note,) = Accel().notes(stats)
+    assert note.startswith(f"{int(stats['decode_steps_uncompiled'])} decode steps ran uncompiled")
+    assert "compiling it failed" in note
+    assert _compiler(backend).compiles == 0 and _compiler(backend).status()["uncompiled"]
+
+
+def test_a_compiled_step_that_refuses_a_batch_leaves_it_uncompiled(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiled step is trusted only once its guards accept the batch: a kind whose step refuses
+    it (here every batch is made one kind, so a lone row meets the step compiled for several rows,
+    which is specialised on more than one) runs uncompiled with the layer loop's tokens and a note
+    that says the compiled step refused it."""
+    monkeypatch.setattr(step_compiler, "kind_of", lambda graph: "one kind for all")
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+    _settled(backend, [params], ["", " x"])
+
+    def lone(mode: str) -> list[int]:
+        backend.decode_step = mode  # type: ignore[assignment]
+        backend.reset_stats()
+        root = backend.prefill(backend.encode(PROMPT))
+        (gen,) = backend.extend([root], params)
+        backend.release([root])
+        return gen.token_ids
+
+    compiled = lone("compiled")
+    stats = backend.kv_stats().as_dict()
+    assert compiled == lone("layers")
+    assert stats.get("decode_steps_uncompiled", 0) >= params.max_tokens - 1
+    assert any("the step compiled ahead refused this batch" in note for note in Accel().notes(stats))
+
+
+def test_the_compiled_step_recorded_as_cuda_does(tiny_llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path a GPU takes by default, compiled and then recorded, run here with a CPU recorder:
+    the layer loop's tokens; each recording reads the rows rounded up to `SPAN` slots and stays below
+    the tails' capacity (a recording serves `SPAN` steps of growth, and a span at the capacity would
+    be a program of its own); recordings, not compilations, follow the span."""
+    backend = HFBackend(tiny_llama_dir, cache_bytes=0)
+    params = [DecodeParams(max_tokens=150, min_tokens=150)]  # past the first capacity: the tails grow
+    hints = ["", " a b"]
+    layers = _branches(backend, "layers", params, hints)
+    compiler = _compiler(backend)
+    _settled(backend, [DecodeParams(max_tokens=4, min_tokens=4)], hints)
+    made = compiler.compiles + compiler.loaded
+    recorded: list[tuple[int, int, int]] = []
+    rerun = Rerun()
+    record = rerun.record
+
+    def spy(step: Any) -> Any:
+        graph = backend.engine.stepper._graph
+        assert graph is not None
+        recorded.append((graph.attention.span, int(graph.lens.max()) + 1, graph.ctx.capacity))
+        return record(step)
+
+    monkeypatch.setattr(rerun, "record", spy)
+    got = _branches(backend, "compiled", params, hints, recorder=rerun)
+    stats = backend.kv_stats().as_dict()
+    assert got == layers
+    assert compiler.compiles + compiler.loaded == made and compiler.pending == 0
+    assert len(recorded) == rerun.records >= 2  # a new span after 128 slots of growth
+    for span, needed, capacity in recorded:
+        assert span == min(capacity - 1, -(-needed // SPAN) * SPAN) >= needed
+    assert rerun.replays == stats["decode_steps_captured"] >= params[0].max_tokens - 1 - 2 * rerun.records
+    assert stats.get("decode_steps_compiled", 0) >= params[0].max_tokens - 1

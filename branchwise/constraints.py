@@ -21,6 +21,7 @@ from typing import Any, Literal
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from branchwise.pattern_limits import check_regex
 from branchwise.schema_budget import shortest_text
 from branchwise.schema_limits import check_choices, check_pattern
 from branchwise.toolcalls import (
@@ -109,6 +110,7 @@ class Constraint(BaseModel):
                 raise ValueError(f"pattern: not a valid regular expression ({err})") from None
             except RecursionError:  # Python's regex parser recurses on nested groups
                 raise ValueError("groups nested too deep for the regular expression parser") from None
+            check_regex(value)  # what it costs to compile: its counted repetitions written out
         return value
 
     @field_validator("choices")

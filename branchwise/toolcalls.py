@@ -30,6 +30,7 @@ from typing import Any
 import jsonschema
 from pydantic import BaseModel, Field, create_model
 
+from branchwise.pattern_limits import PatternSize
 from branchwise.schema_limits import SchemaSize, check_tool_count
 
 __all__ = [
@@ -97,10 +98,14 @@ class ToolCall(BaseModel):
         }
 
 
-def check_json_schema(schema: Any, field: str, size: SchemaSize | None = None) -> dict[str, Any]:
+def check_json_schema(
+    schema: Any, field: str, size: SchemaSize | None = None, patterns: PatternSize | None = None
+) -> dict[str, Any]:
     """`schema` as a dict, or a ValueError naming `field` when it is not a valid JSON Schema or passes
-    a limit of `branchwise.schema_limits` (measured first, iteratively: jsonschema's check recurses);
-    `size` adds it to the totals of a constraint's other schemas (a tool call constraint's tools)."""
+    a limit of `branchwise.schema_limits` (measured first, iteratively: jsonschema's check recurses)
+    or of `branchwise.pattern_limits` (its patterns and length bounds, once jsonschema has checked
+    that each pattern is a regex); `size` and `patterns` add it to the totals of a constraint's other
+    schemas (a tool call constraint's tools)."""
     if isinstance(schema, type) and issubclass(schema, BaseModel):
         schema = schema.model_json_schema()
     if not isinstance(schema, Mapping):
@@ -114,6 +119,7 @@ def check_json_schema(schema: Any, field: str, size: SchemaSize | None = None) -
         raise ValueError(
             f"{field}: not a valid JSON Schema ({err.message}{' at ' + where if where else ''})"
         ) from None
+    (patterns or PatternSize()).add_schema(schema, field)
     return schema
 
 
@@ -153,7 +159,7 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
     check_tool_count(tools)
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
-    size = SchemaSize()
+    size, patterns = SchemaSize(), PatternSize()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if isinstance(tool, BaseModel):
@@ -177,7 +183,7 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]]:
             raise ValueError(f"{where}.name: {name!r} is defined twice")
         seen.add(name)
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        params = check_json_schema(params, f"{where}.parameters", size)
+        params = check_json_schema(params, f"{where}.parameters", size, patterns)
         if params.get("type", "object") != "object":
             raise ValueError(
                 f"{where}.parameters.type: a tool's arguments are an object, got {params.get('type')!r}"

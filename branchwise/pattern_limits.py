@@ -5,8 +5,11 @@ compiles ``minLength``/``maxLength`` as a pattern, ``{least,most}``: `schema_bud
 Why: a pattern's size is not its length. ``c{1,30000}`` is 10 characters, and xgrammar expands a
 counted repetition into that many grammar states; inside a JSON string (a schema's ``pattern``) the
 compile then grows with the square of the count (SmolLM2's 49,152-token vocabulary, xgrammar 0.2.9,
-one thread, on a 2-core machine): ``a{1,1000}`` 0.19 s, ``{1,2000}`` 0.95 s, ``{1,4000}`` 4.3 s,
-``{1,8000}`` 15 s, so ``{1,30000}`` takes minutes, holding a compile worker and a core. What such a
+two compiler threads on 2 cores shared with other jobs): ``a{1,1000}`` 0.19 s, ``{1,2000}`` 0.95 s,
+``{1,4000}`` 4.3 s, ``{1,8000}`` 15 s, so ``{1,30000}`` takes minutes, holding a compile worker and
+a core. A ``regex`` constraint compiles otherwise: a counted character is cheap there
+(``a{1,60000}`` 0.02 s) but a counted wide class is not, up to a level it keeps past about 1,000
+(``.{0,100}`` 1.5 s, ``.{0,1000}`` and ``.{0,16000}`` 3.7 s). The same limits hold for both. What such a
 pattern costs is known before compiling it: Python's own regex parser (``re._parser``; every pattern
 here has passed ``re.compile`` already, the schema check's ``format: regex`` included) gives the
 quantifier tree, and `pattern_size` counts the characters it stands for once every counted
@@ -25,17 +28,16 @@ character in it (``([a-z0-9]+-)*``, a slug) splits one way only and is accepted.
 
 from __future__ import annotations
 
+import importlib
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-try:  # Python 3.11+
-    from re import _constants as _sre
-    from re import _parser as _parse
-except ImportError:  # pragma: no cover - Python 3.10
-    import sre_constants as _sre  # type: ignore[no-redef]
-    import sre_parse as _parse  # type: ignore[no-redef]
+# Python's regex parser: `re._parser` from 3.11 on, `sre_parse` (deprecated there) before
+_parse: Any = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
+_sre: Any = importlib.import_module("re._constants" if sys.version_info >= (3, 11) else "sre_constants")
 
 __all__ = [
     "MAX_CONSTRAINT_PATTERN_SIZE",
@@ -48,20 +50,23 @@ __all__ = [
 
 MAX_REPEAT = 1_000
 """Largest count of one repetition (``{n}``, ``{n,}``, ``{n,m}``) and largest ``minLength`` or
-``maxLength``. Inside a JSON string a count of 1,000 compiles in 0.2-0.6 s (``a{1,1000}``, and
-the ``[^\\x00-\\x1f"\\\\]{0,1000}`` a ``maxLength`` of 1,000 becomes), 2,000 in about 1 s, 4,000
-in 4 s: the compile grows with the square of the count. OpenAI's structured outputs take no length
-bound at all; a bound of a few hundred characters, the usual one, compiles in a tenth of a second."""
+``maxLength``. Inside a JSON string a count of 1,000 compiles in 0.1-0.2 s (``a{1,1000}``) and
+0.6-2 s (the ``[^\\x00-\\x1f"\\\\]{0,1000}`` a ``maxLength`` of 1,000 becomes), 2,000 in 0.4-1 s and
+2.9 s, 4,000 in 4.3 s (``a{1,4000}``): the compile grows with the square of the count. A bound of a
+few hundred characters, the usual one, compiles in a tenth of a second (``maxLength`` 250: 0.1 s)."""
 
 MAX_PATTERN_SIZE = 2_000
-"""Characters one pattern stands for with its counted repetitions written out (``(a{1,100}){1,100}``
-stands for 10,000; ``a+`` for 1: a loop is compiled once, not unrolled). Counts within `MAX_REPEAT`
-can still multiply through nested groups; this bounds the product."""
+"""Characters one pattern stands for with its counted repetitions written out (``(ab{1,100}){1,100}``
+stands for 10,100; ``a+`` for 1: a loop is compiled once, not unrolled). Counts within `MAX_REPEAT`
+can still multiply through nested groups; this bounds the product. The costliest patterns within it
+measured: a ``regex`` constraint ``[^"]{0,1000}.{0,1000}`` 6.9-7.4 s (one compiler thread, busy
+cores), a schema's ``[^"]{0,1000}[^"]{0,1000}`` 1.4-1.8 s."""
 
 MAX_CONSTRAINT_PATTERN_SIZE = 4_000
 """`pattern_size` of all of one constraint's patterns and length bounds together (a tool call
-constraint's tools count as one): each compiles separately, so their costs add up. Eight strings
-with a ``maxLength`` of 1,000 fit, and compile in about 5 s."""
+constraint's tools count as one): each compiles separately, so their costs add up. Four strings
+with a ``maxLength`` of 1,000 fit, and compile in 3.7-5.3 s (one compiler thread, busy cores);
+twenty of 200 in 0.9 s."""
 
 _REPEATS = frozenset({_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", _sre.MAX_REPEAT)})
 _ZERO_WIDTH = frozenset({_sre.AT, _sre.ASSERT, _sre.ASSERT_NOT})

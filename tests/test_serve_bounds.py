@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -308,6 +309,75 @@ def test_a_grammar_compiling_never_stalls_another_requests_decode(
     assert out["slow"].status_code == 200, out["slow"].text
     if kind == "choice":
         assert out["slow"].json()["choices"][0]["message"]["content"] in slow
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "named"),
+    [
+        (
+            {"branchwise": {"constraint": {"kind": "regex", "pattern": "a{1,60000}"}}},
+            "branchwise",
+            "branchwise.constraint.pattern: a repetition count of 60000, over the limit of 1000",
+        ),
+        (
+            _schema_body("response_format", {"type": "string", "pattern": "(a+)+(b*)*c{1,30000}"}),
+            "response_format",
+            "response_format.json_schema.schema.pattern: a repetition of a group that is itself only",
+        ),
+        (
+            _schema_body("response_format", {"type": "string", "pattern": "c{1,30000}"}),
+            "response_format",
+            "response_format.json_schema.schema.pattern: a repetition count of 30000, over the limit of 1000",
+        ),
+        (
+            _schema_body(
+                "tools", {"type": "object", "properties": {"s": {"type": "string", "maxLength": 5000}}}
+            ),
+            "tools",
+            "tools[0].function.parameters.properties.s.maxLength: 5000, over the limit of 1000",
+        ),
+    ],
+    ids=["regex-count", "schema-nested", "schema-count", "tool-max-length"],
+)
+def test_a_pathological_pattern_is_400_within_a_second(
+    served: str, body: dict[str, Any], param: str, named: str
+) -> None:
+    """Patterns that once held a grammar worker for minutes (``c{1,30000}`` in a schema compiled for
+    more than 600 s) are refused before compiling, naming the field and the limit."""
+    start = time.monotonic()
+    message = error(chat(served, max_tokens=4, **body), 400, param)
+    assert time.monotonic() - start < 1.0
+    assert message.startswith(named), message
+
+
+def test_a_grammar_past_the_compile_limit_is_400_then_refused_at_once(
+    served: str, tiny_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compile that runs past ``--grammar-timeout`` (a fake held until the test ends) fails its
+    request with a 400 naming the limit; the same constraint again is refused without compiling."""
+    from branchwise.backends.hf import grammar
+
+    real, release, calls = grammar._compile, threading.Event(), []
+
+    def held(compiler: Any, constraint: Any) -> Any:
+        if "slowlimit" in constraint.key():
+            calls.append(constraint.key())
+            release.wait(120)
+        return real(compiler, constraint)
+
+    monkeypatch.setattr(grammar, "_compile", held)
+    monkeypatch.setattr(tiny_backend, "grammar_timeout", 0.5)
+    body = {"branchwise": {"constraint": {"kind": "regex", "pattern": "slowlimit[0-9]"}}}
+    try:
+        message = error(chat(served, max_tokens=4, **body), 400, "branchwise")
+        assert message.startswith("branchwise.constraint: pattern: ") and "within 0.5 s" in message
+        start = time.monotonic()
+        assert error(chat(served, max_tokens=4, **body), 400, "branchwise") == message
+        assert time.monotonic() - start < 1.0 and len(calls) == 1
+        quick = {"branchwise": {"constraint": {"kind": "choice", "choices": ["yes", "no"]}}}
+        assert chat(served, max_tokens=4, **quick).status_code == 200  # the threads go on
+    finally:
+        release.set()
 
 
 def test_detokenize_refuses_booleans(served: str) -> None:

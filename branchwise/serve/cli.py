@@ -124,6 +124,14 @@ def serve_command(
             100.0,
         ),
     ] = 1.0,
+    grammar_timeout: Annotated[
+        float,
+        ranged(
+            "Seconds one request's grammar (a schema, regex or tools) may take to compile; then HTTP 400.",
+            0.1,
+            3600.0,
+        ),
+    ] = 10.0,
     decode_step: Annotated[
         str,
         typer.Option(
@@ -154,6 +162,7 @@ def serve_command(
             dtype=dtype != "auto",
             kv_budget=kv_budget is not None,
             decode_step=decode_step != "auto",
+            grammar_timeout=grammar_timeout != 10.0,
         )
     else:
         _check_model_path(model)
@@ -176,6 +185,8 @@ def serve_command(
             backend = cli_backend.load_backend(model, device, dtype)
         if kv_budget is not None and kv_budget != "auto":
             _set_kv_budget(backend, kv_budget)
+        if hasattr(backend, "grammar_timeout"):
+            backend.grammar_timeout = grammar_timeout
         if hasattr(backend, "prefill_chunk"):
             backend.prefill_chunk = prefill_chunk
             backend.prefill_share = prefill_share

@@ -297,6 +297,18 @@ class HFBackend:
             self.engine.pool.set_budget(budget)  # refuses one below a single row's need
 
     @property
+    def grammar_timeout(self) -> float:
+        """Seconds one grammar may take to compile (`Grammars.timeout_s`); past it the request is
+        refused (`GrammarTimeout`) and the compile stopped where it can be (`grammar_workers`)."""
+        return self.engine.grammars.timeout_s
+
+    @grammar_timeout.setter
+    def grammar_timeout(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"grammar_timeout={value!r} must be a number of seconds > 0")
+        self.engine.grammars.timeout_s = float(value)
+
+    @property
     def prefill_chunk(self) -> int:
         """Prompt tokens computed per decode step beside running rows (0: whole prompts, no
         interleaving); without a scheduler, `intake.ALONE_CHUNK` per forward."""

@@ -11,7 +11,8 @@ once per tokenizer, and its matchers `fork`, which a shared-prefix batch needs. 
 (Guidance's engine, also fast) has no tool-call formats of its own and no matcher fork.
 
 Layout: `Grammars` (one per engine) owns the compiler and caches each constraint's compiled grammar
-by its canonical key, so a schema compiles once per backend however many requests use it.
+by its canonical key, so a schema compiles once per backend however many requests use it; each
+compile runs within a time limit, in a thread or a killable child process (`grammar_workers`).
 `RowGrammars` (one per `extend` call) keeps one matcher per constrained row; `mask` narrows each
 constrained row's logits to the tokens its grammar allows (rows without a constraint are left
 alone, so a batch may mix both), `accept` advances a row's matcher by the token sampled. A row whose
@@ -28,17 +29,31 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from branchwise.backends.hf.grammar_workers import CompileFailed, CompileProcess, CompileTimedOut, Lane, both
 from branchwise.constraints import Constraint, ConstraintError
+from branchwise.pattern_limits import PatternSize
 from branchwise.schema_budget import Shortest, cap_strings, shortest
 
-__all__ = ["COMPILE_WORKERS", "BudgetFit", "ConstraintError", "GrammarStats", "Grammars", "RowGrammars"]
+__all__ = [
+    "COMPILE_TIMEOUT_S",
+    "COMPILE_WORKERS",
+    "LIGHT_PATTERN_SIZE",
+    "PROCESS_WORKERS",
+    "BudgetFit",
+    "ConstraintError",
+    "GrammarStats",
+    "GrammarTimeout",
+    "Grammars",
+    "RowGrammars",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +95,60 @@ class BudgetFit:
     floor_tokens: int | None = None
 
 
+_FAILS_KEPT = 1024
+"""Refused constraints remembered per backend (`Grammars.timeout_s`), oldest forgotten first."""
+TIMEOUT_REMEMBERED_S = 600.0
+"""How long a constraint whose compile ran out of time is refused at once, without compiling again:
+long enough that a client retrying it costs nothing, short enough that one timed out by a busy
+machine is tried again later. A constraint the engine cannot compile is refused for good."""
+
+
+class GrammarTimeout(ConstraintError):
+    """The grammar's compile ran past `Grammars.timeout_s` (or did so recently): the request is refused
+    like a constraint the engine cannot compile, naming the field and the limit."""
+
+
 @dataclass
 class GrammarStats:
-    """Compiles and cache hits of one backend's grammars, and the time compiling took."""
+    """Compiles and cache hits of one backend's grammars, the time compiling took, and the compiles
+    refused: `timeouts` ran out of time, `refused` were answered from the remembered failures,
+    `in_child` compiled in a `CompileProcess`, `abandoned` overran in a thread (see `Grammars`)."""
 
     compiled: int = 0
     cache_hits: int = 0
     compile_s: float = 0.0
     last_compile_s: float = 0.0
+    timeouts: int = 0
+    refused: int = 0
+    in_child: int = 0
+    abandoned: int = 0
 
 
 COMPILE_WORKERS = 2
-"""Threads that compile grammars ahead of decoding (`Grammars.prepare`, called by the scheduler when
-a request is queued). xgrammar releases the GIL while it compiles, so a compile there never stalls
-the decode loop; two let a small grammar compile beside a large one instead of waiting behind it."""
+"""Threads that compile small grammars ahead of decoding (`Grammars.prepare`, called by the scheduler
+when a request is queued). xgrammar releases the GIL while it compiles, so a compile there never
+stalls the decode loop; two let a small grammar compile beside another instead of waiting behind it."""
+
+PROCESS_WORKERS = 2
+"""Child processes (`CompileProcess`, started on first use) that compile the grammars too large for
+the threads (`LIGHT_PATTERN_SIZE`), each with one xgrammar thread: at most this many cores are ever
+spent on such grammars, each at most `COMPILE_TIMEOUT_S`, and a small grammar never waits for one."""
+
+LIGHT_PATTERN_SIZE = 1_000
+"""A constraint whose patterns and length bounds stand for at most this many characters
+(`pattern_limits.pattern_size`, all together) compiles in a thread; a larger one in a child process.
+Measured worst cases within it (49,152-token vocabulary, 2 busy cores): a ``maxLength`` of 1,000,
+0.6-2 s; a regex ``[^"]{0,1000}``, 2.7-4.4 s; twenty strings of ``maxLength`` 200, 0.9 s; a schema
+of 3,000 properties, 1.7 s; typical tool schemas 0.05-0.16 s. Well under `COMPILE_TIMEOUT_S`, so a
+thread's compile, which cannot be stopped, is one that ends. Budget-fitted strings (`CAP_LIMIT` each) of up
+to this many characters together stay here too: they are compiled for every new ``max_tokens``."""
+
+COMPILE_TIMEOUT_S = 10.0
+"""Default wall-clock limit of one compile (``branchwise serve --grammar-timeout``). Measured on 2
+cores shared with other jobs (load 4-4.5), one xgrammar thread: typical tool schemas 0.05-0.16 s;
+the costliest grammars `pattern_limits` admits, a regex ``[^"]{0,1000}.{0,1000}`` 6.9-7.4 s and four
+strings of ``maxLength`` 1,000 3.7-5.3 s. Past it the request gets a 400 and the constraint is
+remembered (`TIMEOUT_REMEMBERED_S`)."""
 
 
 @dataclass(eq=False)
@@ -106,41 +161,57 @@ class Grammars:
     scheduler queues the request only once it is done, so its decode finds the grammar cached. The
     cache's lock is held only to look up and store, never while compiling: a cache hit never waits for
     another constraint's compile, and a constraint asked for twice while compiling compiles once.
+
+    Why two kinds of worker (`grammar_workers` has the measurements): a constraint whose patterns are
+    small (`LIGHT_PATTERN_SIZE`) compiles in a daemon thread of this process, and one whose patterns
+    are large in a child process (`PROCESS_WORKERS`), so a slow grammar never holds a thread a small
+    one needs. Every compile has `timeout_s`: past it the request fails with `GrammarTimeout`; a child
+    is killed, a thread (which cannot be) is abandoned and replaced, and while `COMPILE_WORKERS`
+    abandoned threads still run, every compile goes to a child. A constraint that failed, by time or
+    because the engine cannot compile it, is remembered and refused at once when asked for again.
     """
 
     tokenizer: PreTrainedTokenizerBase
     vocab_size: int
     eos_ids: set[int]
     stats: GrammarStats = field(default_factory=GrammarStats)
+    timeout_s: float = COMPILE_TIMEOUT_S
     _compiler: xgr.GrammarCompiler | None = None
+    _info: xgr.TokenizerInfo | None = None
     _cache: dict[str, xgr.CompiledGrammar] = field(default_factory=dict)
     _pending: dict[str, Future[xgr.CompiledGrammar]] = field(default_factory=dict)
+    _failed: dict[str, tuple[ConstraintError, float]] = field(default_factory=dict)
     _fits: dict[tuple[str, int], BudgetFit] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compiler_lock: threading.Lock = field(default_factory=threading.Lock)
-    _workers: ThreadPoolExecutor | None = None
+    _threads: Lane = field(default_factory=lambda: Lane("grammar", COMPILE_WORKERS))
+    _children: Lane = field(default_factory=lambda: Lane("grammar-child", PROCESS_WORKERS))
+    _idle: list[CompileProcess] = field(default_factory=list)
 
-    def compiler(self) -> xgr.GrammarCompiler:
-        with self._compiler_lock:  # built once, by whichever thread compiles first
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(
+    def tokenizer_info(self) -> xgr.TokenizerInfo:
+        with self._compiler_lock:  # built once, by whichever thread needs it first
+            if self._info is None:
+                self._info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.eos_ids)
                 )
+            return self._info
+
+    def compiler(self) -> xgr.GrammarCompiler:
+        info = self.tokenizer_info()
+        with self._compiler_lock:
+            if self._compiler is None:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
 
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
-        """The constraint's compiled grammar, compiled on first use (in this thread, unless a compile
-        of it is under way already: then that one is awaited) and cached by its canonical key."""
-        key, future, mine = self._claim(constraint)
-        if mine:
-            self._build(key, constraint, future)
-        return future.result()
+        """The constraint's compiled grammar, compiled on first use (by a worker, as `prepare`, within
+        `timeout_s`; this thread waits) and cached by its canonical key."""
+        return self._submit(constraint).result()
 
     def prepare(self, constraint: Constraint, max_tokens: int | None = None) -> Future[xgr.CompiledGrammar]:
-        """The constraint's compiled grammar as a future: done at once on a cache hit, else compiled
-        by a worker of this cache (`COMPILE_WORKERS`). A constraint the engine cannot compile
-        fails the future with `ConstraintError`.
+        """The constraint's compiled grammar as a future: done at once on a cache hit (or a remembered
+        failure), else compiled by a worker of this cache. A constraint the engine cannot compile, or
+        not within `timeout_s`, fails the future with `ConstraintError` (`GrammarTimeout`).
 
         With `max_tokens`, the grammar rows with that budget decode under: the constraint `fit` to
         it (`RowGrammars.attach`), done once the constraint's own grammar is compiled too (`extend`
@@ -148,16 +219,16 @@ class Grammars:
         """
         fitted = constraint if max_tokens is None else self.fit(constraint, max_tokens).constraint
         if fitted.key() != constraint.key():
-            return _both(self.prepare(constraint), self.prepare(fitted))
+            return both(self.prepare(constraint), self.prepare(fitted))
+        return self._submit(constraint)
+
+    def _submit(self, constraint: Constraint) -> Future[xgr.CompiledGrammar]:
         key, future, mine = self._claim(constraint)
         if mine:
-            with self._lock:
-                if self._workers is None:
-                    self._workers = ThreadPoolExecutor(
-                        COMPILE_WORKERS, thread_name_prefix="branchwise-grammar"
-                    )
-                workers = self._workers
-            workers.submit(self._build, key, constraint, future)
+            if _light(constraint) and self._threads.stuck_now < COMPILE_WORKERS:
+                self._threads.submit(lambda: self._in_thread(key, constraint, future))
+            else:
+                self._children.submit(lambda: self._in_child(key, constraint, future))
         return future
 
     def _claim(self, constraint: Constraint) -> tuple[str, Future[xgr.CompiledGrammar], bool]:
@@ -173,34 +244,128 @@ class Grammars:
                 self.stats.cache_hits += 1
                 future.set_result(hit)
                 return key, future, False
+            failed = self._failed.get(key)
+            if failed is not None and failed[1] > time.monotonic():
+                self.stats.refused += 1
+                future.set_exception(failed[0])
+                return key, future, False
             self._pending[key] = future
             return key, future, True
 
-    def _build(self, key: str, constraint: Constraint, future: Future[xgr.CompiledGrammar]) -> None:
-        """Compile `constraint` into the cache and settle `future` (with the grammar or the error)."""
+    def _in_thread(self, key: str, constraint: Constraint, future: Future[xgr.CompiledGrammar]) -> None:
+        """Compile in this (lane) thread; a timer fails the request at `timeout_s` if it runs on."""
+        worker = threading.get_ident()
+        timer = threading.Timer(self.timeout_s, self._overran, (key, constraint, future, worker))
+        timer.daemon = True
         start = time.perf_counter()
+        timer.start()
         try:
             compiled = _compile(self.compiler(), constraint)
-        except BaseException as err:
-            with self._lock:
-                self._pending.pop(key, None)
-            future.set_exception(err)
-            if not isinstance(err, Exception):
-                raise
+        except (RuntimeError, ValueError, TypeError) as err:  # xgrammar's refusals
+            self._settle(key, future, error=_engine_error(err, constraint))
             return
-        took = time.perf_counter() - start
+        except Exception as err:  # a fault, not the constraint's: its request fails, nothing is kept
+            self._settle(key, future, error=err)
+            return
+        finally:
+            timer.cancel()
+        self._settle(key, future, compiled, time.perf_counter() - start)
+
+    def _overran(
+        self, key: str, constraint: Constraint, future: Future[xgr.CompiledGrammar], worker: int
+    ) -> None:
+        """A thread's compile passed `timeout_s`: fail its request now, and replace the thread."""
+        if self._settle(key, future, error=self._timeout(constraint)):
+            with self._lock:
+                self.stats.abandoned += 1
+            self._threads.stuck(worker)
+            log.warning(
+                "a %s grammar still compiles in a thread after %.1f s: its request was refused; "
+                "the thread goes on until xgrammar returns",
+                constraint.kind,
+                self.timeout_s,
+            )
+
+    def _in_child(self, key: str, constraint: Constraint, future: Future[xgr.CompiledGrammar]) -> None:
+        """Compile in a child process, killed at `timeout_s`."""
         with self._lock:
-            self.stats.compiled += 1
-            self.stats.compile_s += took
-            self.stats.last_compile_s = took
-            self._cache[key] = compiled
-            self._pending.pop(key, None)
-        future.set_result(compiled)
+            child = self._idle.pop() if self._idle else None
+        try:
+            if child is None:
+                child = CompileProcess(self.tokenizer_info().serialize_json())
+            method, args, kwargs = _spec(constraint)
+            child.ready()
+            start = time.perf_counter()
+            text = child.compile(method, args, kwargs, self.timeout_s)
+            compiled = xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info())
+        except CompileTimedOut:
+            self._settle(key, future, error=self._timeout(constraint))
+        except CompileFailed as err:
+            self._settle(key, future, error=_engine_error(err, constraint))
+        except Exception as err:  # a fault, not the constraint's (no child could start): not kept
+            self._settle(key, future, error=err)
+        else:
+            with self._lock:
+                self.stats.in_child += 1
+            self._settle(key, future, compiled, time.perf_counter() - start)
+        finally:
+            if child is not None:
+                with self._lock:
+                    self._idle.append(child)
+
+    def _timeout(self, constraint: Constraint) -> GrammarTimeout:
+        where = _FIELD.get(constraint.kind, "constraint")
+        return GrammarTimeout(
+            f"{where}: the grammar engine did not compile this {constraint.kind} constraint within "
+            f"{self.timeout_s:g} s, the limit of this server: use fewer or shorter patterns and length "
+            "bounds"
+        )
+
+    def _settle(
+        self,
+        key: str,
+        future: Future[xgr.CompiledGrammar],
+        compiled: xgr.CompiledGrammar | None = None,
+        took: float = 0.0,
+        error: Exception | None = None,
+    ) -> bool:
+        """Cache `compiled` (or remember `error`) and settle `future`, unless it is settled already (a
+        timed-out thread's late result is dropped); whether this call settled it."""
+        with self._lock:
+            if self._pending.get(key) is not future:
+                return False
+            del self._pending[key]
+            if error is None:
+                assert compiled is not None
+                self.stats.compiled += 1
+                self.stats.compile_s += took
+                self.stats.last_compile_s = took
+                self._cache[key] = compiled
+            elif isinstance(error, ConstraintError):  # remembered: asked again, refused at once
+                timeout = isinstance(error, GrammarTimeout)
+                self.stats.timeouts += timeout
+                if len(self._failed) >= _FAILS_KEPT:
+                    self._failed.pop(next(iter(self._failed)))
+                until = time.monotonic() + TIMEOUT_REMEMBERED_S if timeout else float("inf")
+                self._failed[key] = (error, until)
+        if error is None:
+            future.set_result(compiled)  # type: ignore[arg-type]
+        else:
+            future.set_exception(error)
+        return True
+
+    def close(self) -> None:
+        """Stop the child processes (the threads end on their own: daemons, idle after a minute)."""
+        with self._lock:
+            children, self._idle = self._idle, []
+        for child in children:
+            child.close()
 
     def clear(self) -> None:
         with self._lock:
             self._cache.clear()
             self._fits.clear()
+            self._failed.clear()
 
     def fit(self, constraint: Constraint, max_tokens: int) -> BudgetFit:
         """`constraint` fitted to `max_tokens`, so that a valid output fits where the schema allows.
@@ -270,72 +435,71 @@ class Grammars:
         elif cap is not None:
             for tool in fields["tools"]:
                 tool["function"]["parameters"] = cap_strings(tool["function"]["parameters"], cap)
-        return BudgetFit(_Fitted(**fields, max_whitespace=ws), floor)
+        try:
+            return BudgetFit(_Fitted(**fields, max_whitespace=ws), floor)
+        except ValueError:  # many strings' caps past `pattern_limits` together: the whitespace alone
+            return BudgetFit(_Fitted(**constraint.model_dump(), max_whitespace=ws), floor)
 
 
-def _both(
-    first: Future[xgr.CompiledGrammar], second: Future[xgr.CompiledGrammar]
-) -> Future[xgr.CompiledGrammar]:
-    """A future done when both are: the first one's error, else the second one's result."""
-    if first.done() and second.done():
-        return first if first.exception() is not None else second
-    both: Future[xgr.CompiledGrammar] = Future()
-    lock = threading.Lock()
+_FIELD = {"json_schema": "json_schema", "regex": "pattern", "choice": "choices", "tool_calls": "tools"}
+"""The constraint's field an error about its grammar names, by kind."""
 
-    def settle(_: Future[xgr.CompiledGrammar]) -> None:
-        with lock:  # the two callbacks may run at once, in two workers
-            if both.done() or not (first.done() and second.done()):
-                return
-            error = first.exception() or second.exception()
-            if error is not None:
-                both.set_exception(error)
-            else:
-                both.set_result(second.result())
 
-    first.add_done_callback(settle)
-    second.add_done_callback(settle)
-    return both
+def _light(c: Constraint) -> bool:
+    """Whether `c` compiles in a thread: its patterns and length bounds are small (`LIGHT_PATTERN_SIZE`)."""
+    size = PatternSize()
+    try:
+        if c.kind == "regex" and c.pattern is not None:
+            size.add_pattern(c.pattern, "pattern")
+        elif c.json_schema is not None:
+            size.add_schema(c.json_schema, "json_schema")
+        for tool in c.tools:
+            size.add_schema(tool["function"]["parameters"], "tools")
+    except ValueError:  # past a limit (a constraint built without validation): the killable way
+        return False
+    return size.total <= LIGHT_PATTERN_SIZE
+
+
+def _spec(c: Constraint) -> tuple[str, list[Any], dict[str, Any]]:
+    """The `xgr.GrammarCompiler` method that compiles `c`, and its arguments (plain JSON, so that a
+    child process can be sent them)."""
+    whitespace = c.max_whitespace if isinstance(c, _Fitted) else MAX_WHITESPACE
+    if c.kind == "json_schema":
+        assert c.json_schema is not None
+        schema = json.dumps(cap_strings(c.json_schema, None))  # length bounds as patterns: `capped_string`
+        return "compile_json_schema", [schema], {"strict_mode": c.strict, "max_whitespace_cnt": whitespace}
+    if c.kind == "json_object":
+        return (
+            "compile_json_schema",
+            [json.dumps({"type": "object"})],
+            {"strict_mode": False, "max_whitespace_cnt": whitespace},
+        )
+    if c.kind == "regex":
+        assert c.pattern is not None
+        return "compile_regex", [c.pattern], {}
+    if c.kind == "choice":
+        rule = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in c.choices)
+        return "compile_grammar", [f"root ::= {rule}"], {}
+    tools = tuple(
+        {**t, "function": {**t["function"], "parameters": cap_strings(t["function"]["parameters"], None)}}
+        for t in c.tools
+    )
+    tag = c.model_copy(update={"tools": tools}).structural_tag(whitespace)
+    return "compile_structural_tag", [json.dumps(tag)], {}
 
 
 def _compile(compiler: xgr.GrammarCompiler, c: Constraint) -> xgr.CompiledGrammar:
-    field_name = {
-        "json_schema": "json_schema",
-        "regex": "pattern",
-        "choice": "choices",
-        "tool_calls": "tools",
-    }
-    whitespace = c.max_whitespace if isinstance(c, _Fitted) else MAX_WHITESPACE
-    try:
-        if c.kind == "json_schema":
-            assert c.json_schema is not None
-            return compiler.compile_json_schema(  # length bounds as patterns: `capped_string` says why
-                json.dumps(cap_strings(c.json_schema, None)),
-                strict_mode=c.strict,
-                max_whitespace_cnt=whitespace,
-            )
-        if c.kind == "json_object":
-            return compiler.compile_json_schema(
-                json.dumps({"type": "object"}), strict_mode=False, max_whitespace_cnt=whitespace
-            )
-        if c.kind == "regex":
-            assert c.pattern is not None
-            return compiler.compile_regex(c.pattern)
-        if c.kind == "choice":
-            rule = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in c.choices)
-            return compiler.compile_grammar(f"root ::= {rule}")
-        tools = tuple(
-            {**t, "function": {**t["function"], "parameters": cap_strings(t["function"]["parameters"], None)}}
-            for t in c.tools
-        )
-        return compiler.compile_structural_tag(
-            c.model_copy(update={"tools": tools}).structural_tag(whitespace)
-        )
-    except (RuntimeError, ValueError, TypeError) as err:
-        where = field_name.get(c.kind, "constraint")
-        reason = _LOG_PREFIX.sub("", str(err)).strip()
-        raise ConstraintError(
-            f"{where}: the grammar engine cannot compile this {c.kind} constraint ({reason})"
-        ) from None
+    method, args, kwargs = _spec(c)
+    return getattr(compiler, method)(*args, **kwargs)
+
+
+def _engine_error(err: Exception, c: Constraint) -> ConstraintError:
+    """xgrammar's refusal of `c` (raised here or in a child) as the `ConstraintError` a request gets."""
+    reason = _LOG_PREFIX.sub("", str(err)).strip()
+    return ConstraintError(
+        f"{_FIELD.get(c.kind, 'constraint')}: the grammar engine cannot compile this {c.kind} "
+        f"constraint ({reason})"
+    )
 
 
 class RowGrammars:

@@ -288,3 +288,16 @@ def test_the_serve_commands_default_limit_is_the_libraries() -> None:
     serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
     (option,) = [p for p in serve.params if "--grammar-timeout" in p.opts]
     assert option.default == COMPILE_TIMEOUT_S
+
+
+def test_the_cache_forgets_the_least_recently_used_past_its_bytes(
+    grammars: Grammars, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second, third = (small(i) for i in range(3))
+    one = grammars.compile(first).memory_size_bytes
+    monkeypatch.setattr(grammar, "CACHE_BYTES", 2 * one + one // 2)  # room for two such grammars
+    grammars.compile(second)
+    grammars.compile(first)  # a hit: now the most recently used
+    grammars.compile(third)  # past the bytes: `second` goes
+    assert list(grammars._cache) == [first.key(), third.key()]
+    assert grammars.stats.compiled == 3 and grammars.stats.cache_hits == 1

@@ -192,8 +192,23 @@ def step_description(backend: HFBackend) -> str:
     kind = "+".join(
         [*(["compiled"] if stepper.compiler is not None else []), *(["graphs"] if stepper.recorder else [])]
     )
-    failed = stepper.compiler.failed if stepper.compiler is not None else None
-    return (kind or "eager") + (f" (compilation failed: {failed})" if failed else "")
+    compiler = stepper.compiler
+    if compiler is None:
+        return kind or "eager"
+    status = compiler.status()
+    left = "; ".join(status["uncompiled"])
+    return f"{kind} ({status['compiled']} kinds compiled, {status['loaded']} loaded" + (
+        f"; uncompiled: {left})" if left else ")"
+    )
+
+
+def settle(backend: HFBackend, timeout_s: float = 3600.0) -> None:
+    """Wait until no kind of batch is compiling in the background (`StepCompiler.wait`): a benchmark
+    of the compiled step calls it after its warm-up, so that it times compiled steps; requests
+    never wait for it."""
+    compiler = backend.engine.stepper.compiler
+    if compiler is not None:
+        compiler.wait(timeout_s)
 
 
 def add_decode_step_option(parser: argparse.ArgumentParser, default: str = "auto", why: str = "") -> None:

@@ -256,6 +256,20 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float, what
     raise RuntimeError(f"{what} did not answer /health within {timeout_s:.0f} s")
 
 
+def wait_compiled(url: str, timeout_s: float) -> float:
+    """Wait until `branchwise serve` at `url` compiles no kind of batch in the background (its
+    /health `decode_compile.compiling` is 0, or absent where steps do not compile): what a benchmark
+    of the compiled step's speed waits for before it times anything (requests never wait for it).
+    Returns the seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        state = httpx.get(f"{url}/health", timeout=10).json().get("decode_compile") or {}
+        if not state.get("compiling"):
+            break
+        time.sleep(1.0)
+    return round(time.monotonic() - start, 1)
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.terminate()

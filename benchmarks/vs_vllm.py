@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import httpx
 from _common import Bench, BenchParser, add_decode_step_option, machine, set_threads, step_description
 from prefix_sharing import PASSAGE
-from serve_load import _free_port, _start, _stop, serve_options, wait_healthy
+from serve_load import _free_port, _start, _stop, serve_options, wait_compiled, wait_healthy
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
@@ -293,7 +293,10 @@ def main(argv: list[str] | None = None) -> None:
         set_threads(args.threads)
         started = time.perf_counter()
         backend = HFBackend(args.model, device=args.device, dtype=args.dtype, decode_step=args.decode_step)
-        backend.warm_up()  # as `branchwise serve` does before it listens
+        # the first kinds of batch, compiled before anything is timed (a server compiles them in the
+        # background while it already answers: this benchmark measures the compiled speed)
+        backend.warm_up(wait=3600)
+        compile_wait_s = wait_compiled(f"http://127.0.0.1:{serve_port}", 3600)
         bench = Bench("vs_vllm", args, backend, started)
         sides: list[Any] = [Server("vllm", vllm_url), Server("serve", f"http://127.0.0.1:{serve_port}")]
         sides.append(InProcess(backend))
@@ -316,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
                 "versions": versions,
                 "prepacked": packed,
                 "decode_step": step_description(backend),
+                "serve_compile_wait_s": compile_wait_s,
                 "settle": {"waited_s": round(settle.waited_s, 2), "unsettled": settle.unsettled},
             }
         )

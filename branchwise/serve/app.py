@@ -194,6 +194,9 @@ def _routes(app: FastAPI, server: Server) -> None:
             "strategy_runs": runs,
             "batching": {**scheduler.stats.as_dict(), "continuous": scheduler.admits},
         }
+        compiling = getattr(server.backend, "decode_compile", None)
+        if compiling is not None:  # the compiled decode step's progress (a local backend's)
+            out["decode_compile"] = compiling
         kv = server.kv()
         return out if kv is None else {**out, "kv": kv}
 

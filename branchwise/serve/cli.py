@@ -135,9 +135,9 @@ def serve_command(
     decode_step: Annotated[
         str,
         typer.Option(
-            help="How decode steps run: auto (compiled and captured as CUDA graphs on a GPU, eager "
-            "elsewhere), compiled, graphs, eager or layers. Where steps compile, the server compiles "
-            "them before it listens."
+            help="How decode steps run: auto (compiled, and captured as CUDA graphs on a GPU), "
+            "compiled, graphs, eager or layers. Compiled steps are compiled by a worker process in the "
+            "background while the same steps run uncompiled, so no request waits; /health shows the progress."
         ),
     ] = "auto",
 ) -> None:
@@ -191,8 +191,8 @@ def serve_command(
             backend.prefill_chunk = prefill_chunk
             backend.prefill_share = prefill_share
         if hasattr(backend, "decode_step"):
-            try:
-                backend.decode_step = decode_step
+            try:  # a server lives long: compiled steps pay back their (background) compilation
+                backend.decode_step = "compiled" if decode_step == "auto" else decode_step
             except ValueError as err:
                 raise typer.BadParameter(str(err), param_hint="--decode-step") from None
         app = create_app(
@@ -216,13 +216,13 @@ def serve_command(
             strategy_timeout_s=strategy_timeout,
         )
         _log_to_stderr()
-        if hasattr(backend, "warm_up"):  # compiles the decode step where it is compiled, else nothing
+        if hasattr(backend, "warm_up"):  # starts compiling the first kinds of batch, without waiting
             warmed = backend.warm_up()
-            if warmed["compiles"]:
+            if warmed["compiling"]:
                 logging.getLogger("branchwise.serve").info(
-                    "compiled the decode step for its first kinds of batch (%d compilations, %.1f s)",
-                    warmed["compiles"],
-                    warmed["seconds"],
+                    "compiling the decode step for %d kinds of batch in a worker process; steps run "
+                    "uncompiled until then (progress: /health)",
+                    warmed["compiling"],
                 )
         address, bound = sock.getsockname()[:2]
         shown = f"[{address}]" if ":" in address else address

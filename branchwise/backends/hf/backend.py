@@ -458,6 +458,13 @@ class HFBackend:
     def reset_stats(self) -> None:
         self._default.reset_stats()
 
+    @property
+    def decode_compile(self) -> dict[str, Any] | None:
+        """Where compiling the decode step stands (`StepCompiler.status`: kinds compiled, loaded
+        from the cache, compiling now, left uncompiled and why); None where steps do not compile."""
+        compiler = self.engine.stepper.compiler
+        return None if compiler is None else compiler.status()
+
     def warm_up(self, wait: float | None = 0.0) -> dict[str, Any]:
         """Start compiling the decode step for the kinds of batch a server meets first (one row,
         several rows, several rows over a shared prompt) by decoding a few tokens of each, which run

@@ -43,7 +43,7 @@ def build_parts(spec: dict[str, Any]) -> DecoderParts:
     dtype = getattr(torch, spec["dtype"])
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model = model.to(torch.device(spec["device"])).eval()  # type: ignore[arg-type]
+    model = model.to(torch.device(spec["device"])).eval()
     register()
     model.set_attn_implementation(ATTN_NAME)
     if spec["prepacked"]:
@@ -91,7 +91,7 @@ def compile_kind(step: Any, graph: StepGraph, path: Path) -> None:
 
     mark_sizes(graph)
     # sizes that happen to be equal in the skeleton must not be assumed equal in real batches
-    with torch.inference_mode(), fx_config.patch(use_duck_shape=False):
+    with torch.inference_mode(), fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
         compiled = step.aot_compile(((graph,), {}))
     compiled.save_compiled_function(str(path))
 
@@ -106,7 +106,7 @@ def serializable(entries: list[Any]) -> list[bool]:
         not (
             e.is_global
             or e.guard_type in unsupported
-            or (isinstance(e.value, torch.Tensor) and e.value.layout == torch._mkldnn)
+            or (isinstance(e.value, torch.Tensor) and e.value.layout == torch._mkldnn)  # type: ignore[attr-defined]
         )
         for e in entries
     ]

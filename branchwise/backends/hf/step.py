@@ -32,11 +32,11 @@ buys is fusion: the eager step is ~40 kernels a layer (norms, rotary, residual a
 elementwise kernel each), which on a GPU sets the replayed graph's length and on a CPU its
 per-operation overhead; inductor fuses each run of elementwise work into one kernel. On CUDA the
 compiled step is then recorded as CUDA graphs like the eager one. A compilation costs tens of
-seconds per kind (minutes on a small CPU), so it pays in a process that decodes for long: a
-server, an eval. A step that could not run compiled is never hidden: it runs uncompiled (from
-then on, for this engine, where compilation failed; for that kind of batch alone, past the
-recompile limit), the run's statistics count the uncompiled steps and the notes say why
-(`step_compiler.py`).
+seconds per kind (minutes on a small CPU); it runs in a worker process, never inside a step: a
+kind not yet compiled runs uncompiled until its compiled step is loaded. A step that could not run
+compiled is never hidden: it runs uncompiled (its kind compiling, its compilation failed, its
+compiled step refused the batch), the run's statistics count the uncompiled steps and the notes
+say why (`step_compiler.py`).
 """
 
 from __future__ import annotations

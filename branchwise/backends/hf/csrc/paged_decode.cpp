@@ -1,0 +1,393 @@
+// Decode attention over a paged KV pool, read in place, returning the output and its log-sum-exp.
+//
+// Why a kernel of our own: a pool of fixed-size KV blocks (a block table per row) only pays on a
+// CPU if attention reads each row's blocks where they lie. Gathering them into a padded copy
+// first costs one copy of every KV byte per layer per step (2-3x the attention itself on 2 cores).
+// The log-sum-exp comes back with the output because the cascade (a shared prefix read once for
+// all rows, each row's own KV apart) merges partial attentions by it.
+//
+// Layout: k_pool / v_pool `[N_blocks, H_kv, BS, D]` (any strides on the first three dims, the
+// last contiguous), so one (block, head) is one contiguous run of BS x D values; q `[B, Hq, D]`,
+// Hq a multiple of H_kv (grouped-query attention: the G = Hq / H_kv query heads of a KV head read
+// its keys once); block_table `[B, M]` int32, lens `[B]` int32 (a row's tokens are its first
+// ceil(len / BS) blocks' first `len` slots). Out `[B, Hq, D]` in q's dtype, lse `[B, Hq]` float32
+// (natural log of the sum of exp(scale * q.k)); a row of length 0 gives zeros and -inf.
+//
+// Work: each (row, KV head) is cut into chunks of whole blocks; chunks run on torch's threads,
+// pulled longest first from a shared counter (rows of unequal length balance themselves), each
+// an online softmax over tiles of tokens in fp32; a row cut into several chunks (one long row on
+// many cores: flash-decoding) has them merged by log-sum-exp at the end.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVecLen = Vec::size();
+constexpr int64_t kTileTokens = 64;  // tokens scored before one softmax update (whole blocks)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// q . row for each of `n` rows, into s[0..n): q held in registers when the head size is known at
+// compile time (kD > 0, a multiple of the vector width), else looped over d.
+template <int kD>
+inline void score_rows(const float* q, const float* const* rows, int64_t n, float* s, int64_t d) {
+  if constexpr (kD > 0) {
+    constexpr int64_t kV = kD / kVecLen;
+    Vec qv[kV];
+    for (int64_t i = 0; i < kV; ++i) qv[i] = Vec::loadu(q + i * kVecLen);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* r = rows[t];
+      Vec acc = qv[0] * Vec::loadu(r);
+      for (int64_t i = 1; i < kV; ++i) acc = at::vec::fmadd(qv[i], Vec::loadu(r + i * kVecLen), acc);
+      s[t] = acc.reduce_add();
+    }
+  } else {
+    for (int64_t t = 0; t < n; ++t) {
+      const float* r = rows[t];
+      int64_t i = 0;
+      Vec acc(0.f);
+      for (; i + kVecLen <= d; i += kVecLen) acc = at::vec::fmadd(Vec::loadu(q + i), Vec::loadu(r + i), acc);
+      float total = acc.reduce_add();
+      for (; i < d; ++i) total += q[i] * r[i];
+      s[t] = total;
+    }
+  }
+}
+
+// acc = acc * alpha + sum_t p[t] * rows[t], the accumulator held in registers when kD > 0.
+template <int kD>
+inline void accumulate_rows(float* acc, float alpha, const float* p, const float* const* rows, int64_t n,
+                            int64_t d) {
+  if constexpr (kD > 0) {
+    constexpr int64_t kV = kD / kVecLen;
+    Vec a[kV];
+    const Vec av(alpha);
+    for (int64_t i = 0; i < kV; ++i) a[i] = Vec::loadu(acc + i * kVecLen) * av;
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec w(p[t]);
+      const float* r = rows[t];
+      for (int64_t i = 0; i < kV; ++i) a[i] = at::vec::fmadd(w, Vec::loadu(r + i * kVecLen), a[i]);
+    }
+    for (int64_t i = 0; i < kV; ++i) a[i].store(acc + i * kVecLen);
+  } else {
+    for (int64_t i = 0; i < d; ++i) acc[i] *= alpha;
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec w(p[t]);
+      const float* r = rows[t];
+      int64_t i = 0;
+      for (; i + kVecLen <= d; i += kVecLen) at::vec::fmadd(w, Vec::loadu(r + i), Vec::loadu(acc + i)).store(acc + i);
+      for (; i < d; ++i) acc[i] += p[t] * r[i];
+    }
+  }
+}
+
+inline void axpy(float* acc, float w, const float* x, int64_t d) {
+  const Vec wv(w);
+  int64_t i = 0;
+  for (; i + kVecLen <= d; i += kVecLen) at::vec::fmadd(wv, Vec::loadu(x + i), Vec::loadu(acc + i)).store(acc + i);
+  for (; i < d; ++i) acc[i] += w * x[i];
+}
+
+template <typename scalar_t>
+inline void store(scalar_t* dst, const float* src, float w, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<scalar_t>(src[i] * w);
+}
+
+// Pointers to the tile's `n` token rows (blocks [t0, t1) of the row's table) as floats: into the
+// pool itself for fp32, else converted into `scratch` (kTileTokens x D floats).
+template <typename scalar_t>
+inline int64_t tile_rows(const scalar_t* pool, const int32_t* blocks, int64_t t0, int64_t t1, int64_t len,
+                         int64_t BS, int64_t sN, int64_t sH, int64_t sT, int64_t head, int64_t D,
+                         float* scratch, const float** rows) {
+  int64_t n = 0;
+  for (int64_t j = t0; j < t1; ++j) {
+    const int64_t valid = std::min(BS, len - j * BS);
+    const scalar_t* base = pool + blocks[j] * sN + head * sH;
+    for (int64_t t = 0; t < valid; ++t, ++n) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        rows[n] = base + t * sT;
+      } else {
+        at::vec::convert(base + t * sT, scratch + n * D, D);
+        rows[n] = scratch + n * D;
+      }
+    }
+  }
+  return n;
+}
+
+inline int64_t tile_blocks_of(int64_t BS) { return std::max<int64_t>(1, kTileTokens / BS); }
+
+// Ask for the KV of blocks [j0, j1) ahead of their reading: a row's blocks lie anywhere in the
+// pool, so the hardware prefetcher, which follows one address stream within a page, restarts at
+// every block; issuing the next tile's lines while this one is computed hides that.
+template <typename scalar_t>
+inline void prefetch_blocks(const scalar_t* k_pool, const scalar_t* v_pool, const int32_t* blocks, int64_t j0,
+                            int64_t j1, int64_t len, int64_t BS, int64_t sN, int64_t sH, int64_t sT,
+                            int64_t head, int64_t D) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);  // values per cache line
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t valid = std::min(BS, len - j * BS);
+    const int64_t offset = blocks[j] * sN + head * sH;
+    if (sT == D) {  // the (block, head) is one contiguous run
+      for (int64_t i = 0; i < valid * D; i += kLine) {
+        __builtin_prefetch(k_pool + offset + i, 0, 3);
+        __builtin_prefetch(v_pool + offset + i, 0, 3);
+      }
+    } else {
+      for (int64_t t = 0; t < valid; ++t) {
+        for (int64_t i = 0; i < D; i += kLine) {
+          __builtin_prefetch(k_pool + offset + t * sT + i, 0, 3);
+          __builtin_prefetch(v_pool + offset + t * sT + i, 0, 3);
+        }
+      }
+    }
+  }
+}
+
+inline int64_t tile_tokens_of(int64_t BS) { return tile_blocks_of(BS) * BS; }
+
+// floats of one worker's scratch (`run_chunk`'s `ws`)
+inline int64_t workspace_floats(int64_t G, int64_t D, int64_t BS) {
+  return G * D * 2 + G * tile_tokens_of(BS) + 2 * tile_tokens_of(BS) * D + 2 * G;
+}
+
+struct Chunk {
+  int64_t row, head, first, last;  // blocks [first, last) of the row's table
+  int64_t slot;                    // where a split row's partial result goes (-1: not split)
+};
+
+// One chunk's online softmax over tiles of whole blocks: writes the normalised output (G x D
+// floats) and the log-sum-exp (G floats). Each tile's K rows are scored for the G query heads
+// (the keys read once from memory, then from L1), then its V rows accumulated likewise.
+template <typename scalar_t, int kD>
+void run_chunk(const Chunk& c, const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
+               const int32_t* table, int64_t table_stride, int64_t len, int64_t sN, int64_t sH,
+               int64_t sT, int64_t q_stride_b, int64_t G, int64_t D, int64_t BS, float scale,
+               float* ws, const float** ptrs, float* out, float* lse) {
+  const int64_t tile_blocks = tile_blocks_of(BS), tile_cap = tile_tokens_of(BS);
+  float* qf = ws;                        // G x D, scaled
+  float* acc = qf + G * D;               // G x D
+  float* scores = acc + G * D;           // G x tile_cap
+  float* kbuf = scores + G * tile_cap;   // tile_cap x D (bf16 -> fp32)
+  float* vbuf = kbuf + tile_cap * D;     // tile_cap x D
+  float* m = vbuf + tile_cap * D;        // G running maxima
+  float* l = m + G;                      // G running sums
+  const float** krows = ptrs;             // tile_cap row pointers each
+  const float** vrows = ptrs + tile_cap;
+  for (int64_t g = 0; g < G; ++g) {
+    const scalar_t* qg = q + c.row * q_stride_b + (c.head * G + g) * D;
+    for (int64_t i = 0; i < D; ++i) qf[g * D + i] = static_cast<float>(qg[i]) * scale;
+    m[g] = kNegInf;
+    l[g] = 0.f;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  const int32_t* blocks = table + c.row * table_stride;
+  for (int64_t t0 = c.first; t0 < c.last; t0 += tile_blocks) {
+    const int64_t t1 = std::min(c.last, t0 + tile_blocks);
+    prefetch_blocks(k_pool, v_pool, blocks, t1, std::min(c.last, t1 + tile_blocks), len, BS, sN, sH, sT,
+                    c.head, D);
+    const int64_t n = tile_rows(k_pool, blocks, t0, t1, len, BS, sN, sH, sT, c.head, D, kbuf, krows);
+    tile_rows(v_pool, blocks, t0, t1, len, BS, sN, sH, sT, c.head, D, vbuf, vrows);
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = scores + g * tile_cap;
+      score_rows<kD>(qf + g * D, krows, n, s, D);
+      // the softmax update: new max, what came before rescaled, the tile exponentiated
+      const float tile_max =
+          at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
+      const float m_new = std::max(m[g], tile_max);
+      const float alpha = m[g] == kNegInf ? 0.f : std::exp(m[g] - m_new);
+      at::vec::map([m_new](Vec x) { return (x - Vec(m_new)).exp_u20(); }, s, s, n);
+      l[g] = l[g] * alpha + at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, n);
+      m[g] = m_new;
+      accumulate_rows<kD>(acc + g * D, alpha, s, vrows, n, D);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = acc[g * D + i] * inv;
+    lse[g] = l[g] > 0.f ? m[g] + std::log(l[g]) : kNegInf;
+  }
+}
+
+template <typename scalar_t>
+void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                       const at::Tensor& block_table, const at::Tensor& lens, double scale,
+                       int64_t chunk_blocks, at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t H = k_pool.size(1), BS = k_pool.size(2);
+  const int64_t G = Hq / H;
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
+  const int32_t* len_of = lens.data_ptr<int32_t>();
+
+  // the chunks: each (row, head) cut into runs of `chunk_blocks` blocks
+  std::vector<int64_t> row_blocks(B);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    row_blocks[b] = (len_of[b] + BS - 1) / BS;
+    total += row_blocks[b] * H;
+  }
+  const int64_t threads = at::get_num_threads();
+  if (chunk_blocks <= 0) {
+    // enough chunks to keep every thread busy to the end (8 per thread), none under 4 blocks
+    chunk_blocks = std::max<int64_t>(4, (total + 8 * threads - 1) / (8 * threads));
+  }
+  std::vector<Chunk> chunks;
+  int64_t slots = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nb = row_blocks[b];
+    const int64_t splits = std::max<int64_t>(1, (nb + chunk_blocks - 1) / chunk_blocks);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t first = s * chunk_blocks, last = std::min(nb, first + chunk_blocks);
+        chunks.push_back({b, h, first, last, splits > 1 ? slots++ : -1});
+      }
+    }
+  }
+  // longest first, so the last chunks pulled are the short ones
+  std::stable_sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) {
+    return a.last - a.first > b.last - b.first;
+  });
+  at::Tensor part_o = at::empty({std::max<int64_t>(slots, 1), G, D}, q.options().dtype(at::kFloat));
+  at::Tensor part_l = at::empty({std::max<int64_t>(slots, 1), G}, q.options().dtype(at::kFloat));
+  float* po = part_o.data_ptr<float>();
+  float* pl = part_l.data_ptr<float>();
+  float* lse_p = lse.data_ptr<float>();
+  scalar_t* out_p = out.data_ptr<scalar_t>();
+  const scalar_t* q_p = q.data_ptr<scalar_t>();
+  const scalar_t* k_p = k_pool.data_ptr<scalar_t>();
+  const scalar_t* v_p = v_pool.data_ptr<scalar_t>();
+  const int64_t sN = k_pool.stride(0), sH = k_pool.stride(1), sT = k_pool.stride(2);
+  TORCH_CHECK(v_pool.stride(0) == sN && v_pool.stride(1) == sH && v_pool.stride(2) == sT,
+              "paged_decode: k_pool and v_pool must have the same strides");
+  const float fscale = static_cast<float>(scale);
+
+  // the head size as a compile-time constant where it is a common one (the loops then keep q and
+  // the accumulator in registers)
+  auto run = &run_chunk<scalar_t, 0>;
+  if (D == 64 && D % kVecLen == 0) run = &run_chunk<scalar_t, 64>;
+  if (D == 128 && D % kVecLen == 0) run = &run_chunk<scalar_t, 128>;
+
+  std::atomic<int64_t> next{0};
+  const int64_t n_chunks = static_cast<int64_t>(chunks.size());
+  at::parallel_for(0, std::min(threads, n_chunks), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(G * D), l(G), ws(workspace_floats(G, D, BS));
+    std::vector<const float*> ptrs(2 * tile_tokens_of(BS));
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (int64_t i = next.fetch_add(1); i < n_chunks; i = next.fetch_add(1)) {
+        const Chunk& c = chunks[i];
+        float* o_dst = c.slot >= 0 ? po + c.slot * G * D : o.data();
+        float* l_dst = c.slot >= 0 ? pl + c.slot * G : l.data();
+        run(c, q_p, k_p, v_p, table, table_stride, len_of[c.row], sN, sH, sT, q.stride(0), G, D, BS,
+            fscale, ws.data(), ptrs.data(), o_dst, l_dst);
+        if (c.slot < 0) {  // a whole row: its result is final
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t qh = c.head * G + g;
+            store(out_p + c.row * Hq * D + qh * D, o_dst + g * D, 1.f, D);
+            lse_p[c.row * Hq + qh] = l_dst[g];
+          }
+        }
+      }
+    }
+  });
+  if (slots == 0) return;
+  // rows cut into chunks: merge each (row, head)'s partial results by log-sum-exp
+  std::vector<int64_t> first_slot(B * H, -1), n_slots(B * H, 0);
+  for (const Chunk& c : chunks) {
+    if (c.slot < 0) continue;
+    const int64_t key = c.row * H + c.head;
+    if (first_slot[key] < 0 || c.slot < first_slot[key]) first_slot[key] = c.slot;
+    ++n_slots[key];
+  }
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t key = begin; key < end; ++key) {
+      if (first_slot[key] < 0) continue;
+      const int64_t b = key / H, h = key % H;
+      for (int64_t g = 0; g < G; ++g) {
+        float top = kNegInf;
+        for (int64_t s = 0; s < n_slots[key]; ++s) top = std::max(top, pl[(first_slot[key] + s) * G + g]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float sum = 0.f;
+        if (top != kNegInf) {
+          for (int64_t s = 0; s < n_slots[key]; ++s) {
+            const int64_t slot = first_slot[key] + s;
+            const float w = std::exp(pl[slot * G + g] - top);
+            sum += w;
+            axpy(acc.data(), w, po + (slot * G + g) * D, D);
+          }
+        }
+        const int64_t qh = h * G + g;
+        store(out_p + b * Hq * D + qh * D, acc.data(), sum > 0.f ? 1.f / sum : 0.f, D);
+        lse_p[b * Hq + qh] = sum > 0.f ? top + std::log(sum) : kNegInf;
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool,
+                                                const at::Tensor& v_pool,
+                                                const at::Tensor& block_table,
+                                                const at::Tensor& lens, double scale,
+                                                int64_t chunk_blocks) {
+  TORCH_CHECK(q_in.dim() == 3, "paged_decode: q must be [B, Hq, D]");
+  TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "paged_decode: pools must be [N, H_kv, BS, D]");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "paged_decode: k_pool and v_pool differ in shape");
+  TORCH_CHECK(q_in.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "paged_decode: q, k_pool and v_pool must share a dtype");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
+              "paged_decode: float32 or bfloat16 only, got ", q_in.scalar_type());
+  TORCH_CHECK(k_pool.stride(3) == 1 && v_pool.stride(3) == 1, "paged_decode: head dim must be contiguous");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && lens.scalar_type() == at::kInt,
+              "paged_decode: block_table and lens must be int32");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1, "paged_decode: block_table [B, M], rows contiguous");
+  const int64_t B = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2);
+  const int64_t N = k_pool.size(0), H = k_pool.size(1), BS = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == D, "paged_decode: head sizes differ (q ", D, ", pool ", k_pool.size(3), ")");
+  TORCH_CHECK(H > 0 && Hq % H == 0, "paged_decode: query heads (", Hq, ") not a multiple of KV heads (", H, ")");
+  TORCH_CHECK(block_table.size(0) == B && lens.numel() == B, "paged_decode: block_table and lens need B rows");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor lens_c = lens.contiguous();
+  const int32_t* len_of = lens_c.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t M = block_table.size(1);
+  for (int64_t b = 0; b < B; ++b) {  // every block a row reads lies in the pool
+    TORCH_CHECK(len_of[b] >= 0 && len_of[b] <= M * BS, "paged_decode: row ", b, " length ", len_of[b],
+                " outside 0..", M * BS);
+    for (int64_t j = 0; j < (len_of[b] + BS - 1) / BS; ++j) {
+      const int32_t blk = table[b * block_table.stride(0) + j];
+      TORCH_CHECK(blk >= 0 && blk < N, "paged_decode: row ", b, " block ", j, " is ", blk,
+                  ", outside the pool of ", N);
+    }
+  }
+  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
+  if (B == 0) return {out, lse};
+  if (q.scalar_type() == at::kFloat) {
+    paged_decode_impl<float>(q, k_pool, v_pool, block_table, lens_c, scale, chunk_blocks, out, lse);
+  } else {
+    paged_decode_impl<at::BFloat16>(q, k_pool, v_pool, block_table, lens_c, scale, chunk_blocks, out, lse);
+  }
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(branchwise, m) {
+  m.def(
+      "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor lens, "
+      "float scale, int chunk_blocks=0) -> (Tensor out, Tensor lse)");
+}
+
+TORCH_LIBRARY_IMPL(branchwise, CPU, m) { m.impl("paged_decode", &paged_decode); }

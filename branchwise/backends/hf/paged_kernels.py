@@ -1,0 +1,243 @@
+"""Decode attention over a paged KV pool read in place, with its log-sum-exp: a CPU kernel of our own.
+
+Why: a pool of fixed-size KV blocks (a block table per row, as vLLM and SGLang keep KV) holds
+each row at its own length instead of the longest row's, but on a CPU it pays only if attention
+reads each row's blocks where they lie: gathering them into a padded copy for SDPA first cost 2-3x
+the attention itself (`benchmarks/paged_attention.py`). PyTorch has no such reader on the CPU
+(FlexAttention's paged block mask compiles there but cannot return the log-sum-exp under
+compilation, and the cascade merges partial attentions by it), so `csrc/paged_decode.cpp` is one:
+a `torch.library` op, `torch.ops.branchwise.paged_decode`, parallel over (row, KV head, chunk of
+blocks) on torch's threads, an online softmax per tile of tokens in fp32, vectorized with torch's
+own `at::vec` for the instruction set torch itself dispatches to on this CPU.
+
+It is compiled on first use (`build`, ~30-60 s on 2 cores; then loaded from
+`$BRANCHWISE_CACHE_DIR/extensions`, well under a second) with torch's `cpp_extension`, and carries
+a fake kernel so it sits inside `torch.compile(fullgraph=True)` as one opaque operation. Where no
+compiler is found or the build fails, `build()` returns the reason instead of raising, so a caller
+falls back and says why; `paged_decode` raises `PagedKernelUnavailable` with that reason.
+
+`paged_decode_reference` is the same arithmetic in plain torch (gather, then an explicit softmax):
+what the tests and the benchmark compare the kernel against, never a fallback on a hot path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from branchwise.backends.hf.embedded import branchwise_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+"""The kernel's source, shipped as package data (pyproject's `package-data`)."""
+
+OP_NAME = "branchwise::paged_decode"
+
+
+class PagedKernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here; the message says why."""
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """How the extension was obtained in this process: the library's path, the seconds `build()`
+    took, and whether a previous build was found in the cache (`cached`) or compiled now."""
+
+    path: Path
+    seconds: float
+    cached: bool
+
+
+_lock = threading.Lock()
+_info: BuildInfo | None = None
+_reason: str | None = None
+_tried = False
+
+
+def _capability_flags() -> list[str]:
+    """Compiler flags for the instruction set torch's own kernels use on this CPU (`at::vec` picks
+    its implementation from the CPU_CAPABILITY macros, as torch's build does): the op is then as
+    portable as torch's dispatch, with no guess about the machine beyond what torch detected."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
+        return [
+            "-DCPU_CAPABILITY=AVX512",
+            "-DCPU_CAPABILITY_AVX512",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512dq",
+            "-mfma",
+        ]
+    if capability == "AVX2":
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]  # at::vec's portable fallback (any CPU torch runs on)
+
+
+def _cflags() -> list[str]:
+    # at::parallel_for is inline over OpenMP in an OpenMP build of torch: without -fopenmp the
+    # pragma is ignored and the kernel runs on one thread
+    openmp = ["-fopenmp"] if torch._C.has_openmp else []
+    return ["-O3", *openmp, *_capability_flags()]
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _extension_name(cflags: list[str]) -> str:
+    """A name per source, flags, torch and machine: a cache shared by machines or torch versions
+    never loads a library built for another (the build directory is per name)."""
+    key = "\n".join(
+        [SOURCE.read_text(encoding="utf-8"), *cflags, torch.__version__, platform.machine(), _compiler()]
+    )
+    return "branchwise_paged_decode_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    """Where built extensions are kept between processes."""
+    return branchwise_cache_dir() / "extensions"
+
+
+def build() -> str | None:
+    """Build (or load the cached build of) the kernel once per process; None when it is ready,
+    else why not (no compiler, no ninja, a build error), so the caller can fall back and say so."""
+    global _info, _reason, _tried
+    with _lock:
+        if _tried:
+            return _reason
+        _tried = True
+        try:
+            _info = _build()
+        except Exception as exc:  # every failure is reported as the reason, never raised
+            _reason = f"{type(exc).__name__}: {exc}"[:2000]
+            log.warning("paged decode kernel unavailable: %s", _reason)
+        return _reason
+
+
+def _build() -> BuildInfo:
+    if not SOURCE.is_file():
+        raise PagedKernelUnavailable(f"the kernel's source is not installed ({SOURCE})")
+    compiler = _compiler()
+    if shutil.which(compiler) is None:
+        raise PagedKernelUnavailable(f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)")
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        raise PagedKernelUnavailable("torch builds extensions with ninja, which is not installed")
+    cflags = _cflags()
+    name = _extension_name(cflags)
+    directory = build_dir() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"{name}.so"
+    cached = library.is_file()
+    started = time.perf_counter()
+    cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=cflags,
+        extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    _register_fake()
+    seconds = time.perf_counter() - started
+    log.info("paged decode kernel %s in %.1f s (%s)", "loaded" if cached else "built", seconds, library)
+    return BuildInfo(library, seconds, cached)
+
+
+def _register_fake() -> None:
+    """The op's shapes without running it, so `torch.compile` treats it as one opaque call."""
+
+    @torch.library.register_fake(OP_NAME)
+    def _(
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_table: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        chunk_blocks: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        torch._check(q.dim() == 3, lambda: "paged_decode: q must be [B, Hq, D]")
+        out = q.new_empty(q.shape)
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+        return out, lse
+
+
+def build_info() -> BuildInfo | None:
+    """How this process got the kernel (None before a successful `build()`)."""
+    return _info
+
+
+def unavailable_reason() -> str | None:
+    """`build()`'s answer: None when the kernel is ready, else why it is not."""
+    return build()
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    chunk_blocks: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token per row attending to its KV in a paged pool, read in place.
+
+    `q` `[B, Hq, D]`; `k_pool`, `v_pool` `[N_blocks, H_kv, BS, D]` (head dim contiguous), Hq a
+    multiple of H_kv; `block_table` `[B, M]` int32 (row b's i-th block); `lens` `[B]` int32 (row
+    b's tokens: its first ceil(len / BS) blocks). float32 or bfloat16, accumulated in float32.
+    Returns (out `[B, Hq, D]` in q's dtype, lse `[B, Hq]` float32: the natural log of each query's
+    softmax denominator over `scale * q.k`); a row of length 0 gives zeros and -inf, which a
+    log-sum-exp merge ignores. `chunk_blocks` > 0 fixes how many blocks one thread reads before a
+    merge (0: chosen from the rows and threads). Raises `PagedKernelUnavailable` when the kernel
+    cannot be built here (`unavailable_reason()` says why beforehand). Inside `torch.compile` the
+    op is traced through its fake kernel: build it before compiling."""
+    if not torch.compiler.is_compiling():
+        reason = build()
+        if reason is not None:
+            raise PagedKernelUnavailable(reason)
+    out, lse = torch.ops.branchwise.paged_decode(q, k_pool, v_pool, block_table, lens, scale, chunk_blocks)
+    return out, lse
+
+
+def paged_decode_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_decode` in plain torch, row by row: gather the row's blocks, an explicit softmax in
+    float32 (float64 inputs stay float64). What the kernel is checked against; slow by design."""
+    b, hq, d = q.shape
+    h, bs = k_pool.shape[1], k_pool.shape[2]
+    g = hq // h
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(b, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.full((b, hq), float("-inf"), dtype=work, device=q.device)
+    for row in range(b):
+        n = int(lens[row])
+        if n == 0:
+            continue
+        blocks = block_table[row, : -(-n // bs)].long()
+        k = k_pool[blocks].to(work).transpose(0, 1).reshape(h, -1, d)[:, :n]  # [H, n, D]
+        v = v_pool[blocks].to(work).transpose(0, 1).reshape(h, -1, d)[:, :n]
+        scores = q[row].to(work).view(h, g, d) @ k.transpose(1, 2) * scale  # [H, G, n]
+        lse[row] = torch.logsumexp(scores, -1).reshape(hq)
+        out[row] = (torch.softmax(scores, -1) @ v).reshape(hq, d).to(q.dtype)
+    return out, lse.float() if work == torch.float32 else lse

@@ -1,0 +1,211 @@
+"""The paged decode kernel (`paged_kernels.py`, `csrc/paged_decode.cpp`) against its plain-torch
+reference: output and log-sum-exp over pools whose blocks are shuffled, grouped heads, lengths that
+are not multiples of the block (one token, one block, none), rows split across threads and merged,
+bfloat16; the op inside `torch.compile(fullgraph=True)`; and a missing compiler reported as a
+reason instead of an exception.
+
+Tests that need the built extension skip, saying why, where it cannot be built (no compiler); the
+build is cached under `$BRANCHWISE_CACHE_DIR/extensions`, so only a machine's first run compiles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from branchwise.backends.hf import paged_kernels
+from branchwise.backends.hf.paged_kernels import (
+    PagedKernelUnavailable,
+    paged_decode,
+    paged_decode_reference,
+)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    """Skip unless the extension builds (or is in the cache) here."""
+    reason = paged_kernels.build()
+    if reason is not None:
+        pytest.skip(f"the paged decode kernel cannot be built here: {reason}")
+
+
+Case = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def make_case(
+    lens: list[int],
+    heads: int = 9,
+    kv_heads: int = 3,
+    dim: int = 64,
+    block: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Case:
+    """(q, k_pool, v_pool, block_table, lens): each row's blocks drawn at random from a pool with
+    spare blocks, so no row's blocks are adjacent or in order; unused table entries hold garbage
+    block ids past the pool, which the kernel must never read."""
+    gen = torch.Generator().manual_seed(seed)
+    owned = [-(-n // block) for n in lens]
+    n_blocks = sum(owned) + 5
+    k_pool = torch.randn(n_blocks, kv_heads, block, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(n_blocks, kv_heads, block, dim, generator=gen).to(dtype)
+    order = torch.randperm(n_blocks, generator=gen)
+    table = torch.full((len(lens), max([*owned, 1]) + 2), 10**6, dtype=torch.int32)
+    at = 0
+    for row, n in enumerate(owned):
+        table[row, :n] = order[at : at + n]
+        at += n
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    return q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def check(case: Case, atol: float = 1e-5, chunk_blocks: int = 0) -> None:
+    """The kernel's output and LSE equal the float64 reference over the same blocks."""
+    q, k_pool, v_pool, table, lens = case
+    scale = q.shape[-1] ** -0.5
+    out, lse = paged_decode(q, k_pool, v_pool, table, lens, scale, chunk_blocks)
+    want_out, want_lse = paged_decode_reference(
+        q.double(), k_pool.double(), v_pool.double(), table, lens, scale
+    )
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-5)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize(
+    ("lens", "heads", "kv_heads", "dim", "block"),
+    [
+        ([1024], 9, 3, 64, 16),  # one long row: split across threads, merged by LSE
+        ([1, 5, 16, 17, 100, 333, 1000, 1024], 9, 3, 64, 16),  # ragged, GQA
+        ([1], 9, 3, 64, 16),  # one token
+        ([16, 7], 4, 4, 64, 16),  # exactly one block; less than one; no grouping
+        ([70, 1, 300, 64], 8, 2, 128, 32),  # a larger head
+        ([70, 1, 300, 64], 6, 3, 80, 8),  # a head size the kernel does not specialise
+        ([130, 45], 2, 1, 64, 128),  # blocks longer than the kernel's tile
+    ],
+)
+def test_equals_the_reference(lens: list[int], heads: int, kv_heads: int, dim: int, block: int) -> None:
+    check(make_case(lens, heads, kv_heads, dim, block))
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 1000])
+def test_rows_split_into_chunks_merge_to_the_same_result(chunk_blocks: int) -> None:
+    check(make_case([1, 40, 257, 600], seed=1), chunk_blocks=chunk_blocks)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_an_empty_row_gives_zeros_and_minus_infinity() -> None:
+    q, k_pool, v_pool, table, lens = make_case([0, 20])
+    out, lse = paged_decode(q, k_pool, v_pool, table, lens, 0.125)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.usefixtures("kernel")
+def test_bfloat16_within_its_rounding() -> None:
+    """bf16 K/V/q accumulate in fp32: the output differs from the fp64 reference over the same bf16
+    values by about one bf16 rounding of the output."""
+    check(make_case([3, 77, 500], dtype=torch.bfloat16, seed=2), atol=2e-2)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_reads_a_token_major_pool_through_its_strides() -> None:
+    """A pool kept `[N, block, H_kv, D]` (vLLM's and FlashInfer's NHD) is read through a permuted
+    view, without a copy."""
+    q, k_pool, v_pool, table, lens = make_case([33, 200])
+    nhd_k, nhd_v = k_pool.transpose(1, 2).contiguous(), v_pool.transpose(1, 2).contiguous()
+    got, got_lse = paged_decode(q, nhd_k.transpose(1, 2), nhd_v.transpose(1, 2), table, lens, 0.125)
+    want, want_lse = paged_decode(q, k_pool, v_pool, table, lens, 0.125)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-6)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_partial_results_merge_by_lse_into_attention_over_both() -> None:
+    """What the cascade does with the LSE: a row's attention over a shared prefix and over its own
+    blocks, computed apart and merged, equals attention over the concatenated KV."""
+    q, k_pool, v_pool, table, _ = make_case([50, 130], seed=3)
+    prefix = torch.tensor([[int(table[0, i]) for i in range(4)]] * 2, dtype=torch.int32)
+    own_table = table[:, 4:].contiguous()
+    own_table[1, :5] = table[1, :5]
+    own_lens = torch.tensor([0, 70], dtype=torch.int32)
+    pre_lens = torch.tensor([64, 64], dtype=torch.int32)
+    o1, l1 = paged_decode(q, k_pool, v_pool, prefix, pre_lens, 0.125)
+    o2, l2 = paged_decode(q, k_pool, v_pool, own_table, own_lens, 0.125)
+    lse = torch.logaddexp(l1, l2)
+    merged = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+    both = torch.cat([prefix, own_table], 1)
+    # row 0: the prefix alone (no own blocks); row 1: the prefix's 4 blocks, then its own
+    both_lens = torch.tensor([64, 64 + 70], dtype=torch.int32)
+    want, want_lse = paged_decode_reference(q, k_pool, v_pool, both, both_lens, 0.125)
+    torch.testing.assert_close(merged, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_bad_inputs_are_refused() -> None:
+    q, k_pool, v_pool, table, lens = make_case([20, 40])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        paged_decode(q, k_pool, v_pool, table.fill_(10**6), lens, 0.125)
+    q, k_pool, v_pool, table, lens = make_case([20, 40])
+    with pytest.raises(RuntimeError, match="outside 0"):
+        paged_decode(q, k_pool, v_pool, table[:, :1], lens, 0.125)
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        paged_decode(q[:, :8], k_pool, v_pool, table, lens, 0.125)
+    with pytest.raises(RuntimeError, match="int32"):
+        paged_decode(q, k_pool, v_pool, table.long(), lens, 0.125)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_inside_torch_compile_fullgraph() -> None:
+    """The fake kernel gives inductor the op's shapes: a compiled function around it is one graph,
+    and computes what the eager op computes."""
+    q, k_pool, v_pool, table, lens = make_case([9, 64, 100], seed=4)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = paged_decode(q * 2.0, k, v, table, lens, 0.125)
+        return out.sum(-1) + 1.0, lse.exp()
+
+    compiled = torch.compile(attend, fullgraph=True)
+    got = compiled(q, k_pool, v_pool)
+    want = attend(q, k_pool, v_pool)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The module as if no build had been tried in this process (restored after the test)."""
+    monkeypatch.setattr(paged_kernels, "_tried", False)
+    monkeypatch.setattr(paged_kernels, "_reason", None)
+    monkeypatch.setattr(paged_kernels, "_info", None)
+    return monkeypatch
+
+
+def test_no_compiler_gives_a_reason(fresh: pytest.MonkeyPatch) -> None:
+    fresh.setenv("CXX", "no-such-compiler-here")
+    reason = paged_kernels.build()
+    assert reason is not None and "no C++ compiler" in reason and "no-such-compiler-here" in reason
+    assert paged_kernels.unavailable_reason() == reason and paged_kernels.build_info() is None
+    q, k_pool, v_pool, table, lens = make_case([4])
+    with pytest.raises(PagedKernelUnavailable, match="no C\\+\\+ compiler"):
+        paged_decode(q, k_pool, v_pool, table, lens, 0.125)
+
+
+def test_a_failed_build_gives_its_error_as_the_reason(fresh: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from torch.utils import cpp_extension
+
+    def broken(**_: object) -> None:
+        raise RuntimeError("Error building extension 'branchwise_paged_decode': error: expected ';'")
+
+    fresh.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    fresh.setattr(cpp_extension, "load", broken)
+    fresh.setattr(paged_kernels, "build_dir", lambda: tmp_path)
+    reason = paged_kernels.build()
+    assert reason is not None and "Error building extension" in reason
+    assert paged_kernels.build() == reason  # tried once per process, the answer kept

@@ -74,6 +74,7 @@ SCRIPTS = [
     "kv_budget",
     "kv_budget_search",
     "paged_attention",
+    "paged_admission",
 ]
 
 PROFILES: dict[str, list[Run]] = {
@@ -105,6 +106,7 @@ PROFILES: dict[str, list[Run]] = {
         Run("kv_budget_search", "kv_budget_search"),
         Run("paged_attention", "paged_attention"),
         Run("paged_attention-random-1b", "paged_attention", ["--random-config", "1b", "--batches", "1", "8"]),
+        Run("paged_admission", "paged_admission"),
     ],
     "gpu-check": [
         Run(
@@ -234,6 +236,11 @@ HEADLINES: dict[str, list[str]] = {
         "batches.*.flashinfer.skipped",
         "batches.*.*.same_output",
         "batches.*.paged_vs_tails_bytes",
+    ],
+    "paged_admission": [
+        "workloads.*.*.paged_vs_tails.tokens_per_step",
+        "workloads.*.*.paged_vs_tails.max_rows_at_once",
+        "workloads.*.*.*.preemptions",
     ],
 }
 FALLBACK = re.compile(r"speedup|ratio|reduction|agreement|accuracy")

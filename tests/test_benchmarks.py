@@ -308,6 +308,31 @@ def test_paged_attention_quick() -> None:
     assert ragged["paged_vs_tails_bytes"] < 1
 
 
+def test_paged_admission_quick() -> None:
+    """The replay of a KV budget: every layout decodes the same useful tokens of a workload; each
+    throughput is its useful tokens over its steps and each ratio the quotient of the two layouts'
+    figures; reserving worst cases never preempts nor passes the budget; the pool holds its tokens
+    more densely than the tails."""
+    out = run_quick("paged_admission.py")
+    assert out["config"]["budget_tokens"] == int(100.0 * 2**20) // out["config"]["kv_bytes_per_token"]
+    for kind, policies in out["workloads"].items():
+        useful = {policies[p][layout]["useful_tokens"] for p in policies for layout in ("tails", "paged")}
+        assert len(useful) == 1, kind  # the same work, however admitted
+        for policy, got in policies.items():
+            for layout in ("tails", "paged"):
+                arm = got[layout]
+                assert arm["tokens"] - arm["recomputed_tokens"] == arm["useful_tokens"]
+                assert arm["tokens_per_step"] == round(arm["useful_tokens"] / arm["steps"], 3)
+                if policy == "reserve":
+                    assert arm["preemptions"] == 0 and arm["peak_fraction_of_budget"] <= 1
+            ratio = got["paged_vs_tails"]
+            assert ratio["tokens_per_step"] == round(
+                got["paged"]["tokens_per_step"] / got["tails"]["tokens_per_step"], 3
+            )
+            assert got["paged"]["mean_fill"] > got["tails"]["mean_fill"], (kind, policy)
+    assert out["workloads"]["self_consistency"]["on_demand"]["paged_vs_tails"]["max_rows_at_once"] > 1
+
+
 @pytest.mark.slow
 def test_agent_quick(embedded_dir: Path) -> None:
     pytest.importorskip("dspy")

@@ -100,8 +100,12 @@ class Request:
     beam: bool
     rows: list[Row] = field(default_factory=list)
     nodes: list[Node] = field(default_factory=list)
+    decoded: int = 0
+    """Tokens its rows decoded since it (last) started, finished rows' included: what a preemption
+    throws away (it starts again from its prompt)."""
 
     def start(self) -> None:
+        self.decoded = 0
         root = Node(self.prompt, refs=len(self.stops))
         self.nodes = [root]
         self.rows = [Row(0, 0, stop, [root]) for stop in self.stops]
@@ -211,6 +215,8 @@ def simulate(kind: str, layout_kind: str, policy: str, args: Any, budget: int) -
         for r in rows:
             r.own += 1
             r.generated += 1
+        for q in running:
+            q.decoded += len(q.rows)
         steps += 1
         tokens += len(rows)
         most_rows, most_requests = max(most_rows, len(rows)), max(most_requests, len(running))
@@ -227,7 +233,7 @@ def simulate(kind: str, layout_kind: str, policy: str, args: Any, budget: int) -
         layout.grow(rows)
         while policy == "on_demand" and layout.held(running) > budget and len(running) > 1:
             victim = running.pop()  # the newest: its tokens are thrown away and computed again
-            wasted += sum(r.generated for r in victim.rows)
+            wasted += victim.decoded
             victim.drop()
             waiting.insert(0, victim)
             preemptions += 1

@@ -571,6 +571,9 @@ def main(argv: list[str] | None = None) -> None:
             "kv_heads": shapes.kv_heads,
             "head_dim": shapes.head_dim,
             "tolerance": tolerance,
+            # PyTorch's switch for huge pages under its CPU allocations: a pool's blocks are
+            # scattered 4 KB runs, so its reads depend on it more than the tails' (see RESULTS)
+            "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
         },
         results={
             "batches": results,

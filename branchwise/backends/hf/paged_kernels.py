@@ -2,15 +2,15 @@
 
 Why: a pool of fixed-size KV blocks (a block table per row, as vLLM and SGLang keep KV) holds
 each row at its own length instead of the longest row's, but on a CPU it pays only if attention
-reads each row's blocks where they lie: gathering them into a padded copy for SDPA first cost 2-3x
+reads each row's blocks where they lie: gathering them into a padded copy for SDPA first cost 2-5x
 the attention itself (`benchmarks/paged_attention.py`). PyTorch has no such reader on the CPU
-(FlexAttention's paged block mask compiles there but cannot return the log-sum-exp under
-compilation, and the cascade merges partial attentions by it), so `csrc/paged_decode.cpp` is one:
+(FlexAttention's paged block mask compiles there, but ran at 0.5-0.9x the tails and cannot return
+the log-sum-exp under compilation, which the cascade merges by), so `csrc/paged_decode.cpp` is one:
 a `torch.library` op, `torch.ops.branchwise.paged_decode`, parallel over (row, KV head, chunk of
 blocks) on torch's threads, an online softmax per tile of tokens in fp32, vectorized with torch's
 own `at::vec` for the instruction set torch itself dispatches to on this CPU.
 
-It is compiled on first use (`build`, ~30-60 s on 2 cores; then loaded from
+It is compiled on first use (`build`, 20-50 s on 2 cores; then loaded from
 `$BRANCHWISE_CACHE_DIR/extensions`, well under a second) with torch's `cpp_extension`, and carries
 a fake kernel so it sits inside `torch.compile(fullgraph=True)` as one opaque operation. Where no
 compiler is found or the build fails, `build()` returns the reason instead of raising, so a caller

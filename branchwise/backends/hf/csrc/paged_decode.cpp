@@ -2,7 +2,7 @@
 //
 // Why a kernel of our own: a pool of fixed-size KV blocks (a block table per row) only pays on a
 // CPU if attention reads each row's blocks where they lie. Gathering them into a padded copy
-// first costs one copy of every KV byte per layer per step (2-3x the attention itself on 2 cores).
+// first costs one copy of every KV byte per layer per step (2-5x the attention itself on 2 cores).
 // The log-sum-exp comes back with the output because the cascade (a shared prefix read once for
 // all rows, each row's own KV apart) merges partial attentions by it.
 //

@@ -512,7 +512,11 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-    build: dict[str, Any] = {"reason_unavailable": paged_kernels.build() if device.type == "cpu" else "CUDA"}
+    build: dict[str, Any] = {
+        "reason_unavailable": paged_kernels.build()
+        if device.type == "cpu"
+        else "a CPU kernel: not built for a CUDA run"
+    }
     info = paged_kernels.build_info()
     if info is not None:
         build |= {"seconds": round(info.seconds, 2), "cached": info.cached}

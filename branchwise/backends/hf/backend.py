@@ -468,13 +468,15 @@ class HFBackend:
     def warm_up(self, wait: float | None = 0.0) -> dict[str, Any]:
         """Start compiling the decode step for the kinds of batch a server meets first (one row,
         several rows, several rows over a shared prompt) by decoding a few tokens of each, which run
-        eagerly while the kinds compile in the background (`step_compiler.py`); kinds compiled by an
-        earlier process load from the cache instead. `wait` seconds (None: until done; the default
-        0: not at all) to block for them, which a benchmark or a test may want and a server does
-        not. A no-op where steps are not compiled (`decode_step`). Returns the compiler's `status`."""
+        eagerly while the kinds compile in the background (`step_compiler.py`); kinds compiled by
+        an earlier process are loaded from the cache first (`StepCompiler.preload`). `wait`
+        seconds (None: until done; the default 0: not at all) to block for them, which a benchmark
+        or a test may want and a server does not. A no-op where steps are not compiled
+        (`decode_step`). Returns the compiler's `status`."""
         compiler = self.engine.stepper.compiler
         if compiler is None:
             return {"compiled": 0, "loaded": 0, "compiling": 0, "uncompiled": [], "compile_s": 0.0}
+        compiler.preload()  # kinds an earlier process compiled: loaded before any request needs them
         session = self.session(share="exact")  # its own statistics: the default session's stay clean
         params = DecodeParams(max_tokens=WARMUP + 3, min_tokens=WARMUP + 3)  # past the eager warm-up step
         roots = [session.prefill(self.encode(text)) for text in ("Hello", "Good morning")]

@@ -32,7 +32,6 @@ from branchwise.backends.hf.prepack import prepack
 from branchwise.backends.hf.step import StepGraph
 from branchwise.backends.hf.step_compiler import mark_sizes
 
-
 WORKER_NICENESS = 10
 """How much lower the worker's scheduling priority is than the process it compiles for."""
 

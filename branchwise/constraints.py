@@ -22,7 +22,7 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from branchwise.pattern_limits import check_regex
-from branchwise.schema_budget import shortest_text
+from branchwise.schema_budget import shortest
 from branchwise.schema_limits import check_choices, check_pattern
 from branchwise.toolcalls import (
     TOOL_CALL_OPEN,
@@ -284,8 +284,8 @@ class Constraint(BaseModel):
         try:
             value = json.loads(text)
         except json.JSONDecodeError as err:
-            least = shortest_text(self.json_schema) if self.json_schema is not None else None
-            need = f"; the shortest JSON this schema allows is {len(least)} characters" if least else ""
+            least = shortest(self.json_schema) if self.json_schema is not None else None
+            need = f"; the shortest JSON this schema allows is {least.chars} characters" if least else ""
             raise OutputError(f"output is not complete JSON ({err.msg} at char {err.pos}){need}") from None
         except RecursionError:  # an open schema (``{}``, json_object) lets a model nest without end
             raise OutputError("output is JSON nested too deep to read") from None

@@ -7,48 +7,123 @@ closing brace, and the reply cannot be parsed however right its shape was (OpenA
 ``LengthFinishReasonError``). The shortest valid value tells how much of the budget the schema's
 structure takes; what is left is shared among the strings that have no ``maxLength`` of their own.
 The local backend's grammar compiler (`backends/hf/grammar.py`) turns that into a length bound
-per string before compiling, when the budget is small enough for it to matter. Pure (no torch,
-no tokenizer): the backend counts the tokens.
+per string before compiling, when the budget is small enough for it to matter, and the server
+refuses a request whose budget the shortest value does not fit. Pure (no torch, no tokenizer): the
+backend counts the tokens.
+
+Why the value is measured, not built: the counts in a schema (``minItems``, ``minLength``,
+``minProperties``, a ``pattern``'s repetitions) come from whoever sent it, and the shortest value
+grows with them. Built, ``"minItems": 1000000000`` was a billion-item list made on the server's
+event loop (and ``"minLength"`` a gigabyte string handed to the tokenizer). So `shortest` works out
+the value's length, its free strings and its whitespace gaps by arithmetic, reading each subschema
+once (a ``$ref`` used in many places is not expanded again per use), in time that grows with the
+schema's size and never with a count written in it; the text itself is built only on request and
+only up to `MAX_TEXT_CHARS` characters.
 
 The shortest value is an estimate where the schema is one this module does not read exactly (a
-``pattern`` or ``format`` string, ``multipleOf``, ``not``, ``if``/``then``); None where it cannot
-tell at all (an unresolvable ``$ref``, a recursion deeper than `MAX_DEPTH`).
+``format`` string, ``multipleOf``, ``not``, ``if``/``then``, ``contains``; a ``pattern`` string is
+given the pattern's least length, not a matching text); None where it cannot tell at all (an
+unresolvable ``$ref``, a recursion deeper than `MAX_DEPTH`).
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "Shortest", "cap_strings", "capped_string", "shortest", "shortest_text"]
+_sre_parse: Any
+try:  # the regex parser `re` itself uses (Python 3.11 moved it; typeshed has no stub for it there)
+    _sre_parse = importlib.import_module("re._parser")
+except ImportError:  # pragma: no cover - Python 3.10
+    _sre_parse = importlib.import_module("sre_parse")
+
+__all__ = [
+    "MAX_COUNT",
+    "MAX_DEPTH",
+    "MAX_TEXT_CHARS",
+    "Shortest",
+    "cap_strings",
+    "capped_string",
+    "pattern_least_chars",
+    "shortest",
+    "shortest_text",
+]
 
 MAX_DEPTH = 32
 """Deepest schema nesting (``$ref`` hops included) read; a deeper schema has no known shortest value."""
+
+MAX_TEXT_CHARS = 64 * 1024
+"""Longest shortest value `Shortest.text` builds. Beyond it only the length is known: the backend
+bounds its tokens from below instead of tokenizing it, and no context near it could hold it anyway
+at a few characters a token."""
+
+MAX_COUNT = 1 << 48
+"""Largest length any count reaches here (a ``minItems``, a length, a product of nested counts): a
+larger one is held at this. Why: every output this bounds is refused long before (no context holds
+2**48 characters), and held there the arithmetic stays on machine-sized integers, and the numbers in
+messages stay printable, whatever size of integer a request writes."""
 
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames")
 
 
-class Shortest:
-    """A shortest valid value: the value, its number of free strings (a string with no
-    ``maxLength``, ``pattern``, ``format``, ``enum`` or ``const``: what `cap_strings` bounds) and
-    its whitespace gaps (places where JSON allows whitespace between two tokens)."""
+def _held(n: int) -> int:
+    return n if n < MAX_COUNT else MAX_COUNT
 
-    def __init__(self, value: Any, free: int = 0) -> None:
-        self.value = value
-        self.free = free
+
+@dataclass(frozen=True, eq=False)
+class Shortest:
+    """A shortest valid value, measured: its compact JSON length (`chars`), its free strings
+    (`free`: strings with no ``maxLength``, ``pattern``, ``format``, ``enum`` or ``const``, what
+    `cap_strings` bounds) and its whitespace gaps (`gaps`: places where JSON allows whitespace
+    between two tokens), each held at `MAX_COUNT`. The value itself is built only when asked
+    (`value`, `text`), and only when short.
+
+    `chars` is the length of `text`, except under ``minProperties`` beyond the properties a schema
+    names: each such property is counted with an empty name (the least any name takes), while the
+    value built gives each one a distinct name, as JSON needs.
+    """
+
+    chars: int
+    free: int
+    gaps: int
+    _make: Callable[[], Any]
+
+    @classmethod
+    def of(cls, value: Any, free: int = 0) -> Shortest | None:
+        """A value known whole (a ``const``, an ``enum`` entry, a number): measured from its JSON;
+        None when it is not JSON (an integer too long for Python to print, say)."""
+        try:
+            chars = len(_compact(value))
+            gaps = _gaps(value)
+        except (TypeError, ValueError, RecursionError):
+            return None
+        return cls(chars, free, gaps, lambda: value)
+
+    @property
+    def value(self) -> Any:
+        """The value (a ValueError when its text would pass `MAX_TEXT_CHARS`)."""
+        if self.chars > MAX_TEXT_CHARS:
+            raise ValueError(
+                f"the shortest value is {self.chars} characters of JSON; only up to "
+                f"{MAX_TEXT_CHARS} are built"
+            )
+        return self._make()
 
     @property
     def text(self) -> str:
         """The value as compact JSON (no whitespace: what a grammar allows at the least)."""
-        return json.dumps(self.value, separators=(",", ":"), ensure_ascii=False)
+        return _compact(self.value)
 
-    @property
-    def gaps(self) -> int:
-        return _gaps(self.value)
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _gaps(value: Any) -> int:
@@ -59,9 +134,31 @@ def _gaps(value: Any) -> int:
     return 0
 
 
+def _count(schema: Mapping[str, Any], key: str) -> int:
+    """A count keyword (``minItems``, ``minLength``, ...) as an int held at `MAX_COUNT` (0 when
+    absent or not a count; an integral float counts, as JSON Schema reads ``1e9`` as an integer)."""
+    n = schema.get(key, 0)
+    if isinstance(n, bool):
+        return 0
+    if isinstance(n, float):
+        n = int(n) if n.is_integer() else 0
+    return _held(n) if isinstance(n, int) and n > 0 else 0
+
+
 def _free(schema: Mapping[str, Any]) -> bool:
     """A string schema with nothing that bounds its length or fixes its text."""
     return not any(k in schema for k in ("maxLength", "pattern", "format", "enum", "const"))
+
+
+def pattern_least_chars(pattern: str) -> int:
+    """The fewest characters a match of the regex `pattern` holds, read from Python's parse of it
+    (arithmetic over its repetition counts: ``a{1000000000}`` is 10**9 without matching anything),
+    held at `MAX_COUNT`; 0 when Python cannot parse it (a syntax of another regex dialect)."""
+    try:
+        least = _sre_parse.parse(pattern).getwidth()[0]
+    except (re.error, ValueError, OverflowError, RecursionError, TypeError):
+        return 0
+    return _held(int(least))
 
 
 def _resolve(ref: str, root: Mapping[str, Any]) -> Any:
@@ -83,10 +180,10 @@ def _shorter(a: Shortest | None, b: Shortest | None) -> Shortest | None:
         return b
     if b is None:
         return a
-    return a if len(a.text) <= len(b.text) else b
+    return a if a.chars <= b.chars else b
 
 
-def _number(schema: Mapping[str, Any], integer: bool) -> Shortest:
+def _number(schema: Mapping[str, Any], integer: bool) -> Shortest | None:
     low = schema.get("minimum", schema.get("exclusiveMinimum"))
     high = schema.get("maximum", schema.get("exclusiveMaximum"))
     step = 1 if integer else 0.5
@@ -96,95 +193,190 @@ def _number(schema: Mapping[str, Any], integer: bool) -> Shortest:
         value = high if "maximum" in schema else high - step
     else:
         value = 0
-    return Shortest(int(value) if integer or float(value).is_integer() else value)
-
-
-def _of_type(kind: str, schema: Mapping[str, Any], root: Mapping[str, Any], depth: int) -> Shortest | None:
-    if kind == "null":
-        return Shortest(None)
-    if kind == "boolean":
-        return Shortest(True)
-    if kind in ("integer", "number"):
-        return _number(schema, kind == "integer")
-    if kind == "string":
-        n = schema.get("minLength", 0)
-        return Shortest("a" * n if isinstance(n, int) else "", int(_free(schema)))
-    if kind == "array":
-        items: list[Any] = []
-        free = 0
-        prefix = schema.get("prefixItems") or []
-        at_least = schema.get("minItems", 0) if isinstance(schema.get("minItems", 0), int) else 0
-        for i in range(at_least):
-            sub = prefix[i] if i < len(prefix) else schema.get("items", {})
-            got = _shortest(sub, root, depth + 1)
-            if got is None:
-                return None
-            items.append(got.value)
-            free += got.free
-        return Shortest(items, free)
-    if kind == "object":
-        props = schema.get("properties") or {}
-        extra = schema.get("additionalProperties", {})
-        out: dict[str, Any] = {}
-        free = 0
-        for name in schema.get("required") or ():
-            sub = props.get(name, extra if isinstance(extra, Mapping) else {})
-            got = _shortest(sub, root, depth + 1)
-            if got is None:
-                return None
-            out[name] = got.value
-            free += got.free
-        return Shortest(out, free)
-    return None
-
-
-def _shortest(schema: Any, root: Mapping[str, Any], depth: int) -> Shortest | None:
-    if depth > MAX_DEPTH:
+    try:
+        return Shortest.of(int(value) if integer or float(value).is_integer() else value)
+    except (OverflowError, ValueError):  # an infinite bound
         return None
-    if schema is True:
-        return Shortest(0)
-    if not isinstance(schema, Mapping):
-        return None
-    if isinstance(schema.get("$ref"), str):
-        return _shortest(_resolve(schema["$ref"], root), root, depth + 1)
-    if "const" in schema:
-        return Shortest(schema["const"])
-    if isinstance(schema.get("enum"), list) and schema["enum"]:
-        return min((Shortest(v) for v in schema["enum"]), key=lambda s: len(s.text))
-    for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list):
+
+
+def _array(items: list[Shortest], repeat: Shortest | None, times: int) -> Shortest:
+    """`items`, then `times` copies of `repeat`, measured without building the list."""
+    n = _held(len(items) + times)
+    rep_chars, rep_free, rep_gaps = (repeat.chars, repeat.free, repeat.gaps) if repeat else (0, 0, 0)
+    chars = 2 + max(n - 1, 0) + sum(s.chars for s in items) + times * rep_chars
+    free = sum(s.free for s in items) + times * rep_free
+    gaps = (2 * n or 1) + sum(s.gaps for s in items) + times * rep_gaps
+
+    def make() -> list[Any]:
+        tail = [repeat.value] * times if repeat is not None and times else []
+        return [s.value for s in items] + tail
+
+    return Shortest(_held(chars), _held(free), _held(gaps), make)
+
+
+def _object(named: list[tuple[str, Shortest]], unnamed: Shortest | None, times: int) -> Shortest:
+    """The properties `named`, then `times` more valued `unnamed` under names of their own (counted
+    as empty names, the least a name takes; built as "", "0", "1", ... skipping names taken)."""
+    n = _held(len(named) + times)
+    rep_chars, rep_free, rep_gaps = (unnamed.chars, unnamed.free, unnamed.gaps) if unnamed else (0, 0, 0)
+    chars = 2 + max(n - 1, 0) + sum(len(_compact(k)) + 1 + s.chars for k, s in named)
+    chars += times * (3 + rep_chars)  # '""' and ':' each
+    free = sum(s.free for _, s in named) + times * rep_free
+    gaps = (4 * n or 1) + sum(s.gaps for _, s in named) + times * rep_gaps
+
+    def make() -> dict[str, Any]:
+        out = {k: s.value for k, s in named}
+        if unnamed is not None and times:
+            fill = unnamed.value
+            names = ("" if i < 0 else str(i) for i in range(-1, len(out) + times))
+            for name in names:
+                if len(out) == len(named) + times:
+                    break
+                out.setdefault(name, fill)
+        return out
+
+    return Shortest(_held(chars), _held(free), _held(gaps), make)
+
+
+class _Reader:
+    """One `shortest` call: the root `$ref`s resolve against, and each subschema's result at each
+    depth read once (a subschema reached again, through another ``$ref`` say, is not read again:
+    a few definitions that each refer to the next several times no longer take time exponential in
+    their number). The memo keeps each schema it saw alive, so no id is reused while it is kept."""
+
+    def __init__(self, root: Mapping[str, Any]) -> None:
+        self.root = root
+        self.memo: dict[tuple[int, int], tuple[Any, Shortest | None]] = {}
+
+    def read(self, schema: Any, depth: int) -> Shortest | None:
+        if depth > MAX_DEPTH:
+            return None
+        key = (id(schema), depth)
+        known = self.memo.get(key)
+        if known is not None:
+            return known[1]
+        found = self._read(schema, depth)
+        self.memo[key] = (schema, found)
+        return found
+
+    def _read(self, schema: Any, depth: int) -> Shortest | None:
+        if schema is True:
+            return Shortest.of(0)
+        if not isinstance(schema, Mapping):
+            return None
+        if isinstance(schema.get("$ref"), str):
+            return self.read(_resolve(schema["$ref"], self.root), depth + 1)
+        if "const" in schema:
+            return Shortest.of(schema["const"])
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
             best: Shortest | None = None
-            for option in schema[key]:
-                best = _shorter(best, _shortest(option, root, depth + 1))
+            for v in schema["enum"]:
+                best = _shorter(best, Shortest.of(v))
             return best
-    if isinstance(schema.get("allOf"), list):  # merged one level: what pydantic and most tools write
-        merged: dict[str, Any] = {k: v for k, v in schema.items() if k != "allOf"}
-        for part in schema["allOf"]:
-            if isinstance(part, Mapping) and isinstance(part.get("$ref"), str):
-                part = _resolve(part["$ref"], root)
-            if not isinstance(part, Mapping):
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list):
+                best = None
+                for option in schema[key]:
+                    best = _shorter(best, self.read(option, depth + 1))
+                return best
+        if isinstance(schema.get("allOf"), list):  # merged one level: what pydantic and most tools write
+            merged: dict[str, Any] = {k: v for k, v in schema.items() if k != "allOf"}
+            for part in schema["allOf"]:
+                if isinstance(part, Mapping) and isinstance(part.get("$ref"), str):
+                    part = _resolve(part["$ref"], self.root)
+                if not isinstance(part, Mapping):
+                    return None
+                merged.update(part)
+            return self.read(merged, depth + 1)
+        kind = schema.get("type")
+        if kind is None:
+            kind = "object" if "properties" in schema else "array" if "items" in schema else "integer"
+        kinds = [kind] if isinstance(kind, str) else list(kind) if isinstance(kind, list) else []
+        found: Shortest | None = None
+        for k in kinds:
+            found = _shorter(found, self._of_type(k, schema, depth))
+        return found
+
+    def _of_type(self, kind: str, schema: Mapping[str, Any], depth: int) -> Shortest | None:
+        if kind == "null":
+            return Shortest.of(None)
+        if kind == "boolean":
+            return Shortest.of(True)
+        if kind in ("integer", "number"):
+            return _number(schema, kind == "integer")
+        if kind == "string":
+            n = _count(schema, "minLength")
+            pattern = schema.get("pattern")
+            if isinstance(pattern, str):
+                n = max(n, pattern_least_chars(pattern))
+            return Shortest(_held(n + 2), int(_free(schema)), 0, lambda: "a" * n)
+        if kind == "array":
+            return self._array(schema, depth)
+        if kind == "object":
+            return self._object(schema, depth)
+        return None
+
+    def _array(self, schema: Mapping[str, Any], depth: int) -> Shortest | None:
+        at_least = _count(schema, "minItems")
+        prefix = schema.get("prefixItems")
+        prefix = prefix if isinstance(prefix, list) else []
+        items: list[Shortest] = []
+        for sub in prefix[:at_least]:
+            got = self.read(sub, depth + 1)
+            if got is None:
                 return None
-            merged.update(part)
-        return _shortest(merged, root, depth + 1)
-    kind = schema.get("type")
-    if kind is None:
-        kind = "object" if "properties" in schema else "array" if "items" in schema else "integer"
-    kinds = [kind] if isinstance(kind, str) else list(kind) if isinstance(kind, list) else []
-    found: Shortest | None = None
-    for k in kinds:
-        found = _shorter(found, _of_type(k, schema, root, depth))
-    return found
+            items.append(got)
+        times = at_least - len(items)
+        repeat = self.read(schema.get("items", {}), depth + 1) if times else None
+        if times and repeat is None:
+            return None
+        return _array(items, repeat, times)
+
+    def _object(self, schema: Mapping[str, Any], depth: int) -> Shortest | None:
+        props = schema.get("properties")
+        props = props if isinstance(props, Mapping) else {}
+        extra = schema.get("additionalProperties", {})
+        named: list[tuple[str, Shortest]] = []
+        required = schema.get("required")
+        for name in dict.fromkeys(required if isinstance(required, list) else ()):
+            if not isinstance(name, str):
+                continue
+            got = self.read(props.get(name, extra if isinstance(extra, Mapping) else {}), depth + 1)
+            if got is None:
+                return None
+            named.append((name, got))
+        # ``minProperties`` past the required ones: the shortest optional properties the schema names,
+        # then (where the schema allows others) unnamed ones
+        wanted = _count(schema, "minProperties") - len(named)
+        if wanted > 0:
+            taken = {name for name, _ in named}
+            optional = []
+            for name, sub in props.items():
+                got = None if name in taken else self.read(sub, depth + 1)
+                if got is not None:
+                    optional.append((len(_compact(name)) + got.chars, name, got))
+            optional.sort(key=lambda entry: entry[0])
+            named += [(name, got) for _, name, got in optional[:wanted]]
+            wanted -= min(wanted, len(optional))
+        unnamed: Shortest | None = None
+        if wanted > 0:
+            if extra is False:
+                return None  # the schema allows no more properties: nothing valid to measure
+            unnamed = self.read(extra if isinstance(extra, Mapping) else {}, depth + 1)
+            if unnamed is None:
+                return None
+        return _object(named, unnamed, max(wanted, 0))
 
 
 def shortest(schema: Mapping[str, Any]) -> Shortest | None:
     """A shortest valid value of `schema` (see the module docstring), or None when not known."""
-    return _shortest(schema, schema, 0)
+    return _Reader(schema).read(schema, 0)
 
 
 def shortest_text(schema: Mapping[str, Any]) -> str | None:
-    """The compact JSON text of `shortest`, or None."""
+    """The compact JSON text of `shortest`, or None (not known, or longer than `MAX_TEXT_CHARS`)."""
     found = shortest(schema)
-    return None if found is None else found.text
+    return None if found is None or found.chars > MAX_TEXT_CHARS else found.text
 
 
 def capped_string(least: int, cap: int | None) -> str:

@@ -161,6 +161,39 @@ def test_a_large_budget_leaves_the_constraint_as_it_is(tiny_backend: Any) -> Non
     assert auto is not None and grammars.fit(auto, 16).constraint is auto  # prose first: nothing to fit
 
 
+def test_a_short_floor_is_tokenized_a_long_one_bounded(tiny_backend: Any) -> None:
+    """The shortest output is tokenized where it is short; a billion-item one is never built: its
+    length over the longest token's bounds its tokens from below, and says so (not exact)."""
+    grammars = tiny_backend.engine.grammars
+    small = Constraint.of_json_schema(VERDICT)
+    fit = grammars.fit(small, 64)
+    assert fit.floor_exact and fit.floor_tokens == len(
+        tiny_backend.tokenizer.encode('{"verdict":"","ok":true}')
+    )
+    longest = grammars.longest_token()
+    assert longest == max(len(t) for t in tiny_backend.tokenizer.get_vocab())
+    huge = Constraint.of_json_schema({"type": "array", "items": {"type": "integer"}, "minItems": 10**9})
+    fit = grammars.fit(huge, 16, warn=False)
+    assert not fit.floor_exact and fit.floor_tokens == -(-(2 * 10**9 + 1) // longest)
+    regex = Constraint.of_regex("(ab|c){1000000000}")
+    fit = grammars.fit(regex, 16, warn=False)
+    assert fit.constraint is regex and not fit.floor_exact and fit.floor_tokens == -(-(10**9) // longest)
+
+
+def test_a_budget_below_the_floor_is_logged_once_and_never_when_asked_not_to(
+    tiny_backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    grammars = tiny_backend.engine.grammars
+    constraint = Constraint.of_json_schema(VERDICT)  # at a budget no other test here fits it to
+    with caplog.at_level("WARNING", logger="branchwise.backends.hf.grammar"):
+        grammars.fit(constraint, 3, warn=False)
+        assert caplog.records == []  # a server asking before it refuses: nothing to warn about
+        grammars.fit(constraint, 3)
+        grammars.fit(constraint, 3)
+    (record,) = caplog.records
+    assert "max_tokens=3 is below the" in record.getMessage() and "will be cut" in record.getMessage()
+
+
 # --------------------------------------------------------------------------------------------------
 # Front ends: LangChain and the votes over actions (the server and DSPy: their own test files)
 # --------------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from transformers import PreTrainedTokenizerBase
 from branchwise.backends.hf.grammar_workers import CompileFailed, CompileProcess, CompileTimedOut, Lane, both
 from branchwise.constraints import Constraint, ConstraintError
 from branchwise.pattern_limits import PatternSize
-from branchwise.schema_budget import Shortest, cap_strings, shortest
+from branchwise.schema_budget import MAX_TEXT_CHARS, Shortest, cap_strings, pattern_least_chars, shortest
 
 __all__ = [
     "COMPILE_TIMEOUT_S",
@@ -89,10 +89,13 @@ class _Fitted(Constraint):
 class BudgetFit:
     """A constraint fitted to a row's ``max_tokens`` (`Grammars.fit`): what to compile (the same
     constraint when nothing needed fitting), and the tokens its shortest valid output takes (None:
-    not known, or a kind with no such bound)."""
+    not known, or a kind with no such bound): counted by tokenizing that output when it is short
+    (`floor_exact`), else bounded from below by its length over the longest token's
+    (`Grammars.longest_token`), which is all a refusal needs."""
 
     constraint: Constraint
     floor_tokens: int | None = None
+    floor_exact: bool = True
 
 
 CACHE_BYTES = 1 << 30
@@ -188,6 +191,8 @@ class Grammars:
     _pending: dict[str, Future[xgr.CompiledGrammar]] = field(default_factory=dict)
     _failed: dict[str, tuple[ConstraintError, float]] = field(default_factory=dict)
     _fits: dict[tuple[str, int], BudgetFit] = field(default_factory=dict)
+    _warned: set[tuple[str, int]] = field(default_factory=set)
+    _longest: int | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compiler_lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: Lane = field(default_factory=lambda: Lane("grammar", COMPILE_WORKERS))
@@ -377,33 +382,79 @@ class Grammars:
             self._cached_bytes = 0
             self._fits.clear()
             self._failed.clear()
+            self._warned.clear()
 
-    def fit(self, constraint: Constraint, max_tokens: int) -> BudgetFit:
+    def longest_token(self) -> int:
+        """The most characters one token of the tokenizer holds: its longest vocabulary entry as
+        stored (special tokens included), read once. A stored entry is never shorter than the text
+        it decodes to (a byte-level entry has a character per byte; a SentencePiece one writes its
+        space as one character), so a text of ``c`` characters takes at least ``c / longest_token``
+        tokens: the bound `fit` uses where the shortest output is too long to tokenize."""
+        if self._longest is None:
+            vocab = self.tokenizer.get_vocab()
+            self._longest = max(1, max((len(t) for t in vocab), default=1))
+        return self._longest
+
+    def fit(self, constraint: Constraint, max_tokens: int, *, warn: bool = True) -> BudgetFit:
         """`constraint` fitted to `max_tokens`, so that a valid output fits where the schema allows.
 
         JSON Schema outputs, and the calls of ``tool_choice="required"`` or a named tool (the first
         call; under ``"auto"`` prose comes first and takes what it likes): the shortest valid output
-        is counted in tokens; when the room left is small (`CAP_LIMIT`), the whitespace JSON may hold between two
-        tokens drops to `TIGHT_WHITESPACE` characters (counted as one token a gap) and every free
-        string (no ``maxLength``, ``pattern``, ``format``, ``enum`` or ``const``: `schema_budget`)
-        gets an equal share of the rest as its longest length, counted at one token a character (a
-        token holds a character or more, bar characters outside the tokenizer's merges). A budget
-        below the shortest output itself cannot be helped: that is logged (once per constraint and
-        budget), with the count.
+        is counted in tokens (`BudgetFit` says how); when the room left is small (`CAP_LIMIT`), the
+        whitespace JSON may hold between two tokens drops to `TIGHT_WHITESPACE` characters (counted
+        as one token a gap) and every free string (no ``maxLength``, ``pattern``, ``format``,
+        ``enum`` or ``const``: `schema_budget`) gets an equal share of the rest as its longest
+        length, counted at one token a character (a token holds a character or more, bar characters
+        outside the tokenizer's merges). A regex: its least match length bounds the tokens from
+        below, and nothing is fitted.
+
+        The count takes time that grows with the schema's size, never with a count written in it
+        (`schema_budget` says why that matters). A budget below the shortest output itself cannot
+        be helped here: with `warn`, that is logged (once per constraint and budget), with the
+        count; the server refuses such a request before it gets here (its caller passes
+        ``warn=False`` to read the count).
         """
         key = (constraint.key(), max_tokens)
         with self._lock:
             known = self._fits.get(key)
-        if known is not None:
-            return known
-        made = self._fit(constraint, max_tokens)
+        made = known if known is not None else self._fit(constraint, max_tokens)
         with self._lock:
-            if len(self._fits) >= _FITS_KEPT:
-                self._fits.pop(next(iter(self._fits)))
-            self._fits[key] = made
+            if known is None:
+                if len(self._fits) >= _FITS_KEPT:
+                    oldest = next(iter(self._fits))
+                    self._fits.pop(oldest)
+                    self._warned.discard(oldest)
+                self._fits[key] = made
+            short = made.floor_tokens is not None and made.floor_tokens > max_tokens
+            tell = warn and short and key not in self._warned
+            if tell:
+                self._warned.add(key)
+        if tell:
+            log.warning(
+                "max_tokens=%d is below the %s%d tokens of the shortest output this %s constraint "
+                "allows: the reply will be cut",
+                max_tokens,
+                "" if made.floor_exact else "at least ",
+                made.floor_tokens,
+                constraint.kind,
+            )
         return made
 
+    def _tokens(self, begin: str, least: Shortest, end: str) -> tuple[int, bool]:
+        """Tokens of ``begin + shortest value + end``, and whether counted exactly: tokenized when
+        the value is short enough to build (`MAX_TEXT_CHARS`), else bounded from below by its
+        length over `longest_token` (never built: its length may be a count from the request)."""
+        if least.chars <= MAX_TEXT_CHARS:
+            return len(self.tokenizer.encode(begin + least.text + end, add_special_tokens=False)), True
+        chars = len(begin) + least.chars + len(end)
+        return -(-chars // self.longest_token()), False
+
     def _fit(self, constraint: Constraint, max_tokens: int) -> BudgetFit:
+        if constraint.kind == "regex" and constraint.pattern is not None:
+            chars = pattern_least_chars(constraint.pattern)
+            if not chars:
+                return BudgetFit(constraint)
+            return BudgetFit(constraint, -(-chars // self.longest_token()), floor_exact=False)
         # (schema, the text around its value) of each output the constraint allows
         if constraint.kind == "json_schema" and constraint.json_schema is not None:
             shapes = [(constraint.json_schema, "", "")]
@@ -418,28 +469,22 @@ class Grammars:
         else:
             return BudgetFit(constraint)
         rooms: list[tuple[Shortest, int]] = []
+        counts: list[tuple[int, bool]] = []
         for schema, begin, end in shapes:
             least = shortest(schema)
             if least is None:
                 return BudgetFit(constraint)
-            tokens = len(self.tokenizer.encode(begin + least.text + end, add_special_tokens=False))
+            tokens, exact = self._tokens(begin, least, end)
             rooms.append((least, max_tokens - tokens - 1))  # and the end-of-sequence token
-        floor = max_tokens - max(room for _, room in rooms) - 1
-        if floor > max_tokens:
-            log.warning(
-                "max_tokens=%d is below the %d tokens of the shortest output this %s constraint "
-                "allows: the reply will be cut",
-                max_tokens,
-                floor,
-                constraint.kind,
-            )
+            counts.append((tokens, exact))
+        floor, exact = min(counts, key=lambda count: count[0])  # any one of the outputs will do
         # a run of whitespace is one token in a trained model's tokenizer: one a gap
         shares = [(room - least.gaps) // least.free for least, room in rooms if least.free]
         cap = max(0, min(shares)) if shares and min(shares) < CAP_LIMIT else None
         tight = cap is not None or any(room < least.gaps * 4 for least, room in rooms)
         ws = TIGHT_WHITESPACE if tight else MAX_WHITESPACE
         if ws == MAX_WHITESPACE and cap is None:
-            return BudgetFit(constraint, floor)
+            return BudgetFit(constraint, floor, exact)
         fields = constraint.model_dump()
         if cap is not None and constraint.kind == "json_schema":
             fields["json_schema"] = cap_strings(fields["json_schema"], cap)
@@ -447,9 +492,9 @@ class Grammars:
             for tool in fields["tools"]:
                 tool["function"]["parameters"] = cap_strings(tool["function"]["parameters"], cap)
         try:
-            return BudgetFit(_Fitted(**fields, max_whitespace=ws), floor)
+            return BudgetFit(_Fitted(**fields, max_whitespace=ws), floor, exact)
         except ValueError:  # many strings' caps past `pattern_limits` together: the whitespace alone
-            return BudgetFit(_Fitted(**constraint.model_dump(), max_whitespace=ws), floor)
+            return BudgetFit(_Fitted(**constraint.model_dump(), max_whitespace=ws), floor, exact)
 
 
 _FIELD = {"json_schema": "json_schema", "regex": "pattern", "choice": "choices", "tool_calls": "tools"}

@@ -110,6 +110,8 @@ class Constraint(BaseModel):
                 raise ValueError(f"pattern: not a valid regular expression ({err})") from None
             except RecursionError:  # Python's regex parser recurses on nested groups
                 raise ValueError("groups nested too deep for the regular expression parser") from None
+            except OverflowError as err:  # a repetition count past Python's (2**32 - 1), e.g. a{10**10}
+                raise ValueError(f"pattern: not a valid regular expression ({err})") from None
             check_regex(value)  # what it costs to compile: its counted repetitions written out
         return value
 

@@ -119,6 +119,15 @@ def check_json_schema(
         raise ValueError(
             f"{field}: not a valid JSON Schema ({err.message}{' at ' + where if where else ''})"
         ) from None
+    # a ``pattern`` the check compiles with Python's `re`, whose parser raises these two past its
+    # limits (a repetition count over 2**32 - 1; groups nested past the recursion limit)
+    except OverflowError as err:
+        raise ValueError(f"{field}: not a valid JSON Schema (a pattern: {err})") from None
+    except RecursionError:
+        raise ValueError(
+            f"{field}: not a valid JSON Schema (a pattern nests its groups too deep for the "
+            "regular expression parser)"
+        ) from None
     (patterns or PatternSize()).add_schema(schema, field)
     return schema
 

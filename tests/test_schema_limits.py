@@ -103,6 +103,18 @@ def test_regexes_are_bounded_in_length_and_nesting() -> None:
         Constraint.of_regex("(" * 3000 + "a" + ")" * 3000)
 
 
+def test_a_repetition_count_past_pythons_is_a_value_error() -> None:
+    """Python's regex parser raises OverflowError (no ValueError) past 2**32 - 1 repetitions, and
+    RecursionError on groups nested too deep: both once escaped the validators as a server's 500."""
+    with pytest.raises(ValidationError, match=r"pattern: not a valid regular expression .*too large"):
+        Constraint.of_regex("a{99999999999}")
+    with pytest.raises(ValueError, match=r"^json_schema: not a valid JSON Schema \(a pattern: .*too large"):
+        Constraint.of_json_schema({"type": "string", "pattern": "(ab){4294967296}"})
+    with pytest.raises(ValueError, match=r"^tools\[0\]\.function\.parameters: .*nests its groups too deep"):
+        normalize_tools([tool("f", {"type": "string", "pattern": "(" * 1000 + "a" + ")" * 1000})])
+    Constraint.of_regex("a{4294967294}")  # Python's own limit still passes (the grammar engine takes it)
+
+
 def test_output_nested_past_the_parser_is_an_output_error() -> None:
     """A ``json_object`` reply may nest without bound: reading it is an OutputError, not a crash."""
     with pytest.raises(OutputError, match="nested too deep"):

@@ -46,6 +46,7 @@ __all__ = [
     "MAX_COUNT",
     "MAX_DEPTH",
     "MAX_TEXT_CHARS",
+    "OutputFloor",
     "Shortest",
     "cap_strings",
     "capped_string",
@@ -75,6 +76,19 @@ _SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then",
 
 def _held(n: int) -> int:
     return n if n < MAX_COUNT else MAX_COUNT
+
+
+@dataclass(frozen=True)
+class OutputFloor:
+    """The tokens one output a constraint allows takes at the least, as a backend counted them
+    (this module counts characters; the backend's tokenizer turns them into tokens): `exact` when
+    the shortest output was tokenized, else a lower bound. `where` names the output within the
+    constraint: ``""`` for the constraint's own schema or regex, ``"tools[i].function.parameters"``
+    for a call of its i-th tool."""
+
+    where: str
+    tokens: int
+    exact: bool
 
 
 @dataclass(frozen=True, eq=False)

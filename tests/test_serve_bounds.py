@@ -248,10 +248,115 @@ def test_an_enum_of_100000_strings_is_400(served: str, logged: list[logging.LogR
     assert not [rec for rec in logged if rec.exc_info]
 
 
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_a_pattern_repeated_past_pythons_limit_is_400(
+    served: str, logged: list[logging.LogRecord], where: str
+) -> None:
+    """Once a 500 with a traceback: Python's regex parser raises OverflowError, not re.error."""
+    schema = {"type": "string", "pattern": "a{99999999999}"}
+    message = error(chat(served, max_tokens=4, **_schema_body(where, schema)), 400, where)
+    assert "not a valid JSON Schema (a pattern: the repetition number is too large)" in message
+    assert not [rec for rec in logged if rec.exc_info or rec.levelno >= logging.ERROR]
+
+
 def test_a_choice_of_100000_strings_is_400(served: str) -> None:
     constraint = {"kind": "choice", "choices": [f"value-{i}" for i in range(100_000)]}
     message = error(chat(served, max_tokens=1, branchwise={"constraint": constraint}), 400, "branchwise")
     assert message.startswith("branchwise.constraint.choices") and f"limit of {MAX_CHOICES}" in message
+
+
+# ------------------------------------------------------------------ the shortest reply a schema allows
+
+
+BILLION = 10**9
+
+
+def required(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """An object schema whose one property, `name`, is required."""
+    return {"type": "object", "properties": {name: schema}, "required": [name]}
+
+
+@pytest.fixture
+def health_polled(served: str) -> Iterator[list[tuple[int, float]]]:
+    """/health asked every 20 ms from a thread for the test's length: (status, seconds) each."""
+    answers: list[tuple[int, float]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            start = time.perf_counter()
+            status = httpx.get(f"{served}/health", timeout=10).status_code
+            answers.append((status, time.perf_counter() - start))
+            stop.wait(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        wait_until(lambda: len(answers) >= 1, "/health answers")
+        yield answers
+    finally:
+        stop.set()
+        poller.join(30)
+
+
+@pytest.mark.parametrize(
+    ("where", "schema"),
+    [
+        ("tools", required("xs", {"type": "array", "items": {"type": "integer"}, "minItems": BILLION})),
+        ("response_format", required("s", {"type": "string", "minLength": BILLION})),
+    ],
+    ids=["tool-minItems", "response_format-minLength"],
+)
+def test_a_billion_in_a_schema_is_400_at_once_while_health_answers(
+    served: str, health_polled: list[tuple[int, float]], where: str, schema: dict[str, Any]
+) -> None:
+    """Once the shortest output was built on the event loop (a billion-item list, a gigabyte string
+    handed to the tokenizer): the request never came back, /health stopped answering, SIGTERM was
+    not heard, and the tokenizer's 4 GiB allocation could abort the process. Measured now, the
+    reply is a 400 naming the field, the count (a bound: the output is far too long to tokenize)
+    and what the context leaves; /health answers all along. A tool under ``tool_choice: "auto"``
+    is refused too: prose may come first, but a call of it could never be completed."""
+    start = time.perf_counter()
+    r = chat(served, timeout=30, max_tokens=16, **_schema_body(where, schema))
+    took = time.perf_counter() - start
+    message = error(r, 400, where)
+    assert took < 1.0, f"the refusal took {took:.2f} s"
+    prefix = "tools[0].function.parameters: the shortest call of this tool" if where == "tools" else where
+    assert message.startswith(prefix), message
+    assert "takes at least " in message and "context of 2048" in message and "max_tokens is 16" in message
+    answered = len(health_polled)
+    wait_until(lambda: len(health_polled) > answered, "/health answers after the refusal")
+    assert all(status == 200 and seconds < 1.0 for status, seconds in health_polled), health_polled
+
+
+def test_a_max_tokens_below_the_shortest_output_is_400_naming_both(served: str, tiny_backend: Any) -> None:
+    """The shortest JSON fits the context but not ``max_tokens``: no reply could close, so the
+    request is refused naming ``max_tokens`` and both counts (it was a warning in the log, and a
+    reply cut with ``finish_reason: "length"``)."""
+    schema = required("answer", {"type": "string", "minLength": 40})
+    floor = len(tiny_backend.tokenizer.encode('{"answer":"' + "a" * 40 + '"}', add_special_tokens=False))
+    assert 8 < floor < 2000
+    message = error(chat(served, max_tokens=8, **_schema_body("response_format", schema)), 400, "max_tokens")
+    assert message.startswith(f"max_tokens: 8 is below the {floor} tokens of the shortest output")
+    assert "response_format" in message
+    assert chat(served, max_tokens=floor, **_schema_body("response_format", schema)).status_code == 200
+
+
+def test_a_forced_call_below_its_shortest_length_is_400(served: str, tiny_backend: Any) -> None:
+    body = _schema_body("tools", required("n", {"type": "integer"}))
+    message = error(chat(served, max_tokens=4, tool_choice="required", **body), 400, "max_tokens")
+    assert message.startswith("max_tokens: 4 is below the ") and "tools constraint" in message
+    auto = chat(served, max_tokens=4, **body)  # prose may come first: a small budget is the client's call
+    assert auto.status_code == 200, auto.text
+
+
+def test_a_default_budget_below_the_shortest_output_says_it_is_the_default(served: str) -> None:
+    schema = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": required("s", {"type": "string", "minLength": 60})},
+    }
+    r = httpx.post(f"{served}/v1/completions", json={"prompt": "Say:", "response_format": schema}, timeout=30)
+    assert error(r, 400, "max_tokens").startswith("max_tokens: 16 (the default) is below the ")
 
 
 @pytest.mark.parametrize("kind", ["choice", "json_schema"])

@@ -180,6 +180,34 @@ def test_a_short_floor_is_tokenized_a_long_one_bounded(tiny_backend: Any) -> Non
     assert fit.constraint is regex and not fit.floor_exact and fit.floor_tokens == -(-(10**9) // longest)
 
 
+def test_each_callable_tools_call_is_counted_under_any_tool_choice(tiny_backend: Any) -> None:
+    """A server refuses a tool whose shortest call cannot fit the context, whatever ``tool_choice``;
+    the reply's own floor is the least of those calls, and under ``"auto"`` there is none (prose)."""
+    grammars = tiny_backend.engine.grammars
+    big = {
+        "type": "function",
+        "function": {"name": "big", "parameters": {"type": "object", "minProperties": 10**6}},
+    }
+    tools = [PING, big]
+    fits = {
+        choice: grammars.fit(Constraint.of_tools(tools, choice), 64, warn=False)
+        for choice in ("auto", "required", "big")
+    }
+    where = {choice: [(out.where, out.exact) for out in fit.outputs] for choice, fit in fits.items()}
+    assert (
+        where["auto"]
+        == where["required"]
+        == [
+            ("tools[0].function.parameters", True),
+            ("tools[1].function.parameters", False),
+        ]
+    )
+    assert where["big"] == [("tools[1].function.parameters", False)]
+    assert fits["auto"].floor_tokens is None
+    assert fits["required"].floor_tokens == fits["required"].outputs[0].tokens < 64
+    assert fits["big"].floor_tokens == fits["big"].outputs[0].tokens > 10**6 // grammars.longest_token()
+
+
 def test_a_budget_below_the_floor_is_logged_once_and_never_when_asked_not_to(
     tiny_backend: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -49,6 +49,7 @@ async def answer(server: Server, c: Completion, request: Request) -> Response:
     if c.req.branchwise is not None and c.req.branchwise.strategy is not None:
         return await _strategy(server, c, request, head)
     max_tokens = server.fit(c.req, c.prompt, c.field)
+    await server.check_constraint_fits(c.req, c.prompt, max_tokens)
     candidates = await _candidates(server, c)  # before a stream too: a bad list is a 400 either way
     if c.req.stream:
         return await _streamed(server, c, request, head, max_tokens)

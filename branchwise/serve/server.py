@@ -20,6 +20,7 @@ from fastapi.responses import Response
 
 from branchwise.backends.base import Backend, Generation, ShareMode
 from branchwise.backends.scheduler import Job, Scheduler
+from branchwise.schema_budget import OutputFloor
 from branchwise.serve.errors import ClientGone, RequestError, draining
 from branchwise.serve.protocol import BranchwiseOptions, ChatRequest, CompletionRequest
 from branchwise.serve.strategy import StrategyRunner
@@ -28,6 +29,18 @@ from branchwise.serve.streaming import StepFeed, Stream, outcome, until
 __all__ = ["Server", "handle", "vocab_size"]
 
 log = logging.getLogger("branchwise.serve")
+
+
+def _tokens(out: OutputFloor) -> str:
+    return f"{out.tokens} tokens" if out.exact else f"at least {out.tokens} tokens"
+
+
+def _path(field: str, where: str) -> str:
+    """Where in the request an output of the constraint from `field` is: a tool's call of the
+    ``tools`` field is ``tools[i].function.parameters``, of ``branchwise.constraint`` that after a dot."""
+    if not where:
+        return field
+    return where if field == "tools" else f"{field}.{where}"
 
 
 def vocab_size(backend: Backend) -> int | None:
@@ -89,6 +102,52 @@ class Server:
                 name,
             )
         return wanted
+
+    async def check_constraint_fits(
+        self, req: ChatRequest | CompletionRequest, prompt: Sequence[int], max_tokens: int
+    ) -> None:
+        """A 400 when an output the request's constraint allows cannot fit: its shortest form (a
+        schema's shortest JSON, a call of any tool that may be called) beyond what the model's
+        context leaves after the prompt (naming the constraint's field, or the tool's: no
+        ``max_tokens`` helps), or the shortest reply beyond ``max_tokens`` (naming that field).
+        Each message gives both numbers.
+
+        Why before queueing: such a reply can only be cut, never completed, and a client is better
+        told at once than handed unparseable JSON. Why in a thread: the count reads the whole
+        schema and tokenizes its shortest output (bounded, `Grammars.fit`), work that grows with the
+        request; the event loop answers others meanwhile. The count is cached, so the decode's own
+        fit finds it done. A backend with no such count (a remote one) is not checked.
+        """
+        constraint = req.constraint
+        fit_of = getattr(self.backend, "fit_constraint", None)
+        if constraint is None or fit_of is None:
+            return
+        fit = await asyncio.to_thread(fit_of, constraint, max_tokens)
+        field = req.constraint_field
+        context = getattr(self.backend, "max_context", None)
+        if context is not None:
+            room = context - len(prompt)
+            for out in fit.outputs:
+                if out.tokens > room:
+                    what = "call of this tool" if out.where else "output this constraint allows"
+                    raise RequestError(
+                        400,
+                        f"{_path(field, out.where)}: the shortest {what} takes {_tokens(out)}, more "
+                        f"than the {room} tokens the model's context of {context} leaves after the "
+                        f"prompt ({len(prompt)} tokens; max_tokens is {max_tokens})",
+                        field,
+                    )
+        if fit.floor_tokens is None or fit.floor_tokens <= max_tokens:
+            return
+        name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        chosen = "" if req.budget_set() else " (the default)"
+        size = _tokens(OutputFloor("", fit.floor_tokens, fit.floor_exact))
+        raise RequestError(
+            400,
+            f"{name}: {max_tokens}{chosen} is below the {size} of the shortest output the {field} "
+            "constraint allows; the reply could only be cut",
+            name,
+        )
 
     def check_ids(self, ids: Sequence[int], field: str) -> None:
         """A 400 naming `field` and the range when an id is outside the vocabulary."""

@@ -45,6 +45,7 @@ from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.engine import Engine, check_broadcast
+from branchwise.backends.hf.grammar import BudgetFit
 from branchwise.backends.hf.hooks import Acceleration
 from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
@@ -375,6 +376,13 @@ class HFBackend:
         if params.constraint is None:
             return None
         return self.engine.grammars.prepare(params.constraint, params.max_tokens)
+
+    def fit_constraint(self, constraint: Constraint, max_tokens: int) -> BudgetFit:
+        """`constraint` fitted to `max_tokens` (`Grammars.fit`, which decoding under that budget
+        then finds cached), with the tokens its shortest reply and each of its outputs take. A
+        server reads those before queueing, to refuse a request no reply could complete instead of
+        decoding one that is cut; nothing is logged here."""
+        return self.engine.grammars.fit(constraint, max_tokens, warn=False)
 
     @property
     def broadcast(self) -> Broadcast:

@@ -40,7 +40,14 @@ from transformers import PreTrainedTokenizerBase
 from branchwise.backends.hf.grammar_workers import CompileFailed, CompileProcess, CompileTimedOut, Lane, both
 from branchwise.constraints import Constraint, ConstraintError
 from branchwise.pattern_limits import PatternSize
-from branchwise.schema_budget import MAX_TEXT_CHARS, Shortest, cap_strings, pattern_least_chars, shortest
+from branchwise.schema_budget import (
+    MAX_TEXT_CHARS,
+    OutputFloor,
+    Shortest,
+    cap_strings,
+    pattern_least_chars,
+    shortest,
+)
 
 __all__ = [
     "COMPILE_TIMEOUT_S",
@@ -88,14 +95,17 @@ class _Fitted(Constraint):
 @dataclass(frozen=True)
 class BudgetFit:
     """A constraint fitted to a row's ``max_tokens`` (`Grammars.fit`): what to compile (the same
-    constraint when nothing needed fitting), and the tokens its shortest valid output takes (None:
-    not known, or a kind with no such bound): counted by tokenizing that output when it is short
-    (`floor_exact`), else bounded from below by its length over the longest token's
-    (`Grammars.longest_token`), which is all a refusal needs."""
+    constraint when nothing needed fitting), and the tokens its shortest valid reply takes (None:
+    not known, or a kind with no such bound, such as tool calls under ``"auto"``, where prose will
+    do): counted by tokenizing that output when it is short (`floor_exact`), else bounded from below
+    by its length over the longest token's (`Grammars.longest_token`), which is all a refusal needs.
+    `outputs`: the same count for each output the constraint allows (a call of each tool that may
+    be called, under any ``tool_choice``), where known."""
 
     constraint: Constraint
     floor_tokens: int | None = None
     floor_exact: bool = True
+    outputs: tuple[OutputFloor, ...] = ()
 
 
 CACHE_BYTES = 1 << 30
@@ -454,37 +464,31 @@ class Grammars:
             chars = pattern_least_chars(constraint.pattern)
             if not chars:
                 return BudgetFit(constraint)
-            return BudgetFit(constraint, -(-chars // self.longest_token()), floor_exact=False)
-        # (schema, the text around its value) of each output the constraint allows
-        if constraint.kind == "json_schema" and constraint.json_schema is not None:
-            shapes = [(constraint.json_schema, "", "")]
-        elif constraint.kind == "tool_calls" and constraint.tool_choice != "auto":
-            tag = constraint.structural_tag(MAX_WHITESPACE)["format"]
-            while tag.get("type") in ("plus", "sequence"):  # down to the tag (or the `or` of tags)
-                tag = tag["content"] if tag["type"] == "plus" else tag["elements"][0]
-            shapes = [
-                (t["content"]["json_schema"], t["begin"], t["end"])
-                for t in (tag["elements"] if tag.get("type") == "or" else [tag])
-            ]
-        else:
-            return BudgetFit(constraint)
-        rooms: list[tuple[Shortest, int]] = []
-        counts: list[tuple[int, bool]] = []
-        for schema, begin, end in shapes:
+            floor = OutputFloor("", -(-chars // self.longest_token()), False)
+            return BudgetFit(constraint, floor.tokens, False, (floor,))
+        measured: list[tuple[Shortest, int]] = []  # each known output's shortest value and tokens
+        outputs: list[OutputFloor] = []
+        known = True
+        for where, schema, begin, end in _shapes(constraint):
             least = shortest(schema)
             if least is None:
-                return BudgetFit(constraint)
+                known = False
+                continue
             tokens, exact = self._tokens(begin, least, end)
-            rooms.append((least, max_tokens - tokens - 1))  # and the end-of-sequence token
-            counts.append((tokens, exact))
-        floor, exact = min(counts, key=lambda count: count[0])  # any one of the outputs will do
+            measured.append((least, tokens))
+            outputs.append(OutputFloor(where, tokens, exact))
+        auto = constraint.kind == "tool_calls" and constraint.tool_choice == "auto"
+        if not known or auto or not outputs:  # prose first under "auto": it takes what it likes
+            return BudgetFit(constraint, outputs=tuple(outputs))
+        floor = min(outputs, key=lambda out: out.tokens)  # any one of the outputs will do
+        rooms = [(least, max_tokens - tokens - 1) for least, tokens in measured]  # and end-of-sequence
         # a run of whitespace is one token in a trained model's tokenizer: one a gap
         shares = [(room - least.gaps) // least.free for least, room in rooms if least.free]
         cap = max(0, min(shares)) if shares and min(shares) < CAP_LIMIT else None
         tight = cap is not None or any(room < least.gaps * 4 for least, room in rooms)
         ws = TIGHT_WHITESPACE if tight else MAX_WHITESPACE
         if ws == MAX_WHITESPACE and cap is None:
-            return BudgetFit(constraint, floor, exact)
+            return BudgetFit(constraint, floor.tokens, floor.exact, tuple(outputs))
         fields = constraint.model_dump()
         if cap is not None and constraint.kind == "json_schema":
             fields["json_schema"] = cap_strings(fields["json_schema"], cap)
@@ -492,9 +496,43 @@ class Grammars:
             for tool in fields["tools"]:
                 tool["function"]["parameters"] = cap_strings(tool["function"]["parameters"], cap)
         try:
-            return BudgetFit(_Fitted(**fields, max_whitespace=ws), floor, exact)
+            return BudgetFit(_Fitted(**fields, max_whitespace=ws), floor.tokens, floor.exact, tuple(outputs))
         except ValueError:  # many strings' caps past `pattern_limits` together: the whitespace alone
-            return BudgetFit(_Fitted(**constraint.model_dump(), max_whitespace=ws), floor, exact)
+            fitted = _Fitted(**constraint.model_dump(), max_whitespace=ws)
+            return BudgetFit(fitted, floor.tokens, floor.exact, tuple(outputs))
+
+
+def _shapes(constraint: Constraint) -> list[tuple[str, dict[str, Any], str, str]]:
+    """(where, schema, the text before its value, the text after) of each output `constraint`
+    allows that a JSON Schema shapes: its own schema, or a call of each tool that may be called
+    (read from `Constraint.structural_tag`, so the text around a call is what the grammar forces)."""
+    if constraint.kind == "json_schema" and constraint.json_schema is not None:
+        return [("", constraint.json_schema, "", "")]
+    if constraint.kind != "tool_calls":
+        return []
+    choice = constraint.tool_choice
+    callable_ = [
+        i
+        for i, t in enumerate(constraint.tools)
+        if choice in ("auto", "required") or t["function"]["name"] == choice
+    ]
+    tags = _tags(constraint.structural_tag(MAX_WHITESPACE)["format"])
+    return [
+        (f"tools[{i}].function.parameters", tag["content"]["json_schema"], tag["begin"], tag["end"])
+        for i, tag in zip(callable_, tags, strict=True)
+    ]
+
+
+def _tags(node: Any) -> list[dict[str, Any]]:
+    """The ``tag`` nodes of a structural tag, in order (a tag's own content is not searched: it
+    holds a tool's schema)."""
+    if isinstance(node, list):
+        return [tag for item in node for tag in _tags(item)]
+    if not isinstance(node, dict):
+        return []
+    if node.get("type") == "tag":
+        return [node]
+    return [tag for value in node.values() for tag in _tags(value)]
 
 
 _FIELD = {"json_schema": "json_schema", "regex": "pattern", "choice": "choices", "tool_calls": "tools"}

@@ -180,6 +180,19 @@ def test_a_short_floor_is_tokenized_a_long_one_bounded(tiny_backend: Any) -> Non
     assert fit.constraint is regex and not fit.floor_exact and fit.floor_tokens == -(-(10**9) // longest)
 
 
+def test_a_budget_below_the_floor_leaves_the_constraint_unfitted(tiny_backend: Any) -> None:
+    """Nothing fitted can help such a budget, so nothing is fitted: a free string's length bound
+    written as a pattern past Python's repetition limit once made fitting itself raise (a 500)."""
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "minLength": 2**32 - 1}},
+        "required": ["s"],
+    }
+    constraint = Constraint.of_json_schema(schema)
+    fit = tiny_backend.engine.grammars.fit(constraint, 16, warn=False)
+    assert fit.constraint is constraint and fit.floor_tokens is not None and fit.floor_tokens > 16
+
+
 def test_each_callable_tools_call_is_counted_under_any_tool_choice(tiny_backend: Any) -> None:
     """A server refuses a tool whose shortest call cannot fit the context, whatever ``tool_choice``;
     the reply's own floor is the least of those calls, and under ``"auto"`` there is none (prose)."""

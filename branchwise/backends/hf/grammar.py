@@ -97,8 +97,9 @@ class BudgetFit:
     """A constraint fitted to a row's ``max_tokens`` (`Grammars.fit`): what to compile (the same
     constraint when nothing needed fitting), and the tokens its shortest valid reply takes (None:
     not known, or a kind with no such bound, such as tool calls under ``"auto"``, where prose will
-    do): counted by tokenizing that output when it is short (`floor_exact`), else bounded from below
-    by its length over the longest token's (`Grammars.longest_token`), which is all a refusal needs.
+    do): counted by tokenizing that output when it is short and may fit (`floor_exact`), else
+    bounded from below by its length over the longest token's (`Grammars.longest_token`), which is
+    all a refusal needs.
     `outputs`: the same count for each output the constraint allows (a call of each tool that may
     be called, under any ``tool_choice``), where known."""
 
@@ -450,14 +451,17 @@ class Grammars:
             )
         return made
 
-    def _tokens(self, begin: str, least: Shortest, end: str) -> tuple[int, bool]:
-        """Tokens of ``begin + shortest value + end``, and whether counted exactly: tokenized when
-        the value is short enough to build (`MAX_TEXT_CHARS`), else bounded from below by its
-        length over `longest_token` (never built: its length may be a count from the request)."""
-        if least.chars <= MAX_TEXT_CHARS:
-            return len(self.tokenizer.encode(begin + least.text + end, add_special_tokens=False)), True
+    def _tokens(self, begin: str, least: Shortest, end: str, max_tokens: int) -> tuple[int, bool]:
+        """Tokens of ``begin + shortest value + end``, and whether counted exactly: bounded from
+        below by its length over `longest_token`, and tokenized only when that bound is within
+        `max_tokens` (past it the budget cannot hold the output however it is counted) and the
+        value is short enough to build (`MAX_TEXT_CHARS`: its length may be a count from the
+        request, so a longer one is never built)."""
         chars = len(begin) + least.chars + len(end)
-        return -(-chars // self.longest_token()), False
+        bound = -(-chars // self.longest_token())
+        if bound > max_tokens or least.chars > MAX_TEXT_CHARS:
+            return bound, False
+        return len(self.tokenizer.encode(begin + least.text + end, add_special_tokens=False)), True
 
     def _fit(self, constraint: Constraint, max_tokens: int) -> BudgetFit:
         if constraint.kind == "regex" and constraint.pattern is not None:
@@ -474,13 +478,15 @@ class Grammars:
             if least is None:
                 known = False
                 continue
-            tokens, exact = self._tokens(begin, least, end)
+            tokens, exact = self._tokens(begin, least, end, max_tokens)
             measured.append((least, tokens))
             outputs.append(OutputFloor(where, tokens, exact))
         auto = constraint.kind == "tool_calls" and constraint.tool_choice == "auto"
         if not known or auto or not outputs:  # prose first under "auto": it takes what it likes
             return BudgetFit(constraint, outputs=tuple(outputs))
         floor = min(outputs, key=lambda out: out.tokens)  # any one of the outputs will do
+        if floor.tokens > max_tokens:  # nothing fitted can help: the constraint is left as it is
+            return BudgetFit(constraint, floor.tokens, floor.exact, tuple(outputs))
         rooms = [(least, max_tokens - tokens - 1) for least, tokens in measured]  # and end-of-sequence
         # a run of whitespace is one token in a trained model's tokenizer: one a gap
         shares = [(room - least.gaps) // least.free for least, room in rooms if least.free]

@@ -135,7 +135,7 @@ class Server:
                         f"{_path(field, out.where)}: the shortest {what} takes {_tokens(out)}, more "
                         f"than the {room} tokens the model's context of {context} leaves after the "
                         f"prompt ({len(prompt)} tokens; max_tokens is {max_tokens})",
-                        field,
+                        field.split(".")[0],  # the top-level field, as every 400's param
                     )
         if fit.floor_tokens is None or fit.floor_tokens <= max_tokens:
             return

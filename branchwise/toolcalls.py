@@ -259,18 +259,26 @@ def _read_block(body: str, names: set[str] | None) -> ToolCall | None:
     return ToolCall(name=name, arguments=args)
 
 
-def _cut_open_block(text: str) -> str:
-    """`text` without a last ``<tool_call>`` block that never closes (a call cut by ``max_tokens``),
-    nor an end that is the start of the opening tag itself (``<tool_``: cut before the tag was
-    whole, the call had begun all the same)."""
+def _cut_open_block(text: str, cut: bool, after_call: bool) -> str:
+    """`text` (the end of a reply) without a last ``<tool_call>`` block that never closes (a call
+    cut by ``max_tokens``), nor an end that is the start of the opening tag itself (``<tool_``)
+    where that can only be a call cut before its tag was whole: in a reply `cut` by ``max_tokens``,
+    or right after a call (only another call may follow one). Anywhere else such an end is the
+    reply's own text (``"a < b and x <t"``, ended by the model)."""
     start = text.rfind(TOOL_CALL_OPEN)
     if start >= 0 and TOOL_CALL_CLOSE not in text[start:]:
         return text[:start]
-    return text[: len(text) - _partial_open(text)]
+    partial = _partial_open(text)
+    if partial and (cut or (after_call and not text[: len(text) - partial].strip())):
+        return text[: len(text) - partial]
+    return text
 
 
-def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str, list[ToolCall]]:
-    """Split a reply into its prose and its ``<tool_call>`` blocks.
+def parse_tool_calls(
+    text: str, tools: Sequence[Mapping[str, Any]] = (), *, cut: bool = False
+) -> tuple[str, list[ToolCall]]:
+    """Split a reply into its prose and its ``<tool_call>`` blocks (`cut`: the reply was cut by
+    ``max_tokens``, so an end that starts the opening tag is a call begun, not text).
 
     A block counts as a call when its body is a JSON object with a ``name`` (of one of `tools`, when
     given) and object ``arguments`` (or ``parameters``); any other closed block stays in the prose,
@@ -278,7 +286,8 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tupl
     twice or shows half a call: a call identical to an earlier one of the same reply (same name,
     same canonical arguments: a small model repeating itself) ends the reply there, and it and all
     after it are dropped; a last block that never closes (cut by ``max_tokens``) is dropped, not
-    kept as prose. The prose is stripped.
+    kept as prose, and so is a last opening tag cut before it was whole (`_cut_open_block` says
+    when an end such as ``<t`` is that). The prose is stripped.
     """
     names = set(tool_names(tools)) if tools else None
     calls: list[ToolCall] = []
@@ -295,7 +304,7 @@ def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> tupl
         seen.add(call.canonical())
         last = m.end()
         calls.append(call)
-    kept.append(_cut_open_block(text[last:]))
+    kept.append(_cut_open_block(text[last:], cut, after_call=bool(calls)))
     return "".join(kept).strip(), calls
 
 
@@ -328,7 +337,8 @@ class ToolCallStream:
 
     `parse_tool_calls`' two rules hold here too: a call identical to an earlier one ends the reply
     (it and all after it are dropped: `repeated`), and a block still open at the end (cut by
-    ``max_tokens``) is dropped, not released as content (`cut`).
+    ``max_tokens``) is dropped, not released as content (`cut`), as is an end that starts the
+    opening tag where that can only be a call begun (see `finish`).
     """
 
     def __init__(self, tools: Sequence[Mapping[str, Any]]) -> None:
@@ -343,6 +353,7 @@ class ToolCallStream:
         self._in_block = False
         self._after_call = False  # whitespace right after a call is not content
         self._space = ""  # trailing whitespace held: a call block may follow it
+        self._text_since_call = False  # content released since the last call (or since the start)
 
     def push(self, text: str) -> list[str | ToolCall]:
         """Take more of the reply's text; what is now decided."""
@@ -368,6 +379,7 @@ class ToolCallStream:
                     self._space = ""
                     self._after_call = True
                     self.calls.append(calls[0])
+                    self._text_since_call = False
                     out.append(calls[0])
                 else:  # not a call of these tools: the block is content, as written
                     self._content(out, self._space + block)
@@ -389,12 +401,14 @@ class ToolCallStream:
             self._buf = self._buf[len(self._buf) - keep :]
             return out
 
-    def finish(self) -> list[str | ToolCall]:
-        """The end of the reply: what was held back is content after all, except a block still open
-        or an opening tag still incomplete (a call cut by ``max_tokens``), which is dropped with the
-        whitespace before it."""
+    def finish(self, cut: bool = False) -> list[str | ToolCall]:
+        """The end of the reply (`cut`: by ``max_tokens``): what was held back is content after all,
+        except a block still open, or an opening tag still incomplete where that can only be a call
+        begun (in a reply `cut`, or right after a call), which are dropped with the whitespace
+        before them. An incomplete tag anywhere else (``"x <t"``, ended by the model) is text."""
         out: list[str | ToolCall] = []
-        if self._in_block or (self._buf and _partial_open(self._buf) == len(self._buf)):
+        tag = bool(self._buf) and _partial_open(self._buf) == len(self._buf)
+        if self._in_block or (tag and (cut or (self.calls and not self._text_since_call))):
             self.cut = True  # (held back: the start of ``<tool_call>``, cut before the tag was whole)
         elif not self.repeated:
             rest = self._buf.lstrip() if self._after_call else self._buf
@@ -409,10 +423,10 @@ class ToolCallStream:
         self._space = text[len(head) :]
         self._content(out, head)
 
-    @staticmethod
-    def _content(out: list[str | ToolCall], text: str) -> None:
+    def _content(self, out: list[str | ToolCall], text: str) -> None:
         if text:
             out.append(text)
+            self._text_since_call = True
 
 
 def _partial_open(text: str) -> int:
@@ -423,10 +437,13 @@ def _partial_open(text: str) -> int:
     return 0
 
 
-def split_calls(text: str, tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[ToolCall]]:
-    """A whole reply's content and calls, exactly as a `ToolCallStream` reads them piece by piece."""
+def split_calls(
+    text: str, tools: Sequence[Mapping[str, Any]], *, cut: bool = False
+) -> tuple[str, list[ToolCall]]:
+    """A whole reply's content and calls, exactly as a `ToolCallStream` reads them piece by piece
+    (`cut`: the reply was cut by ``max_tokens``, `ToolCallStream.finish`)."""
     reader = ToolCallStream(tools)
-    parts = reader.push(text) + reader.finish()
+    parts = reader.push(text) + reader.finish(cut)
     return "".join(p for p in parts if isinstance(p, str)), reader.calls
 
 

@@ -564,13 +564,15 @@ TOOLS = normalize_tools([WEATHER, TIME])
         ('cut <tool_call>\n{"name": ', "cut", []),  # a call cut by max_tokens is dropped
         (f"{CALL}\n<tool_call>\n{{", None, ["get_weather"]),
         ("< <tool <tool_c x", "< <tool <tool_c x", []),  # tag-like prose stays as written
-        ("< <tool <tool_c", "< <tool", []),  # but a reply that ends inside the tag was cut there
+        ("< <tool <tool_c", "< <tool <tool_c", []),  # even at the end of a reply the model ended
+        ("cut: < <tool <tool_c", "cut: < <tool", []),  # but one cut by max_tokens there began a call
     ],
 )
 def test_tool_call_stream_reads_any_chunking_as_the_whole(
     text: str, content: str | None, calls: list[str]
 ) -> None:
-    whole = split_reply(text, TOOLS)
+    cut = text.startswith("cut")  # (the case cut by max_tokens: the readers are told so)
+    whole = split_reply(text, TOOLS, cut)
     assert whole[0] == content
     assert [c.name for c in whole[1]] == calls
     rng = random.Random(0)
@@ -580,7 +582,7 @@ def test_tool_call_stream_reads_any_chunking_as_the_whole(
             k = rng.randint(1, 6)
             events += reader.push(text[i : i + k])
             i += k
-        events += reader.finish()
+        events += reader.finish(cut)
         streamed = "".join(v for v in events if isinstance(v, str))
         assert (streamed or None if calls else streamed) == whole[0]
         assert [v.canonical() for v in events if not isinstance(v, str)] == [c.canonical() for c in whole[1]]

@@ -270,23 +270,66 @@ def test_chat_model_returns_each_call_once_and_no_cut_call(reply: str, content: 
     assert msg.response_metadata["finish_reason"] == "tool_calls"
 
 
+CALCULATOR = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+
+
+def _both_readers(reply: str, cut: bool) -> tuple[str, int, bool]:
+    """(content, calls, whether the stream says it dropped a cut call) as `parse_tool_calls`, the
+    whole-reply `split_calls` and a `ToolCallStream` fed a character at a time read `reply`;
+    asserting the three agree."""
+    tools = normalize_tools(CALCULATOR)
+    prose, calls = parse_tool_calls(reply, tools, cut=cut)
+    streamed, streamed_calls = split_calls(reply, tools, cut=cut)
+    assert streamed == prose and [c.canonical() for c in streamed_calls] == [c.canonical() for c in calls]
+    reader = ToolCallStream(tools)
+    pieces = [p for ch in reply for p in reader.push(ch)] + reader.finish(cut)
+    assert "".join(p for p in pieces if isinstance(p, str)) == prose
+    return prose, len(calls), reader.cut
+
+
 @pytest.mark.parametrize(
-    ("reply", "content", "n_calls"),
-    [(CUT_IN_TAG, "", 1), ("Checking.\n<tool_c", "Checking.", 0), ("Checking. <", "Checking.", 0)],
+    ("reply", "cut", "content", "n_calls"),
+    [
+        (CUT_IN_TAG, False, "", 1),  # right after a call only another call may begin: cut, either way
+        (CUT_IN_TAG, True, "", 1),
+        ("Checking.\n<tool_c", True, "Checking.", 0),
+        ("Checking. <", True, "Checking.", 0),
+    ],
 )
 def test_a_call_cut_inside_its_opening_tag_is_dropped_by_both_readers(
-    reply: str, content: str, n_calls: int
+    reply: str, cut: bool, content: str, n_calls: int
 ) -> None:
-    tools = normalize_tools(
-        [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
-    )
-    prose, calls = parse_tool_calls(reply, tools)
-    assert (prose, len(calls)) == (content, n_calls)
-    streamed, streamed_calls = split_calls(reply, tools)
-    assert streamed == content and [c.canonical() for c in streamed_calls] == [c.canonical() for c in calls]
-    reader = ToolCallStream(tools)
-    pieces = [p for ch in reply for p in reader.push(ch)] + reader.finish()
-    assert "".join(p for p in pieces if isinstance(p, str)) == content and reader.cut
+    assert _both_readers(reply, cut) == (content, n_calls, True)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    ["a < b and x <t", "Checking. <", "Checking.\n<tool_c", _call("calculator", {"e": 1}) + " so x <tool"],
+)
+def test_a_finished_reply_that_ends_like_the_tag_keeps_its_end(reply: str) -> None:
+    """A reply the model ended (not cut by ``max_tokens``) with text that merely starts like
+    ``<tool_call>`` says what it says: its end was once dropped as if a call had begun."""
+    content, n_calls, dropped = _both_readers(reply, cut=False)
+    assert content == reply.split("</tool_call>")[-1].strip() and not dropped
+    assert n_calls == reply.count("</tool_call>")
+
+
+def test_the_server_reads_such_an_end_by_the_finish_reason() -> None:
+    """Whole or streamed, a reply that ends ``<t`` keeps it when the model ended it, and drops it
+    when ``max_tokens`` cut it (a call may have begun)."""
+    pytest.importorskip("fastapi")
+    from branchwise.backends.base import Generation
+    from branchwise.serve.replies import ChatChunks, chat_choice_message
+
+    constraint = Constraint.of_tools(CALCULATOR)
+    assert constraint is not None
+    text = "a < b and x <t"
+    for reason, content in (("eos", text), ("length", "a < b and x")):
+        g = Generation(0, [1], text, [0.0], [0.0], reason)  # type: ignore[arg-type]
+        assert chat_choice_message(g, constraint)[0]["content"] == content
+        chunks = ChatChunks(constraint.tools)
+        deltas = chunks.push(text[:5]) + chunks.push(text[5:], end=True, cut=reason == "length")
+        assert "".join(d["delta"].get("content", "") for d in deltas) == content
 
 
 def test_a_branch_that_repeats_its_call_votes_for_the_call_once() -> None:

@@ -337,7 +337,7 @@ class ChatBranchwise(BaseChatModel):
         content = gen.text
         calls: list[ToolCall] = []
         if request.calls_tools:
-            content, calls = split_calls(gen.text, request.tools)
+            content, calls = split_calls(gen.text, request.tools, cut=gen.finish_reason == "length")
         if request.after_tool_results:
             content = strip_tool_responses(content)
         metadata: dict[str, Any] = {
@@ -483,7 +483,7 @@ class ChatBranchwise(BaseChatModel):
                         run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
             (gen,) = job.result()
-            for part, index in pieces.finish(gen.text):
+            for part, index in pieces.finish(gen.text, gen.finish_reason == "length"):
                 chunk = self._chunk(part, index)
                 if run_manager is not None and chunk.text:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -521,7 +521,7 @@ class ChatBranchwise(BaseChatModel):
                         await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
             (gen,) = job.result()
-            for part, index in pieces.finish(gen.text):
+            for part, index in pieces.finish(gen.text, gen.finish_reason == "length"):
                 chunk = self._chunk(part, index)
                 if run_manager is not None and chunk.text:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)

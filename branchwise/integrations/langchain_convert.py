@@ -210,11 +210,12 @@ class StreamPieces:
     def push(self, tokens: Sequence[int]) -> list[tuple[str | ToolCall, int]]:
         return self._indexed(self._cleaned(self._parts(self.text.push(tokens)), final=False))
 
-    def finish(self, text: str) -> list[tuple[str | ToolCall, int]]:
-        """The rest, given the finished reply's text (as the backend cut it)."""
+    def finish(self, text: str, cut: bool = False) -> list[tuple[str | ToolCall, int]]:
+        """The rest, given the finished reply's text (as the backend cut it; `cut`: by
+        ``max_tokens``)."""
         parts = self._parts(self.text.finish(text))
         if self.splitter is not None:
-            parts += self.splitter.finish()
+            parts += self.splitter.finish(cut)
         return self._indexed(self._cleaned(parts, final=True))
 
 

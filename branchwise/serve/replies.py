@@ -62,10 +62,12 @@ def tools_of(constraint: Constraint | None) -> Sequence[dict[str, Any]] | None:
     return constraint.tools if constraint is not None and constraint.kind == "tool_calls" else None
 
 
-def split_reply(text: str, tools: Sequence[dict[str, Any]]) -> tuple[str | None, list[ToolCall]]:
+def split_reply(
+    text: str, tools: Sequence[dict[str, Any]], cut: bool = False
+) -> tuple[str | None, list[ToolCall]]:
     """A whole reply's content (None when it is only calls: OpenAI's shape) and calls, as a stream
-    would read them (`toolcalls.split_calls`)."""
-    content, calls = split_calls(text, tools)
+    would read them (`toolcalls.split_calls`; `cut`: the reply was cut by ``max_tokens``)."""
+    content, calls = split_calls(text, tools, cut=cut)
     return (content or None) if calls else content, calls
 
 
@@ -81,7 +83,7 @@ def chat_choice_message(g: Generation, constraint: Constraint | None) -> tuple[d
     tools = tools_of(constraint)
     if tools is None:
         return {"role": "assistant", "content": g.text}, FINISH[g.finish_reason]
-    content, calls = split_reply(g.text, tools)
+    content, calls = split_reply(g.text, tools, g.finish_reason == "length")
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [c.openai() for c in calls]
@@ -96,12 +98,13 @@ class ChatDeltas:
         self.reader = ToolCallStream(tools) if tools is not None else None
         self.sent = 0  # calls streamed so far: the next call's index
 
-    def push(self, text: str, *, end: bool = False) -> list[dict[str, Any]]:
-        """The deltas `text` (the choice's next text, the last when `end`) releases."""
+    def push(self, text: str, *, end: bool = False, cut: bool = False) -> list[dict[str, Any]]:
+        """The deltas `text` (the choice's next text, the last when `end`; `cut`: by ``max_tokens``)
+        releases."""
         if self.reader is None:
             return [{"content": text}] if text else []
         out: list[dict[str, Any]] = []
-        for part in self.reader.push(text) + (self.reader.finish() if end else []):
+        for part in self.reader.push(text) + (self.reader.finish(cut) if end else []):
             if isinstance(part, str):
                 out.append({"content": part})
             else:
@@ -120,8 +123,8 @@ class Chunks(Protocol):
         """Payloads sent before any token (chat: the assistant role)."""
         ...
 
-    def push(self, text: str, *, end: bool = False) -> list[dict[str, Any]]:
-        """Payloads for the choice's next text (the last when `end`)."""
+    def push(self, text: str, *, end: bool = False, cut: bool = False) -> list[dict[str, Any]]:
+        """Payloads for the choice's next text (the last when `end`; `cut`: by ``max_tokens``)."""
         ...
 
     def finish(self, g: Generation) -> dict[str, Any]:
@@ -138,8 +141,8 @@ class ChatChunks:
     def start(self) -> list[dict[str, Any]]:
         return [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
 
-    def push(self, text: str, *, end: bool = False) -> list[dict[str, Any]]:
-        return [{"delta": d, "finish_reason": None} for d in self.deltas.push(text, end=end)]
+    def push(self, text: str, *, end: bool = False, cut: bool = False) -> list[dict[str, Any]]:
+        return [{"delta": d, "finish_reason": None} for d in self.deltas.push(text, end=end, cut=cut)]
 
     def finish(self, g: Generation) -> dict[str, Any]:
         return {"delta": {}, "finish_reason": self.deltas.finish_reason(g)}
@@ -154,7 +157,7 @@ class TextChunks:
     def start(self) -> list[dict[str, Any]]:
         return []
 
-    def push(self, text: str, *, end: bool = False) -> list[dict[str, Any]]:
+    def push(self, text: str, *, end: bool = False, cut: bool = False) -> list[dict[str, Any]]:
         text, self.echo = self.echo + text, ""
         return [{"text": text, "finish_reason": None}] if text else []
 

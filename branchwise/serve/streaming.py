@@ -248,7 +248,8 @@ async def chunks(
             yield chunk(i, payload)
     used = 0
     async for i, text, g in stream.choices(backend):
-        for payload in readers[i].push(text, end=g is not None):
+        cut = g is not None and g.finish_reason == "length"
+        for payload in readers[i].push(text, end=g is not None, cut=cut):
             yield chunk(i, payload)
         if g is not None:
             used += len(g.token_ids)

@@ -436,7 +436,8 @@ def test_river_quick() -> None:
         assert 0.0 <= same <= prefix + 1e-3 and prefix <= row["token_agreement_vs_backbone"] + 1e-3
         audit = row["audit"]
         if audit["exited_tokens"]:
-            assert 0.0 <= audit["next_token_match"] <= 1.0 and audit["kl"] >= 0.0
+            # the divergence is clamped at 0; what can go wrong is a NaN (0 * log 0 of a masked logit)
+            assert 0.0 <= audit["next_token_match"] <= 1.0 and math.isfinite(audit["kl"])
     # full_quant leaves after the entry layer on every forward
     assert conds["full_quant"]["exit_rate"] == 1.0
     assert conds["full_quant"]["mean_backbone_layers_per_token"] == out["config"]["entry_layer"] + 1
@@ -548,10 +549,12 @@ def test_vs_vllm_times_a_request_only_once_the_cores_are_idle(monkeypatch: pytes
     readings[:] = windows(0.5, 0.5)
     settle()  # never idle: gives up after a window past the limit, and says so
     assert readings == [windows(0.5, 0.5)[-1]] and settle.unsettled == 1
-    monkeypatch.setattr(script, "SETTLE_PAUSE_S", 0.0)
+    slept: list[float] = []
+    clock = argparse.Namespace(sleep=slept.append, perf_counter=script.time.perf_counter)
+    monkeypatch.setattr(script, "time", clock)  # the script's clock only: its pause is not waited here
     readings[:] = [None]
-    settle()
-    assert not readings and settle.unsettled == 1 and settle.waited_s >= 0
+    settle()  # no ticks to read: one pause, not a window, and nothing counted as unsettled
+    assert not readings and slept == [script.SETTLE_PAUSE_S] and settle.unsettled == 1
 
 
 def test_ets_benchmark_stops_without_a_solver(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -984,7 +987,6 @@ def test_kv_budget_quick() -> None:
         assert arm["bound"] == (arm["max_requests_at_once"] < questions)
         assert arm["within_budget"] == (arm["peak_used_bytes"] <= budget)
         assert arm["peak_used_bytes"] > 0 and arm["peak_allocated_bytes"] > 0
-        assert all(p >= 0 for p in arm["preemptions"]) and all(o >= 0 for o in arm["overruns"])
         for base in ("dense", "exact"):
             medians = arm["branches_per_s"]["median"], arms[base]["branches_per_s"]["median"]
             assert arm[f"throughput_vs_{base}"] == ratio(*medians)

@@ -8,11 +8,16 @@ like coverage to a reader. This file reads every ``tests/**/test_*.py`` and fail
   ``pytest.raises`` / ``warns`` / ``fail``, no call of a checking helper (a name starting with
   ``assert``, ``check``, ``expect`` or ``verify``), no call of a standard suite's own test through
   ``super()``, and no call of a helper named in `CHECKING_HELPERS`;
-* an ``xfail`` mark that is not ``strict=True``;
+* an assertion that a value is at least zero (``x >= 0``, ``x >= 0.0``, ``0 <= x``, inside
+  ``all(...)`` too): on a count, a size or a time it cannot fail, and beside a real assertion it
+  reads as one;
+* an ``xfail`` mark that is not ``strict=True`` with a ``reason``, the bare ``@pytest.mark.xfail``
+  included;
 * a fake backend written from scratch instead of on `testkit.FakeBackend`, or a `wait_until` of its own.
 
-What it cannot see: an assertion that cannot fail (``x >= 0`` on a count). Those were removed by
-reading (``grep -nE '>=\\s*0(\\.0)?\\b' tests``), not by this scan.
+What it cannot see: the lower end of a range, ``0 <= x <= n``. Its upper end checks, and its lower
+end can too (``0 <= i < j`` on two ``str.find`` results, where -1 means "absent"); on a count it
+cannot fail, and is left to reading.
 """
 
 from __future__ import annotations
@@ -101,18 +106,92 @@ def test_checking_helpers_assert() -> None:
             )
 
 
-def test_every_xfail_is_strict() -> None:
+def loose_xfails(tree: ast.Module) -> list[int]:
+    """Lines of ``xfail`` marks that are not ``strict=True`` with a ``reason`` (a bare
+    ``@pytest.mark.xfail``, an attribute never called, has neither)."""
+    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     loose = []
-    for path, tree in _test_files():
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("mark.xfail")):
-                continue
-            strict = {k.arg: k.value for k in node.keywords}.get("strict")
-            if not (isinstance(strict, ast.Constant) and strict.value is True):
-                loose.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and ast.unparse(node).endswith("mark.xfail")
+            and id(node) not in called
+        ):
+            loose.append(node.lineno)
+        if not (isinstance(node, ast.Call) and ast.unparse(node.func).endswith("mark.xfail")):
+            continue
+        keywords = {k.arg: k.value for k in node.keywords}
+        strict = keywords.get("strict")
+        reason = "reason" in keywords  # (a positional argument is a condition)
+        if not (isinstance(strict, ast.Constant) and strict.value is True and reason):
+            loose.append(node.lineno)
+    return loose
+
+
+def test_every_xfail_is_strict() -> None:
+    loose = [
+        f"{path.relative_to(TESTS)}:{line}" for path, tree in _test_files() for line in loose_xfails(tree)
+    ]
     assert not loose, (
-        "xfail marks without strict=True (green whether the test passes or fails):\n" + "\n".join(loose)
+        "xfail marks without strict=True and a reason (green whether the test passes or fails):\n"
+        + "\n".join(loose)
     )
+
+
+def _zero(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float) and node.value == 0
+
+
+def at_least_zero(tree: ast.Module) -> list[int]:
+    """Lines of assertions that a value is at least zero (see the module docstring): ``x >= 0``
+    anywhere in a comparison, ``0 <= x`` as a whole one (a range's lower end is not flagged)."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assert):
+            continue
+        for compare in ast.walk(node.test):
+            if not isinstance(compare, ast.Compare):
+                continue
+            operands = [compare.left, *compare.comparators]
+            pairs = zip(operands, compare.ops, operands[1:], strict=False)
+            if any(isinstance(op, ast.GtE) and _zero(right) for _, op, right in pairs) or (
+                len(compare.ops) == 1 and isinstance(compare.ops[0], ast.LtE) and _zero(compare.left)
+            ):
+                lines.append(compare.lineno)
+    return lines
+
+
+def test_no_assertion_that_a_value_is_at_least_zero() -> None:
+    found = [
+        f"{path.relative_to(TESTS)}:{line}" for path, tree in _test_files() for line in at_least_zero(tree)
+    ]
+    assert not found, (
+        "assertions that a value is at least zero (on a count, a size or a time they cannot fail: "
+        "assert what the value should be):\n" + "\n".join(found)
+    )
+
+
+def test_the_scan_sees_vacuous_bounds_and_loose_xfails() -> None:
+    """The two scans above can fail: each form they are for is flagged, its real neighbours are not."""
+    flagged = [
+        "assert n >= 0",
+        "assert s >= 0.0 and t == 1",
+        "assert all(p >= 0 for p in xs)",
+        "assert 0 <= n",
+        "assert a >= b >= 0",
+    ]
+    kept = ["assert n >= 1", "assert 0.0 <= r <= 1.0", "assert 0 <= i < j", "x = n >= 0", "assert n > 0"]
+    assert [bool(at_least_zero(ast.parse(code))) for code in flagged] == [True] * len(flagged)
+    assert [bool(at_least_zero(ast.parse(code))) for code in kept] == [False] * len(kept)
+    marks = {
+        "@pytest.mark.xfail\ndef test_x(): pass": True,
+        "@pytest.mark.xfail(strict=True)\ndef test_x(): pass": True,
+        "@pytest.mark.xfail(reason='r')\ndef test_x(): pass": True,
+        "pytest.param(1, marks=pytest.mark.xfail)": True,
+        "@pytest.mark.xfail(reason='r', strict=True)\ndef test_x(): pass": False,
+        "@pytest.mark.xfail(sys.platform == 'win32', reason='r', strict=True)\ndef test_x(): pass": False,
+    }
+    assert {code: bool(loose_xfails(ast.parse(code))) for code in marks} == marks
 
 
 def test_the_scan_sees_a_test_without_a_check() -> None:

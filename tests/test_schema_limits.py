@@ -112,7 +112,9 @@ def test_a_repetition_count_past_pythons_is_a_value_error() -> None:
         Constraint.of_json_schema({"type": "string", "pattern": "(ab){4294967296}"})
     with pytest.raises(ValueError, match=r"^tools\[0\]\.function\.parameters: .*nests its groups too deep"):
         normalize_tools([tool("f", {"type": "string", "pattern": "(" * 1000 + "a" + ")" * 1000})])
-    Constraint.of_regex("a{4294967294}")  # Python's own limit still passes (the grammar engine takes it)
+    # within Python's limit, a count is then sized for the grammar engine (`pattern_limits`)
+    with pytest.raises(ValidationError, match=r"a repetition count of 4294967294, over the limit of 1000"):
+        Constraint.of_regex("a{4294967294}")
 
 
 def test_output_nested_past_the_parser_is_an_output_error() -> None:

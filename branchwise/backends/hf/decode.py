@@ -44,7 +44,8 @@ from branchwise.backends.base import (
 )
 from branchwise.backends.compute_thread import COMPUTE
 from branchwise.backends.hf.batch import Batch, Row
-from branchwise.backends.hf.grammar import Grammars, RowGrammars
+from branchwise.backends.hf.grammar import Grammars
+from branchwise.backends.hf.grammar_rows import RowGrammars
 from branchwise.backends.hf.hooks import Acceleration, overrides
 from branchwise.backends.hf.sampling import pick_tokens
 from branchwise.backends.hf.segment import Segment

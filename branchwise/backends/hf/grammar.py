@@ -13,7 +13,7 @@ once per tokenizer, and its matchers `fork`, which a shared-prefix batch needs. 
 Layout: `Grammars` (one per engine) owns the compiler and caches each constraint's compiled grammar
 by its canonical key, so a schema compiles once per backend however many requests use it; each
 compile runs within a time limit, in a thread or a killable child process (`grammar_workers`).
-`RowGrammars` (one per `extend` call) keeps one matcher per constrained row; `mask` narrows each
+`RowGrammars` (`grammar_rows.py`, one per `extend` call) keeps one matcher per constrained row; `mask` narrows each
 constrained row's logits to the tokens its grammar allows (rows without a constraint are left
 alone, so a batch may mix both), `accept` advances a row's matcher by the token sampled. A row whose
 grammar allows no token at some step ends with finish reason "grammar" (other rows go on). The mask
@@ -28,15 +28,21 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from branchwise.backends.hf.grammar_fit import (
+    CAP_LIMIT,
+    MAX_WHITESPACE,
+    TIGHT_WHITESPACE,
+    BudgetFit,
+    _Fitted,
+    _shapes,
+)
 from branchwise.backends.hf.grammar_workers import CompileFailed, CompileProcess, CompileTimedOut, Lane, both
 from branchwise.constraints import Constraint, ConstraintError
 from branchwise.pattern_limits import PatternSize
@@ -59,54 +65,14 @@ __all__ = [
     "GrammarStats",
     "GrammarTimeout",
     "Grammars",
-    "RowGrammars",
 ]
 
 log = logging.getLogger(__name__)
 
 _LOG_PREFIX = re.compile(r"\[[\d:]+\] \S+:\d+: ")
 """The position prefix of xgrammar's C++ error messages (time, source file and line)."""
-MAX_WHITESPACE = 20
-"""Longest run of whitespace JSON may hold between two tokens: room for pretty-printing four levels
-deep, but a small model can no longer pad its JSON with whitespace until ``max_tokens`` runs out
-(xgrammar's default is unbounded, and random or small models do exactly that)."""
-TIGHT_WHITESPACE = 2
-"""Longest whitespace run between two JSON tokens under a small budget: not 1, because trained
-models have habits a single character breaks (SmolLM2 writes ``"expression":  "12 * 7"``, two
-spaces; held to one it writes ``""``), and not more, because a random or small model pads every
-gap it may."""
-CAP_LIMIT = 256
-"""Free strings are bounded (and whitespace held to `TIGHT_WHITESPACE`) only when the budget leaves
-each fewer characters than this: a larger budget leaves the constraint (and its compiled grammar)
-as it was, escapes and pretty-printing included. Without free strings, the whitespace is held only
-when the budget leaves fewer than four tokens a gap."""
 _FITS_KEPT = 1024
 """Budget fits remembered per backend (by constraint and max_tokens), oldest forgotten first."""
-
-
-class _Fitted(Constraint):
-    """A constraint fitted to a budget (`Grammars.fit`): it also bounds the whitespace JSON may hold
-    between two tokens. A field of its own, so its key (the grammar cache's) differs from the
-    unfitted constraint's and the cache, `Grammars.prepare` included, needs no other knob."""
-
-    max_whitespace: int = MAX_WHITESPACE
-
-
-@dataclass(frozen=True)
-class BudgetFit:
-    """A constraint fitted to a row's ``max_tokens`` (`Grammars.fit`): what to compile (the same
-    constraint when nothing needed fitting), and the tokens its shortest valid reply takes (None:
-    not known, or a kind with no such bound, such as tool calls under ``"auto"``, where prose will
-    do): counted by tokenizing that output when it is short and may fit (`floor_exact`), else
-    bounded from below by its length over the longest token's (`Grammars.longest_token`), which is
-    all a refusal needs.
-    `outputs`: the same count for each output the constraint allows (a call of each tool that may
-    be called, under any ``tool_choice``), where known."""
-
-    constraint: Constraint
-    floor_tokens: int | None = None
-    floor_exact: bool = True
-    outputs: tuple[OutputFloor, ...] = ()
 
 
 CACHE_BYTES = 1 << 30
@@ -508,39 +474,6 @@ class Grammars:
             return BudgetFit(fitted, floor.tokens, floor.exact, tuple(outputs))
 
 
-def _shapes(constraint: Constraint) -> list[tuple[str, dict[str, Any], str, str]]:
-    """(where, schema, the text before its value, the text after) of each output `constraint`
-    allows that a JSON Schema shapes: its own schema, or a call of each tool that may be called
-    (read from `Constraint.structural_tag`, so the text around a call is what the grammar forces)."""
-    if constraint.kind == "json_schema" and constraint.json_schema is not None:
-        return [("", constraint.json_schema, "", "")]
-    if constraint.kind != "tool_calls":
-        return []
-    choice = constraint.tool_choice
-    callable_ = [
-        i
-        for i, t in enumerate(constraint.tools)
-        if choice in ("auto", "required") or t["function"]["name"] == choice
-    ]
-    tags = _tags(constraint.structural_tag(MAX_WHITESPACE)["format"])
-    return [
-        (f"tools[{i}].function.parameters", tag["content"]["json_schema"], tag["begin"], tag["end"])
-        for i, tag in zip(callable_, tags, strict=True)
-    ]
-
-
-def _tags(node: Any) -> list[dict[str, Any]]:
-    """The ``tag`` nodes of a structural tag, in order (a tag's own content is not searched: it
-    holds a tool's schema)."""
-    if isinstance(node, list):
-        return [tag for item in node for tag in _tags(item)]
-    if not isinstance(node, dict):
-        return []
-    if node.get("type") == "tag":
-        return [node]
-    return [tag for value in node.values() for tag in _tags(value)]
-
-
 _FIELD = {"json_schema": "json_schema", "regex": "pattern", "choice": "choices", "tool_calls": "tools"}
 """The constraint's field an error about its grammar names, by kind."""
 
@@ -600,82 +533,3 @@ def _engine_error(err: Exception, c: Constraint) -> ConstraintError:
         f"{_FIELD.get(c.kind, 'constraint')}: the grammar engine cannot compile this {c.kind} "
         f"constraint ({reason})"
     )
-
-
-class RowGrammars:
-    """One matcher per constrained row of one `extend` call, keyed by the row's segment id."""
-
-    def __init__(self, grammars: Grammars) -> None:
-        self.grammars = grammars
-        self._matchers: dict[int, xgr.GrammarMatcher] = {}
-        self._bitmask: torch.Tensor | None = None
-
-    def attach(self, seg_id: int, constraint: Constraint | None, max_tokens: int | None = None) -> None:
-        """Constrain the row of segment `seg_id` from its next token on (None: leave it free), fitted
-        to the row's `max_tokens` where given (`Grammars.fit`)."""
-        if constraint is not None and seg_id not in self._matchers:
-            if max_tokens is not None:
-                constraint = self.grammars.fit(constraint, max_tokens).constraint
-            self._matchers[seg_id] = xgr.GrammarMatcher(self.grammars.compile(constraint))
-
-    def __bool__(self) -> bool:
-        return bool(self._matchers)
-
-    def mask(self, logits: torch.Tensor, seg_ids: Sequence[int]) -> tuple[torch.Tensor, set[int]]:
-        """Logits (float32, a copy) with each constrained row narrowed to its grammar's tokens, and the
-        batch positions whose grammar allows no token now (their logits are left as they were)."""
-        rows = [(pos, self._matchers[s]) for pos, s in enumerate(seg_ids) if s in self._matchers]
-        if not rows:
-            return logits, set()
-        vocab = logits.shape[-1]
-        if (
-            self._bitmask is None
-            or self._bitmask.shape[0] < len(seg_ids)
-            or self._bitmask.shape[1] * 32 < vocab
-        ):
-            self._bitmask = xgr.allocate_token_bitmask(max(len(seg_ids), 8), self.grammars.vocab_size)
-        bitmask = self._bitmask
-        masked = logits.float().clone()
-        dead: set[int] = set()
-        positions = []
-        for pos, matcher in rows:
-            if matcher.is_terminated():
-                dead.add(pos)
-                continue
-            matcher.fill_next_token_bitmask(bitmask, pos)
-            positions.append(pos)
-        if positions:
-            on_device = bitmask[: len(seg_ids)].to(masked.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(masked, on_device, vocab_size=vocab, indices=positions)
-            finite = torch.isfinite(masked[positions]).any(dim=-1).tolist()
-            dead.update(pos for pos, ok in zip(positions, finite, strict=True) if not ok)
-        for pos in dead:
-            masked[pos] = logits[pos].float()
-        return masked, dead
-
-    def accept(self, seg_id: int, token: int) -> bool:
-        """Advance the row's matcher by `token`; False when the grammar refuses it (the row ends)."""
-        matcher = self._matchers.get(seg_id)
-        return matcher is None or matcher.accept_token(token)
-
-    def ends_here(self, seg_id: int) -> bool:
-        """Whether the row's grammar allows nothing but the end of the sequence now: its output is
-        whole, and the next token would be end-of-sequence whatever the model preferred."""
-        matcher = self._matchers.get(seg_id)
-        if matcher is None or not matcher.is_completed():
-            return False
-        if matcher.is_terminated():
-            return True
-        vocab = self.grammars.vocab_size
-        bitmask = xgr.allocate_token_bitmask(1, vocab)
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        allowed = torch.zeros(1, vocab)
-        xgr.apply_token_bitmask_inplace(allowed, bitmask, vocab_size=vocab)
-        return set(torch.isfinite(allowed[0]).nonzero().flatten().tolist()) <= self.grammars.eos_ids
-
-    def complete(self, seg_ids: Sequence[int]) -> bool:
-        """Whether every constrained row among `seg_ids` could end here (its output is whole)."""
-        return all(self._matchers[s].is_completed() for s in seg_ids if s in self._matchers)
-
-    def drop(self, seg_id: int) -> None:
-        self._matchers.pop(seg_id, None)

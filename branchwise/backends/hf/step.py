@@ -43,13 +43,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from branchwise.backends.hf.arch import DecoderParts
-from branchwise.backends.hf.attention import AttentionContext, fused_cascade
+from branchwise.backends.hf.attention import AttentionContext, SharedSegment, fused_cascade
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, needs_layer_loop
 from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
@@ -311,6 +311,51 @@ class StepGraph:
         return self.logits.clone()  # the next replay overwrites it
 
 
+def from_skeleton(batch: dict[str, Any], parts: DecoderParts, device: torch.device) -> StepGraph:
+    """The skeleton batch as the engine would hold it: its tensors on the device, inference tensors
+    where the engine's were (a compiled step's guards check it)."""
+
+    def made(entry: dict[str, Any] | None) -> torch.Tensor | None:
+        if entry is None:
+            return None
+        with torch.inference_mode(entry["inference"]):
+            return entry["data"].to(device).clone()
+
+    def tensors(entries: list[dict[str, Any]]) -> list[torch.Tensor]:
+        return [t for t in map(made, entries) if t is not None]
+
+    lens = made(batch["lens"])
+    assert lens is not None
+    ctx = BatchContext(
+        tail_k=tensors(batch["tail_k"]),
+        tail_v=tensors(batch["tail_v"]),
+        lens=lens,
+        shared=[
+            SharedSegment(tensors(s["keys"]), tensors(s["values"]), made(s["rows"]), mask=made(s["mask"]))
+            for s in batch["shared"]
+        ],
+        pos_next=made(batch["pos_next"]),
+        n_groups=batch["n_groups"],
+    )
+    with torch.inference_mode():  # as `Stepper.forward` makes its graphs
+        graph = StepGraph(parts, ctx, (), None)
+        graph.attention.span = batch["span"]
+    return graph
+
+
+def warm_step(
+    step: Callable[[StepGraph], torch.Tensor],
+    batch: dict[str, Any],
+    parts: DecoderParts,
+    device: torch.device,
+) -> None:
+    """Run a compiled step once on its kind's skeleton batch: its first call loads (or builds) the
+    compiled kernels, which must happen where no request waits (`StepCompiler._load`)."""
+    graph = from_skeleton(batch, parts, device)
+    with torch.inference_mode():
+        step(graph)
+
+
 def is_decode_step(feeds: Sequence[Sequence[int]]) -> bool:
     """Whether a forward of `feeds` is a decode step: one token or none per row, some row fed."""
     return any(feeds) and all(len(f) <= 1 for f in feeds)
@@ -382,7 +427,9 @@ class Stepper:
         compiled = mode == "compiled" or (mode == "auto" and cuda)
         self.recorder = CudaGraphs() if mode == "graphs" or (compiled and cuda) else None
         if compiled and self._compiler is None:
-            self._compiler = StepCompiler(self.spec)
+            self._compiler = StepCompiler(
+                self.spec, warm=lambda step, batch: warm_step(step, batch, self.parts, self.device)
+            )
         self.compiler = self._compiler if compiled else None
 
     @property

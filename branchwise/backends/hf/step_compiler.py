@@ -176,8 +176,18 @@ class StepCompiler:
     is met, has it compiled or loaded in the background. Nothing here ever makes a step wait.
     """
 
-    def __init__(self, spec: ModelSpec | None, cache: Path | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec | None,
+        cache: Path | None = None,
+        warm: Callable[[Any, dict[str, Any]], None] | None = None,
+    ) -> None:
         self.spec = spec
+        self.warm = warm
+        """Runs a loaded step once on its kind's skeleton batch (`step.warm_step`), off the request
+        path: a compiled step's first call loads its kernels, or builds them where this machine's
+        compiler cache lacks them (25-40 s of a busy 2-core machine, measured inside a request
+        before this existed)."""
         self.folder = (cache or branchwise_cache_dir() / "steps") / (spec.fingerprint() if spec else "none")
         self.compiles = 0
         """Kinds the worker compiled for this engine."""
@@ -313,6 +323,9 @@ class StepCompiler:
             with torch.inference_mode():  # a step's inputs are inference tensors (guards check it)
                 step = AOTCompiledFunction.deserialize(path.read_bytes())
             step.disable_guard_check()  # checked once per batch layout instead (`_accepting`)
+            batch = path.with_suffix(".batch")
+            if self.warm is not None and batch.exists():
+                self.warm(step, torch.load(batch, weights_only=False))
         except Exception as exc:  # a file from an incompatible build, a truncated write, ...
             if cached:  # an old file: compile the kind anew
                 path.unlink(missing_ok=True)
@@ -358,8 +371,7 @@ class _Worker:
         folder.mkdir(parents=True, exist_ok=True)
         spec_path = folder / "model.json"
         spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
-        env = dict(os.environ)
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(folder.parent / "inductor"))
+        env = dict(os.environ)  # inductor's cache folder too: the kernels it builds are found here
         self._log: IO[bytes] = (folder / "worker.log").open("ab")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "branchwise.backends.hf.step_worker", str(spec_path), str(WORKER_IDLE_S)],
@@ -380,7 +392,7 @@ class _Worker:
     def submit(
         self, kind: str, batch: dict[str, Any], path: Path, done: Callable[[str, dict[str, Any]], None]
     ) -> None:
-        job = path.with_suffix(".batch")
+        job = path.with_suffix(".batch")  # kept: the step is warmed on it where it is loaded
         torch.save(batch, job)
         with self._lock:
             self._jobs[kind] = done

@@ -26,10 +26,9 @@ from typing import Any
 import torch
 
 from branchwise.backends.hf.arch import DecoderParts, decoder_parts
-from branchwise.backends.hf.attention import ATTN_NAME, SharedSegment, register
-from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.prepack import prepack
-from branchwise.backends.hf.step import StepGraph
+from branchwise.backends.hf.step import StepGraph, from_skeleton
 from branchwise.backends.hf.step_compiler import mark_sizes
 
 WORKER_NICENESS = 10
@@ -52,38 +51,6 @@ def build_parts(spec: dict[str, Any]) -> DecoderParts:
     if spec["prepacked"]:
         prepack(model, decoder_parts(model).layers)
     return decoder_parts(model)
-
-
-def rebuild(batch: dict[str, Any], parts: DecoderParts, device: torch.device) -> StepGraph:
-    """The skeleton batch as the engine would hold it: its tensors on the device, inference tensors
-    where the engine's were (a compiled step's guards check it)."""
-
-    def made(entry: dict[str, Any] | None) -> torch.Tensor | None:
-        if entry is None:
-            return None
-        with torch.inference_mode(entry["inference"]):
-            return entry["data"].to(device).clone()
-
-    def tensors(entries: list[dict[str, Any]]) -> list[torch.Tensor]:
-        return [t for t in map(made, entries) if t is not None]
-
-    lens = made(batch["lens"])
-    assert lens is not None
-    ctx = BatchContext(
-        tail_k=tensors(batch["tail_k"]),
-        tail_v=tensors(batch["tail_v"]),
-        lens=lens,
-        shared=[
-            SharedSegment(tensors(s["keys"]), tensors(s["values"]), made(s["rows"]), mask=made(s["mask"]))
-            for s in batch["shared"]
-        ],
-        pos_next=made(batch["pos_next"]),
-        n_groups=batch["n_groups"],
-    )
-    with torch.inference_mode():  # as `Stepper.forward` makes its graphs
-        graph = StepGraph(parts, ctx, (), None)
-        graph.attention.span = batch["span"]
-    return graph
 
 
 def compile_kind(step: Any, graph: StepGraph, path: Path) -> None:
@@ -153,7 +120,7 @@ def main(argv: list[str]) -> int:
         reply: dict[str, Any] = {"kind": job["kind"], "path": job["path"]}
         try:
             batch = torch.load(job["batch"], weights_only=False)
-            compile_kind(step, rebuild(batch, parts, device), Path(job["path"]))
+            compile_kind(step, from_skeleton(batch, parts, device), Path(job["path"]))
             reply.update(ok=True, seconds=round(time.perf_counter() - start, 3))
         except Exception as exc:  # the engine runs this kind eagerly and says why
             traceback.print_exc()
@@ -162,8 +129,6 @@ def main(argv: list[str]) -> int:
                 root = inner  # torch wraps the compiler's error: name the cause
             first = (str(root).strip().splitlines() or [""])[0]
             reply.update(ok=False, error=f"{type(root).__name__}: {first}"[:300])
-        finally:
-            Path(job["batch"]).unlink(missing_ok=True)
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
     return 0

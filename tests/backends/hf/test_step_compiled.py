@@ -26,9 +26,9 @@ from torch._inductor.utils import run_and_get_code
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel
 from branchwise.backends.hf import HFBackend, step_compiler
-from branchwise.backends.hf.step import COMPILED_SPAN, SPAN, StepGraph
+from branchwise.backends.hf.step import COMPILED_SPAN, SPAN, StepGraph, from_skeleton
 from branchwise.backends.hf.step_compiler import SEGMENTS, StepCompiler, skeleton
-from branchwise.backends.hf.step_worker import aot_step, compile_kind, rebuild
+from branchwise.backends.hf.step_worker import aot_step, compile_kind
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_step import PROMPT, Rerun, _branches
@@ -187,7 +187,7 @@ def test_the_compiled_step_writes_the_tails_in_place(tiny_llama_dir, tmp_path: P
     products on a CPU, which inductor fuses (`attention.fused_attention`), not the flash kernel."""
     backend = HFBackend(tiny_llama_dir, cache_bytes=0)
     parts = backend.engine.stepper.parts
-    graph = rebuild(skeleton(_graph_of(backend, ["", " a b"])), parts, backend.device)
+    graph = from_skeleton(skeleton(_graph_of(backend, ["", " a b"])), parts, backend.device)
     assert graph.ctx.shared
     step = aot_step()
     with torch._inductor.config.patch(fx_graph_cache=False):

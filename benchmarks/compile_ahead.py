@@ -9,7 +9,8 @@ folder (nothing else of branchwise's cache is used: the model is passed as a pat
 
 * ``cold``: the first process. `load_s` (the model ready: what a server needs before it listens;
   then `preload_s`, loading what an earlier process compiled, none here),
-  then requests at once while its kinds compile: a lone decode of `--tokens` tokens and a
+  then (after one untimed uncompiled request of each kind, the process's own first-call costs)
+  requests at once while its kinds compile: a lone decode of `--tokens` tokens and a
   self-consistency request (`--samples` rows over a shared prompt), each timed, with how many of
   their steps ran compiled; `ready_s`, the seconds until every kind met is compiled and loaded;
   then the same requests, compiled and uncompiled (eager), interleaved `--repeats` times;
@@ -79,6 +80,8 @@ def child(args: Any) -> dict[str, Any]:
         steps = stats.get("decode_steps_compiled", 0) + stats.get("decode_steps_uncompiled", 0)
         return took, (stats.get("decode_steps_compiled", 0) / steps) if steps else 0.0
 
+    for kind in ("lone", "samples"):  # a process's first decode of each kind, uncompiled, untimed:
+        request(kind, "eager")  # what `first_s` is compared with is the compiler running beside it
     first = {kind: request(kind, "compiled") for kind in ("lone", "samples")}
     t = time.perf_counter()
     compiler.wait(args.wait)

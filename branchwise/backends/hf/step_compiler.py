@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -61,6 +62,11 @@ SKELETON_CAPACITY, SKELETON_SPAN, SKELETON_SEGMENT = 48, 32, 24
 Each of these sizes is symbolic in the compiled step (`mark_sizes`), so any value serves, as long
 as it is above 1 (0 and 1 are specialised) and the span stays below the capacity (`step.Stepper.span`
 keeps it there for real batches too)."""
+
+WORKER_NICENESS = 10
+"""How much lower the worker's scheduling priority is than the process it compiles for, from its
+first instruction (its imports and model build included): the serving process's uncompiled steps
+must not queue behind it for the cores. Inductor's own compile processes inherit it."""
 
 WORKER_IDLE_S = 300.0
 """Seconds the worker process waits for another kind before it exits (its copy of the model goes
@@ -372,9 +378,20 @@ class _Worker:
         spec_path = folder / "model.json"
         spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
         env = dict(os.environ)  # inductor's cache folder too: the kernels it builds are found here
+        # one core's worth of work at most, so that on a small machine the serving process keeps the
+        # others (its OpenMP threads slow down sharply when a busy process takes a core from them)
+        env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
         self._log: IO[bytes] = (folder / "worker.log").open("ab")
+        command = [
+            sys.executable,
+            "-m",
+            "branchwise.backends.hf.step_worker",
+            str(spec_path),
+            str(WORKER_IDLE_S),
+        ]
+        nice = shutil.which("nice")  # POSIX; elsewhere the worker runs at the usual priority
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "branchwise.backends.hf.step_worker", str(spec_path), str(WORKER_IDLE_S)],
+            [nice, "-n", str(WORKER_NICENESS), *command] if nice else command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

@@ -31,9 +31,6 @@ from branchwise.backends.hf.prepack import prepack
 from branchwise.backends.hf.step import StepGraph, from_skeleton
 from branchwise.backends.hf.step_compiler import mark_sizes
 
-WORKER_NICENESS = 10
-"""How much lower the worker's scheduling priority is than the process it compiles for."""
-
 
 def build_parts(spec: dict[str, Any]) -> DecoderParts:
     """A model of the spec's config, dtype and device, weights uninitialised, packed like the
@@ -106,9 +103,6 @@ def _lines(fd: int, idle_s: float) -> Iterator[bytes]:
 
 
 def main(argv: list[str]) -> int:
-    # The serving process comes first: its steps run uncompiled meanwhile and must not queue behind
-    # this one for the cores (inductor's own compile workers inherit this priority too).
-    os.nice(WORKER_NICENESS)
     spec = json.loads(Path(argv[0]).read_text())
     idle_s = float(argv[1])
     parts = build_parts(spec)

@@ -75,6 +75,7 @@ SCRIPTS = [
     "kv_budget_search",
     "paged_attention",
     "paged_admission",
+    "compile_ahead",
 ]
 
 PROFILES: dict[str, list[Run]] = {
@@ -107,6 +108,7 @@ PROFILES: dict[str, list[Run]] = {
         Run("paged_attention", "paged_attention"),
         Run("paged_attention-random-1b", "paged_attention", ["--random-config", "1b", "--batches", "1", "8"]),
         Run("paged_admission", "paged_admission"),
+        Run("compile_ahead", "compile_ahead"),
     ],
     "gpu-check": [
         Run(
@@ -236,6 +238,12 @@ HEADLINES: dict[str, list[str]] = {
         "batches.*.flashinfer.skipped",
         "batches.*.*.same_output",
         "batches.*.paged_vs_tails_bytes",
+    ],
+    "compile_ahead": [
+        "*.rows.*.first_vs_eager",
+        "*.rows.*.compiled_vs_eager",
+        "*.preload_s",
+        "*.ready_s",
     ],
     "paged_admission": [
         "workloads.*.*.paged_vs_tails.tokens_per_step",

@@ -308,6 +308,24 @@ def test_paged_attention_quick() -> None:
     assert ragged["paged_vs_tails_bytes"] < 1
 
 
+@pytest.mark.slow
+def test_compile_ahead_quick() -> None:
+    """Two processes on one empty cache folder: the first compiles its kinds in the worker (its first
+    requests ran while they compiled, none of their steps compiled), the second loads them before
+    any request and compiles nothing (its first requests run compiled); every ratio is the quotient
+    of the figures it names."""
+    out = run_quick("compile_ahead.py")
+    cold, warm = out["cold"], out["warm"]
+    assert cold["status"]["compiled"] >= 2 and cold["status"]["loaded"] == 0 and cold["preloaded"] == 0
+    assert warm["status"]["compiled"] == 0 and warm["preloaded"] == warm["status"]["loaded"] >= 2
+    for run, share in ((cold, 0.0), (warm, 1.0)):
+        assert run["status"]["compiling"] == 0 and run["status"]["uncompiled"] == []
+        for row in run["rows"].values():
+            assert row["first_compiled_share"] == share
+            assert row["compiled_vs_eager"] == round(row["eager_s"] / row["compiled_s"], 3)
+            assert row["first_vs_eager"] == round(row["first_s"] / row["eager_s"], 3)
+
+
 def test_paged_admission_quick() -> None:
     """The replay of a KV budget: every layout decodes the same useful tokens of a workload; each
     throughput is its useful tokens over its steps and each ratio the quotient of the two layouts'

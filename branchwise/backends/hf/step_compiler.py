@@ -378,9 +378,9 @@ class _Worker:
         spec_path = folder / "model.json"
         spec_path.write_text(json.dumps(dataclasses.asdict(spec)))
         env = dict(os.environ)  # inductor's cache folder too: the kernels it builds are found here
-        # one core's worth of work at most, so that on a small machine the serving process keeps the
-        # others (its OpenMP threads slow down sharply when a busy process takes a core from them)
-        env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1")
+        # one compile process at a time, so that on a small machine the serving process keeps the
+        # other cores (its OpenMP threads slow down sharply when a busy process takes one from them)
+        env.update(TORCHINDUCTOR_COMPILE_THREADS="1")
         self._log: IO[bytes] = (folder / "worker.log").open("ab")
         command = [
             sys.executable,
@@ -414,9 +414,10 @@ class _Worker:
         with self._lock:
             self._jobs[kind] = done
         assert self._proc.stdin is not None
-        self._proc.stdin.write(
-            (json.dumps({"kind": kind, "batch": str(job), "path": str(path)}) + "\n").encode()
-        )
+        # torch's thread count is part of a compiled step's guards: the worker compiles at this
+        # process's (it computes nothing itself meanwhile)
+        order = {"kind": kind, "batch": str(job), "path": str(path), "threads": torch.get_num_threads()}
+        self._proc.stdin.write((json.dumps(order) + "\n").encode())
         self._proc.stdin.flush()
 
     def _read(self) -> None:

@@ -113,6 +113,7 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         reply: dict[str, Any] = {"kind": job["kind"], "path": job["path"]}
         try:
+            torch.set_num_threads(int(job["threads"]))  # a guard of the compiled step
             batch = torch.load(job["batch"], weights_only=False)
             compile_kind(step, from_skeleton(batch, parts, device), Path(job["path"]))
             reply.update(ok=True, seconds=round(time.perf_counter() - start, 3))

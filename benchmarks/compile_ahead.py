@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BenchParser, emit
+from _common import BenchParser, emit, set_threads
 
 QUICK = {"layers": 2, "tokens": 8, "samples": 4, "repeats": 2}
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -93,7 +93,8 @@ def child(args: Any) -> dict[str, Any]:
                 timed[kind][mode].append(request(kind, mode)[0])
     rows = {}
     for kind, (took, share) in first.items():
-        compiled, eager = (statistics.median(timed[kind][m]) for m in ("compiled", "eager"))
+        compiled, eager = (round(statistics.median(timed[kind][m]), 3) for m in ("compiled", "eager"))
+        took = round(took, 3)  # every ratio below is the quotient of the figures shown
         tokens = args.tokens * (1 if kind == "lone" else args.samples)
         rows[kind] = {
             "first_s": round(took, 3),
@@ -148,6 +149,11 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     started = time.perf_counter()
+    set_threads(args.threads)
+    from branchwise.backends.hf.backend import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    args.device, args.dtype = str(device), str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
     with tempfile.TemporaryDirectory() as tmp:
         if args.layers:
             args.model = tiny_model(args.layers, Path(tmp) / "model")

@@ -473,6 +473,13 @@ class HFBackend:
         compiler = self.engine.stepper.compiler
         return None if compiler is None else compiler.status()
 
+    @on_compute_thread
+    def _preload_steps(self) -> int:
+        """`StepCompiler.preload` on the compute thread: loading runs each step once, and the one
+        thread that computes must be the compute thread (`compute_thread.py`)."""
+        compiler = self.engine.stepper.compiler
+        return 0 if compiler is None else compiler.preload()
+
     def warm_up(self, wait: float | None = 0.0) -> dict[str, Any]:
         """Start compiling the decode step for the kinds of batch a server meets first (one row,
         several rows, several rows over a shared prompt) by decoding a few tokens of each, which run
@@ -484,7 +491,7 @@ class HFBackend:
         compiler = self.engine.stepper.compiler
         if compiler is None:
             return {"compiled": 0, "loaded": 0, "compiling": 0, "uncompiled": [], "compile_s": 0.0}
-        compiler.preload()  # kinds an earlier process compiled: loaded before any request needs them
+        self._preload_steps()  # kinds an earlier process compiled: loaded before any request needs them
         session = self.session(share="exact")  # its own statistics: the default session's stay clean
         params = DecodeParams(max_tokens=WARMUP + 3, min_tokens=WARMUP + 3)  # past the eager warm-up step
         roots = [session.prefill(self.encode(text)) for text in ("Hello", "Good morning")]

@@ -320,7 +320,11 @@ class StepCompiler:
         if not reply.get("ok"):
             self._give_up(kind, f"compiling it failed: {reply.get('error', 'the worker ended')}")
             return
-        self._load(kind, Path(reply["path"]), float(reply.get("seconds", 0.0)), False)
+        # a thread of its own, ended after: loading warms the step, and a thread that ever computed
+        # keeps its OpenMP workers, which slows every computing thread of the process (the reader
+        # thread lives as long as the worker)
+        args = (kind, Path(reply["path"]), float(reply.get("seconds", 0.0)), False)
+        threading.Thread(target=self._load, args=args, daemon=True).start()
 
     def _load(self, kind: str, path: Path, seconds: float, cached: bool) -> None:
         from torch._dynamo.aot_compile import AOTCompiledFunction

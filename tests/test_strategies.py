@@ -777,7 +777,7 @@ def test_strategies_only_import_light_dependencies() -> None:
     # Static check so the guarantee does not depend on what branchwise/__init__.py happens to do:
     # the layer may import the stdlib, pydantic (and its core), networkx, yaml, itself, and the
     # neutral description of typed output (branchwise.constraints, which needs only jsonschema,
-    # branchwise.toolcalls and the stdlib-only schema measures schema_limits and schema_budget),
+    # branchwise.toolcalls and the stdlib-only schema measures schema_limits, schema_budget and pattern_limits),
     # nothing else.
     allowed = {"pydantic", "pydantic_core", "networkx", "yaml", *sys.stdlib_module_names}
     neutral = {
@@ -785,6 +785,7 @@ def test_strategies_only_import_light_dependencies() -> None:
         "branchwise.toolcalls",
         "branchwise.schema_limits",
         "branchwise.schema_budget",
+        "branchwise.pattern_limits",
     }
     files = sorted(STRATEGIES_DIR.glob("*.py"))
     files += [REPO_ROOT / "branchwise" / f"{m.split('.')[1]}.py" for m in sorted(neutral)]

@@ -28,6 +28,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from branchwise.backends.hf.arch import LAYER_CONTEXT
+
 ATTN_NAME = "branchwise"
 
 
@@ -45,6 +47,9 @@ class SharedSegment:
     rows: torch.Tensor | None
     key: int = -1  # the tree's segment id, so per-segment observers know which segment this is
     mask: torch.Tensor | None = None
+    start: int | None = None
+    """The logical position of its first key, read by a sliding window (`exact_attention`); None
+    where its keys are not consecutive positions (evicted slots, a pool of blocks)."""
 
     def grouped_mask(self, gq: int) -> torch.Tensor | None:
         """`mask` for queries stacked row-major as `[r·gq, T]` (None = all visible)."""
@@ -257,12 +262,145 @@ def _merge(
     return m, s1 * a + s2 * c, o1 * a + o2 * c
 
 
+def explicit_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Softmax attention with the scores written out: `query` `[B, H, q, D]` over `key`/`value`
+    `[B, H_kv, S, D]` where `visible` (boolean, broadcastable to `[B, H, q, S]`) → `[B, q, H, D]`.
+    With `softcap` the scores are `cap * tanh(s / cap)` before the mask (Gemma 2), which no fused
+    kernel takes; the softmax runs in float32 as transformers' eager attention runs it."""
+    g = query.shape[1] // key.shape[1]
+    if g > 1:
+        key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2)
+
+
+def visible_of(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """transformers' attention mask as a boolean one: None is causal (the queries the last keys),
+    an additive mask is visible where it adds nothing."""
+    if mask is None:
+        q_len, s_len = query.shape[2], key.shape[2]
+        q_at = torch.arange(q_len, device=query.device)[:, None] + (s_len - q_len)
+        return torch.arange(s_len, device=query.device)[None, :] <= q_at
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+@dataclass
+class Window:
+    """A sliding window as `exact_attention` applies it: its `size`, the queries' positions `q_pos`
+    `[B, q]` and the tail slots' `own_pos` `[B, T]` (None: unknown, after an eviction)."""
+
+    size: int
+    q_pos: torch.Tensor
+    own_pos: torch.Tensor | None
+
+    @classmethod
+    def of(
+        cls,
+        size: int,
+        tail_start: torch.Tensor | None,
+        pos_next: torch.Tensor,
+        lens: torch.Tensor,
+        q_len: int,
+        slots: int,
+    ) -> Window:
+        """The window of a forward of `q_len` tokens per row over `slots` tail slots. The tail holds
+        a row's copied ancestors from slot 0 at their own positions, then from `tail_start` its own
+        KV, at the positions its next token's (`pos_next`) and its length (`lens`) put it."""
+        q_pos = pos_next[:, None] + torch.arange(q_len, device=pos_next.device)
+        if tail_start is None:
+            return cls(size, q_pos, None)
+        at = torch.arange(slots, device=pos_next.device)[None, :]
+        shift = (pos_next - lens)[:, None]
+        return cls(size, q_pos, at + torch.where(at >= tail_start[:, None], shift, 0))
+
+
+def exact_attention(
+    query: torch.Tensor,
+    k_own: torch.Tensor,
+    v_own: torch.Tensor,
+    own_visible: torch.Tensor,
+    shared: Sequence[SharedSegment],
+    layer: int,
+    scaling: float,
+    softcap: float | None,
+    window: Window | None,
+) -> torch.Tensor:
+    """Attention of `query` `[B, H, q, D]` over its shared segments and its tail, every key of a
+    row laid out beside its others: for what the fused cascade cannot do, soft-capped scores and a
+    sliding window. `own_visible` `[B, q, T]` says which tail slots each query sees; with a
+    `window`, a key is seen within `window.size` positions of the query (transformers' sliding
+    window: distance < size).
+
+    Each row reads its own copy of the shared keys (the `copy` broadcast's cost): exact, not fast.
+    A window over keys whose positions are unknown (evicted, pooled) is refused, never guessed."""
+    b, q_len = query.shape[0], query.shape[2]
+    keys, values, seen, where = [], [], [], []
+    for seg in shared:
+        ks, vs = seg.keys[layer], seg.values[layer]
+        t = ks.shape[1]
+        keys.append(ks[None].expand(b, -1, -1, -1))
+        values.append(vs[None].expand(b, -1, -1, -1))
+        rows = torch.ones(b, t, dtype=torch.bool, device=query.device)
+        if seg.rows is not None:
+            rows = torch.zeros_like(rows)
+            rows[seg.rows] = True if seg.mask is None else seg.mask
+        seen.append(rows[:, None, :].expand(b, q_len, t))
+        if window is not None:
+            if seg.start is None:
+                raise ValueError(
+                    "sliding-window attention over KV whose positions are not consecutive (evicted slots, "
+                    "pooled blocks) is not supported: run this model without KV-evicting accelerations"
+                )
+            where.append((seg.start + torch.arange(t, device=query.device))[None].expand(b, t))
+    keys.append(k_own)
+    values.append(v_own)
+    seen.append(own_visible)
+    visible = torch.cat(seen, dim=2)
+    if window is not None:
+        if window.own_pos is None:
+            raise ValueError(
+                "sliding-window attention over a tail whose slots were evicted or moved is not supported: "
+                "run this model without KV-evicting accelerations"
+            )
+        k_pos = torch.cat([*where, window.own_pos], dim=1)
+        visible = visible & (window.q_pos[:, :, None] - k_pos[:, None, :] < window.size)
+    out = explicit_attention(
+        query, torch.cat(keys, dim=2), torch.cat(values, dim=2), visible[:, None], scaling, softcap
+    )
+    return out
+
+
 class AttentionContext(Protocol):
-    """What the registered attention function needs from the batch it runs in."""
+    """What the registered attention function needs from the batch it runs in. `softcap` and
+    `window` are the layer's (transformers passes them: Gemma 2's soft-capping, a sliding-window
+    layer's size); a context honours both exactly or raises."""
 
     def attend(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor: ...
+
+
+UNSUPPORTED_KWARGS = {"s_aux": "attention sinks", "sinks": "attention sinks"}
+"""Keywords a layer may pass its attention that change the result and that the backend does not
+apply: a layer passing one is refused (naming it), never run without it."""
 
 
 def branchwise_attention(
@@ -277,13 +415,26 @@ def branchwise_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Attention entry point registered with transformers (see module docstring)."""
+    for name, what in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes {name}= ({what}): not supported by the local backend"
+            )
+    softcap = kwargs.pop("softcap", None)
+    window = kwargs.pop("sliding_window", None)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if bw_ctx is None:  # a layer that hands its attention no keywords, inside the backend's loop
+        bw_ctx = cast("AttentionContext | None", LAYER_CONTEXT.get())
     if bw_ctx is None:
+        if softcap is not None:  # SDPA takes no soft-cap: the scores written out (the mask has the window)
+            return explicit_attention(
+                query, key, value, visible_of(attention_mask, query, key), scale, softcap
+            ), None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     # every decoder attention module transformers calls this from numbers its layer
-    return bw_ctx.attend(cast(int, module.layer_idx), query, key, value, scale), None
+    return bw_ctx.attend(cast(int, module.layer_idx), query, key, value, scale, softcap, window), None
 
 
 def register() -> str:

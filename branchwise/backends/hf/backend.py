@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import (
@@ -40,7 +46,7 @@ from branchwise.backends.base import (
     check_share,
 )
 from branchwise.backends.compute_thread import on_compute_thread
-from branchwise.backends.hf.arch import decoder_parts, kv_bytes_per_token
+from branchwise.backends.hf.arch import check_config, decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
@@ -114,7 +120,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 class HFBackend:
-    """Local backend over a HuggingFace causal LM (Llama family). See the module docstring.
+    """Local backend over a HuggingFace decoder-only causal LM (`arch.py` says which). See the module docstring.
 
     `HFBackend()` loads the embedded SmolLM2-135M-Instruct; `HFBackend("Qwen/Qwen2.5-1.5B-Instruct")`
     or a local path loads any supported model. Operations are serialised by a lock, so the backend
@@ -146,6 +152,9 @@ class HFBackend:
         path: str | Path = embedded_model_dir() if name == EMBEDDED_MODEL else name
         if broadcast not in ("cascade", "copy"):
             raise ValueError(f"broadcast={broadcast!r} is not one of 'cascade', 'copy'")
+        check_config(
+            AutoConfig.from_pretrained(path)
+        )  # what the backend cannot run fails before the weights load
         log.info("loading %s (%s, %s)", name, torch_dtype, dev)
         register()
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
@@ -198,7 +207,13 @@ class HFBackend:
     ) -> None:
         check_share(share)
         model.eval()
+        check_config(model.config, type(model))
         model.set_attn_implementation(ATTN_NAME)
+        if model.config._attn_implementation != ATTN_NAME:  # transformers keeps its own where it cannot
+            raise ValueError(
+                f"{type(model).__name__} kept attn_implementation={model.config._attn_implementation!r}: "
+                "its attention does not go through transformers' attention interface"
+            )
         self.prepacked = (
             pack_weights(model, decoder_parts(model).layers) if prepack else Prepacked(reason="prepack=False")
         )

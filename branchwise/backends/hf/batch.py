@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -20,7 +20,15 @@ import torch.nn.functional as F
 
 from branchwise.backends.base import FinishReason
 from branchwise.backends.hf.arch import DecoderParts
-from branchwise.backends.hf.attention import SharedSegment, Weights, bias_of, cascade, fused_cascade
+from branchwise.backends.hf.attention import (
+    SharedSegment,
+    Weights,
+    Window,
+    bias_of,
+    cascade,
+    exact_attention,
+    fused_cascade,
+)
 from branchwise.backends.hf.segment import Block, Segment
 from branchwise.backends.hf.tree import KVTree
 
@@ -183,6 +191,10 @@ class BatchContext:
     grow_limit: int | None = None
     """The most slots any row of the batch may need (None: unknown): growth stops there, however
     much `grow_by` would add (`next_capacity`)."""
+    tail_start: torch.Tensor | None = None
+    """Where each row's own KV starts in its tail `[B]`, the slots before it its copied ancestors:
+    what a sliding window reads the tail slots' positions from (`attention.Window`). None once a
+    slot was evicted or moved (positions no longer follow from slots)."""
     # set by begin():
     q_len: int = 0
     _own_mask: torch.Tensor | None = None  # [B,1,q,T] bool
@@ -190,6 +202,7 @@ class BatchContext:
     _write_idx: torch.Tensor | None = None
     _uniform: int | None = None
     _own_bias_g: torch.Tensor | None = None  # _own_mask_g as an additive bias, built on first use
+    _reach: int = 0  # one past the last position this forward's queries hold
 
     @property
     def batch(self) -> int:
@@ -222,6 +235,7 @@ class BatchContext:
         )
         lens_list = self.lens.tolist()
         self._uniform = lens_list[0] if all(x == lens_list[0] for x in lens_list) else None
+        self._reach = int(self.pos_next.max()) + q_len if self.pos_next is not None else total
         self._write_idx = None if self._uniform is not None else limit  # [B, q]
 
     def make_room(self, q_len: int) -> int:
@@ -273,6 +287,8 @@ class BatchContext:
             self._write_idx = self._write_idx.index_select(0, keep)
         if self.pos_next is not None:
             self.pos_next = self.pos_next.index_select(0, keep)
+        if self.tail_start is not None:
+            self.tail_start = self.tail_start.index_select(0, keep)
         if self.pool is not None:
             self.pool.select_rows(keep)
         for tap in self.taps:
@@ -284,9 +300,7 @@ class BatchContext:
                 continue
             rows = [row_map[r] for r in seg.rows.tolist() if r in row_map]
             if rows:
-                new_shared.append(
-                    SharedSegment(seg.keys, seg.values, torch.tensor(rows, device=self.lens.device), seg.key)
-                )
+                new_shared.append(replace(seg, rows=torch.tensor(rows, device=self.lens.device)))
         self.shared = new_shared
 
     def move_slots(self, pos: int, start: int, index: torch.Tensor) -> None:
@@ -296,6 +310,7 @@ class BatchContext:
         every tap move together, so nothing is left pointing at a slot that moved.
         """
         kept = int(index.numel())
+        self.tail_start = None  # slots no longer follow positions
         with torch.inference_mode():  # a write that needs no autograd record
             for buffers in (self.tail_k, self.tail_v):
                 for t in buffers:
@@ -314,6 +329,7 @@ class BatchContext:
             if type(tap).move_slots is not AttentionTap.move_slots:
                 raise ValueError(f"{type(tap).__name__} keeps per-slot state: no per-head eviction under it")
         kept = int(index.shape[-1])
+        self.tail_start = None  # slots no longer follow positions
         with torch.inference_mode():
             for buffers in (self.tail_k, self.tail_v):
                 for t, idx in zip(buffers, index, strict=True):
@@ -324,11 +340,20 @@ class BatchContext:
         self.lens = lens
 
     def attend(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Write this forward's K/V into the tail and attend over ancestors + tail.
 
         query `[B, H, q, D]`, key/value `[B, H_kv, q, D]` (post-RoPE). Returns `[B, q, H, D]`.
+        A soft-capped layer, or a sliding window some query reaches past, attends through
+        `exact_attention`.
         """
         tk, tv = self.tail_k[layer], self.tail_v[layer]
         q_len = self.q_len
@@ -350,6 +375,19 @@ class BatchContext:
         pooled = None if self.pool is None else self.pool.segment()
         if pooled is not None:
             shared = [*shared, pooled]
+        windowed = window is not None and self._reach > window
+        if softcap is not None or windowed:  # what the fused kernels cannot do
+            if want_weights:
+                raise ValueError(
+                    "attention weights of a soft-capped or sliding-window layer are not observable"
+                )
+            assert self.pos_next is not None
+            spec = None  # `lens` and `pos_next` below are the rows' before this forward
+            if windowed and window is not None:
+                spec = Window.of(window, self.tail_start, self.pos_next, self.lens, q_len, total)
+            return exact_attention(
+                query, k_own, v_own, self._own_mask[:, 0], shared, layer, scaling, softcap, spec
+            )
         if not want_weights and (shared or self._uniform == 0):
             # fused kernels with log-sum-exp; a fresh tail (every row starts empty) is plain causal
             if self._uniform == 0:
@@ -457,6 +495,7 @@ class Batch:
                 anc.values or [],
                 None if len(idx) == b else torch.tensor(idx, device=device),
                 anc.id,
+                start=anc.position - anc.n_computed if anc.kv_tokens == anc.n_computed else None,
             )
             for anc, idx in groups.values()
             if anc.kv_tokens  # a segment emptied by eviction has nothing left to attend to
@@ -468,6 +507,10 @@ class Batch:
             shared=shared,
             n_groups=parts.n_heads // parts.n_kv_heads,
             pos_next=torch.tensor([s.position for s in segs], device=device),
+            # a row's slots follow its positions while no slot of its path was evicted
+            tail_start=torch.tensor([r.tail_start for r in rows], device=device)
+            if all(a.kv_tokens == a.n_computed for s in segs for a in (s, *s.kv_ancestors()))
+            else None,
         )
         batch = cls(rows=rows, ctx=ctx, feeds=feeds, broadcast=broadcast)
         for i, r in enumerate(rows):

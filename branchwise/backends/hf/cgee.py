@@ -162,7 +162,7 @@ class EntropyExit(Acceleration):
         if self.exit and self.verdict_gate:
             if self._cand_w is None:
                 self._cand_w = cast(torch.Tensor, self.parts.head.weight)[self.candidates]
-            cand_dist = torch.softmax((normed @ self._cand_w.T).float(), -1).cpu()
+            cand_dist = torch.softmax(self.parts.finish(normed @ self._cand_w.T).float(), -1).cpu()
             if self._prev_cand is None:
                 self._prev_cand = torch.full((len(self.traces), len(self.candidates)), math.inf)
             moved = (cand_dist - self._prev_cand[rows_cpu]).abs().amax(-1)
@@ -172,7 +172,7 @@ class EntropyExit(Acceleration):
                 return None
         idx = check.nonzero().squeeze(-1)
         sub = normed if bool(check.all()) else normed[idx.to(normed.device)]
-        logits = self.parts.head(sub)
+        logits = self.parts.logits(sub)
         self._checks += len(idx)
         ent = entropy(logits).cpu()
         sub_rows = rows_cpu[idx]

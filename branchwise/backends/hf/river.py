@@ -230,7 +230,7 @@ class River(Acceleration):
         parts = fwd.parts
         for j in range(index + 1, parts.n_layers):
             h = fwd.run_layer(parts.layers[j], h)
-        return parts.head(parts.norm(fwd.last_states(h)))
+        return parts.logits(parts.norm(fwd.last_states(h)))
 
     def _account(
         self, exited_at: int | None, n_tokens: int, decode: bool, logits: Tensor | None, audit: Tensor | None

@@ -58,17 +58,10 @@ class Runner:
         assert ctx.pos_next is not None
         pos = ctx.pos_next[:, None] + torch.arange(q, device=self.device)[None, :]
         h = parts.embed(ids)
-        cos, sin = parts.rotary(h, pos)
-        rope = [pos, cos, sin]  # rebound when rows exit
+        rope = [parts.rotary(h, pos)]  # rebound when rows exit
 
         def run_layer(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            return block(
-                x,
-                attention_mask=None,
-                position_ids=rope[0],
-                position_embeddings=(rope[1], rope[2]),
-                bw_ctx=ctx,
-            )
+            return parts.run_layer(block, x, rope[0], ctx)
 
         fwd = Forward(
             ids=ids,
@@ -103,14 +96,14 @@ class Runner:
                 keep = (~exit_.rows).nonzero().squeeze(-1)
                 ctx.select_rows(keep, {int(old): new for new, old in enumerate(keep.tolist())})
                 h, h_in = h[keep], h_in[keep]
-                rope[:] = [rope[0][keep], rope[1][keep], rope[2][keep]]
-                fwd.pos, fwd.last, fwd.rows = rope[0], fwd.last[keep], fwd.rows[keep]
+                rope[0] = rope[0].select(keep)
+                fwd.pos, fwd.last, fwd.rows = rope[0].pos, fwd.last[keep], fwd.rows[keep]
             if fwd.rows.numel() == 0:
                 break
         if len(fwd.rows):
             h_last = parts.norm(fwd.last_states(h))
             ctx.last_hidden = h_last
-            final = (fwd.head or parts.head)(h_last)
+            final = parts.logits(h_last, fwd.head)
             if logits is None:
                 logits = final
             else:

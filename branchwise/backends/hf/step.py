@@ -49,7 +49,13 @@ import torch
 import torch.nn.functional as F
 
 from branchwise.backends.hf.arch import DecoderParts
-from branchwise.backends.hf.attention import AttentionContext, SharedSegment, fused_cascade
+from branchwise.backends.hf.attention import (
+    AttentionContext,
+    SharedSegment,
+    Window,
+    exact_attention,
+    fused_cascade,
+)
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, needs_layer_loop
 from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
@@ -77,9 +83,14 @@ class StaticAttention:
     K/V at its length, attend over the tail's first `span` slots under a mask from the lengths, plus
     the batch's shared segments (one product each for all their rows, merged by log-sum-exp)."""
 
-    def __init__(self, ctx: BatchContext, lens: torch.Tensor) -> None:
+    def __init__(self, ctx: BatchContext, lens: torch.Tensor, pos: torch.Tensor) -> None:
         self.ctx = ctx
         self.lens = lens
+        self.pos = pos
+        self.windowed = False
+        """Whether a query of this step reaches past the model's sliding window (`Stepper.forward`
+        decides it per step on the host: the window's layers then attend through
+        `exact_attention`; a bool, so a compiled step is guarded on it, not on a position)."""
         self.slots = torch.arange(ctx.capacity, device=lens.device)
         """The tail slots read, `0 .. span - 1` (at least the longest row's length + 1; see
         `Stepper.span`): a tensor, so that a compiled step reads the span as a size, not a number
@@ -119,7 +130,14 @@ class StaticAttention:
             self.slots = torch.arange(span, device=self.lens.device)
 
     def attend(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         ctx = self.ctx
         tk, tv = ctx.tail_k[layer], ctx.tail_v[layer]
@@ -131,6 +149,13 @@ class StaticAttention:
         tv[self.rows, :, self.lens] = value[:, :, 0]
         span = self.slots.shape[0]
         k_own, v_own = tk[:, :, :span], tv[:, :, :span]
+        windowed = window is not None and self.windowed
+        if softcap is not None or windowed:  # what the fused kernels cannot do (`attention.exact_attention`)
+            spec = None
+            if windowed and window is not None:
+                spec = Window.of(window, ctx.tail_start, self.pos[:, 0], self.lens, 1, span)
+            visible = (self.slots[None, :] <= self.lens[:, None])[:, None, :]
+            return exact_attention(query, k_own, v_own, visible, ctx.shared, layer, scaling, softcap, spec)
         if not ctx.shared:  # what the layer loop runs for rows without shared ancestors
             out = F.scaled_dot_product_attention(
                 query, k_own, v_own, attn_mask=self.mask, scale=scaling, enable_gqa=self.grouped
@@ -164,15 +189,24 @@ class MixedAttention:
         self.b = rows.ctx.batch
 
     def attend(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         b = self.b
 
         def rows_of(t: torch.Tensor) -> torch.Tensor:  # [1, H, B + C, D] -> [B, H, 1, D]
             return t[0, :, :b].transpose(0, 1).unsqueeze(2)
 
-        out = self.rows.attend(layer, rows_of(query), rows_of(key), rows_of(value), scaling)
-        tail = self.chunk.attend(layer, query[:, :, b:], key[:, :, b:], value[:, :, b:], scaling)
+        out = self.rows.attend(layer, rows_of(query), rows_of(key), rows_of(value), scaling, softcap, window)
+        tail = self.chunk.attend(
+            layer, query[:, :, b:], key[:, :, b:], value[:, :, b:], scaling, softcap, window
+        )
         return torch.cat([out.transpose(0, 1), tail], dim=1)  # [1, B + C, H, D]
 
 
@@ -232,7 +266,7 @@ class StepGraph:
         self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.lens = torch.zeros(b, dtype=torch.long, device=device)
-        self.attention = StaticAttention(self.ctx, self.lens)
+        self.attention = StaticAttention(self.ctx, self.lens, self.pos)
 
     def _layers(self, ids: torch.Tensor, pos: torch.Tensor, attention: AttentionContext) -> torch.Tensor:
         """The hidden states after every layer for tokens `ids` at positions `pos`, attended by
@@ -240,18 +274,16 @@ class StepGraph:
         parts = self.parts
         h = parts.embed(ids)
         self.attention.prepare(h.dtype)
-        cos, sin = parts.rotary(h, pos)
+        rope = parts.rotary(h, pos)
         for block in parts.layers:
-            h = block(
-                h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), bw_ctx=attention
-            )
+            h = parts.run_layer(block, h, rope, attention)
         return h
 
     def computed(self) -> torch.Tensor:
         """The step itself, uncompiled: logits `[B, V]` from the loaded inputs (what the compiler
         compiles, and what runs where it is off or failed)."""
         h = self._layers(self.ids, self.pos, self.attention)
-        return self.parts.head(self.parts.norm(h[:, -1]))
+        return self.parts.logits(self.parts.norm(h[:, -1]))
 
     def _step(self) -> torch.Tensor:
         if self.compiler is not None and (logits := self.compiler(self)) is not None:
@@ -281,7 +313,7 @@ class StepGraph:
             [self.pos.view(1, -1), c.pos_next[:, None] + torch.arange(n, device=c.pos_next.device)], dim=1
         )
         h = self._layers(ids_all, pos, MixedAttention(self.attention, c))
-        logits = self.parts.head(self.parts.norm(torch.cat([h[0, :b], h[0, -1:]])))
+        logits = self.parts.logits(self.parts.norm(torch.cat([h[0, :b], h[0, -1:]])))
         c.lens = c.lens + n
         c.pos_next = c.pos_next + n
         chunk.logits = logits[b]
@@ -481,10 +513,14 @@ class Stepper:
         spare = int(self.compiler is not None)
         span = self.span(ctx.make_room(1 + spare) - spare, ctx.capacity)
         graph = self._graph
-        sig = (*signature(ctx), span if self.recorder is not None else None)
+        window = self.parts.sliding_window
+        assert ctx.pos_next is not None
+        windowed = window is not None and int(ctx.pos_next.max()) + 1 > window
+        sig = (*signature(ctx), span if self.recorder is not None else None, windowed)
         if graph is None or graph.ctx is not ctx or graph.signature != sig:
             graph = self._graph = StepGraph(self.parts, ctx, sig, self.recorder, self.compiler)
         graph.attention.span = span
+        graph.attention.windowed = windowed
         ids = torch.tensor([f[0] if f else self.pad_id for f in feeds], dtype=torch.long)
         recorded = graph.replay is not None
         if chunk is not None:

@@ -145,6 +145,9 @@ class DecoderParts:
     """What the logits are multiplied by (Granite's 1 / `logits_scaling`, Cohere's `logit_scale`)."""
     logit_softcap: float | None = None
     """`cap * tanh(logits / cap)` after the scale (Gemma 2 and 3's `final_logit_softcapping`)."""
+    keywords_dropped: bool = False
+    """Whether the layers call their attention without the keywords they were given (StableLM's):
+    the attention context then travels in `LAYER_CONTEXT` (`keywords_dropped_by`)."""
     sliding_window: int | None = None
     """The config's sliding window (layers pass theirs to attention; past it, the fixed-shape step
     attends those layers through `attention.exact_attention`)."""
@@ -167,19 +170,25 @@ class DecoderParts:
 
     def run_layer(self, block: nn.Module, h: torch.Tensor, rope: Rope, ctx: object) -> torch.Tensor:
         """`block` over hidden states `h`, attending through `ctx` (`attention.AttentionContext`):
-        passed as a keyword the layer hands on to its attention, and held in `LAYER_CONTEXT` for
-        layers that hand their attention none (StableLM's)."""
-        token = LAYER_CONTEXT.set(ctx)
-        try:
-            out = block(
-                h,
-                attention_mask=None,
-                position_ids=rope.pos,
-                position_embeddings=rope.tables[self.kind(block)],
-                bw_ctx=ctx,
+        passed as a keyword the layer hands on to its attention, or, for layers that hand their
+        attention none (`keywords_dropped`), held in `LAYER_CONTEXT` while the layer runs."""
+        kwargs = {
+            "position_ids": rope.pos,
+            "position_embeddings": rope.tables[self.kind(block)],
+            "bw_ctx": ctx,
+        }
+        if not self.keywords_dropped:
+            out = block(h, attention_mask=None, **kwargs)
+        elif torch.compiler.is_compiling():  # a context variable is not traceable: the step runs uncompiled
+            raise RuntimeError(
+                f"{type(block).__name__} hands its attention no keywords: a compiled step cannot reach the batch's KV"
             )
-        finally:
-            LAYER_CONTEXT.reset(token)
+        else:
+            token = LAYER_CONTEXT.set(ctx)
+            try:
+                out = block(h, attention_mask=None, **kwargs)
+            finally:
+                LAYER_CONTEXT.reset(token)
         return cast(torch.Tensor, out[0] if isinstance(out, tuple) else out)
 
     def logits(
@@ -237,6 +246,18 @@ def _check_layer(block: nn.Module) -> None:
         )
 
 
+def keywords_dropped_by(block: nn.Module) -> bool:
+    """Whether a layer's forward takes keywords but never hands them on (its source names
+    `**kwargs` once: in its signature). Read from the source, as transformers itself decides
+    whether a model's attention can be swapped; a layer whose source cannot be read is taken to
+    drop them (the context variable reaches its attention either way)."""
+    try:
+        source = inspect.getsource(type(block).forward)
+    except (OSError, TypeError):
+        return True
+    return source.count("**kwargs") < 2
+
+
 def decoder_parts(model: nn.Module) -> DecoderParts:
     """Describe a causal LM from its modules and config, or raise naming what is unsupported."""
     # a transformers config and decoder: attributes by architecture, which torch's typing cannot see
@@ -282,6 +303,7 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
         layer_kinds=types if per_type else (None,) * len(layers),
         logit_scale=scale,
         logit_softcap=getattr(config, "final_logit_softcapping", None),
+        keywords_dropped=keywords_dropped_by(layers[0]),
         sliding_window=getattr(config, "sliding_window", None),
     )
 

@@ -61,6 +61,12 @@ REFUSED_FIELDS: dict[str, str] = {
 not reproduce: a truthy value is refused, naming the field and what it asks for."""
 
 
+REFUSED_TYPES: dict[str, str] = {
+    "gpt_oss": "attention sinks (a learned sink logit per head, passed as s_aux)"
+}
+"""Families whose attention adds what no config field names: refused by `model_type`."""
+
+
 def check_config(config: Any, cls: Any = None) -> None:
     """Refuse, from the config alone (before any weights load), a model whose computation the
     backend cannot reproduce exactly; the error names the missing piece and the config field.
@@ -71,6 +77,8 @@ def check_config(config: Any, cls: Any = None) -> None:
         raise ValueError(
             f"{prefix} an encoder-decoder (config.is_encoder_decoder=True); only decoder-only models run"
         )
+    if model_type in REFUSED_TYPES:
+        raise ValueError(f"{prefix} {REFUSED_TYPES[model_type]} is not supported")
     for name, what in REFUSED_FIELDS.items():
         if getattr(config, name, None):
             raise ValueError(f"{prefix} {what} (config.{name}={getattr(config, name)!r}) is not supported")

@@ -202,7 +202,7 @@ class BatchContext:
     _write_idx: torch.Tensor | None = None
     _uniform: int | None = None
     _own_bias_g: torch.Tensor | None = None  # _own_mask_g as an additive bias, built on first use
-    _reach: int = 0  # one past the last position this forward's queries hold
+    _reach: int | None = None  # one past the last position this forward's queries hold (read once, lazily)
 
     @property
     def batch(self) -> int:
@@ -235,7 +235,7 @@ class BatchContext:
         )
         lens_list = self.lens.tolist()
         self._uniform = lens_list[0] if all(x == lens_list[0] for x in lens_list) else None
-        self._reach = int(self.pos_next.max()) + q_len if self.pos_next is not None else total
+        self._reach = None
         self._write_idx = None if self._uniform is not None else limit  # [B, q]
 
     def make_room(self, q_len: int) -> int:
@@ -375,7 +375,10 @@ class BatchContext:
         pooled = None if self.pool is None else self.pool.segment()
         if pooled is not None:
             shared = [*shared, pooled]
-        windowed = window is not None and self._reach > window
+        if window is not None and self._reach is None:  # a host read, only for a model with a window
+            assert self.pos_next is not None
+            self._reach = int(self.pos_next.max()) + q_len
+        windowed = window is not None and self._reach is not None and self._reach > window
         if softcap is not None or windowed:  # what the fused kernels cannot do
             if want_weights:
                 raise ValueError(

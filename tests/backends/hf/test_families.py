@@ -71,6 +71,34 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "cohere": {"use_qk_norm": True, "logit_scale": 0.5, "tie_word_embeddings": True},
     "gpt_neox": {"use_parallel_residual": True, "attention_bias": True, "num_key_value_heads": None},
 }
+MORE_FAMILIES: dict[str, dict[str, Any]] = {
+    "olmo3": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": WINDOW},
+    "smollm3": {"no_rope_layers": [1, 0]},
+    "granitemoe": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "embedding_multiplier": 6.0,
+        "logits_scaling": 4.0,
+    },
+    "olmo": {},
+    "exaone4": {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    "glm": {"head_dim": 16},
+    "helium": {"head_dim": 16},
+    "cohere2": {
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "logit_scale": 0.5,
+    },
+    "arcee": {},
+    "seed_oss": {"head_dim": 16},
+    "ernie4_5": {"head_dim": 16},
+    "apertus": {},
+}
+"""Breadth beyond the features above (mixtures of experts, layers without rotary, more local/global
+layouts): the same test, marked slow to keep the default run short."""
+CONFIGS = {**FAMILIES, **MORE_FAMILIES}
 
 
 def tiny_family(model_type: str, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
@@ -87,7 +115,7 @@ def tiny_family(model_type: str, tokenizer: PreTrainedTokenizerBase) -> PreTrain
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **{"num_key_value_heads": 2, **FAMILIES[model_type]},
+        **{"num_key_value_heads": 2, **CONFIGS[model_type]},
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -134,7 +162,9 @@ def branches(backend: HFBackend, prompt: list[int], hints: list[list[int]], shar
     return gens
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize(
+    "model_type", [*FAMILIES, *(pytest.param(t, marks=pytest.mark.slow) for t in MORE_FAMILIES)]
+)
 def test_family_greedy_equals_generate(model_type: str, tiny_tokenizer: PreTrainedTokenizerBase) -> None:
     """share='exact' == share='none' == generate (eager attention), 3 branches per prompt, on the
     fixed-shape step and on the layer loop: the same tokens, and each token's log-probability to
@@ -163,6 +193,7 @@ REFUSED = [
     ("t5", {}, "is_encoder_decoder"),
     ("llama", {"attention_chunk_size": 64}, "config.attention_chunk_size"),
     ("deepseek_v3", {}, "config.kv_lora_rank"),
+    ("gpt_oss", {}, "attention sinks"),
 ]
 
 

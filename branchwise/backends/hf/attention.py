@@ -262,6 +262,21 @@ def _merge(
     return m, s1 * a + s2 * c, o1 * a + o2 * c
 
 
+def explicit_scores(
+    query: torch.Tensor, key: torch.Tensor, visible: torch.Tensor, scaling: float, softcap: float | None
+) -> torch.Tensor:
+    """The scores of `query` `[B, H, q, D]` against `key` `[B, H_kv, S, D]`, -inf where not
+    `visible` (boolean, broadcastable to `[B, H, q, S]`). With `softcap` they are
+    `cap * tanh(s / cap)` before the mask (Gemma 2), which no fused kernel takes."""
+    g = query.shape[1] // key.shape[1]
+    if g > 1:
+        key = key.repeat_interleave(g, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores.masked_fill(~visible, float("-inf"))
+
+
 def explicit_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -270,19 +285,38 @@ def explicit_attention(
     scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Softmax attention with the scores written out: `query` `[B, H, q, D]` over `key`/`value`
-    `[B, H_kv, S, D]` where `visible` (boolean, broadcastable to `[B, H, q, S]`) → `[B, q, H, D]`.
-    With `softcap` the scores are `cap * tanh(s / cap)` before the mask (Gemma 2), which no fused
-    kernel takes; the softmax runs in float32 as transformers' eager attention runs it."""
-    g = query.shape[1] // key.shape[1]
+    """Softmax attention over `explicit_scores` → `[B, q, H, D]`."""
+    return _softmax_values(explicit_scores(query, key, visible, scaling, softcap), value)
+
+
+def _softmax_values(scores: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`softmax(scores) @ value` → `[B, q, H, D]`, the softmax in float32 as transformers' eager
+    attention runs it."""
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    g = scores.shape[1] // value.shape[1]
     if g > 1:
-        key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        value = value.repeat_interleave(g, dim=1)
     return torch.matmul(probs, value).transpose(1, 2)
+
+
+def _explicit_weights(
+    scores: torch.Tensor, h_kv: int, shared: Sequence[SharedSegment], sizes: Sequence[int]
+) -> Weights:
+    """`Weights` in `cascade`'s layout from the scores over every key of a row `[B, H, q, S]`
+    (shared segments' keys first, sizes `sizes`, then the tail): one max for all parts, so each
+    part's `p` is already relative to it."""
+    b, h, q_len, total = scores.shape
+    grouped = scores.reshape(b, h_kv, (h // h_kv) * q_len, total)
+    m = grouped.amax(-1, keepdim=True)
+    p = torch.exp(grouped - m)
+    s = p.sum(-1, keepdim=True)
+    parts = list(torch.split(p, [*sizes, total - sum(sizes)], dim=-1))
+    segments = []
+    for seg, part in zip(shared, parts, strict=False):
+        rows = part if seg.rows is None else part[seg.rows]
+        m_rows = m if seg.rows is None else m[seg.rows]
+        segments.append((seg, m_rows, rows.permute(1, 0, 2, 3).reshape(h_kv, -1, part.shape[-1])))
+    return Weights((m, parts[-1]), segments, m, s)
 
 
 def visible_of(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
@@ -335,7 +369,8 @@ def exact_attention(
     scaling: float,
     softcap: float | None,
     window: Window | None,
-) -> torch.Tensor:
+    want_weights: bool = False,
+) -> tuple[torch.Tensor, Weights | None]:
     """Attention of `query` `[B, H, q, D]` over its shared segments and its tail, every key of a
     row laid out beside its others: for what the fused cascade cannot do, soft-capped scores and a
     sliding window. `own_visible` `[B, q, T]` says which tail slots each query sees; with a
@@ -343,7 +378,8 @@ def exact_attention(
     window: distance < size).
 
     Each row reads its own copy of the shared keys (the `copy` broadcast's cost): exact, not fast.
-    A window over keys whose positions are unknown (evicted, pooled) is refused, never guessed."""
+    A window over keys whose positions are unknown (evicted, pooled) is refused, never guessed.
+    With `want_weights`, also the softmax statistics in `cascade`'s layout (`Weights`)."""
     b, q_len = query.shape[0], query.shape[2]
     keys, values, seen, where = [], [], [], []
     for seg in shared:
@@ -375,10 +411,11 @@ def exact_attention(
             )
         k_pos = torch.cat([*where, window.own_pos], dim=1)
         visible = visible & (window.q_pos[:, :, None] - k_pos[:, None, :] < window.size)
-    out = explicit_attention(
-        query, torch.cat(keys, dim=2), torch.cat(values, dim=2), visible[:, None], scaling, softcap
-    )
-    return out
+    scores = explicit_scores(query, torch.cat(keys, dim=2), visible[:, None], scaling, softcap)
+    out = _softmax_values(scores, torch.cat(values, dim=2))
+    if not want_weights:
+        return out, None
+    return out, _explicit_weights(scores, k_own.shape[1], shared, [k.shape[2] for k in keys[:-1]])
 
 
 class AttentionContext(Protocol):

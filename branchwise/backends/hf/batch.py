@@ -380,17 +380,15 @@ class BatchContext:
             self._reach = int(self.pos_next.max()) + q_len
         windowed = window is not None and self._reach is not None and self._reach > window
         if softcap is not None or windowed:  # what the fused kernels cannot do
-            if want_weights:
-                raise ValueError(
-                    "attention weights of a soft-capped or sliding-window layer are not observable"
-                )
             assert self.pos_next is not None
             spec = None  # `lens` and `pos_next` below are the rows' before this forward
             if windowed and window is not None:
                 spec = Window.of(window, self.tail_start, self.pos_next, self.lens, q_len, total)
-            return exact_attention(
-                query, k_own, v_own, self._own_mask[:, 0], shared, layer, scaling, softcap, spec
+            mask = self._own_mask[:, 0]
+            out, weights = exact_attention(
+                query, k_own, v_own, mask, shared, layer, scaling, softcap, spec, want_weights
             )
+            return self._observed(layer, out, weights)
         if not want_weights and (shared or self._uniform == 0):
             # fused kernels with log-sum-exp; a fresh tail (every row starts empty) is plain causal
             if self._uniform == 0:
@@ -406,6 +404,10 @@ class BatchContext:
             )
             return out.transpose(1, 2)
         out, weights = cascade(query, k_own, v_own, self._own_mask_g, shared, layer, scaling, want_weights)
+        return self._observed(layer, out, weights)
+
+    def _observed(self, layer: int, out: torch.Tensor, weights: Weights | None) -> torch.Tensor:
+        """`out`, once the taps that read attention weights have seen `weights`."""
         if weights is not None:
             for tap in self.taps:
                 if tap.wants_weights:

@@ -155,7 +155,7 @@ class StaticAttention:
             if windowed and window is not None:
                 spec = Window.of(window, ctx.tail_start, self.pos[:, 0], self.lens, 1, span)
             visible = (self.slots[None, :] <= self.lens[:, None])[:, None, :]
-            return exact_attention(query, k_own, v_own, visible, ctx.shared, layer, scaling, softcap, spec)
+            return exact_attention(query, k_own, v_own, visible, ctx.shared, layer, scaling, softcap, spec)[0]
         if not ctx.shared:  # what the layer loop runs for rows without shared ancestors
             out = F.scaled_dot_product_attention(
                 query, k_own, v_own, attn_mask=self.mask, scale=scaling, enable_gqa=self.grouped

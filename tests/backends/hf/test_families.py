@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from branchwise.backends import DecodeParams, Generation
+from branchwise.backends.accel import Accel
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.arch import check_config
+from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_composition import check_acting, check_lossless, largest
 
 NEW = 16
 GREEDY = DecodeParams(max_tokens=NEW, min_tokens=NEW)
@@ -223,3 +229,31 @@ def test_a_layer_wanting_inputs_the_loop_lacks_is_refused(tiny_tokenizer: PreTra
     layer.forward = wanting
     with pytest.raises(ValueError, match="per_layer_input"):
         HFBackend.from_model(model, tiny_tokenizer)
+
+
+@pytest.mark.parametrize(
+    "model_type", ["gemma3_text", *(pytest.param(t, marks=pytest.mark.slow) for t in ("granite", "phi"))]
+)
+def test_family_runs_every_acceleration(
+    model_type: str, tiny_tokenizer: PreTrainedTokenizerBase, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each largest allowed set of accelerations keeps greedy tokens where its settings are
+    lossless (RSBCM reading the weights of soft-capped and windowed layers too), and acts where
+    they are not (self-consistency and beam search). Gemma 3's sliding window cannot follow KV an
+    acceleration evicted: a run that would need it is refused saying so."""
+    monkeypatch.setenv("BRANCHWISE_CACHE_DIR", str(tmp_path))
+    model = tiny_family(model_type, tiny_tokenizer)
+    model.config._name_or_path = f"tiny-{model_type}"
+    backend = HFBackend.from_model(model, tiny_tokenizer, cache_bytes=0)
+    d = backend.parts.embed.embedding_dim
+    vector = SteeringVector(layer=1, vector=torch.full((d,), 0.05), n_exec=2, n_nonexec=1, model="tiny")
+    vector.save(steering_path(backend.model_name))
+    refused = 0
+    for names in largest(Accel):
+        check_lossless(backend, Accel, names)
+        try:
+            check_acting(backend, Accel, names)
+        except ValueError as exc:  # only a window over evicted KV, and only where there is a window
+            assert backend.parts.sliding_window is not None and "sliding-window attention over" in str(exc)
+            refused += 1
+    assert refused == 0 or model_type == "gemma3_text"

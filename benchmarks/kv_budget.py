@@ -397,9 +397,12 @@ def goals_of(arms: dict[str, Any]) -> dict[str, Any]:
         "agreement": agree,
         "min_agreement": 0.95,
     }
+    composed = arms["composed"]
+    out["composed_vs_exact"] = goal(composed["throughput_vs_exact"], 2.0)
     rs, ex = arms["rsbcm"], arms["exact"]
+    # RSBCM has no throughput goal at a budget (its paper's gain is bounded memory, not speed): its
+    # cost is stated, not judged, so this entry carries no "met"
     out["rsbcm_cost"] = {
-        "met": True,  # the target is that the cost is stated: these figures state it
         "throughput_vs_exact": rs["throughput_vs_exact"],
         "peak_used_vs_exact": round(rs["peak_used_bytes"] / max(1, ex["peak_used_bytes"]), 4),
         "agreement_greedy": rs["agreement_greedy"]["value"],

@@ -382,6 +382,49 @@ def steering_build(
     console.print_json(json.dumps(summary))
 
 
+models_app = typer.Typer(
+    help="Models that come through the package index: list them, build one into the cache.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """The packaged models, and whether each is built in this cache."""
+    from branchwise.backends.hf.packaged import PACKAGED, PackagedModelMissing, packaged_model_dir
+
+    table = Table("name", "built", "what")
+    for name, spec in sorted(PACKAGED.items()):
+        try:
+            folder = str(packaged_model_dir(name))
+        except PackagedModelMissing:
+            folder = "no"
+        table.add_row(name, folder, spec.description)
+    console.print(table)
+
+
+@models_app.command("build")
+def models_build(
+    name: Annotated[str, typer.Argument(help="a packaged model's name (see `branchwise models list`).")],
+    force: Annotated[bool, typer.Option(help="rebuild even if it is built.")] = False,
+) -> None:
+    """Download a packaged model's chunks from the package index, join them and convert them once
+    into the cache; afterwards `--model NAME` loads it anywhere."""
+    import logging
+
+    from branchwise.backends.hf.packaged import build
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        folder = build(name, force=force)
+    except ValueError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from err
+    console.print(f"built: {folder}")
+
+
 from branchwise.evals.cli import eval_command, report_command  # noqa: E402 - registered last, kept apart
 from branchwise.serve.cli import serve_command  # noqa: E402
 

@@ -1024,6 +1024,7 @@ def test_kv_budget_quick() -> None:
         "skipkv_tight_vs_exact",
         "skipkv_loose_vs_exact",
         "reasoncache_vs_exact",
+        "composed_vs_exact",
         "rsbcm_cost",
     }
     assert goals["exact_vs_dense"]["met"] == (exact["throughput_vs_dense"] >= 2.0)
@@ -1036,4 +1037,6 @@ def test_kv_budget_quick() -> None:
     assert goals["reasoncache_vs_exact"]["met"] == (
         rc["throughput_vs_exact"] >= 1.3 and rc["agreement_greedy"]["value"] >= 0.95
     )
+    assert goals["composed_vs_exact"]["met"] == (arms["composed"]["throughput_vs_exact"] >= 2.0)
+    assert "met" not in goals["rsbcm_cost"]  # a statement of cost, not a goal judged
     assert goals["rsbcm_cost"]["throughput_vs_exact"] == arms["rsbcm"]["throughput_vs_exact"]

@@ -207,7 +207,7 @@ def _data(tmp_path: Path, n: int) -> Path:
 
 
 def test_example_suites_validate() -> None:
-    for name in ("quick.yaml", "full.yaml"):
+    for name in ("quick.yaml", "full.yaml", "reasoning.yaml"):
         suite = load_suite(ROOT / "examples" / "suites" / name)
         assert suite.cells() and suite.baseline_label == suite.accelerations[0].label
 

@@ -22,6 +22,11 @@ chunked prefill every chunk) with a `KeyboardInterrupt` of its own, so its clean
 the caller's cleanup (releasing its nodes) runs right after, not once a long decode has ended. The caller's torch
 thread count goes with each call (OpenMP's count is per thread), so `torch.set_num_threads` in the
 caller still decides how many cores a computation uses.
+
+Who else computes in the process watches this thread (`watch`): it says when computing starts after
+an idle spell and when it has been idle for `IDLE_AFTER_S`, so that work that may wait (the step
+compiler's worker process) yields the cores while a request computes, on a machine too small to
+give it cores of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import functools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, ParamSpec, TypeVar
@@ -37,6 +43,10 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 
 __all__ = ["ComputeThread", "on_compute_thread"]
+
+IDLE_AFTER_S = 0.5
+"""Seconds with nothing to compute before the thread counts as idle: longer than the gap between
+a decode's steps and between a scheduler's passes, so that watchers are not told at every step."""
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -54,6 +64,60 @@ class ComputeThread:
         self._starting = threading.Lock()
         self._running: Future[Any] | None = None
         self._interrupted: Future[Any] | None = None
+        self._watchers: list[Callable[[bool], None]] = []
+        self._state = threading.Lock()
+        self._busy = False
+        self._last_active = 0.0
+        self._idle_timer: threading.Timer | None = None
+
+    def watch(self, watcher: Callable[[bool], None]) -> Callable[[], None]:
+        """Call `watcher(True)` when computing starts after an idle spell and `watcher(False)` once
+        nothing has been computed for `IDLE_AFTER_S`; at once with the current state. Returns the
+        function that stops watching. A watcher must be quick and must not call back into this
+        thread: watchers run under the lock that orders the announcements (so a late "idle" never
+        lands after the "busy" that overtook it), on the compute thread before the computation it
+        announces or on the idle timer's thread."""
+        with self._state:
+            self._watchers.append(watcher)
+            watcher(self._busy)
+
+        def unwatch() -> None:
+            with self._state:
+                if watcher in self._watchers:
+                    self._watchers.remove(watcher)
+
+        return unwatch
+
+    def _announce(self, busy: bool) -> None:
+        """Under `_state`: a change of state, told to every watcher."""
+        if self._busy != busy:
+            self._busy = busy
+            for watcher in self._watchers:
+                watcher(busy)
+
+    def _rest(self) -> None:
+        """After a computation with nothing queued: announce idle once `IDLE_AFTER_S` pass without
+        another (one timer at a time, re-armed while computations keep coming)."""
+        with self._state:
+            self._last_active = time.monotonic()
+            if not self._busy or self._idle_timer is not None:
+                return
+            self._idle_timer = timer = threading.Timer(IDLE_AFTER_S, self._idle_check)
+        timer.daemon = True
+        timer.start()
+
+    def _idle_check(self) -> None:
+        with self._state:
+            self._idle_timer = None
+            wait = self._last_active + IDLE_AFTER_S - time.monotonic()
+            active = self._running is not None or not self._tasks.empty()
+            if not (active or wait > 0):
+                self._announce(False)
+                return
+            # busy again, or recently: look again later
+            self._idle_timer = timer = threading.Timer(max(wait, IDLE_AFTER_S / 2), self._idle_check)
+        timer.daemon = True
+        timer.start()
 
     def run(self, fn: Callable[[], R]) -> R:
         """`fn()` on this thread, its result or exception returned or raised here; at once when
@@ -90,7 +154,9 @@ class ComputeThread:
                 continue
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
-            self._running = done
+            with self._state:
+                self._running = done
+                self._announce(True)
             try:
                 result = fn()
             except BaseException as exc:  # handed back to the caller, whatever it is
@@ -100,6 +166,8 @@ class ComputeThread:
             finally:
                 self._running = self._interrupted = None
             del done, fn  # a traceback or result must not outlive its caller's wait here
+            if self._tasks.empty():
+                self._rest()
 
     def _forget(self) -> None:
         """In a forked child the thread does not exist: the next call starts a new one."""
@@ -107,6 +175,8 @@ class ComputeThread:
         self._tasks = queue.SimpleQueue()
         self._starting = threading.Lock()
         self._running = self._interrupted = None
+        self._state = threading.Lock()
+        self._busy, self._idle_timer = False, None
 
 
 COMPUTE = ComputeThread()

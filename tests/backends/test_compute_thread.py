@@ -9,14 +9,16 @@ docstring). No timing is asserted here; what is asserted is where the work runs.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from branchwise.backends import DecodeParams
-from branchwise.backends.compute_thread import COMPUTE, ComputeThread
+from branchwise.backends.compute_thread import COMPUTE, IDLE_AFTER_S, ComputeThread
 from branchwise.backends.hf import HFBackend
 
 
@@ -131,3 +133,68 @@ def test_models_beside_the_backend_compute_on_the_same_thread(monkeypatch: pytes
     assert prm.step_scores("q", []) == [[1.0]]
     assert MiniLMEmbedder().embed(["a sentence"]) == [[1.0]]
     assert names == [COMPUTE.name, COMPUTE.name]
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not condition() and time.monotonic() < end:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_watchers_hear_busy_before_a_computation_and_idle_only_after_a_quiet_spell() -> None:
+    worker = ComputeThread(name="test-watch")
+    heard: list[tuple[bool, bool]] = []  # (busy, whether the computation had started)
+    started = threading.Event()
+    unwatch = worker.watch(lambda busy: heard.append((busy, started.is_set())))
+    assert heard == [(False, False)]  # the current state, at once
+
+    def compute() -> None:
+        started.set()
+
+    for _ in range(5):  # back to back: one busy spell, not five
+        worker.run(compute)
+    assert heard == [(False, False), (True, False)]  # told before the first computation ran
+    assert _wait_for(lambda: len(heard) == 3)
+    assert heard[-1] == (False, True)
+    worker.run(compute)  # a new spell after the idle one
+    assert heard[3] == (True, True)
+    unwatch()
+    assert _wait_for(lambda: not worker._busy)
+    time.sleep(IDLE_AFTER_S * 2)
+    assert len(heard) == 4  # no longer told
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the process state from /proc")
+def test_a_compile_worker_is_held_stopped_while_the_process_computes() -> None:
+    """The step compiler's worker shares a CPU's cores with the steps it compiles for: it runs only
+    while the compute thread is idle (SIGSTOP / SIGCONT), and says how long it was held."""
+    import subprocess
+
+    from branchwise.backends.hf.step_compiler import _Worker
+
+    proc = subprocess.Popen(["sleep", "60"])
+    worker = object.__new__(_Worker)  # the pacing alone, around a stand-in process
+    worker._proc, worker.paused_s, worker._paused_at = proc, 0.0, None
+    compute = ComputeThread(name="test-paced")
+    try:
+        unwatch = compute.watch(worker._pace)
+        states: list[str] = []
+
+        def look() -> None:
+            time.sleep(0.2)
+            states.append(_process_state(proc.pid))
+
+        compute.run(look)
+        assert states == ["T"]  # stopped while the computation ran
+        assert _wait_for(lambda: _process_state(proc.pid) != "T")
+        assert not worker.paused and worker.paused_s >= 0.2
+        unwatch()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]

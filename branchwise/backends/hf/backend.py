@@ -53,12 +53,14 @@ from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.engine import Engine, check_broadcast
 from branchwise.backends.hf.grammar import BudgetFit
 from branchwise.backends.hf.hooks import Acceleration
+from branchwise.backends.hf.packaged import packaged_model_dir
 from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
 from branchwise.backends.hf.prepack import Prepacked
 from branchwise.backends.hf.prepack import prepack as pack_weights
 from branchwise.backends.hf.session import Session
 from branchwise.backends.hf.step import WARMUP, StepMode
+from branchwise.backends.hf.step_compiler import StepCompiler
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)
@@ -149,7 +151,10 @@ class HFBackend:
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         name = EMBEDDED_MODEL if model is None else str(model)
-        path: str | Path = embedded_model_dir() if name == EMBEDDED_MODEL else name
+        # the embedded model and packaged ones are addressed by name and load from the cache
+        path: str | Path = (
+            embedded_model_dir() if name == EMBEDDED_MODEL else (packaged_model_dir(name) or name)
+        )
         if broadcast not in ("cascade", "copy"):
             raise ValueError(f"broadcast={broadcast!r} is not one of 'cascade', 'copy'")
         check_config(
@@ -505,7 +510,7 @@ class HFBackend:
         (`decode_step`). Returns the compiler's `status`."""
         compiler = self.engine.stepper.compiler
         if compiler is None:
-            return {"compiled": 0, "loaded": 0, "compiling": 0, "uncompiled": [], "compile_s": 0.0}
+            return StepCompiler.idle_status()
         self._preload_steps()  # kinds an earlier process compiled: loaded before any request needs them
         session = self.session(share="exact")  # its own statistics: the default session's stay clean
         params = DecodeParams(max_tokens=WARMUP + 3, min_tokens=WARMUP + 3)  # past the eager warm-up step

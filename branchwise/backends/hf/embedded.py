@@ -34,6 +34,7 @@ __all__ = [
     "SMOLLM2_CHAT_TEMPLATE",
     "EmbeddedModelMissing",
     "branchwise_cache_dir",
+    "convert_gguf",
     "embedded_model_dir",
     "find_embedded_gguf",
 ]
@@ -195,10 +196,19 @@ def embedded_model_dir() -> Path:
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
-    """De-quantise the GGUF to an fp32 safetensors checkpoint + tokenizer in ``out_dir``.
+    """The embedded model's conversion: SmolLM2's ChatML template and ``<|im_end|>`` where its GGUF
+    lacks them (a seam tests replace with a fake)."""
+    convert_gguf(gguf_path, out_dir, chat_template=SMOLLM2_CHAT_TEMPLATE, eos_token="<|im_end|>")
 
-    Imports torch/transformers lazily: the fast path of :func:`embedded_model_dir` should not pay
-    for them.
+
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, *, chat_template: str | None = None, eos_token: str | None = None
+) -> None:
+    """De-quantise a GGUF to an fp32 safetensors checkpoint + tokenizer in ``out_dir``.
+
+    ``chat_template`` and ``eos_token`` are used only where the GGUF carries none (an instruct
+    model's turns end with their own token; without an eos generation never stops). Imports
+    torch/transformers lazily: the fast path of :func:`embedded_model_dir` should not pay for them.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -219,12 +229,11 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     )
     _strip_gguf_quantizer(model)
 
-    if not getattr(tokenizer, "chat_template", None):
-        logger.warning("embedded GGUF carries no chat template; using SmolLM2's ChatML template")
-        tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
-    if tokenizer.eos_token is None:
-        # SmolLM2-Instruct ends assistant turns with <|im_end|>; without an eos generation never stops.
-        tokenizer.eos_token = "<|im_end|>"
+    if not getattr(tokenizer, "chat_template", None) and chat_template is not None:
+        logger.warning("%s carries no chat template; using the one given for it", gguf_path.name)
+        tokenizer.chat_template = chat_template
+    if tokenizer.eos_token is None and eos_token is not None:
+        tokenizer.eos_token = eos_token
     if tokenizer.pad_token is None:
         # Batched branches need a pad id; eos is the conventional choice for decoder-only models.
         tokenizer.pad_token = tokenizer.eos_token

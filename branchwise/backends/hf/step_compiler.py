@@ -35,9 +35,11 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +48,7 @@ from typing import IO, Any
 import torch
 import transformers
 
+from branchwise.backends.compute_thread import COMPUTE
 from branchwise.backends.hf.embedded import branchwise_cache_dir
 
 log = logging.getLogger(__name__)
@@ -226,7 +229,9 @@ class StepCompiler:
 
     def status(self) -> dict[str, Any]:
         """What a server's `/health` shows: kinds compiled, loaded from the cache, compiling now,
-        running uncompiled for good (and why), the worker's seconds."""
+        running uncompiled for good (and why), the worker's seconds, and whether it is held while
+        requests compute (with the seconds it was held)."""
+        worker = self._worker
         with self._lock:
             return {
                 "compiled": self.compiles,
@@ -234,7 +239,15 @@ class StepCompiler:
                 "compiling": len(self._pending),
                 "uncompiled": sorted(set(self._trouble.values())) + ([self.failed] if self.failed else []),
                 "compile_s": round(self.seconds, 1),
+                "compile_held": bool(worker is not None and worker.paused and self._pending),
+                "compile_held_s": round(worker.paused_s, 1) if worker is not None else 0.0,
             }
+
+    @staticmethod
+    def idle_status() -> dict[str, Any]:
+        """`status` where nothing compiles (steps not compiled at all)."""
+        return {"compiled": 0, "loaded": 0, "compiling": 0, "uncompiled": [], "compile_s": 0.0,
+                "compile_held": False, "compile_held_s": 0.0}  # fmt: skip
 
     def preload(self) -> int:
         """Load every compiled step an earlier process left in the cache folder, now, in this thread
@@ -404,8 +417,38 @@ class _Worker:
         )
         self._jobs: dict[str, Callable[[str, dict[str, Any]], None]] = {}
         self._lock = threading.Lock()
+        self.paused_s = 0.0
+        """Seconds the worker was held stopped while this process computed."""
+        self._paused_at: float | None = None
         threading.Thread(target=self._read, name="step-worker-replies", daemon=True).start()
         _LIVE.add(self)
+        # On a CPU the worker shares the cores with the steps it compiles for: a compiling process
+        # beside them made the first requests 3-15x slower (each of OpenMP's thousands of barriers
+        # a step waits for a thread the compile has descheduled). So it compiles only while this
+        # process has nothing to compute: stopped (SIGSTOP) when computing starts, continued once it
+        # has been idle a moment. A server that never idles runs uncompiled steps at their own speed.
+        pausable = spec.device == "cpu" and hasattr(signal, "SIGSTOP")
+        self._unwatch = COMPUTE.watch(self._pace) if pausable else None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused_at is not None
+
+    def _pace(self, busy: bool) -> None:
+        """Stop the worker while this process computes, continue it when idle (`COMPUTE.watch`)."""
+        if not self.alive() or busy == self.paused:
+            return
+        try:
+            os.kill(self._proc.pid, signal.SIGSTOP if busy else signal.SIGCONT)
+        except ProcessLookupError:  # it just exited
+            return
+        now = time.monotonic()
+        if busy:
+            self._paused_at = now
+        else:
+            assert self._paused_at is not None
+            self.paused_s += now - self._paused_at
+            self._paused_at = None
 
     def alive(self) -> bool:
         return self._proc.poll() is None
@@ -448,8 +491,10 @@ class _Worker:
             )
 
     def close(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
         if self.alive():
-            self._proc.kill()
+            self._proc.kill()  # (SIGKILL ends a stopped process too)
             self._proc.wait()
         self._log.close()
         _LIVE.discard(self)

@@ -186,7 +186,7 @@ def run(
         if as_json:
             print(result.model_dump_json())
         else:
-            _print_result(result)
+            _print_result(result, cgee=accel.cgee is not None)
 
 
 #: The acceleration counters the summary table shows when a run has them (River's is a ratio, apart).
@@ -218,20 +218,21 @@ def _run_backend(
     return cli_backend.load_backend(model, device, dtype)
 
 
-def _print_result(result: Result) -> None:
-    """One question's answer, vote table, KV/time summary and notes, for a person to read."""
+def _print_result(result: Result, *, cgee: bool) -> None:
+    """One question's answer, vote table, KV/time summary and notes, for a person to read (`cgee`:
+    whether CGEE was on, the only case in which verify calls can be skipped)."""
     console.rule(result.question)
     console.print(f"[bold]answer:[/bold] {result.answer}   (support {result.support:.0%})")
     votes = Table("answer", "votes", title="vote")
     for ans, count in sorted(result.votes.items(), key=lambda kv: -kv[1]):
         votes.add_row(ans, f"{count:g}")
     console.print(votes)
-    console.print(_summary(result))
+    console.print(_summary(result, cgee=cgee))
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
 
 
-def _summary(result: Result) -> Table:
+def _summary(result: Result, *, cgee: bool) -> Table:
     kv = result.kv_stats
     summary = Table("metric", "value", title=f"{result.strategy}, share={result.share}")
     summary.add_row("total time", f"{result.timings['total']:.2f} s")
@@ -241,8 +242,10 @@ def _summary(result: Result) -> Table:
     summary.add_row("KV peak", f"{kv['peak_bytes'] / 2**20:.1f} MiB")
     summary.add_row("tokens computed / reused", f"{kv['tokens_computed']:.0f} / {kv['tokens_reused']:.0f}")
     summary.add_row("branches", str(len(result.branches)))
-    if result.verify_calls:
+    if result.verify_calls and cgee:
         summary.add_row("verify skipped (CGEE)", f"{result.verify_skipped} / {result.verify_calls}")
+    elif result.verify_calls:
+        summary.add_row("verify calls", str(result.verify_calls))
     if kv.get("river_tokens"):
         summary.add_row(
             "River backbone layers / token", f"{kv['river_backbone_layers'] / kv['river_tokens']:.2f}"

@@ -358,3 +358,33 @@ def test_a_guessed_branches_option_is_pointed_at_branches() -> None:
     assert "Possible options: --branches" in out.output
     shown = runner.invoke(app, ["strategy", "show", "self-consistency", "--branches", "4"])
     assert shown.exit_code == 0 and "  n: 4" in shown.stdout
+
+
+def _rows(table: object) -> list[str]:
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(table)
+    return console.export_text().splitlines()
+
+
+@pytest.mark.parametrize("cgee", [False, True])
+def test_the_cgee_row_shows_only_when_cgee_is_on(cgee: bool) -> None:
+    """A verifier's calls are shown either way; the CGEE skip count only where CGEE could skip."""
+    from branchwise.cli import _summary
+    from branchwise.reasoners.result import ReasoningResult
+
+    result = ReasoningResult(
+        question="q",
+        answer="1",
+        strategy="beam",
+        share="exact",
+        branches=[],
+        tree=[],
+        timings={"total": 1.0},
+        kv_stats={"peak_bytes": 0, "tokens_computed": 5, "tokens_reused": 0},
+        verify_calls=2,
+    )
+    text = "\n".join(_rows(_summary(result, cgee=cgee)))
+    assert ("verify skipped (CGEE)" in text) is cgee
+    assert ("verify calls" in text) is not cgee

@@ -6,6 +6,7 @@ tested); the quick suite on the embedded model runs end to end in the slow test.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -275,6 +276,44 @@ def test_run_writes_every_row_and_reruns_write_none(tmp_path: Path, tiny_llama_d
         )
     extended = run_suite(bigger, out, progress=False, force=True)
     assert extended.rows_written == 2 and len(set(_keys(read_rows(out)))) == 8
+
+
+def test_two_backend_option_sets_share_one_loaded_model(
+    tmp_path: Path, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accelerations with different backend options run on one load of the model (the registry's),
+    each run with its own options set and the others' back at the backend's defaults."""
+    from branchwise.backends.hf import HFBackend, registry
+
+    seen: list[tuple[int, int]] = []  # (prefill_chunk, cache_bytes) each run's session saw
+    loads: list[HFBackend] = []
+
+    class Counted(HFBackend):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            loads.append(self)
+
+        def session(self, **kwargs: Any) -> Any:
+            seen.append((self.prefill_chunk, self.cache_bytes))
+            return super().session(**kwargs)
+
+    before = registry.keep_warm()
+    registry.keep_warm(0)  # no model a previous test left warm: this run loads its own
+    monkeypatch.setattr(registry, "HFBackend", Counted)
+    accels = [
+        {"label": "small-chunks", "backend": {"prefill_chunk": 16}},
+        {"label": "no-cache", "backend": {"cache_bytes": 0}},
+    ]
+    suite = SuiteConfig.model_validate(_suite(tiny_llama_dir, _data(tmp_path, 2), accelerations=accels))
+    try:
+        summary = run_suite(suite, tmp_path / "run", progress=False)
+    finally:
+        registry.keep_warm(before)
+    assert summary.rows_written == 4 and summary.errors == 0
+    assert len(loads) == 1
+    defaults = inspect.signature(HFBackend.__init__).parameters
+    default_chunk, default_cache = defaults["prefill_chunk"].default, defaults["cache_bytes"].default
+    assert seen == [(16, default_cache), (default_chunk, 0)] * 2  # problem by problem, accel by accel
 
 
 def test_a_scorer_that_raises_scores_zero_and_says_so(

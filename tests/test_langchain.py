@@ -259,6 +259,38 @@ def test_bind_tools_returns_calls_with_ids_and_the_prose_as_content() -> None:
     assert backend.tools[-1][0]["function"]["parameters"]["properties"] == {"expression": {"type": "string"}}
 
 
+def test_usage_counts_every_token_decoded_a_dropped_cut_call_included() -> None:
+    """A reply's usage is what was decoded: a call the model began again after its first one and
+    never closed is dropped from the reply (one call comes back) but its tokens were decoded and
+    are counted (a ~20-token call reported as 64 of 64 was this: a repeat cut by max_tokens)."""
+    reply_text = CALL_REPLY + "\n<tool_call>\n" + '{"name": "calculator", "arguments": {"expr'
+    msg = ChatBranchwise(backend=ScriptedBackend(reply_text)).bind_tools([calculator]).invoke("12 * 7?")
+    assert len(msg.tool_calls) == 1
+    assert msg.usage_metadata is not None
+    assert msg.usage_metadata["output_tokens"] == len(reply_text)  # one token per character here
+    assert msg.usage_metadata["input_tokens"] == 3
+
+
+def test_a_repeated_call_ends_the_agent_loop_with_its_result() -> None:
+    """A call identical (name and arguments) to one already answered in the conversation is not
+    handed back to the agent, which would run it again and loop: the reply is its result instead,
+    said in the metadata. A call with other arguments is a call as usual."""
+    history = [
+        HumanMessage("What is 12 * 7?"),
+        AIMessage("", tool_calls=[{"name": "calculator", "args": {"expression": "12 * 7"}, "id": "c1"}]),
+        ToolMessage("84", tool_call_id="c1"),
+    ]
+    backend = ScriptedBackend(CALL_REPLY)
+    reply = ChatBranchwise(backend=backend).bind_tools([calculator]).invoke(history)
+    assert reply.tool_calls == [] and reply.content == "84"
+    assert reply.response_metadata["finish_reason"] == "stop"
+    assert reply.response_metadata["branchwise"]["repeated_calls"] == ['calculator({"expression":"12 * 7"})']
+    other = ScriptedBackend(_block("calculator", {"expression": "84 + 1"}))
+    reply = ChatBranchwise(backend=other).bind_tools([calculator]).invoke(history)
+    assert [c["args"] for c in reply.tool_calls] == [{"expression": "84 + 1"}]
+    assert "repeated_calls" not in reply.response_metadata["branchwise"]
+
+
 @pytest.mark.parametrize(
     ("choice", "expected"),
     [

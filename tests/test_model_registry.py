@@ -1,9 +1,12 @@
-"""One loaded model per process: front ends given a model name share it, and nothing keeps it alive.
+"""One loaded model per process: front ends given a model name share it, and nothing keeps it alive
+but the last used model, for its idle period.
 
 What is checked is behaviour, not speed: the registry hands out one backend per (model, device,
 dtype, prepack); chat models built, invoked and dropped in a loop leave no model, no scheduler
-thread and no memory behind; concurrent chat models share one backend and one batch; `close()` and
-``with`` release a model's thread at once, and never under another live user.
+thread and no memory behind (with keeping warm off, as most tests here run); with it on, they load
+the model once, and it goes once the idle period passes; concurrent chat models share one backend
+and one batch; `close()` and ``with`` release a model's thread at once, and never under another
+live user.
 """
 
 from __future__ import annotations
@@ -11,19 +14,27 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from branchwise.backends.base import DecodeParams
+from branchwise.backends.hf import registry
 from branchwise.backends.hf.pool import return_freed_memory
-from branchwise.backends.hf.registry import loaded_backends, model_key, shared_backend
+from branchwise.backends.hf.registry import (
+    keep_warm,
+    loaded_backends,
+    model_key,
+    shared_backend,
+    warm_backend,
+)
 from branchwise.backends.scheduler import Job, Scheduler
 
 pytest.importorskip("langchain_core")
 
-from testkit import FakeBackend
+from testkit import FakeBackend, wait_until
 
 from branchwise.integrations._shared import shared_scheduler, users
 from branchwise.integrations.langchain import ChatBranchwise
@@ -42,6 +53,15 @@ _EARLIER: set[threading.Thread] = set()
 def _earlier_workers() -> None:
     _EARLIER.clear()
     _EARLIER.update(_workers())
+
+
+@pytest.fixture(autouse=True)
+def _not_warm() -> Iterator[None]:
+    """Keeping warm off (the tests here check that a dropped model is freed), restored after."""
+    before = keep_warm()
+    keep_warm(0)
+    yield
+    keep_warm(before)
 
 
 def _workers() -> set[threading.Thread]:
@@ -81,6 +101,56 @@ def test_one_backend_per_key_held_weakly(tiny_llama_dir: Path) -> None:
     del first, other
     _settled()
     assert gone() is None and _keys_of(tiny_llama_dir) == []
+
+
+def test_chat_models_built_and_dropped_load_once_while_warm(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keeping warm on: chat models built, invoked and dropped one after another load the model once,
+    hold one model between them, and the model is freed once the idle period passes unused."""
+    _settled()
+    loads: list[weakref.ref[Any]] = []
+    load = registry.HFBackend
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        backend = load(*args, **kwargs)
+        loads.append(weakref.ref(backend))
+        return backend
+
+    monkeypatch.setattr(registry, "HFBackend", counted)
+    keep_warm(60)
+    for _ in range(5):
+        chat = ChatBranchwise(model=str(tiny_llama_dir), max_tokens=2)
+        chat.invoke("hi")
+        del chat
+        _workers_ended()
+        assert len(_keys_of(tiny_llama_dir)) == 1  # kept, though no chat model holds it
+    assert len(loads) == 1
+    assert warm_backend() is loads[0]()
+    keep_warm(0.2)  # a short idle period from now: the model goes when it passes
+    wait_until(lambda: loads[0]() is None, "the warm model to be freed after its idle period")
+    assert _keys_of(tiny_llama_dir) == [] and warm_backend() is None
+    assert _scheduler_threads() == 0
+
+
+def test_the_idle_period_counts_from_the_last_use(tiny_llama_dir: Path) -> None:
+    """A model in use is never released by the timer (the registry's reference is not the only one),
+    and its idle period restarts when its last user closes."""
+    keep_warm(0.3)
+    chat = ChatBranchwise(model=str(tiny_llama_dir), max_tokens=2)
+    backend = weakref.ref(chat.backend)
+    wait_until(lambda: warm_backend() is None, "the idle period to pass while the chat model is held")
+    assert backend() is not None  # still held by its user
+    chat.close()
+    assert warm_backend() is backend()  # the end of the use kept it warm again
+    del chat
+    wait_until(lambda: backend() is None, "the model to go once its idle period after the last use passed")
+
+
+def test_keep_warm_refuses_a_bad_period() -> None:
+    for bad in (-1, float("nan"), "soon", True):
+        with pytest.raises(ValueError, match=r"keep_warm=.* must be a number of seconds >= 0"):
+            keep_warm(bad)  # type: ignore[arg-type]
 
 
 def test_bad_device_or_dtype_fails_before_loading() -> None:

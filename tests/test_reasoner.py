@@ -141,6 +141,37 @@ def test_batch_runs_each_question(backend: HFBackend) -> None:
     assert [r.question for r in results] == ["a", "b"]
 
 
+@pytest.mark.parametrize("questions", [["What is 1 + 2?"], ["What is 1 + 2?", "Name a colour."]])
+def test_batch_progress_counts_the_tokens_decoded(
+    tiny_backend: HFBackend, monkeypatch: pytest.MonkeyPatch, questions: list[str]
+) -> None:
+    """The bar of `batch(progress=True)` moves with decode steps: it ends at the tokens the branches
+    decoded (one question alone, and several decoded together) and counts each question answered."""
+    from branchwise.reasoners import reasoner as module
+    from branchwise.reasoners.batching import DecodeProgress
+
+    bars: list[DecodeProgress] = []
+    widths: list[int] = []
+
+    class Seen(DecodeProgress):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            bars.append(self)
+
+        def __call__(self, step: object) -> None:
+            super().__call__(step)  # type: ignore[arg-type]
+            widths.append(self.branches)
+
+    monkeypatch.setattr(module, "DecodeProgress", Seen)
+    strategy = self_consistency(n=3, max_tokens=5, temperature=0.0)
+    results = Reasoner(strategy, backend=tiny_backend).batch(questions, progress=True)
+    decoded = sum(len(t.token_ids) for r in results for t in r.tree if t.parent is not None)
+    (bar,) = bars
+    assert bar.tokens == decoded > 0
+    assert bar.answered == len(questions)
+    assert 3 <= max(widths) <= 3 * len(questions)  # a question's 3 branches decode together
+
+
 def test_decode_params_forwarded(backend: HFBackend) -> None:
     """Generate node parameters reach the backend (max_tokens bounds every branch)."""
     result = Reasoner(self_consistency(n=3, max_tokens=5), backend=backend).run("x")

@@ -27,10 +27,18 @@ Who else computes in the process watches this thread (`watch`): it says when com
 an idle spell and when it has been idle for `IDLE_AFTER_S`, so that work that may wait (the step
 compiler's worker process) yields the cores while a request computes, on a machine too small to
 give it cores of its own.
+
+At exit the thread is stopped and joined before the interpreter finalises (`stop`, registered with
+`atexit`): the computation running stops at its next check, queued ones fail with `ProcessExiting`,
+and later calls from other threads are refused. Why: a daemon thread still inside a torch call when
+the interpreter finalises is ended by Python as it returns, through C++ frames that cannot be
+unwound, and the process aborts ("terminate called without an active exception", exit status 134:
+seen with a decode still running on this thread as a script ended).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import queue
@@ -42,7 +50,16 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
-__all__ = ["ComputeThread", "on_compute_thread"]
+__all__ = ["EXIT_WAIT_S", "ComputeThread", "ProcessExiting", "on_compute_thread"]
+
+EXIT_WAIT_S = 30.0
+"""Longest wait at exit for the computation running then to reach its next check (a decode step or
+a prefill chunk: well under a second on a loaded model) and end."""
+
+
+class ProcessExiting(RuntimeError):
+    """The process is exiting: the compute thread runs nothing more (see the module docstring)."""
+
 
 IDLE_AFTER_S = 0.5
 """Seconds with nothing to compute before the thread counts as idle: longer than the gap between
@@ -51,7 +68,8 @@ a decode's steps and between a scheduler's passes, so that watchers are not told
 P = ParamSpec("P")
 R = TypeVar("R")
 
-Task = tuple[Future[Any], Callable[[], Any], int]
+Task = tuple[Future[Any], Callable[[], Any], int] | None
+"""A computation, or None: the signal to end (`stop`)."""
 
 
 class ComputeThread:
@@ -69,6 +87,7 @@ class ComputeThread:
         self._busy = False
         self._last_active = 0.0
         self._idle_timer: threading.Timer | None = None
+        self._stopping = False
 
     def watch(self, watcher: Callable[[bool], None]) -> Callable[[], None]:
         """Call `watcher(True)` when computing starts after an idle spell and `watcher(False)` once
@@ -121,9 +140,14 @@ class ComputeThread:
 
     def run(self, fn: Callable[[], R]) -> R:
         """`fn()` on this thread, its result or exception returned or raised here; at once when
-        called on this thread."""
+        called on this thread. Once stopped (at exit): at once on the main thread, which finalises
+        the interpreter itself; refused (`ProcessExiting`) on any other."""
         if threading.current_thread() is self._thread:
             return fn()
+        if self._stopping:
+            if threading.current_thread() is threading.main_thread():
+                return fn()
+            raise ProcessExiting("the process is exiting: no more computations run")
         self._start()
         done: Future[R] = Future()
         self._tasks.put((done, fn, torch.get_num_threads()))
@@ -136,21 +160,45 @@ class ComputeThread:
 
     def check(self) -> None:
         """Raise `KeyboardInterrupt` on this thread when the caller of the computation running here
-        was interrupted while it waited (see the module docstring); nothing elsewhere."""
+        was interrupted while it waited (see the module docstring), `ProcessExiting` once the
+        process exits; nothing elsewhere."""
+        if self._stopping and threading.current_thread() is self._thread:
+            raise ProcessExiting("the process is exiting: the computation was stopped")
         task = self._interrupted
         if task is not None and task is self._running and threading.current_thread() is self._thread:
             raise KeyboardInterrupt("the caller waiting for this computation was interrupted")
 
     def _start(self) -> None:
         with self._starting:
+            if self._stopping:
+                raise ProcessExiting("the process is exiting: no more computations run")
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
                 self._thread.start()
 
+    def stop(self, timeout: float = EXIT_WAIT_S) -> bool:
+        """Stop the thread (at exit; see the module docstring): the running computation stops at its
+        next check, queued ones fail, and this waits at most `timeout` seconds for the thread to
+        end. Returns whether it ended (or never ran)."""
+        with self._starting:
+            self._stopping = True
+            thread = self._thread
+        if thread is None or not thread.is_alive():
+            return True
+        self._tasks.put(None)
+        thread.join(timeout)
+        return not thread.is_alive()
+
     def _serve(self) -> None:
         while True:
-            done, fn, threads = self._tasks.get()
+            task = self._tasks.get()
+            if task is None:
+                return
+            done, fn, threads = task
             if not done.set_running_or_notify_cancel():
+                continue
+            if self._stopping:
+                done.set_exception(ProcessExiting("the process is exiting: the computation was not run"))
                 continue
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
@@ -175,6 +223,7 @@ class ComputeThread:
         self._tasks = queue.SimpleQueue()
         self._starting = threading.Lock()
         self._running = self._interrupted = None
+        self._stopping = False
         self._state = threading.Lock()
         self._busy, self._idle_timer = False, None
 
@@ -183,6 +232,7 @@ COMPUTE = ComputeThread()
 """The process's compute thread."""
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=COMPUTE._forget)
+atexit.register(COMPUTE.stop)
 
 
 def on_compute_thread(method: Callable[P, R]) -> Callable[P, R]:

@@ -280,7 +280,7 @@ def _run_locked(
             if urls:
                 left += _spread(plans_of_model, urls, workers_per_endpoint, run_plan, emit)
                 continue
-            backends: dict[str, Any] = {}  # one model in memory at a time
+            backends: dict[int, tuple[Any, str]] = {}  # this model's, dropped before the next model loads
             for plan in plans_of_model:
                 emit(run_plan(plan, _backend(backends, backend_cls, plan.model, plan.accel)))
     finally:
@@ -408,15 +408,39 @@ def _backend_class() -> Any:
     return HFBackend
 
 
-def _backend(cache: dict[str, Any], cls: Any, model: ModelSpec, accel: AccelSpec) -> Any:
-    """One backend per distinct set of backend options (usually one per model)."""
+LOAD_OPTIONS = ("device", "dtype", "prepack")
+"""The backend options that change the loaded weights (the registry's key, `registry.model_key`);
+every other backend option is a setting of the loaded backend, applied per run."""
+
+
+def _backend(loaded: dict[int, tuple[Any, str]], cls: Any, model: ModelSpec, accel: AccelSpec) -> Any:
+    """The process's one loaded copy of `model` (per device, dtype and prepacking, from the registry
+    `shared_backend`), with this run's backend options set on it: the ones the model and the
+    acceleration give, and the backend's defaults for the rest, so no run inherits another's.
+
+    Why not one backend per option set: each was a copy of the weights, held for the whole run
+    (a suite with three option sets held three models). `loaded` holds this model's backends so far
+    (by id: one, unless options load other weights) with the option set last applied to each; it
+    keeps them loaded while the model's problems run, and each is warmed up once."""
+    from branchwise.backends.accel import Accel
+    from branchwise.backends.hf.registry import shared_backend
+
     options = {**model.backend, **accel.backend}
-    key = json.dumps(options, sort_keys=True, default=str)
-    if key not in cache:
-        coerced = coerce_options(cls.__init__, options, f"model {model.display_name!r} backend")
-        cache[key] = backend = cls(model.load_name, **coerced)
+    coerced = coerce_options(cls.__init__, options, f"model {model.display_name!r} backend")
+    load = {name: coerced.pop(name) for name in LOAD_OPTIONS if name in coerced}
+    backend = shared_backend(model.load_name, **load)
+    applied = json.dumps(coerced, sort_keys=True, default=str)
+    first = id(backend) not in loaded
+    if first or loaded[id(backend)][1] != applied:
+        for name, param in inspect.signature(cls.__init__).parameters.items():
+            if name in ("self", "model", *LOAD_OPTIONS) or param.default is inspect.Parameter.empty:
+                continue
+            value = coerced.get(name, param.default)
+            setattr(backend, name, Accel() if name == "accel" and value is None else value)  # None: all off
+        loaded[id(backend)] = (backend, applied)
+    if first:
         _warm_up(backend)
-    return cache[key]
+    return backend
 
 
 def _warm_up(backend: Any) -> None:

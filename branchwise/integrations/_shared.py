@@ -6,8 +6,10 @@ Why: a front end given a model name (`ChatBranchwise(model=...)`, DSPy's `Branch
 front end on one backend submits to one scheduler, so their requests merge into shared decode passes
 instead of contending for the model from separate worker threads.
 
-Nothing here keeps a model alive: the registry holds backends weakly, this module holds schedulers
-weakly, and the scheduler's worker holds its scheduler only while it decodes. A front end's
+Nothing here keeps a model alive: the registry holds backends weakly (but for the last used model,
+kept warm for an idle period after its last use ends: a use of a registry model tells it when),
+this module holds schedulers weakly, and the scheduler's worker holds its scheduler only while it
+decodes. A front end's
 `ModelUse` holds the backend and the scheduler; when the last use of a scheduler is closed its
 worker thread stops at once, and when the front ends are freed, the scheduler, then the backend and
 its weights are. A use closed while others remain leaves the scheduler running for them.
@@ -15,9 +17,11 @@ its weights are. A use closed while others remain leaves the scheduler running f
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -74,9 +78,14 @@ class Released:
         return f"Released({self._owner!r})"
 
 
-def _release(ref: weakref.ref[Scheduler], counted: bool, timeout: float | None) -> None:
-    """One use ends: the last use of a shared scheduler parks its worker (and waits for it when
-    `timeout` is set: an explicit close; a use freed by the garbage collector does not wait)."""
+def _release(
+    ref: weakref.ref[Scheduler], counted: bool, timeout: float | None, ended: Callable[[], None] | None
+) -> None:
+    """One use ends: `ended` is told (the registry restarts its model's idle period), and the last
+    use of a shared scheduler parks its worker (and waits for it when `timeout` is set: an explicit
+    close; a use freed by the garbage collector does not wait)."""
+    if ended is not None:
+        ended()
     sched = ref()
     if sched is None or not counted:
         return
@@ -100,7 +109,14 @@ class ModelUse:
     is not counted: its owner parks or closes it.
     """
 
-    def __init__(self, backend: Backend, scheduler: Scheduler | None = None, *, owner: str) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        scheduler: Scheduler | None = None,
+        *,
+        owner: str,
+        ended: Callable[[], None] | None = None,
+    ) -> None:
         counted = scheduler is None
         sched = shared_scheduler(backend) if scheduler is None else scheduler
         self.owner = owner
@@ -110,7 +126,7 @@ class ModelUse:
         if counted:
             with _lock:
                 _users[sched] = _users.get(sched, 0) + 1
-        self._finalizer = weakref.finalize(self, _release, weakref.ref(sched), counted, None)
+        self._finalizer = weakref.finalize(self, _release, weakref.ref(sched), counted, None, ended)
 
     @property
     def closed(self) -> bool:
@@ -155,8 +171,8 @@ class ModelUse:
         detached = self._finalizer.detach()
         self._backend = self._scheduler = None
         if detached is not None:
-            _, _, (ref, counted, _), _ = detached
-            _release(ref, counted, timeout)
+            _, _, (ref, counted, _, ended), _ = detached
+            _release(ref, counted, timeout, ended)
 
     def __enter__(self) -> ModelUse:
         return self
@@ -177,9 +193,12 @@ def use_model(
     scheduler: Scheduler | None = None,
 ) -> ModelUse:
     """A front end's use of `backend`, or, when it is None, of the process's loaded `model` (loaded
-    now if nobody holds it: `backends.hf.registry.shared_backend`)."""
-    if backend is None:
-        from branchwise.backends.hf.registry import shared_backend
+    now if nobody holds it: `backends.hf.registry.shared_backend`; the end of this use restarts its
+    idle period there)."""
+    if backend is not None:
+        return ModelUse(backend, scheduler, owner=owner)
+    from branchwise.backends.hf import registry
 
-        backend = shared_backend(model, device=device, dtype=dtype)
-    return ModelUse(backend, scheduler, owner=owner)
+    key = registry.model_key(model, device=device, dtype=dtype)
+    loaded = registry.shared_backend(model, device=device, dtype=dtype)
+    return ModelUse(loaded, scheduler, owner=owner, ended=functools.partial(registry.touch, key))

@@ -16,6 +16,10 @@ branchwise strategy as one `Runnable` step.
   become ``AIMessage.tool_calls`` (the content is the prose around them); ``stream`` yields each
   call as a ``tool_call_chunk`` once its block closes. Earlier calls (``AIMessage.tool_calls``) and
   their results (``ToolMessage``) go back to the model as OpenAI-shaped assistant/``tool`` turns.
+  A reply whose calls were all made and answered before in the conversation (same name, same
+  arguments) ends an agent's loop: ``invoke`` returns their results as its content, with no tool
+  calls, and ``response_metadata["branchwise"]["repeated_calls"]`` naming them (a small model
+  otherwise repeats a call until the agent's step limit; ``stream`` yields calls as decoded).
 * Structured output: ``with_structured_output(schema, method=...)`` for a pydantic class, a
   TypedDict or a JSON Schema: ``"json_schema"`` (default) decodes under the schema's grammar,
   ``"function_calling"`` forces a call of the schema as a tool, ``"json_mode"`` forces any JSON
@@ -77,6 +81,7 @@ from branchwise.integrations._shared import ModelUse, Released, use_model
 from branchwise.integrations.langchain_convert import (
     ChatRequest,
     StreamPieces,
+    answered_calls,
     chat_messages,
     lc_tool_call,
     strip_tool_responses,
@@ -328,6 +333,7 @@ class ChatBranchwise(BaseChatModel):
         else:
             request = ChatRequest(kwargs)
         request.after_tool_results = any(m["role"] == "tool" for m in chat)
+        request.answered = answered_calls(chat)
         return request
 
     def _message(
@@ -340,11 +346,21 @@ class ChatBranchwise(BaseChatModel):
             content, calls = split_calls(gen.text, request.tools, cut=gen.finish_reason == "length")
         if request.after_tool_results:
             content = strip_tool_responses(content)
+        repeated = [c.canonical() for c in calls if c.canonical() in request.answered]
+        if calls and len(repeated) == len(calls):
+            # every call was made and answered before: an agent would go round again with the same
+            # results; the reply ends the loop with them instead (said in ["branchwise"])
+            content = "\n".join(dict.fromkeys(request.answered[c] for c in repeated))
+            calls = []
         metadata: dict[str, Any] = {
             # OpenAI's words (the backend's own reason is in ["branchwise"]["finish_reason"]):
             # "tool_calls" whenever a whole call came back, even if max_tokens cut a later one (the
             # cut call is dropped: `toolcalls.parse_tool_calls`)
-            "finish_reason": "tool_calls" if calls else OPENAI_FINISH.get(gen.finish_reason, "stop"),
+            "finish_reason": "tool_calls"
+            if calls
+            else "stop"
+            if repeated
+            else OPENAI_FINISH.get(gen.finish_reason, "stop"),
             "model_name": self._name(),
             "model_provider": "branchwise",
             "branchwise": {
@@ -352,6 +368,7 @@ class ChatBranchwise(BaseChatModel):
                 "share": self.share,
                 "batch_requests": job.batch_requests,
                 "batch_rows": job.batch_rows,
+                **({"repeated_calls": repeated} if repeated and not calls else {}),
             },
         }
         if want_logprobs:

@@ -66,6 +66,25 @@ def _call_id(call: Mapping[str, Any], i: int, j: int) -> str:
     return str(call.get("id") or f"call_{i}_{j}")
 
 
+def answered_calls(chat: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The calls an OpenAI-shaped conversation (`chat_messages`) made and got a result for: each
+    call's canonical form (`ToolCall.canonical`: name and arguments) -> the text of its last result."""
+    made: dict[str, str] = {}  # call id -> canonical call
+    answered: dict[str, str] = {}
+    for m in chat:
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            try:
+                arguments = json.loads(fn.get("arguments") or "{}")
+            except ValueError:
+                continue
+            if isinstance(arguments, dict) and isinstance(fn.get("name"), str):
+                made[str(call.get("id"))] = ToolCall(name=fn["name"], arguments=arguments).canonical()
+        if m.get("role") == "tool" and m.get("tool_call_id") in made:
+            answered[made[m["tool_call_id"]]] = str(m.get("content", ""))
+    return answered
+
+
 def chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
     """LangChain messages as OpenAI-shaped dicts for `Backend.chat_prompt`: an assistant's tool calls
     as ``tool_calls`` (arguments as JSON text), a tool's result as role ``tool`` with its
@@ -264,8 +283,9 @@ class ChatRequest:
         self.constraint: Constraint | None = constraints[0] if constraints else None
         self.prompt_tools = self.tools if self.tools and self.tool_choice != "none" else []
         # set by the chat model from the history: whether the reply's prose is cleaned of echoed
-        # <tool_response> tags (`strip_tool_responses`)
+        # <tool_response> tags (`strip_tool_responses`), and the calls already answered there
         self.after_tool_results = False
+        self.answered: dict[str, str] = {}
 
     @property
     def calls_tools(self) -> bool:

@@ -28,14 +28,13 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
-from tqdm.auto import tqdm
-
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import (
     Accelerated,
     Backend,
     DecodeParams,
     ShareMode,
+    StepListener,
     SupportsBranchScores,
     SupportsPromptFork,
     SupportsSessions,
@@ -46,6 +45,7 @@ from branchwise.backends.cancel import Cancellable
 from branchwise.backends.scheduler import Scheduler
 from branchwise.constraints import Constraint, OutputError
 from branchwise.reasoners.answers import extract_answer, majority_vote
+from branchwise.reasoners.batching import BATCH_ROWS, DecodeProgress, run_threads
 from branchwise.reasoners.registry import check_names
 from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
 from branchwise.reasoners.search import kv_size_per_step
@@ -192,6 +192,7 @@ class Reasoner:
         variants: list[str],
         session: Backend | None = None,
         cancel: threading.Event | None = None,
+        on_step: StepListener | None = None,
     ) -> ReasoningResult:
         start = time.perf_counter()
         backend, notes = (session, []) if session is not None else self._session()
@@ -208,6 +209,7 @@ class Reasoner:
             timings={},
             notes=notes,
             backend=backend,
+            on_step=on_step,
         )
         try:
             self._execute(self.plan.steps, run)
@@ -230,21 +232,31 @@ class Reasoner:
 
         One after the other instead (and said so in the notes) where the backend has no sessions or
         accelerations are on (their plug-ins keep per-run state that one shared batch cannot).
+        `progress` shows a bar of the tokens decoded and the branches decoding (`DecodeProgress`).
         """
         items = list(questions)
         serial_note = None
-        if len(items) > 1 and isinstance(self.backend, SupportsSessions):
-            sessions = [self.backend.session(share=self.share, accel=self.accel) for _ in items]
-            if all(getattr(s, "accel", None) in (None, Accel()) for s in sessions):
-                return self._batched(items, sessions)
-            serial_note = "batch: accelerations keep per-run state, so the questions ran one after another"
-        results = [self.run(q) for q in tqdm(items, desc="reasoning", disable=not progress)]
-        if serial_note is not None:
-            for r in results:
-                r.notes.append(serial_note)
+        with DecodeProgress(len(items), disable=not progress) as bar:
+            if len(items) > 1 and isinstance(self.backend, SupportsSessions):
+                sessions = [self.backend.session(share=self.share, accel=self.accel) for _ in items]
+                if all(getattr(s, "accel", None) in (None, Accel()) for s in sessions):
+                    return self._batched(items, sessions, bar)
+                serial_note = (
+                    "batch: accelerations keep per-run state, so the questions ran one after another"
+                )
+            results = [self._counted(bar, q, on_step=bar) for q in items]
+        for r in results:
+            r.notes += [serial_note] if serial_note else []
         return results
 
-    def _batched(self, items: list[str], sessions: list[Backend]) -> list[ReasoningResult]:
+    def _counted(self, bar: DecodeProgress, question: str, **run: Any) -> ReasoningResult:
+        result = self._run(question, self._messages(question), [], **run)
+        bar.answered_one()
+        return result
+
+    def _batched(
+        self, items: list[str], sessions: list[Backend], bar: DecodeProgress
+    ) -> list[ReasoningResult]:
         assert isinstance(self.backend, SupportsSessions)
         merged = self.backend.session(share=self.share, accel=Accel())
         scheduler = Scheduler(
@@ -254,7 +266,7 @@ class Reasoner:
         try:
             return run_threads(
                 [
-                    functools.partial(self._run, q, self._messages(q), [], session=view)
+                    functools.partial(self._counted, bar, q, session=view, on_step=bar)
                     for q, view in zip(items, views, strict=True)
                 ]
             )
@@ -333,7 +345,8 @@ class Reasoner:
             backend.release([leaf.node for leaf, _ in expand])
         run.leaves = keep
         try:
-            gens = backend.extend([c for _, c in children], params) if children else []
+            listen = {} if run.on_step is None else {"on_step": run.on_step}  # a progress display's
+            gens = backend.extend([c for _, c in children], params, **listen) if children else []
         except BaseException:
             backend.release([c for _, c in children])
             raise
@@ -567,28 +580,3 @@ class Reasoner:
             run.notes.append(f"the winning branch holds no valid typed value ({err})")
             value = None
         return value, calls
-
-
-BATCH_ROWS = 64
-"""Rows `Reasoner.batch` decodes together at most (the scheduler's row bound)."""
-
-
-def run_threads(fns: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Run each function in its own thread; results in order, the first error re-raised."""
-    out: list[Any] = [None] * len(fns)
-    errors: list[BaseException] = []
-
-    def work(i: int) -> None:
-        try:
-            out[i] = fns[i]()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return out

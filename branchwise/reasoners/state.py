@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from branchwise.backends.base import Backend
+from branchwise.backends.base import Backend, StepListener
 from branchwise.reasoners.result import SearchStep, TreeNode
 from branchwise.reasoners.typed import Typed
 
@@ -60,3 +60,5 @@ class RunState:
     """The last allocating select left nothing to expand: the enclosing loop stops."""
     kv_per_step: list[int] = field(default_factory=list)
     search: list[SearchStep] = field(default_factory=list)
+    on_step: StepListener | None = None
+    """Shown every decode step of the run (a progress display's listener), if set."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from branchwise.backends import DecodeParams
-from branchwise.backends.compute_thread import COMPUTE, IDLE_AFTER_S, ComputeThread
+from branchwise.backends.compute_thread import COMPUTE, IDLE_AFTER_S, ComputeThread, ProcessExiting
 from branchwise.backends.hf import HFBackend
 
 
@@ -198,3 +198,40 @@ def test_a_compile_worker_is_held_stopped_while_the_process_computes() -> None:
 def _process_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_stop_ends_the_running_computation_fails_the_queued_and_refuses_the_rest() -> None:
+    """What exit does (`atexit`): the running computation stops at its next check, what is queued
+    fails, the thread ends; later, other threads are refused and the main thread computes itself."""
+    worker = ComputeThread(name="test-stop")
+    running = threading.Event()
+    outcomes: list[BaseException | None] = [None, None]
+
+    def loop() -> None:
+        running.set()
+        while True:  # a decode: a check every step
+            worker.check()
+            time.sleep(0.001)
+
+    def call(i: int, fn: object) -> None:
+        try:
+            worker.run(fn)  # type: ignore[arg-type]
+        except BaseException as exc:
+            outcomes[i] = exc
+
+    first = threading.Thread(target=call, args=(0, loop))
+    first.start()
+    assert running.wait(30)
+    second = threading.Thread(target=call, args=(1, lambda: "never run"))
+    second.start()
+    time.sleep(0.05)  # queued behind the loop
+    assert worker.stop(30)
+    first.join(30)
+    second.join(30)
+    assert isinstance(outcomes[0], ProcessExiting) and isinstance(outcomes[1], ProcessExiting)
+    outcomes[0] = None
+    late = threading.Thread(target=call, args=(0, lambda: None))
+    late.start()
+    late.join(30)
+    assert isinstance(outcomes[0], ProcessExiting)
+    assert worker.run(lambda: threading.current_thread().name) == threading.main_thread().name

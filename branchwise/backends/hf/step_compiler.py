@@ -318,7 +318,7 @@ class StepCompiler:
             self._pending.add(kind)
         path = self.folder / f"{kind}.step"
         if path.exists():
-            threading.Thread(target=self._load, args=(kind, path, 0.0, True), daemon=True).start()
+            _loader(self._load, (kind, path, 0.0, True))
             return
         try:
             if self._worker is None or not self._worker.alive():
@@ -337,7 +337,7 @@ class StepCompiler:
         # keeps its OpenMP workers, which slows every computing thread of the process (the reader
         # thread lives as long as the worker)
         args = (kind, Path(reply["path"]), float(reply.get("seconds", 0.0)), False)
-        threading.Thread(target=self._load, args=args, daemon=True).start()
+        _loader(self._load, args)
 
     def _load(self, kind: str, path: Path, seconds: float, cached: bool) -> None:
         from torch._dynamo.aot_compile import AOTCompiledFunction
@@ -501,10 +501,26 @@ class _Worker:
 
 
 _LIVE: weakref.WeakSet[_Worker] = weakref.WeakSet()
+_LOADERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+"""Threads loading and warming a compiled step now: they run torch, so exit waits for them."""
+
+LOADER_EXIT_WAIT_S = 60.0
+"""Longest wait at exit for the steps being loaded and warmed (seconds of Python, and one step)."""
+
+
+def _loader(load: Callable[..., None], args: tuple[Any, ...]) -> None:
+    """Run `load(*args)` on a daemon thread of its own, joined at exit (`_stop_workers`)."""
+    thread = threading.Thread(target=load, args=args, name="step-loader", daemon=True)
+    _LOADERS.add(thread)
+    thread.start()
 
 
 @atexit.register
 def _stop_workers() -> None:
-    """No worker outlives this process."""
+    """No worker outlives this process, and no step is being loaded as the interpreter finalises: a
+    daemon thread still inside torch then aborts the process (see `compute_thread`)."""
     for worker in list(_LIVE):
         worker.close()
+    until = time.monotonic() + LOADER_EXIT_WAIT_S
+    for thread in list(_LOADERS):
+        thread.join(max(0.0, until - time.monotonic()))

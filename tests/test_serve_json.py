@@ -7,7 +7,6 @@ inside a string or an array when the budget comes: every reply must still parse 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 
@@ -28,7 +27,10 @@ SCHEMA = {
 }
 FORMATS = {
     "json_object": {"type": "json_object"},
-    "json_schema": {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}},
+    "json_schema": {
+        "type": "json_schema",
+        "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True},
+    },
 }
 
 

@@ -28,14 +28,10 @@ pieces), so the closing budget shrinks by exactly one for each forced token.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import xgrammar as xgr
 
 __all__ = ["MAX_CLOSING_STEPS", "Closer"]
-
-log = logging.getLogger(__name__)
 
 MAX_CLOSING_STEPS = 512
 """Characters (or forced runs) a closing walk may take before it gives up: far past any closing text
@@ -118,10 +114,10 @@ class Closer:
         words = self._bitmask[0]
         for byte in _FALLBACK:
             char = bytes((byte,))
-            token = self.pieces.get(char)
-            if token is not None and (int(words[token // 32]) >> (token % 32)) & 1:
-                if matcher.accept_token(token):
-                    return char
+            token = self.pieces.get(char, -1)
+            allowed = token >= 0 and (int(words[token // 32]) >> (token % 32)) & 1
+            if allowed and matcher.accept_token(token):
+                return char
         return b""
 
     def _cut(self, text: bytes) -> list[int] | None:

@@ -14,7 +14,6 @@ import torch
 import xgrammar as xgr
 
 from branchwise.backends.hf.grammar import Grammars
-from branchwise.backends.hf.grammar_close import Closer
 from branchwise.constraints import Constraint
 
 log = logging.getLogger(__name__)

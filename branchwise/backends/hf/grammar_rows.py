@@ -32,6 +32,7 @@ class RowGrammars:
         self._bitmask: torch.Tensor | None = None
         self._closing: dict[int, list[int]] = {}
         self._forced: set[int] = set()
+        self._unclosable: set[int] = set()
 
     def attach(self, seg_id: int, constraint: Constraint | None, max_tokens: int | None = None) -> None:
         """Constrain the row of segment `seg_id` from its next token on (None: leave it free), fitted
@@ -73,7 +74,10 @@ class RowGrammars:
         if after is not None and len(after) < room:
             return token
         now = closer.plan(matcher)
-        if now is None:  # no closure known (logged at `attach`): decoded as without a budget
+        if now is None:  # no closure known: decoded as without a budget, and said once
+            if seg_id not in self._unclosable:
+                self._unclosable.add(seg_id)
+                log.warning("a constrained reply may be cut at max_tokens: no closing text was found")
             return token
         self._forced.add(seg_id)
         if not now:
@@ -149,3 +153,4 @@ class RowGrammars:
         self._matchers.pop(seg_id, None)
         self._closing.pop(seg_id, None)
         self._forced.discard(seg_id)
+        self._unclosable.discard(seg_id)

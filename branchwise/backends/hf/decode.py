@@ -291,18 +291,26 @@ def decode(
                 r.finish = "grammar"
                 stops.settle(r)
                 continue
-            r.out.append(tok_list[pos])
-            r.seg.tokens.append(tok_list[pos])
+            tok = tok_list[pos]
+            if grammar and tok != (
+                kept := grammar.within_budget(r.seg.id, tok, stops.of(r).max_tokens - len(r.out))
+            ):
+                # the budget closes the constrained output instead (`grammar_close`)
+                tok, lp_list[pos] = kept, float(torch.log_softmax(logits[pos].float(), -1)[kept])
+            r.out.append(tok)
+            r.seg.tokens.append(tok)
             r.top1.append(top1_list[pos])
             r.logprobs.append(lp_list[pos])
             r.finish = stops.check(r)
-            if grammar and not grammar.accept(r.seg.id, tok_list[pos]) and r.finish is None:
+            if grammar and not grammar.accept(r.seg.id, tok) and r.finish is None:
                 r.finish = "grammar"
                 stops.settle(r)
             if r.finish == "length" and grammar and grammar.ends_here(r.seg.id):
                 # the last token completed a constrained output that only the end of sequence may
                 # follow: it ended as the model's next token would have ended it (not cut)
                 r.finish = "eos"
+            elif r.finish == "eos" and grammar and grammar.forced(r.seg.id):
+                r.finish = "length"  # the budget closed it: cut short, and said so
         alive = [ri for ri in present if rows[ri].finish is None]
         if grammar:
             for ri in present:

@@ -35,6 +35,7 @@ from typing import Any
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from branchwise.backends.hf.grammar_close import Closer
 from branchwise.backends.hf.grammar_fit import (
     CAP_LIMIT,
     MAX_WHITESPACE,
@@ -170,6 +171,7 @@ class Grammars:
     _fits: dict[tuple[str, int], BudgetFit] = field(default_factory=dict)
     _warned: set[tuple[str, int]] = field(default_factory=set)
     _longest: int | None = None
+    _closer: Closer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compiler_lock: threading.Lock = field(default_factory=threading.Lock)
     _threads: Lane = field(default_factory=lambda: Lane("grammar", COMPILE_WORKERS))
@@ -190,6 +192,15 @@ class Grammars:
             if self._compiler is None:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
+
+    def closer(self) -> Closer:
+        """The closing walk over this tokenizer's vocabulary (`grammar_close`), built on first use."""
+        info = self.tokenizer_info()
+        with self._compiler_lock:
+            if self._closer is None:
+                added = set(getattr(self.tokenizer, "added_tokens_decoder", {}))
+                self._closer = Closer(info, {*self.tokenizer.all_special_ids, *added, *self.eos_ids})
+            return self._closer
 
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
         """The constraint's compiled grammar, compiled on first use (by a worker, as `prepare`, within

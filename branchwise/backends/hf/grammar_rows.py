@@ -7,6 +7,7 @@ a backend keeps across calls (the compiler, its cache, its workers, budget fits)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -15,14 +16,23 @@ import xgrammar as xgr
 from branchwise.backends.hf.grammar import Grammars
 from branchwise.constraints import Constraint
 
+log = logging.getLogger(__name__)
+
 
 class RowGrammars:
-    """One matcher per constrained row of one `extend` call, keyed by the row's segment id."""
+    """One matcher per constrained row of one `extend` call, keyed by the row's segment id.
+
+    Each row also keeps room to close its output within its budget (`within_budget`,
+    `grammar_close`): `_closing` holds the rest of a closure being forced, `_forced` the rows whose
+    closure was forced (their finish reason is ``length``, however they end)."""
 
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
         self._matchers: dict[int, xgr.GrammarMatcher] = {}
         self._bitmask: torch.Tensor | None = None
+        self._closing: dict[int, list[int]] = {}
+        self._forced: set[int] = set()
+        self._unclosable: set[int] = set()
 
     def attach(self, seg_id: int, constraint: Constraint | None, max_tokens: int | None = None) -> None:
         """Constrain the row of segment `seg_id` from its next token on (None: leave it free), fitted
@@ -30,7 +40,54 @@ class RowGrammars:
         if constraint is not None and seg_id not in self._matchers:
             if max_tokens is not None:
                 constraint = self.grammars.fit(constraint, max_tokens).constraint
-            self._matchers[seg_id] = xgr.GrammarMatcher(self.grammars.compile(constraint))
+            matcher = xgr.GrammarMatcher(self.grammars.compile(constraint))
+            self._matchers[seg_id] = matcher
+            if max_tokens is not None:
+                plan = self.grammars.closer().plan(matcher)
+                if plan is None or len(plan) > max_tokens:
+                    log.warning(
+                        "a %s reply may be cut at max_tokens=%d: %s",
+                        constraint.kind,
+                        max_tokens,
+                        "no closing text was found for its grammar"
+                        if plan is None
+                        else f"closing its shortest output takes {len(plan)} tokens",
+                    )
+
+    def within_budget(self, seg_id: int, token: int, room: int) -> int:
+        """The token the row takes instead of `token` (sampled), so that what it leaves open can still
+        be closed with the `room` tokens it has left, this one included (`grammar_close`): `token`
+        itself when it leaves room, else the first of the tokens that close the output from here (the
+        rest follow at the next steps, whatever is sampled), or an end of sequence when the output is
+        whole already. A token the grammar refuses is returned as it is (`accept` ends the row)."""
+        matcher = self._matchers.get(seg_id)
+        if matcher is None:
+            return token
+        closing = self._closing.get(seg_id)
+        if closing:
+            return closing.pop(0)
+        if not matcher.accept_token(token):
+            return token
+        closer = self.grammars.closer()
+        after = closer.plan(matcher)
+        matcher.rollback(1)
+        if after is not None and len(after) < room:
+            return token
+        now = closer.plan(matcher)
+        if now is None:  # no closure known: decoded as without a budget, and said once
+            if seg_id not in self._unclosable:
+                self._unclosable.add(seg_id)
+                log.warning("a constrained reply may be cut at max_tokens: no closing text was found")
+            return token
+        self._forced.add(seg_id)
+        if not now:
+            return min(self.grammars.eos_ids)
+        self._closing[seg_id] = now[1:]
+        return now[0]
+
+    def forced(self, seg_id: int) -> bool:
+        """Whether the row's closure was forced by its budget (`within_budget`)."""
+        return seg_id in self._forced
 
     def __bool__(self) -> bool:
         return bool(self._matchers)
@@ -74,9 +131,10 @@ class RowGrammars:
 
     def ends_here(self, seg_id: int) -> bool:
         """Whether the row's grammar allows nothing but the end of the sequence now: its output is
-        whole, and the next token would be end-of-sequence whatever the model preferred."""
+        whole, and the next token would be end-of-sequence whatever the model preferred (never when
+        the budget forced its closure: that reply was cut short, and says so)."""
         matcher = self._matchers.get(seg_id)
-        if matcher is None or not matcher.is_completed():
+        if matcher is None or seg_id in self._forced or not matcher.is_completed():
             return False
         if matcher.is_terminated():
             return True
@@ -93,3 +151,6 @@ class RowGrammars:
 
     def drop(self, seg_id: int) -> None:
         self._matchers.pop(seg_id, None)
+        self._closing.pop(seg_id, None)
+        self._forced.discard(seg_id)
+        self._unclosable.discard(seg_id)

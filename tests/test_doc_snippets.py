@@ -38,17 +38,14 @@ def snippets(doc: str, lang: str = "python") -> list[str]:
     return [textwrap.dedent(m.group(2)) for m in re.finditer(pattern, text, re.M | re.S)]
 
 
-# README.md's snippets 0-3 run in tests/test_readme.py (with checks of what they print).
-README_ELSEWHERE = {0, 1, 2, 3}
+# Python snippets run in tests/test_readme.py (with checks of what they print), not in this file's
+# script of their document: README.md's strategy, agent and openai-client snippets, and
+# docs/STRATEGIES.md's strategy over actions.
+README_ELSEWHERE = {0, 1, 3}
+STRATEGIES_ELSEWHERE = {1}
 
 # Names a snippet uses that its document leaves to the reader, defined just before it runs.
 PREAMBLES: dict[tuple[str, int], str] = {
-    ("README.md", 5): """
-from branchwise import HFBackend, Reasoner
-from branchwise.strategies import best_of_n
-
-backend = HFBackend()
-""",
     ("docs/INTEGRATIONS.md", 2): '''
 from typing import Literal
 
@@ -71,14 +68,17 @@ def lookup(title: str) -> str:
 ''',
 }
 
-# Where a snippet is shrunk for the test only (the README's accel snippet runs 8 branches of the
+# Where a snippet is shrunk for the test only (ACCELERATIONS.md's snippet runs 8 branches of the
 # default 256 tokens twice over: its point is the settings, not the run).
 EDITS: dict[tuple[str, int], tuple[str, str]] = {
-    ("README.md", 5): ("best_of_n(n=8)", "best_of_n(n=2, max_tokens=16)"),
+    ("docs/ACCELERATIONS.md", 0): ("best_of_n(n=8)", "best_of_n(n=2, max_tokens=16)"),
 }
 
 SERVING = "docs/SERVING.md"
 README = "README.md"
+STRATEGIES = "docs/STRATEGIES.md"
+ACCELERATIONS = "docs/ACCELERATIONS.md"
+PERFORMANCE = "docs/PERFORMANCE.md"
 
 # docs/SERVING.md: its first shell line starts `branchwise serve` on the embedded model (on a free
 # port for 8000) and its client snippets run against that server as written, but for the URL's port
@@ -99,8 +99,17 @@ SERVING_RUN: dict[tuple[str, int], str] = {
 
 # Every document's snippet count (a new snippet fails the fast test until
 # it is counted here, which is when someone looks at whether it runs). README.md and
-# INTEGRATIONS.md run all of theirs.
-COUNTS = {"README.md": 6, "docs/INTEGRATIONS.md": 10, "docs/SERVING.md": 7, "docs/ARCHITECTURE.md": 0}
+# INTEGRATIONS.md, STRATEGIES.md and ACCELERATIONS.md run all of theirs.
+COUNTS = {
+    "README.md": 4,
+    "docs/INTEGRATIONS.md": 10,
+    "docs/SERVING.md": 7,
+    "docs/ARCHITECTURE.md": 0,
+    STRATEGIES: 2,
+    ACCELERATIONS: 1,
+    PERFORMANCE: 0,
+    "docs/CONTRIBUTING.md": 0,
+}
 
 
 DOCS = sorted({README, *(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))})
@@ -138,17 +147,17 @@ def commands(code: str) -> list[str]:
 
 # README's and SERVING.md's `serve` line: the `serving_url` fixture runs it (on a free port).
 SERVE_LINE = "branchwise serve --host 127.0.0.1 --port 8000"
-# README's eval lines: tests/test_evals.py's quick-suite test runs the same `eval` and `report`.
+# STRATEGIES.md's eval lines: tests/test_evals.py's quick-suite test runs the same `eval` and `report`.
 QUICK_SUITE = ["branchwise eval examples/suites/quick.yaml --out runs/quick", "branchwise report runs/quick"]
 
 # What runs each snippet: a test or fixture, `file.py::name` when not in this file, then a note.
 SHELL_RUN: dict[tuple[str, int], str] = {
-    (README, 4): "test_readme_strategy_commands_run: the first two lines as written, the third on the "
-    "file they wrote shrunk by SHRINK (as written: 8 branches of up to 96 tokens a step, up to 8 "
+    (STRATEGIES, 0): "test_strategy_file_commands_run: the first two lines as written, the third on "
+    "the file they wrote shrunk by SHRINK (as written: 8 branches of up to 96 tokens a step, up to 8 "
     "steps, each scored by a judge; minutes of CPU)",
-    (README, 5): "tests/test_evals.py::test_quick_suite_end_to_end: the same eval (with --no-progress) "
-    "and report, through the CLI's app (QUICK_SUITE)",
-    (README, 6): "serving_url: SERVE_LINE, as SERVING.md's first",
+    (STRATEGIES, 1): "tests/test_evals.py::test_quick_suite_end_to_end: the same eval (with "
+    "--no-progress) and report, through the CLI's app (QUICK_SUITE)",
+    (README, 3): "serving_url: SERVE_LINE, as SERVING.md's first",
     (SERVING, 0): "serving_url: its first line, SERVE_LINE (the second, serving Qwen2.5-1.5B, is not "
     "run: it downloads the model)",
 }
@@ -158,7 +167,7 @@ SHELL_NOT_RUN: dict[tuple[str, int], str] = {
     (README, 0): f"the quick start's main command, installs from PyPI: {CI_RUN}",
     (README, 1): f"the quick start's install and whole test suite (this file included): {CI_RUN}",
     (README, 2): "downloads Qwen2.5-1.5B-Instruct (about 3 GB) from the hub",
-    (README, 3): "installs torch and the extras from PyPI (a network, minutes)",
+    (PERFORMANCE, 0): "installs torch's CUDA build and the extras from PyPI (a network, minutes)",
     ("docs/INTEGRATIONS.md", 0): "installs from PyPI (a network); the suite's environment has the "
     "extra, `.[all]`",
     ("docs/INTEGRATIONS.md", 1): "installs from PyPI (a network); the suite's environment has the "
@@ -201,8 +210,8 @@ def test_shell_snippets_run_elsewhere_are_what_is_run() -> None:
     for key in [(README, 0), (README, 1)]:
         code = shell_snippets(key[0])[key[1]].strip()
         assert "\n" not in code and f"'{code}'" in ci_run, (key, code)
-    assert commands(shell_snippets(README)[5]) == QUICK_SUITE
-    assert commands(shell_snippets(README)[6]) == [SERVE_LINE]
+    assert commands(shell_snippets(STRATEGIES)[1]) == QUICK_SUITE
+    assert commands(shell_snippets(README)[3]) == [SERVE_LINE]
     assert commands(shell_snippets(SERVING)[0])[0] == SERVE_LINE
 
 
@@ -235,7 +244,21 @@ def run_script(code: str, tmp_path: Path) -> str:
 
 @pytest.mark.slow
 def test_readme_rest_runs(embedded_dir: Path, tmp_path: Path) -> None:
-    run_script(script("README.md", README_ELSEWHERE), tmp_path)
+    out = run_script(script("README.md", README_ELSEWHERE), tmp_path)
+    assert out.strip(), out  # the DSPy program's answer
+
+
+@pytest.mark.slow
+def test_strategies_snippets_run(embedded_dir: Path, tmp_path: Path) -> None:
+    """The graph composed from nodes compiles to the plan the text describes and answers."""
+    out = run_script(script(STRATEGIES, STRATEGIES_ELSEWHERE), tmp_path)
+    assert "plan: first -> search -> score -> keep -> next -> vote" in out, out
+    assert re.search(r"^answer: .+ votes: \{", out, re.M), out
+
+
+@pytest.mark.slow
+def test_accelerations_snippets_run(embedded_dir: Path, tmp_path: Path) -> None:
+    run_script(script(ACCELERATIONS), tmp_path)
 
 
 @pytest.mark.slow
@@ -269,15 +292,15 @@ def run_shell(code: str, cwd: Path) -> str:
     return proc.stdout + proc.stderr
 
 
-# What README's strategy-file run is shrunk to (each key must be in the file `show` wrote).
+# What STRATEGIES.md's strategy-file run is shrunk to (each key must be in the file `show` wrote).
 SHRINK = {"generate": {"n": 2, "max_tokens": 8}, "loop": {"max_iterations": 1}, "select": {"width": 2}}
 
 
 @pytest.mark.slow
-def test_readme_strategy_commands_run(embedded_dir: Path, tmp_path: Path) -> None:
-    """README's strategy-file lines: `show` writes beam.yaml, `validate` passes it, and the No-KV
-    `run --strategy beam.yaml` answers, on the file shrunk by `SHRINK` (see `SHELL_RUN`)."""
-    show_validate, run_line = shell_snippets(README)[4].rstrip("\n").rsplit("\n", 1)
+def test_strategy_file_commands_run(embedded_dir: Path, tmp_path: Path) -> None:
+    """STRATEGIES.md's strategy-file lines: `show` writes beam.yaml, `validate` passes it, and the
+    No-KV `run --strategy beam.yaml` answers, on the file shrunk by `SHRINK` (see `SHELL_RUN`)."""
+    show_validate, run_line = shell_snippets(STRATEGIES)[0].rstrip("\n").rsplit("\n", 1)
     assert commands(run_line)[0].startswith("branchwise run ") and "beam.yaml" in run_line
     out = run_shell(show_validate, tmp_path)
     assert "ok beam_search" in out, out

@@ -579,7 +579,7 @@ def test_quick_suite_end_to_end(tmp_path: Path, embedded_dir: Path) -> None:
     rows = read_rows(out)
     assert len(rows) == len(set(_keys(rows))) == json.loads((out / "suite.json").read_text())["expected_rows"]
     assert not [r for r in rows if r["error"]]
-    # README's second line, `branchwise report runs/quick`, writes the report again from the rows
+    # docs/STRATEGIES.md's second eval line, `branchwise report runs/quick`, writes the report again from the rows
     (out / "report.md").unlink()
     res = CliRunner().invoke(app, ["report", str(out)])
     assert res.exit_code == 0, res.output

@@ -171,7 +171,7 @@ class CGEEConfig(AccelConfig):
     level2: bool = Field(
         False,
         description="off by default: on the embedded model the verify pass does not get faster "
-        "without flipping decisions (README, CGEE level 2); `lossless()` turns it on",
+        "without flipping decisions (docs/ACCELERATIONS.md, CGEE level 2); `lossless()` turns it on",
     )
     tau_conf: float | None = Field(
         None, ge=0.0, le=1.0, description="None = calibrated, else the paper's (PAPER_TAU_CONF)"

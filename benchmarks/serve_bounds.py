@@ -46,7 +46,7 @@ QUICK = {
     "requests": 8,
     "prompt_tokens": 600,
     "max_tokens": 16,
-    "kv_budget": "2MiB",
+    "kv_budget": "64MiB",
     "decode_step": "eager",
     "timeout": 300.0,
 }

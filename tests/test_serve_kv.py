@@ -296,3 +296,30 @@ def test_serve_listens_while_the_model_loads(monkeypatch: pytest.MonkeyPatch) ->
         release.set()
         thread.join(60)
     assert results and results[0].exit_code == 3, results
+
+
+@pytest.mark.slow
+def test_the_serve_bounds_probe_reports_a_bound_kept(tiny_llama_dir: Any) -> None:
+    """`benchmarks/serve_bounds.py` against a server of the tiny model whose budget holds two of
+    its six requests, two of whose clients leave midway: its JSON adds up and says the bound held."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, str(root / "benchmarks" / "serve_bounds.py"), "--model", str(tiny_llama_dir)]
+    argv += ["--kv-budget", "600000", "--requests", "6", "--prompt-tokens", "300", "--max-tokens", "16"]
+    argv += ["--disconnect-every", "3", "--disconnect-after", "1", "--decode-step", "eager"]
+    argv += ["--id-range", "5", "500", "--dtype", "float32", "--threads", "1", "--distinct"]
+    proc = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["benchmark"] == "serve_bounds" and out["budget_bytes"] == 600000
+    ends = ("answered", "refused", "too_big", "disconnected", "lost")
+    assert sum(out[k] for k in ends) == out["requests"] == 6
+    assert out["lost"] == 0 and out["too_big"] == 0 and out["answered"] >= 1
+    assert out["peak_used_bytes"] <= out["budget_bytes"] and out["within_budget"] is True
+    assert out["peak_over_budget"] == round(out["peak_used_bytes"] / out["budget_bytes"], 3)
+    assert out["overruns"] == 0 and out["idle_after_s"] is not None
+    assert out["kv_released_after_s"] is not None

@@ -107,7 +107,8 @@ class Computation:
         """A chunk's tokens are computed: its KV goes back into its node, with the logits after its
         last token where that was the prompt's last."""
         part.advance([0], part.feeds)
-        part.capture(self.tree, 0, part.rows[0])
+        if not part.hand_over(self.tree, part.rows[0]):
+            part.capture(self.tree, 0, part.rows[0])
         seg = part.rows[0].seg
         seg.last_logits = None if seg.pending else logits.detach().clone()
         self.stats.bump("prefill_chunks")
@@ -413,7 +414,8 @@ class Computation:
         if params is None:
             capture = self._capture(batch)
             for i, r in enumerate(batch.rows):
-                capture(i, r)
+                if self.plugins or len(batch.rows) > 1 or not batch.hand_over(self.tree, r):
+                    capture(i, r)
                 r.seg.last_logits = start[i].detach().clone()
             for plugin in overrides(self.plugins, "after_batch"):
                 plugin.after_batch(batch, False)

@@ -147,7 +147,9 @@ StepListener = Callable[[DecodeStep], Collection[int] | None]
 """`extend`'s ``on_step``: called on the decoding thread after each step, so it must return at once
 (hand the step to another thread or an event loop; never wait on a network). It returns the rows
 nobody wants any more, which the backend stops as soon as it can (finish reason "cancelled"), or
-None. Without a listener a backend does no per-step work for one."""
+None. Without a listener a backend does no per-step work for one. A step may be empty (no tokens,
+nothing finished): asked between the prefill chunks of a call where nothing decodes yet, so that
+rows waiting to join can be stopped too."""
 
 Admitted = NodeId | tuple[NodeId, DecodeParams]
 """A node `admit` hands in: alone (it decodes with the call's parameters) or with its own."""

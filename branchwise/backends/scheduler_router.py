@@ -85,6 +85,12 @@ class Router:
         """`finished[:retiring]` had ended when the batch was last re-assembled: none of their rows
         is in the batch now, so their nodes can be released before the call ends."""
         self.released: set[int] = set()
+        self.started: set[Job] = set()
+        """Jobs whose rows have decoded a token: their rows may be in the batch."""
+        self.unstarted_dropped: list[Job] = []
+        """Cancelled jobs none of whose rows decoded a token: no row of theirs is in the batch, so
+        their nodes (and the KV their prompts computed so far) go at the next `admit`, not when
+        the batch is next re-assembled."""
 
     def join(self, job: Job) -> bool:
         """Prefill and fork `job`'s prompt; its branches become the call's next rows. A job cancelled
@@ -169,6 +175,11 @@ class Router:
         ends, which under a steady load is never. A job's rows leave the batch only when it is
         re-assembled (before that, a finished row may still be copied back into its node), so its
         nodes are released at the first step boundary after that."""
+        for job in self.unstarted_dropped:
+            nodes = [n for n in self.children[slice(*self.jobs[job])] if n not in self.released]
+            self.backend.release(nodes)
+            self.released.update(nodes)
+        self.unstarted_dropped.clear()
         if not self.retiring:
             return
         nodes = [
@@ -207,6 +218,7 @@ class Router:
         steps: dict[Job, DecodeStep] = {}
         for row, tokens in step.tokens.items():
             job, i = owner[row]
+            self.started.add(job)
             if job.on_step is not None and not job.done.is_set():
                 steps.setdefault(job, DecodeStep({}, {})).tokens[i] = tokens
         answered = []
@@ -245,6 +257,9 @@ class Router:
                 job._fail(Cancelled("the request was cancelled while it was decoded"))
                 self.rows_left -= self.left[job]  # its rows stop now, unreported
                 self.left[job] = 0
-                self.finished.append(job)
+                if job in self.started:
+                    self.finished.append(job)
+                else:
+                    self.unstarted_dropped.append(job)
                 drop = [*(drop or []), *range(a, b)]
         return drop

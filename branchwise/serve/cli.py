@@ -3,7 +3,11 @@
 Why the order of its steps: everything that can be wrong with the command line (a bad option, a
 model path that does not exist, a port that is taken) fails at once with one line naming the
 option, before a model is loaded — loading takes seconds to minutes, and a taken port found after
-it wastes them. So the socket is bound first and handed to uvicorn.
+it wastes them. So the socket is bound first and handed to uvicorn, which listens at once: while
+the model loads (and the decode steps are prepared) `/health` answers 503 "starting" with the stage
+and every other route 503 with Retry-After (`starting.py`); each stage is printed as it begins.
+An option only the loaded backend can check (`--decode-step`, `--kv-budget`) stops the server
+with the same one line.
 """
 
 from __future__ import annotations
@@ -146,6 +150,7 @@ def serve_command(
         from branchwise.serve import create_app
         from branchwise.serve.guard import is_loopback
         from branchwise.serve.runner import bind, serve
+        from branchwise.serve.starting import Starting
     except ImportError as err:
         raise typer.BadParameter(
             f"serving needs the serve extra: pip install 'branchwise[serve]' ({err})", param_hint="serve"
@@ -179,57 +184,68 @@ def serve_command(
                 "the model (set --api-key or BRANCHWISE_API_KEY)",
                 err=True,
             )
-        if endpoint:
-            backend: Any = cli_backend.remote_backend(endpoint, model)
-        else:
-            backend = cli_backend.load_backend(model, device, dtype)
-        if kv_budget is not None and kv_budget != "auto":
-            _set_kv_budget(backend, kv_budget)
-        if hasattr(backend, "grammar_timeout"):
-            backend.grammar_timeout = grammar_timeout
-        if hasattr(backend, "prefill_chunk"):
-            backend.prefill_chunk = prefill_chunk
-            backend.prefill_share = prefill_share
-        if hasattr(backend, "decode_step"):
-            try:  # a server lives long: compiled steps pay back their (background) compilation
-                backend.decode_step = "compiled" if decode_step == "auto" else decode_step
-            except ValueError as err:
-                raise typer.BadParameter(str(err), param_hint="--decode-step") from None
-        app = create_app(
-            backend,
-            model_name=served_model_name or model,
-            share=share,  # type: ignore[arg-type]
-            max_batch_rows=max_batch_rows,
-            max_queued_rows=max_queued_rows,
-            window_s=batch_window_ms / 1000,
-            continuous=continuous,
-            max_strategy_queue=max_strategy_queue,
-            drain_timeout_s=drain_timeout,
-            api_key=api_key or None,
-            allowed_hosts=[*_host_names(host), *(allow_host or [])],
-            cors_origins=cors_origin or [],
-            docs=docs,
-            max_body_bytes=max_body_bytes,
-            body_timeout_s=body_timeout,
-            max_strategy_branches=max_strategy_branches,
-            max_strategy_tokens=max_strategy_tokens,
-            strategy_timeout_s=strategy_timeout,
-        )
         _log_to_stderr()
-        if hasattr(backend, "warm_up"):  # starts compiling the first kinds of batch, without waiting
-            warmed = backend.warm_up()
-            if warmed["compiling"]:
-                logging.getLogger("branchwise.serve").info(
-                    "compiling the decode step for %d kinds of batch in a worker process; steps run "
-                    "uncompiled until then (progress: /health)",
-                    warmed["compiling"],
-                )
+
+        def build(starting: Starting) -> Any:
+            """The real app, stage by stage (`starting.Starting` answers 503 meanwhile)."""
+            starting.begin("connecting to the endpoint" if endpoint else "loading the model")
+            if endpoint:
+                backend: Any = cli_backend.remote_backend(endpoint, model)
+            else:
+                backend = cli_backend.load_backend(model, device, dtype)
+            if kv_budget is not None and kv_budget != "auto":
+                _set_kv_budget(backend, kv_budget)
+            if hasattr(backend, "grammar_timeout"):
+                backend.grammar_timeout = grammar_timeout
+            if hasattr(backend, "prefill_chunk"):
+                backend.prefill_chunk = prefill_chunk
+                backend.prefill_share = prefill_share
+            if hasattr(backend, "decode_step"):
+                try:  # a server lives long: compiled steps pay back their (background) compilation
+                    backend.decode_step = "compiled" if decode_step == "auto" else decode_step
+                except ValueError as err:
+                    raise typer.BadParameter(str(err), param_hint="--decode-step") from None
+            app = create_app(
+                backend,
+                model_name=served_model_name or model,
+                share=share,  # type: ignore[arg-type]
+                max_batch_rows=max_batch_rows,
+                max_queued_rows=max_queued_rows,
+                window_s=batch_window_ms / 1000,
+                continuous=continuous,
+                max_strategy_queue=max_strategy_queue,
+                drain_timeout_s=drain_timeout,
+                api_key=api_key or None,
+                allowed_hosts=[*_host_names(host), *(allow_host or [])],
+                cors_origins=cors_origin or [],
+                docs=docs,
+                max_body_bytes=max_body_bytes,
+                body_timeout_s=body_timeout,
+                max_strategy_branches=max_strategy_branches,
+                max_strategy_tokens=max_strategy_tokens,
+                strategy_timeout_s=strategy_timeout,
+            )
+            if hasattr(backend, "warm_up"):  # starts compiling the first kinds of batch, without waiting
+                starting.begin("preparing the decode steps (loading compiled ones, warming up)")
+                warmed = backend.warm_up()
+                if warmed["compiling"]:
+                    logging.getLogger("branchwise.serve").info(
+                        "compiling the decode step for %d kinds of batch in a worker process; steps "
+                        "run uncompiled until then (progress: /health)",
+                        warmed["compiling"],
+                    )
+            return app
+
         address, bound = sock.getsockname()[:2]
         shown = f"[{address}]" if ":" in address else address
-        logging.getLogger("branchwise.serve").info("serving on http://%s:%d (Ctrl-C to stop)", shown, bound)
+        logging.getLogger("branchwise.serve").info(
+            "listening on http://%s:%d (Ctrl-C to stop); /health answers 503 until the model is ready",
+            shown,
+            bound,
+        )
         # SIGTERM/SIGINT: no new connections, in-flight requests finish (up to --drain-timeout), the
         # rest get a JSON 503, and the process exits 0 (`runner.DrainingServer`).
-        serve(app, sock, drain_timeout)
+        serve(Starting(drain_timeout), sock, drain_timeout, build=build)
     finally:
         sock.close()
 

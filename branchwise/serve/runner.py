@@ -31,6 +31,8 @@ from typing import Any
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
+from branchwise.serve.starting import Starting, load_in_background
+
 __all__ = ["DrainingServer", "bind", "serve", "serve_in_thread"]
 
 BACKSTOP_S = 5.0
@@ -89,9 +91,19 @@ def _drain_hook(app: Any) -> Callable[[], None] | None:
     return getattr(getattr(app, "state", None), "begin_drain", None)
 
 
-def serve(app: Any, sock: socket.socket, drain_timeout_s: float, log_level: str = "info") -> None:
+def serve(
+    app: Any,
+    sock: socket.socket,
+    drain_timeout_s: float,
+    log_level: str = "info",
+    build: Callable[[Starting], Any] | None = None,
+) -> None:
     """Serve `app` on the bound `sock` until SIGTERM / SIGINT, then drain (module docstring), and end
     the process with status 0; returns only if the server never started.
+
+    With `build`, `app` is a `starting.Starting` that answers 503 while `build` prepares the real
+    app on a thread of its own (loading the model): the port is open from the first second. A
+    `build` that fails stops the server, and its error is raised here.
 
     Why end it here: once the drain is over nothing is left to do, but the interpreter's own
     teardown would still run a full garbage collection over every object of the model, the KV tree
@@ -99,7 +111,17 @@ def serve(app: Any, sock: socket.socket, drain_timeout_s: float, log_level: str 
     would outlive the drain by seconds instead of the one decode step the documentation promises.
     Logs and standard streams are flushed first."""
     server = DrainingServer(_config(app, drain_timeout_s, log_level), _drain_hook(app))
+    failed: list[BaseException] = []
+
+    def stop(err: BaseException) -> None:
+        failed.append(err)
+        server.should_exit = True
+
+    if build is not None:
+        load_in_background(app, build, stop)
     server.run(sockets=[sock])
+    if failed:
+        raise failed[0]
     if server.started:
         _exit_now()
 

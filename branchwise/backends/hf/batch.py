@@ -588,6 +588,23 @@ class Batch:
             shared.append(entry)
         self.ctx.shared = shared
 
+    def hand_over(self, tree: KVTree, row: Row) -> bool:
+        """Give a one-row batch's tail buffers to the row's node as its KV, without a copy, where
+        they hold exactly its own KV (a prefill: no ancestors copied in front, no free slots
+        ahead); the batch holds nothing after. False (nothing done) otherwise: `capture` it.
+
+        Why: a capture copies the row's KV while the tails still hold it, so for a moment a prompt's
+        whole KV is held twice, over a budget that priced it once (a long prompt's last chunk)."""
+        ctx = self.ctx
+        if ctx.batch != 1 or row.tail_start or ctx.pool is not None or row.kv_len != ctx.capacity:
+            return False
+        keys, values = [t[0] for t in ctx.tail_k], [t[0] for t in ctx.tail_v]
+        ctx.tail_k[:], ctx.tail_v[:] = [], []
+        tree.set_kv(row.seg, keys, values)
+        row.seg.n_computed = row.computed
+        row.captured = True
+        return True
+
     def capture(self, tree: KVTree, pos: int, row: Row) -> None:
         """Copy a row's KV out of the batch buffers into its segment (independent tensors, so
         releasing the node frees exactly its memory)."""

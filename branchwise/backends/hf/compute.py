@@ -82,7 +82,10 @@ class Computation:
             self._end_part(part, self.forward(part, part.feeds)[0])
 
     def _part(self, seg: Segment, limit: int) -> Batch:
-        """The batch of one chunk of `seg`'s pending tokens (ancestors computed first)."""
+        """The batch of one chunk of `seg`'s pending tokens (ancestors computed first). Its tail
+        holds a copy of what `seg` computed before, so the node lends it (`KVTree.lend`) until the
+        chunk is captured back: held twice, a long prompt's earlier chunks took the budget's room a
+        second time (the KV a waiting row was priced at, `Intake._join_cost`, counts them once)."""
         self.materialize_ancestors([seg])
         engine = self.engine
         batch = Batch.assemble(
@@ -93,8 +96,10 @@ class Computation:
             self.device,
             engine.broadcast,
             limit=limit,
-            reserve=engine.pool.reserve_tails,
+            reserve=functools.partial(engine.pool.reserve_tails, moving=seg.kv_bytes),
         )
+        if seg.keys is not None:
+            self.tree.lend(seg)
         engine.pool.track(batch.ctx)
         return batch
 
@@ -102,7 +107,8 @@ class Computation:
         """A chunk's tokens are computed: its KV goes back into its node, with the logits after its
         last token where that was the prompt's last."""
         part.advance([0], part.feeds)
-        part.capture(self.tree, 0, part.rows[0])
+        if not part.hand_over(self.tree, part.rows[0]):
+            part.capture(self.tree, 0, part.rows[0])
         seg = part.rows[0].seg
         seg.last_logits = None if seg.pending else logits.detach().clone()
         self.stats.bump("prefill_chunks")
@@ -354,7 +360,11 @@ class Computation:
                 for s in segs
             ]
             extra = min(max(caps), TAIL_SLACK)
-        lend = params is not None  # a decode batch: every row is captured back when it leaves
+        # every row is captured back: a decode batch's when it leaves, a prefill's at once. Lent, a
+        # row's computed KV is held once while its tail holds the copy (a long prompt's last chunk
+        # once held the prompt twice, over the budget its admission priced); a prefill with
+        # accelerations keeps it in the node, where their hooks may read it
+        lend = params is not None or not self.plugins
         try:
             batch = self.assemble(segs, extra, lend)
         except KVBudgetExceeded:
@@ -404,7 +414,8 @@ class Computation:
         if params is None:
             capture = self._capture(batch)
             for i, r in enumerate(batch.rows):
-                capture(i, r)
+                if self.plugins or len(batch.rows) > 1 or not batch.hand_over(self.tree, r):
+                    capture(i, r)
                 r.seg.last_logits = start[i].detach().clone()
             for plugin in overrides(self.plugins, "after_batch"):
                 plugin.after_batch(batch, False)

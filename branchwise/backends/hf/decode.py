@@ -28,7 +28,7 @@ through the same re-assembly as admitted rows), and keep their tokens in `Decode
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +157,9 @@ class DecodeRun:
     stopped: set[int] = field(default_factory=set)
     """Segments of preempted rows that `on_step` stopped while they waited outside the batch (a
     cancelled request): they ended as cancelled, and the intake lets them go instead of back in."""
+    dropped: set[int] = field(default_factory=set)
+    """Indices of rows `on_step` stopped that were neither in the batch nor preempted: rows waiting
+    in the intake to join (prefilling, or ready). The intake lets them go (`end_waiting`)."""
 
     @classmethod
     def start(
@@ -223,6 +226,24 @@ class DecodeRun:
 
     def params_of(self, seg: Segment) -> DecodeParams:
         return self.stops.own.get(seg.id, self.params)
+
+    def poll(self) -> None:
+        """Ask `on_step` which rows to stop while no decode step runs (an empty step: between the
+        prefill chunks of an idle batch), so a request cancelled then stops before its next chunk."""
+        if self.on_step is not None:
+            drop = self.on_step(DecodeStep({}, {}))
+            if drop:
+                _stop(self, [], [], drop)
+
+    def end_waiting(self, seg: Segment) -> None:
+        """The row of `seg` was stopped before it decoded a token: it ends cancelled, empty."""
+        index = self.rows[seg.id]
+        self.results.setdefault(
+            index,
+            Generation(
+                node=seg.id, token_ids=[], text="", top1_probs=[], logprobs=[], finish_reason="cancelled"
+            ),
+        )
 
     def generations(self) -> list[Generation]:
         """Every row's `Generation`, in row order."""
@@ -411,6 +432,12 @@ def _report(run: DecodeRun, rows: Sequence[Row], stepping: Sequence[int], alive:
     drop = run.on_step(step)
     if not drop:
         return alive
+    return _stop(run, rows, alive, drop)
+
+
+def _stop(run: DecodeRun, rows: Sequence[Row], alive: list[int], drop: Collection[int]) -> list[int]:
+    """Stop the rows `drop` names wherever they are: decoding (in `alive`), preempted, or waiting in
+    the intake to join (`DecodeRun.dropped`). Returns the rows still alive."""
     by_index = {run.rows[rows[ri].seg.id]: ri for ri in alive}
     waiting = {run.rows[r.seg.id]: r for r in (*run.carried.values(), *rows) if r.preempted}
     for index in drop:
@@ -426,4 +453,6 @@ def _report(run: DecodeRun, rows: Sequence[Row], stepping: Sequence[int], alive:
             run.stopped.add(r.seg.id)
             if run.carried.pop(r.seg.id, None) is not None:  # from an earlier batch: answered now
                 run.results.setdefault(index, _generation(r))
+        elif index not in waiting and index not in run.results:
+            run.dropped.add(index)
     return [ri for ri in alive if rows[ri].finish is None]

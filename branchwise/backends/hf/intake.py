@@ -220,7 +220,9 @@ class Intake:
         self._size = chunk
         """The size of the last chunk: rows with at most this much left to compute are ready."""
         self._waiting_reserved = 0
-        """Bytes of `pool.reserved` the waiting rows' own joining stands for (`pressure`)."""
+        """Bytes of `pool.reserved` the waiting rows' own joining stands for (`_reserve`)."""
+        self._running_reserved = 0
+        """Bytes of `pool.reserved` the decoding rows may still need (`pressure`; 0 while none decode)."""
         self.batch: Batch | None = None
         """The batch being decoded (set by `Computation.run` before each `decode`)."""
 
@@ -283,6 +285,7 @@ class Intake:
     def next_ready(self) -> list[Segment]:
         """Rows to decode when the batch has emptied (or never started): preempted rows first,
         else prompts prefilled chunk by chunk with newcomers let in between; [] when none wait."""
+        self._running_reserved = 0  # nothing decodes now
         self._let_go_stopped()
         if self.preempted:
             return self._rejoin(force=True)
@@ -291,8 +294,11 @@ class Intake:
             started = time.perf_counter()
             done, _ = self._prefill_step(self.pace.idle_size(self.chunk, alone_chunk(self.chunk)))
             self.pace.timed_chunk(done, started, self.host.device)
-            if self.outer is not None and not self.ready:
-                self._take(self.outer(self._held()))
+            if self.outer is not None:  # no decode step tells the listener's cancellations: ask
+                self.run.poll()
+                self._let_go_stopped()
+                if not self.ready:
+                    self._ask(0)
         self.pace.idle()  # the first decode step is timed from neither an old step nor the last chunk
         return self._pop_ready()
 
@@ -355,11 +361,8 @@ class Intake:
             held += r.seg.kv_tokens
         if alive and self.batch is not None:
             held += len(alive) * self.batch.ctx.capacity
-        counted: set[int] = set()
-        self._waiting_reserved = sum(
-            self._join_cost(s, counted) for s in (*self.prefilling, *self.preempted, *self.ready)
-        )
-        pool.reserved = max(worst - held, 0) * tb + self._waiting_reserved
+        self._running_reserved = max(worst - held, 0) * tb
+        self._reserve()
         if pool.budget is None:
             return []
         need = len(alive) * tb + self._growth(alive)
@@ -370,7 +373,7 @@ class Intake:
         if over <= 0:
             return []
         if len(alive) < 2:  # the oldest row alone: it goes on over the budget, and the run says so
-            pool.overruns += 1
+            pool.overrun(over, "the oldest decoding row alone")
             self.host.stats.bump("kv_overruns")
             return []
         rows = self.run.rows
@@ -383,6 +386,27 @@ class Intake:
             if over <= 0:
                 break
         return victims
+
+    def _reserve(self) -> None:
+        """Set `pool.reserved` to what the decoding rows and the rows waiting here may still need.
+
+        Why before every question to the scheduler, not only at a step boundary: the rows taken at
+        one question wait here (prefilling) and hold nothing yet; priced only at the next boundary,
+        the questions between prefill chunks of an idle batch each saw the room they had left as
+        free, and a burst of long prompts was taken many times over the budget."""
+        counted: set[int] = set()
+        self._waiting_reserved = sum(
+            self._join_cost(s, counted) for s in (*self.prefilling, *self.preempted, *self.ready)
+        )
+        self.pool.reserved = self._running_reserved + self._waiting_reserved
+
+    def _ask(self, alive: int) -> None:
+        """Take the scheduler's newcomers that fit beside `alive` decoding rows and the rows waiting
+        here, priced as they stand now (`_reserve`)."""
+        assert self.outer is not None
+        self._reserve()
+        self._take(self.outer(alive + self._held()))
+        self._reserve()
 
     def admit(self, alive: int) -> list[NodeId]:
         """`DecodeRun.admit`: one chunk of prefill, then rows that may join now (preempted rows
@@ -400,7 +424,7 @@ class Intake:
         if self.preempted:
             self.ready += self._rejoin(force=False)
         elif self.outer is not None:
-            self._take(self.outer(alive + self._held()))
+            self._ask(alive)
         return [s.id for s in self._pop_ready()]
 
     # ------------------------------------------------------------------ internals
@@ -458,11 +482,21 @@ class Intake:
         self.prefilling = still
 
     def _let_go_stopped(self) -> None:
-        """Preempted rows stopped while they waited (a cancelled request, `DecodeRun.stopped`) do not
-        come back; a swapped one's KV returns into its node, released with its request."""
-        for seg in [s for s in self.preempted if s.id in self.run.stopped]:
+        """Rows stopped while they waited (a cancelled request) do not come back and compute no
+        more: preempted ones (`DecodeRun.stopped`; a swapped one's KV returns into its node,
+        released with its request), and rows prefilling or ready to join, which end with no token
+        (`DecodeRun.dropped`: the listener releases their nodes at once, `Router.admit`)."""
+        run = self.run
+        for seg in [s for s in self.preempted if s.id in run.stopped]:
             self.swap.back(seg, self.host.tree)
             self.preempted.remove(seg)
+        if not run.dropped:
+            return
+        for waiting in (self.prefilling, self.ready):
+            for seg in [s for s in waiting if run.rows[s.id] in run.dropped]:
+                waiting.remove(seg)
+                run.end_waiting(seg)
+                self.host.stats.bump("cancelled_waiting_rows")
 
     def _rejoin(self, force: bool) -> list[Segment]:
         """Preempted rows whose recompute and growth fit the budget now, oldest first (with

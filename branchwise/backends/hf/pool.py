@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import math
 import os
 import re
@@ -52,6 +53,8 @@ loaded), leaving the rest to activations, the allocator's slack and the rest of 
 
 TAIL_SLACK = 128
 """Free slots per row a decode batch's tails are assembled with, at most (`Computation.assemble`)."""
+
+log = logging.getLogger("branchwise.kv")
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -161,12 +164,28 @@ class KVPool:
     overruns: int = 0
     """Decode steps that ran above the budget because nothing could yield (the oldest row alone:
     it is never preempted, so a decode always progresses)."""
+    overrun_bytes: int = 0
+    """The most bytes any overrun went above the budget (`overrun`: each new peak is logged)."""
     _batches: weakref.WeakValueDictionary[int, BatchContext] = field(
         default_factory=weakref.WeakValueDictionary
     )
 
     def __post_init__(self) -> None:
         self.tree.ceiling = self.cache_ceiling
+
+    def overrun(self, over: int, what: str) -> None:
+        """Count a step that must run `over` bytes above the budget (`what` says why); a new peak
+        is logged with its size, and `stats` reports the count and the peak (a server's `/health`)."""
+        self.overruns += 1
+        if over > self.overrun_bytes:
+            self.overrun_bytes = over
+            log.warning(
+                "KV over its budget: %s holds %d bytes above kv_budget=%d bytes (overrun %d)",
+                what,
+                over,
+                self.budget,
+                self.overruns,
+            )
 
     def track(self, ctx: BatchContext) -> None:
         """Count a batch's tail buffers while the batch lives."""
@@ -253,7 +272,7 @@ class KVPool:
                 f"{self.budget} bytes has {self.budget - self.used()} free"
             )
         if nbytes <= self.budget:
-            self.overruns += 1
+            self.overrun(self.over(need), "a decode batch's tails (copied from its rows' own KV)")
             return
         raise KVBudgetExceeded(
             f"a decode batch needs {nbytes} bytes of tails, more than the whole kv_budget of "
@@ -357,4 +376,6 @@ class KVPool:
             "bytes_held": self.tree.accounts.total.held,
             "cache_bytes": self.tree.accounts.cache.held,
             "preemptions": self.preemptions,
+            "overruns": self.overruns,
+            "overrun_bytes": self.overrun_bytes,
         }

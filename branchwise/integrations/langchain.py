@@ -352,6 +352,8 @@ class ChatBranchwise(BaseChatModel):
                 "share": self.share,
                 "batch_requests": job.batch_requests,
                 "batch_rows": job.batch_rows,
+                # decode steps that left the fast step, with their reasons (`Generation.notes`)
+                "notes": list(gen.notes),
             },
         }
         if want_logprobs:

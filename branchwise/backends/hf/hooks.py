@@ -310,6 +310,14 @@ class Acceleration:
     default, costs a copy; True on a plug-in that does change KV would change a preempted row's
     tokens."""
 
+    def layer_loop_reasons(self) -> list[str]:
+        """Why this plug-in's decode steps need the layer loop (empty: they need not): the reasons
+        those steps are counted under, off the fast step (`step_notes`). A plug-in that knows which
+        of its parts needs it names them (`river_exits`, `rsbcm_mass`, ...); else its name."""
+        if self.layer_loop or any(overrides([self], hook) for hook in FORWARD_HOOKS):
+            return [self.name]
+        return []
+
     @classmethod
     def build(cls, cfg: Any, setup: Setup) -> Acceleration:
         """The plug-in of one run for `cfg` (an instance of `config`): fresh state, its expensive
@@ -431,6 +439,11 @@ FORWARD_HOOKS = ("begin_forward", "before_layer", "after_layer", "after_forward"
 def needs_layer_loop(plugins: Sequence[Acceleration]) -> list[str]:
     """The names of the plug-ins whose decode steps need the layer loop (`Acceleration.layer_loop`)."""
     return [p.name for p in plugins if p.layer_loop or any(overrides([p], hook) for hook in FORWARD_HOOKS)]
+
+
+def layer_loop_reasons(plugins: Sequence[Acceleration]) -> list[str]:
+    """Why these plug-ins' decode steps need the layer loop, each plug-in's reasons in turn."""
+    return [why for p in plugins if p.name in needs_layer_loop([p]) for why in p.layer_loop_reasons()]
 
 
 def overrides(plugins: Sequence[Acceleration], hook: str) -> list[Acceleration]:

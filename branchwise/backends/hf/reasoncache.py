@@ -187,6 +187,9 @@ class ReasonCache(Acceleration):
         self._decode = cast(Callable[..., str], tokenizer.decode)  # one sequence of ids: one str
         self._rng = random.Random(cfg.seed)
 
+    def layer_loop_reasons(self) -> list[str]:
+        return ["reasoncache_reads"]
+
     @classmethod
     def build(cls, cfg: ReasonCacheConfig, setup: Setup) -> ReasonCache:
         """Step boundaries (a pass over the vocabulary) and the PAT distances are per backend."""

@@ -177,6 +177,9 @@ class River(Acceleration):
     name = "river"
     config = RiverConfig
 
+    def layer_loop_reasons(self) -> list[str]:
+        return ["river_exits"]
+
     @classmethod
     def build(cls, cfg: RiverConfig, setup: Setup) -> River:
         """The quantized layers are built once per backend and weight settings (`weights_key`)."""

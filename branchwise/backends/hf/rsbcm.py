@@ -128,6 +128,9 @@ class RSBCM(Acceleration):
     config = RSBCMConfig
     needs_cascade = True  # block masses are kept per shared segment
 
+    def layer_loop_reasons(self) -> list[str]:
+        return ["rsbcm_mass"]
+
     def __init__(self, cfg: RSBCMConfig, host: Host) -> None:
         self.cfg = cfg
         self.host = host

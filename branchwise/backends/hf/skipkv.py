@@ -211,6 +211,9 @@ class SkipKV(Acceleration):
         """Rows whose tokens `after_pending` tracked, to check in `begin_decode`."""
         self._steer: Steering | None = None
 
+    def layer_loop_reasons(self) -> list[str]:
+        return ["skipkv_reads"] + (["skipkv_steering"] if self.steer_build is not None else [])
+
     @classmethod
     def build(cls, cfg: SkipKVConfig, setup: Setup) -> SkipKV:
         """The delimiter ids (a pass over the vocabulary) and the steering vector are built once."""

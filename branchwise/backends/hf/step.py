@@ -51,8 +51,9 @@ import torch.nn.functional as F
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import AttentionContext, SharedSegment, fused_cascade
 from branchwise.backends.hf.batch import BatchContext
-from branchwise.backends.hf.hooks import Acceleration, needs_layer_loop
+from branchwise.backends.hf.hooks import Acceleration, layer_loop_reasons, needs_layer_loop
 from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
+from branchwise.backends.step_notes import OffFast
 
 StepMode = Literal["auto", "compiled", "graphs", "eager", "layers"]
 """How decode steps run: `compiled` runs the fixed-shape step compiled by inductor (and captures it
@@ -456,6 +457,30 @@ class Stepper:
         if not found and ctx.pool is not None:
             found = ["a block pool"]
         return found
+
+    def loop_reasons(
+        self, ctx: BatchContext, hooks: Sequence[Acceleration], observers: Sequence[Acceleration]
+    ) -> list[str]:
+        """Why a decode step of this batch runs on the layer loop (`step_notes.OffFast`): the mode,
+        or the plug-ins' reasons (`hooks.layer_loop_reasons`), observers, undeclared taps or pool."""
+        if self._mode == "layers":
+            return [OffFast.LAYERS_MODE.value]
+        found = layer_loop_reasons(hooks) + [f"{OffFast.OBSERVER.value} {o.name}" for o in observers]
+        if not found and ctx.taps:
+            found = [OffFast.ATTENTION_TAP.value]
+        if not found and ctx.pool is not None:
+            found = [OffFast.BLOCK_POOL.value]
+        return found
+
+    def shortfall(self, carried: bool) -> list[str]:
+        """Why the fixed-shape step just run was not the fast step its mode asks for: it carried a
+        prefill chunk (run eagerly) where steps are compiled or captured, or a compiled step was
+        asked for and did not run (`step_compiler.StepCompiler.unused` says why). Empty when it was."""
+        if carried and (self.compiler is not None or self.recorder is not None):
+            return [OffFast.PREFILL_CHUNK.value]
+        if self.compiler is not None and not self.compiled:
+            return [f"{OffFast.UNCOMPILED.value}: {self.compiler.unused}"]
+        return []
 
     def applies(
         self,

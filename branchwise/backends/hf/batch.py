@@ -59,12 +59,23 @@ class AttentionTap:
     """
 
     wants_weights: bool = False
+    in_step: bool = False
+    """Whether the fixed-shape step can feed it (`record_query` per layer, in place, then
+    `count_step` once per step on the host): a tap that watches only decode queries this way keeps
+    its batch on the fast step; any other keeps it on the layer loop."""
 
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         """Post-RoPE queries `[B, H, q, D]` of layer `layer`, before attention."""
 
     def on_weights(self, layer: int, weights: Weights) -> None:
         """Softmax statistics of layer `layer` (only when `wants_weights`)."""
+
+    def record_query(self, layer: int, query: torch.Tensor) -> None:
+        """A decode step's post-RoPE queries `[B, H, 1, D]` of layer `layer` (`in_step` taps):
+        written in place into buffers that keep their address, so a captured step replays it."""
+
+    def count_step(self) -> None:
+        """A decode step ran (`in_step` taps): host-side bookkeeping, outside any captured step."""
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows not in `keep` (old indices, in order) left the batch."""
@@ -158,6 +169,25 @@ class BlockPool:
 
 
 @dataclass
+class Steer:
+    """Vectors added to the residual stream entering layer `layer`, one per row, as inputs of a
+    decode step: row b adds `scale[b] * table[idx[b]]`. `table` `[S, d]` is persistent (built once,
+    row 0 all zeros: no steering), `idx` `[B]` long and `scale` `[B]` change every step. Why this
+    shape: the fixed-shape step (`step.py`) reads it as tensors at fixed addresses, so a steered
+    step is the same step, captured once, whichever rows steer (SkipKV's steering, §4.2)."""
+
+    layer: int
+    table: torch.Tensor
+    idx: torch.Tensor
+    scale: torch.Tensor
+
+    def add(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`h` `[b, q, d]` (of batch rows `rows`; None: all) with each row's vector added."""
+        idx, scale = (self.idx, self.scale) if rows is None else (self.idx[rows], self.scale[rows])
+        return h + (self.table[idx] * scale[:, None].to(h.dtype))[:, None, :]
+
+
+@dataclass
 class BatchContext:
     """Per-batch KV state the attention function reads and writes, layer by layer.
 
@@ -175,6 +205,9 @@ class BatchContext:
     n_groups: int = 1
     taps: list[AttentionTap] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # final-norm hidden state at each row's last fed token
+    steer: Steer | None = None
+    """Vectors the next forward adds to the residual stream (set by a plug-in before a decode step
+    and cleared after it; the layer loop and the fixed-shape step both apply it)."""
     pool: BlockPool | None = None
     """Shared blocks the rows read (ReasonCache); None while no row reads one."""
     grow_min: int = 128

@@ -24,7 +24,7 @@ from branchwise.backends.hf.intake import Intake, alone_chunk, policy_of
 from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.pool import TAIL_SLACK
 from branchwise.backends.hf.segment import Segment
-from branchwise.backends.hf.step import Chunk, is_decode_step
+from branchwise.backends.hf.step import ACCELERATED_UNCOMPILED, Chunk, is_decode_step
 from branchwise.backends.step_notes import OFF_FAST, OFF_FAST_BY, off_fast_delta, step_notes
 from branchwise.constraints import Constraint
 
@@ -223,7 +223,8 @@ class Computation:
             self.stats.bump("decode_steps_compiled")
         else:
             self.stats.bump("decode_steps_uncompiled")
-            self.stats.extra[f"uncompiled_by {compiler.unused}"] = 1.0
+            why = ACCELERATED_UNCOMPILED if self.engine.stepper.accelerated else compiler.unused
+            self.stats.extra[f"uncompiled_by {why}"] = 1.0
 
     def _count_layer_loop_step(self, batch: Batch, observers: Sequence[Acceleration]) -> None:
         """A decode step ran through the layer loop. Where steps are captured as CUDA graphs and a

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import AttentionContext, SharedSegment, fused_cascade
-from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.batch import BatchContext, Steer
 from branchwise.backends.hf.hooks import Acceleration, layer_loop_reasons, needs_layer_loop
 from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
 from branchwise.backends.step_notes import OffFast
@@ -68,6 +68,8 @@ SPAN = 128
 COMPILED_SPAN = 16
 """Compiled steps that are not recorded read the tails in multiples of this many slots: the span is
 a symbolic size there, so a finer multiple costs no compilation and saves reading masked slots."""
+ACCELERATED_UNCOMPILED = "an acceleration's step inputs (steering, query taps) are not compiled ahead"
+"""Why a step an acceleration reads or feeds runs uncompiled where steps are compiled."""
 WARMUP = 1
 """Steps a new batch layout runs eagerly before its step is captured: real steps (their logits are
 used) that do the first-call work on the current stream (allocator growth, library handles)."""
@@ -85,6 +87,8 @@ class StaticAttention:
         """The tail slots read, `0 .. span - 1` (at least the longest row's length + 1; see
         `Stepper.span`): a tensor, so that a compiled step reads the span as a size, not a number
         it would be specialised on."""
+        self.taps = [tap for tap in ctx.taps if tap.in_step]
+        """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
         self.grouped = ctx.n_groups > 1
         """Whether query heads share K/V heads (a bool here, outside any compilation, where sizes
         are symbolic and SDPA's `enable_gqa` takes no symbolic bool)."""
@@ -123,6 +127,8 @@ class StaticAttention:
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         ctx = self.ctx
+        for tap in self.taps:
+            tap.record_query(layer, query)
         tk, tv = ctx.tail_k[layer], ctx.tail_v[layer]
         # Each row's new K/V at slot `lens[row]`, written in place. An index_put, not a scatter:
         # a compiled step's mutation of its inputs must be re-done in place by inductor, which it
@@ -227,6 +233,12 @@ class StepGraph:
     recorded_compiled: bool = False
     """Whether the recording replays compiled code (a layout recorded before its kind was compiled
     is recorded again once it is)."""
+    steer: Steer | None = None
+    """The batch's steering (`batch.Steer`) read at fixed addresses: the plug-in's persistent table,
+    and this graph's own slot and scale buffers, loaded at every step."""
+    hidden: torch.Tensor | None = None
+    """The final-norm hidden state at each row's token `[B, d]` from the last step (accelerated
+    steps only; a recording's own output, overwritten by each replay)."""
 
     def __post_init__(self) -> None:
         b, device = self.ctx.batch, self.ctx.lens.device
@@ -234,6 +246,15 @@ class StepGraph:
         self.pos = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.lens = torch.zeros(b, dtype=torch.long, device=device)
         self.attention = StaticAttention(self.ctx, self.lens)
+        if (steer := self.ctx.steer) is not None:
+            self.steer = Steer(steer.layer, steer.table, torch.zeros_like(steer.idx), torch.zeros_like(steer.scale))
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether an acceleration reads or feeds this step (steering, query taps): it then runs the
+        uncompiled step, which also gives the hidden states its plug-ins read (`ctx.last_hidden`);
+        the compiled step is compiled ahead without them, and such steps are counted uncompiled."""
+        return self.steer is not None or bool(self.attention.taps)
 
     def _layers(self, ids: torch.Tensor, pos: torch.Tensor, attention: AttentionContext) -> torch.Tensor:
         """The hidden states after every layer for tokens `ids` at positions `pos`, attended by
@@ -242,7 +263,9 @@ class StepGraph:
         h = parts.embed(ids)
         self.attention.prepare(h.dtype)
         cos, sin = parts.rotary(h, pos)
-        for block in parts.layers:
+        for index, block in enumerate(parts.layers):
+            if self.steer is not None and index == self.steer.layer:
+                h = self.steer.add(h)
             h = block(
                 h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), bw_ctx=attention
             )
@@ -251,10 +274,16 @@ class StepGraph:
     def computed(self) -> torch.Tensor:
         """The step itself, uncompiled: logits `[B, V]` from the loaded inputs (what the compiler
         compiles, and what runs where it is off or failed)."""
-        h = self._layers(self.ids, self.pos, self.attention)
-        return self.parts.head(self.parts.norm(h[:, -1]))
+        return self.parts.head(self._hidden())
+
+    def _hidden(self) -> torch.Tensor:
+        """The final-norm hidden state at each row's token `[B, d]`."""
+        return self.parts.norm(self._layers(self.ids, self.pos, self.attention)[:, -1])
 
     def _step(self) -> torch.Tensor:
+        if self.accelerated:  # its hidden states kept for the plug-ins (`hidden`)
+            self.hidden = self._hidden()
+            return self.parts.head(self.hidden)
         if self.compiler is not None and (logits := self.compiler(self)) is not None:
             return logits
         return self.computed()
@@ -266,6 +295,10 @@ class StepGraph:
         self.ids[:, 0].copy_(ids)
         self.pos[:, 0].copy_(ctx.pos_next)
         self.lens.copy_(ctx.lens)
+        if self.steer is not None:
+            assert ctx.steer is not None, "a steered layout stepped without its steering"
+            self.steer.idx.copy_(ctx.steer.idx)
+            self.steer.scale.copy_(ctx.steer.scale)
 
     def mixed(self, ids: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         """One step of the rows' `ids` that also computes `chunk`, eagerly (its length varies from
@@ -295,7 +328,9 @@ class StepGraph:
         self._load(ids)
         self.runs += 1
         if self.recorder is None or self.runs <= WARMUP:
-            return self._step()
+            logits = self._step()
+            self.ctx.last_hidden = self.hidden
+            return logits
         compiler = self.compiler
         if (
             self.replay is not None
@@ -309,6 +344,8 @@ class StepGraph:
             self.recorded_compiled = self.compiler is not None and self.compiler.unused is None
         assert self.logits is not None
         self.replay()
+        if self.hidden is not None:
+            self.ctx.last_hidden = self.hidden.clone()
         return self.logits.clone()  # the next replay overwrites it
 
 
@@ -375,7 +412,9 @@ def signature(ctx: BatchContext) -> tuple[object, ...]:
         )
         for s in ctx.shared
     )
-    return (ctx.batch, ctx.capacity, ctx.tail_k[0].data_ptr(), ctx.tail_v[0].data_ptr(), shared)
+    steer = None if ctx.steer is None else (ctx.steer.layer, ctx.steer.table.data_ptr())
+    taps = tuple(id(tap) for tap in ctx.taps if tap.in_step)
+    return (ctx.batch, ctx.capacity, ctx.tail_k[0].data_ptr(), ctx.tail_v[0].data_ptr(), shared, steer, taps)
 
 
 class Stepper:
@@ -411,6 +450,8 @@ class Stepper:
         """Whether the last step was a replay of a recording (else it ran eagerly)."""
         self.compiled = False
         """Whether the last step ran compiled code (replayed or not)."""
+        self.accelerated = False
+        """Whether an acceleration read or fed the last step (`StepGraph.accelerated`)."""
 
     @property
     def mode(self) -> StepMode:
@@ -452,8 +493,8 @@ class Stepper:
         need its hook points (`hooks.needs_layer_loop`), an attention tap or a block pool no
         plug-in declared; empty when the fixed-shape step can take them."""
         found = needs_layer_loop([*hooks, *observers])
-        if not found and ctx.taps:
-            found = [f"an attention tap ({type(tap).__name__})" for tap in ctx.taps]
+        if not found and (taps := [tap for tap in ctx.taps if not tap.in_step]):
+            found = [f"an attention tap ({type(tap).__name__})" for tap in taps]
         if not found and ctx.pool is not None:
             found = ["a block pool"]
         return found
@@ -466,7 +507,7 @@ class Stepper:
         if self._mode == "layers":
             return [OffFast.LAYERS_MODE.value]
         found = layer_loop_reasons(hooks) + [f"{OffFast.OBSERVER.value} {o.name}" for o in observers]
-        if not found and ctx.taps:
+        if not found and any(not tap.in_step for tap in ctx.taps):
             found = [OffFast.ATTENTION_TAP.value]
         if not found and ctx.pool is not None:
             found = [OffFast.BLOCK_POOL.value]
@@ -479,7 +520,8 @@ class Stepper:
         if carried and (self.compiler is not None or self.recorder is not None):
             return [OffFast.PREFILL_CHUNK.value]
         if self.compiler is not None and not self.compiled:
-            return [f"{OffFast.UNCOMPILED.value}: {self.compiler.unused}"]
+            why = ACCELERATED_UNCOMPILED if self.accelerated else self.compiler.unused
+            return [f"{OffFast.UNCOMPILED.value}: {why}"]
         return []
 
     def applies(
@@ -514,12 +556,15 @@ class Stepper:
         recorded = graph.replay is not None
         if chunk is not None:
             logits = graph.mixed(ids.to(self.device, non_blocking=True), chunk)
-            self.replayed = self.compiled = False
+            self.replayed = self.compiled = self.accelerated = False
         else:
             logits = graph(ids.to(self.device, non_blocking=True))
             self.replayed = graph.replay is not None
             self.captures += int(self.replayed and not recorded)
-            self.compiled = self.compiler is not None and self.compiler.unused is None
+            self.accelerated = graph.accelerated
+            self.compiled = self.compiler is not None and self.compiler.unused is None and not self.accelerated
+            for tap in graph.attention.taps:
+                tap.count_step()
         advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         ctx.lens = ctx.lens + advance
         assert ctx.pos_next is not None

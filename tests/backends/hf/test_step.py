@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from branchwise.backends import DecodeParams
-from branchwise.backends.accel import Accel, SkipKVConfig
+from branchwise.backends.accel import Accel, RSBCMConfig, SkipKVConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.step import WARMUP
 
@@ -101,10 +101,10 @@ def test_sampled_decode_is_the_same_draw(tiny_llama_dir) -> None:
 
 
 def test_accelerated_runs_use_the_layer_loop_and_count_it(tiny_llama_dir) -> None:
-    """A run with an acceleration plug-in needs the layer loop's hook points: its decode steps go
-    there, counted, so its result can say it ran uncaptured."""
+    """A run with an acceleration plug-in that needs the layer loop's hook points (RSBCM's attention
+    mass): its decode steps go there, counted, so its result can say they left the fast step."""
     backend = HFBackend(tiny_llama_dir)
-    session = backend.session(accel=Accel(skipkv=SkipKVConfig(budget=64, interval=4)))
+    session = backend.session(accel=Accel(rsbcm=RSBCMConfig(capacity_blocks=3, block_tokens=4)))
     root = session.prefill(backend.encode(PROMPT))
     kids = session.fork(root, 2)
     session.extend(kids, DecodeParams(max_tokens=6, min_tokens=6))

@@ -50,9 +50,8 @@ def off_fast_delta(before: Mapping[str, float], after: Mapping[str, float]) -> d
     """The off-fast statistics one call added (`after` less `before`), for its own replies' notes."""
     out = {}
     for key, value in after.items():
-        if key == OFF_FAST or key.startswith(OFF_FAST_BY):
-            if grown := value - before.get(key, 0.0):
-                out[key] = grown
+        if (key == OFF_FAST or key.startswith(OFF_FAST_BY)) and (grown := value - before.get(key, 0.0)):
+            out[key] = grown
     return out
 
 

@@ -247,7 +247,9 @@ class StepGraph:
         self.lens = torch.zeros(b, dtype=torch.long, device=device)
         self.attention = StaticAttention(self.ctx, self.lens)
         if (steer := self.ctx.steer) is not None:
-            self.steer = Steer(steer.layer, steer.table, torch.zeros_like(steer.idx), torch.zeros_like(steer.scale))
+            self.steer = Steer(
+                steer.layer, steer.table, torch.zeros_like(steer.idx), torch.zeros_like(steer.scale)
+            )
 
     @property
     def accelerated(self) -> bool:
@@ -562,7 +564,9 @@ class Stepper:
             self.replayed = graph.replay is not None
             self.captures += int(self.replayed and not recorded)
             self.accelerated = graph.accelerated
-            self.compiled = self.compiler is not None and self.compiler.unused is None and not self.accelerated
+            self.compiled = (
+                self.compiler is not None and self.compiler.unused is None and not self.accelerated
+            )
             for tap in graph.attention.taps:
                 tap.count_step()
         advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)

@@ -50,6 +50,18 @@ class Row:
     recomputed when it rejoins (its tokens so far are kept)."""
 
 
+@dataclass
+class StepKeys:
+    """What a decode step's attention reads at one layer, for taps the fixed-shape step feeds:
+    `own` `[B, H_kv, span, D]` each row's tail keys (this step's written), `visible` `[B, span]`
+    which of them each row sees, and the batch's shared segments."""
+
+    own: torch.Tensor
+    visible: torch.Tensor
+    shared: Sequence[SharedSegment]
+    scaling: float
+
+
 class AttentionTap:
     """An observer of a batch's attention, installed by an acceleration (every method optional).
 
@@ -60,9 +72,9 @@ class AttentionTap:
 
     wants_weights: bool = False
     in_step: bool = False
-    """Whether the fixed-shape step can feed it (`record_query` per layer, in place, then
-    `count_step` once per step on the host): a tap that watches only decode queries this way keeps
-    its batch on the fast step; any other keeps it on the layer loop."""
+    """Whether the fixed-shape step can feed it (`on_step` per layer, writing in place, then
+    `count_step` once per step on the host): such a tap keeps its batch on the fast step; any other
+    keeps it on the layer loop."""
 
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         """Post-RoPE queries `[B, H, q, D]` of layer `layer`, before attention."""
@@ -70,9 +82,10 @@ class AttentionTap:
     def on_weights(self, layer: int, weights: Weights) -> None:
         """Softmax statistics of layer `layer` (only when `wants_weights`)."""
 
-    def record_query(self, layer: int, query: torch.Tensor) -> None:
-        """A decode step's post-RoPE queries `[B, H, 1, D]` of layer `layer` (`in_step` taps):
-        written in place into buffers that keep their address, so a captured step replays it."""
+    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys) -> None:
+        """A decode step's post-RoPE queries `[B, H, 1, D]` of layer `layer` and the keys they read
+        (`in_step` taps): what it keeps is written in place into buffers that keep their address,
+        so a captured step replays it."""
 
     def count_step(self) -> None:
         """A decode step ran (`in_step` taps): host-side bookkeeping, outside any captured step."""

@@ -42,7 +42,7 @@ from transformers import PreTrainedTokenizerBase
 from branchwise.backends.accel import SkipKVConfig, SteeringConfig
 from branchwise.backends.base import KVStats
 from branchwise.backends.hf.arch import DecoderParts
-from branchwise.backends.hf.batch import AttentionTap, Batch, Row, Steer
+from branchwise.backends.hf.batch import AttentionTap, Batch, Row, Steer, StepKeys
 from branchwise.backends.hf.hooks import Acceleration, KVEdits, Setup
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.skipkv_policy import (
@@ -128,11 +128,14 @@ class QueryWindow(AttentionTap):
 
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         if q_len == 1:  # decode steps only
-            self.record_query(layer, query)
+            self._record(layer, query)
             if layer == 0:
                 self.count_step()
 
-    def record_query(self, layer: int, query: torch.Tensor) -> None:
+    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys) -> None:
+        self._record(layer, query)
+
+    def _record(self, layer: int, query: torch.Tensor) -> None:
         """Shift the window by one query, in place: the buffer keeps its address (a captured step
         replays the write); the buffers may be inference tensors (made inside a forward)."""
         window = self.windows[layer]

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import AttentionContext, SharedSegment, fused_cascade
-from branchwise.backends.hf.batch import BatchContext, Steer
+from branchwise.backends.hf.batch import BatchContext, Steer, StepKeys
 from branchwise.backends.hf.hooks import Acceleration, layer_loop_reasons, needs_layer_loop
 from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
 from branchwise.backends.step_notes import OffFast
@@ -94,6 +94,8 @@ class StaticAttention:
         are symbolic and SDPA's `enable_gqa` takes no symbolic bool)."""
         self.bias: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
+        self.visible = self.slots[None, :0]
+        """`[B, span]`: which tail slots each row sees this step (made in `prepare`)."""
         self.rows = self.slots[:0]
         """`0 .. B - 1`, the rows' indices for the K/V writes (made in `prepare`, from the lengths:
         a tensor of its own among a compiled step's inputs would be one more size to specialise
@@ -105,7 +107,7 @@ class StaticAttention:
         row reads a shared segment, else an additive bias `[B, 1, G, span]` for the cascade."""
         ctx = self.ctx
         self.rows = torch.arange(self.lens.shape[0], device=self.lens.device)
-        visible = self.slots[None, :] <= self.lens[:, None]
+        visible = self.visible = self.slots[None, :] <= self.lens[:, None]
         if not ctx.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
             self.mask = visible[:, None, None, :]
             return
@@ -127,8 +129,6 @@ class StaticAttention:
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         ctx = self.ctx
-        for tap in self.taps:
-            tap.record_query(layer, query)
         tk, tv = ctx.tail_k[layer], ctx.tail_v[layer]
         # Each row's new K/V at slot `lens[row]`, written in place. An index_put, not a scatter:
         # a compiled step's mutation of its inputs must be re-done in place by inductor, which it
@@ -138,6 +138,10 @@ class StaticAttention:
         tv[self.rows, :, self.lens] = value[:, :, 0]
         span = self.slots.shape[0]
         k_own, v_own = tk[:, :, :span], tv[:, :, :span]
+        if self.taps:
+            keys = StepKeys(k_own, self.visible, ctx.shared, scaling)
+            for tap in self.taps:
+                tap.on_step(layer, query, keys)
         if not ctx.shared:  # what the layer loop runs for rows without shared ancestors
             out = F.scaled_dot_product_attention(
                 query, k_own, v_own, attn_mask=self.mask, scale=scaling, enable_gqa=self.grouped

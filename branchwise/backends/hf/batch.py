@@ -22,6 +22,7 @@ from branchwise.backends.base import FinishReason
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import SharedSegment, Weights, bias_of, cascade, fused_cascade
 from branchwise.backends.hf.segment import Block, Segment
+from branchwise.backends.hf.step_inputs import Exits, Steer, StepKeys
 from branchwise.backends.hf.tree import KVTree
 
 Broadcast = Literal["cascade", "copy"]
@@ -48,18 +49,6 @@ class Row:
     preempted: bool = False
     """Dropped from the batch to stay within the KV budget: its KV is freed, not captured, and it is
     recomputed when it rejoins (its tokens so far are kept)."""
-
-
-@dataclass
-class StepKeys:
-    """What a decode step's attention reads at one layer, for taps the fixed-shape step feeds:
-    `own` `[B, H_kv, span, D]` each row's tail keys (this step's written), `visible` `[B, span]`
-    which of them each row sees, and the batch's shared segments."""
-
-    own: torch.Tensor
-    visible: torch.Tensor
-    shared: Sequence[SharedSegment]
-    scaling: float
 
 
 class AttentionTap:
@@ -182,25 +171,6 @@ class BlockPool:
 
 
 @dataclass
-class Steer:
-    """Vectors added to the residual stream entering layer `layer`, one per row, as inputs of a
-    decode step: row b adds `scale[b] * table[idx[b]]`. `table` `[S, d]` is persistent (built once,
-    row 0 all zeros: no steering), `idx` `[B]` long and `scale` `[B]` change every step. Why this
-    shape: the fixed-shape step (`step.py`) reads it as tensors at fixed addresses, so a steered
-    step is the same step, captured once, whichever rows steer (SkipKV's steering, §4.2)."""
-
-    layer: int
-    table: torch.Tensor
-    idx: torch.Tensor
-    scale: torch.Tensor
-
-    def add(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """`h` `[b, q, d]` (of batch rows `rows`; None: all) with each row's vector added."""
-        idx, scale = (self.idx, self.scale) if rows is None else (self.idx[rows], self.scale[rows])
-        return h + (self.table[idx] * scale[:, None].to(h.dtype))[:, None, :]
-
-
-@dataclass
 class BatchContext:
     """Per-batch KV state the attention function reads and writes, layer by layer.
 
@@ -221,6 +191,9 @@ class BatchContext:
     steer: Steer | None = None
     """Vectors the next forward adds to the residual stream (set by a plug-in before a decode step
     and cleared after it; the layer loop and the fixed-shape step both apply it)."""
+    exits: Exits | None = None
+    """An early exit for the fixed-shape step's decode steps (set by a plug-in for the batch; the
+    layer loop ignores it: there the plug-in's own hooks exit)."""
     pool: BlockPool | None = None
     """Shared blocks the rows read (ReasonCache); None while no row reads one."""
     grow_min: int = 128

@@ -302,6 +302,10 @@ class Acceleration:
     (`step.py`, captured as CUDA graphs on a GPU): a plug-in that overrides a forward-level hook
     (`FORWARD_HOOKS`) does (`needs_layer_loop`); one that installs an attention tap or points rows at
     shared blocks from a batch-level hook says so here."""
+    step_inputs: bool = False
+    """Whether its decode steps' work reaches the fixed-shape step as inputs it sets on the batch
+    (`step_inputs.py`: River's exits): its forward hooks then serve only the forwards the layer loop
+    runs (prefills, the `decode_step="layers"` baseline) and keep no decode step there."""
     kv_from_tokens: bool = False
     """Whether the KV a run holds under this plug-in is what computing its tokens again gives (it
     changes no KV: it only reads, stops or skips). It decides how a row preempted under the KV
@@ -314,9 +318,7 @@ class Acceleration:
         """Why this plug-in's decode steps need the layer loop (empty: they need not): the reasons
         those steps are counted under, off the fast step (`step_notes`). A plug-in that knows which
         of its parts needs it names them (`river_exits`, `rsbcm_mass`, ...); else its name."""
-        if self.layer_loop or any(overrides([self], hook) for hook in FORWARD_HOOKS):
-            return [self.name]
-        return []
+        return [self.name] if needs_layer_loop([self]) else []
 
     @classmethod
     def build(cls, cfg: Any, setup: Setup) -> Acceleration:
@@ -438,7 +440,11 @@ FORWARD_HOOKS = ("begin_forward", "before_layer", "after_layer", "after_forward"
 
 def needs_layer_loop(plugins: Sequence[Acceleration]) -> list[str]:
     """The names of the plug-ins whose decode steps need the layer loop (`Acceleration.layer_loop`)."""
-    return [p.name for p in plugins if p.layer_loop or any(overrides([p], hook) for hook in FORWARD_HOOKS)]
+    return [
+        p.name
+        for p in plugins
+        if p.layer_loop or (not p.step_inputs and any(overrides([p], hook) for hook in FORWARD_HOOKS))
+    ]
 
 
 def layer_loop_reasons(plugins: Sequence[Acceleration]) -> list[str]:

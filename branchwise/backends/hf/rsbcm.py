@@ -18,9 +18,10 @@ import torch
 
 from branchwise.backends.accel import RSBCMConfig
 from branchwise.backends.hf.attention import Weights
-from branchwise.backends.hf.batch import AttentionTap, Batch, Row, StepKeys
+from branchwise.backends.hf.batch import AttentionTap, Batch, Row
 from branchwise.backends.hf.hooks import Acceleration, Host, Setup
 from branchwise.backends.hf.segment import Segment
+from branchwise.backends.hf.step_inputs import StepKeys
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from transformers import PreTrainedTokenizerBase
 from branchwise.backends.accel import SkipKVConfig, SteeringConfig
 from branchwise.backends.base import KVStats
 from branchwise.backends.hf.arch import DecoderParts
-from branchwise.backends.hf.batch import AttentionTap, Batch, Row, Steer, StepKeys
+from branchwise.backends.hf.batch import AttentionTap, Batch, Row
 from branchwise.backends.hf.hooks import Acceleration, KVEdits, Setup
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.skipkv_policy import (
@@ -56,6 +56,7 @@ from branchwise.backends.hf.skipkv_policy import (
 )
 from branchwise.backends.hf.skipkv_sentences import SentenceTracker, delimiter_token_ids
 from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path, steering_strength
+from branchwise.backends.hf.step_inputs import Steer, StepKeys
 
 
 @dataclass

@@ -43,16 +43,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import AttentionContext, SharedSegment, fused_cascade
-from branchwise.backends.hf.batch import BatchContext, Steer, StepKeys
+from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, layer_loop_reasons, needs_layer_loop
 from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
+from branchwise.backends.hf.step_inputs import Steer, StepKeys
+from branchwise.backends.hf.step_replay import CudaGraphs, ExitSegments, Modules, Recorder, signature
 from branchwise.backends.step_notes import OffFast
 
 StepMode = Literal["auto", "compiled", "graphs", "eager", "layers"]
@@ -187,29 +189,6 @@ class MixedAttention:
         return torch.cat([out.transpose(0, 1), tail], dim=1)  # [1, B + C, H, D]
 
 
-class Recorder(Protocol):
-    """Records a step once and gives back how to replay it and where its output lands."""
-
-    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]: ...
-
-
-class CudaGraphs:
-    """`Recorder` of CUDA graphs, as torch documents the capture of a whole network: one warm-up run
-    on a side stream (the step rewrites the same K/V to the same slots), then the recording, which
-    runs no kernel. Capture errors are thread-local: a server has other threads."""
-
-    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = step()
-        return graph.replay, out
-
-
 @dataclass(eq=False)
 class StepGraph:
     """The fixed-shape step of one batch layout: its input buffers, and its recording once taken.
@@ -243,13 +222,21 @@ class StepGraph:
     hidden: torch.Tensor | None = None
     """The final-norm hidden state at each row's token `[B, d]` from the last step (accelerated
     steps only; a recording's own output, overwritten by each replay)."""
+    fed: torch.Tensor = field(init=False)
+    """`[B]` tokens each row feeds this step (an early exit's test skips rows that feed none)."""
+    segments: ExitSegments | None = None
+    _at: tuple[torch.Tensor, Any, AttentionContext] = field(init=False)
+    """The step as segments under the batch's early exit (`step_exits.py`; None: one piece)."""
 
     def __post_init__(self) -> None:
         b, device = self.ctx.batch, self.ctx.lens.device
         self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.lens = torch.zeros(b, dtype=torch.long, device=device)
+        self.fed = torch.zeros(b, dtype=torch.long, device=device)
         self.attention = StaticAttention(self.ctx, self.lens)
+        if self.ctx.exits is not None:
+            self.segments = ExitSegments(self, self.ctx.exits)
         if (steer := self.ctx.steer) is not None:
             self.steer = Steer(
                 steer.layer, steer.table, torch.zeros_like(steer.idx), torch.zeros_like(steer.scale)
@@ -260,7 +247,26 @@ class StepGraph:
         """Whether an acceleration reads or feeds this step (steering, query taps): it then runs the
         uncompiled step, which also gives the hidden states its plug-ins read (`ctx.last_hidden`);
         the compiled step is compiled ahead without them, and such steps are counted uncompiled."""
-        return self.steer is not None or bool(self.attention.taps)
+        return self.steer is not None or bool(self.attention.taps) or self.segments is not None
+
+    def begin(self) -> torch.Tensor:
+        """The first layer's input (the step's attention and rotary prepared; `step_exits.py`)."""
+        h = self.parts.embed(self.ids)
+        self.attention.prepare(h.dtype)
+        self._at = (self.pos, self.parts.rotary(h, self.pos), self.attention)
+        return h
+
+    def blocks(self, h: torch.Tensor, indices: range, modules: Modules) -> torch.Tensor:
+        """`h` through `modules[i]` for each i of `indices` at the positions, rotary and attention
+        `begin` (or `_layers`) set, steered where the batch steers."""
+        pos, rope, attention = self._at
+        for index in indices:
+            block = modules[index]
+            assert block is not None, f"no module for layer {index}"
+            if self.steer is not None and index == self.steer.layer:
+                h = self.steer.add(h)
+            h = block(h, attention_mask=None, position_ids=pos, position_embeddings=rope, bw_ctx=attention)
+        return h
 
     def _layers(self, ids: torch.Tensor, pos: torch.Tensor, attention: AttentionContext) -> torch.Tensor:
         """The hidden states after every layer for tokens `ids` at positions `pos`, attended by
@@ -268,14 +274,8 @@ class StepGraph:
         parts = self.parts
         h = parts.embed(ids)
         self.attention.prepare(h.dtype)
-        cos, sin = parts.rotary(h, pos)
-        for index, block in enumerate(parts.layers):
-            if self.steer is not None and index == self.steer.layer:
-                h = self.steer.add(h)
-            h = block(
-                h, attention_mask=None, position_ids=pos, position_embeddings=(cos, sin), bw_ctx=attention
-            )
-        return h
+        self._at = (pos, parts.rotary(h, pos), attention)
+        return self.blocks(h, range(parts.n_layers), parts.layers)
 
     def computed(self) -> torch.Tensor:
         """The step itself, uncompiled: logits `[B, V]` from the loaded inputs (what the compiler
@@ -294,11 +294,14 @@ class StepGraph:
             return logits
         return self.computed()
 
-    def _load(self, ids: torch.Tensor) -> None:
-        """The step's inputs: each row's token `ids` `[B]`, and the batch's positions and lengths."""
+    def _load(self, ids: torch.Tensor, fed: torch.Tensor | None = None) -> None:
+        """The step's inputs: each row's token `ids` `[B]` (and how many it feeds, `fed`), and the
+        batch's positions and lengths."""
         ctx = self.ctx
         assert ctx.pos_next is not None
         self.ids[:, 0].copy_(ids)
+        if fed is not None:
+            self.fed.copy_(fed)
         self.pos[:, 0].copy_(ctx.pos_next)
         self.lens.copy_(ctx.lens)
         if self.steer is not None:
@@ -327,12 +330,19 @@ class StepGraph:
         chunk.logits = logits[b]
         return logits[:b]
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits `[B, V]` after each row's token `ids` `[B]` at the batch's positions and lengths.
-        A recorder records the step on the layout's first step after `WARMUP` eager ones, and
-        replays it from then on."""
-        self._load(ids)
+    def __call__(self, ids: torch.Tensor, fed: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Logits `[B, V]` after each row's token `ids` `[B]` (`fed` `[B]` of them real, `tokens`
+        in all) at the batch's positions and lengths. A recorder records the step on the layout's
+        first step after `WARMUP` eager ones, and replays it from then on (under an early exit,
+        each of its segments on first use)."""
+        self._load(ids, fed)
         self.runs += 1
+        if self.segments is not None:
+            record = self.recorder is not None and self.runs > WARMUP
+            logits = self.segments.step(record, tokens)
+            assert self.hidden is not None
+            self.ctx.last_hidden = self.hidden.clone() if record else self.hidden
+            return logits.clone() if record else logits
         if self.recorder is None or self.runs <= WARMUP:
             logits = self._step()
             self.ctx.last_hidden = self.hidden
@@ -403,24 +413,6 @@ def warm_step(
 def is_decode_step(feeds: Sequence[Sequence[int]]) -> bool:
     """Whether a forward of `feeds` is a decode step: one token or none per row, some row fed."""
     return any(feeds) and all(len(f) <= 1 for f in feeds)
-
-
-def signature(ctx: BatchContext) -> tuple[object, ...]:
-    """What a captured step depends on: rows, tail capacity, and the storage every layer's tails and
-    shared segments live in (a grown, compacted or re-read batch has new storage)."""
-    shared = tuple(
-        (
-            s.key,
-            s.keys[0].data_ptr() if len(s.keys) else 0,
-            tuple(s.keys[0].shape) if len(s.keys) else (),
-            None if s.rows is None else s.rows.data_ptr(),
-            None if s.mask is None else s.mask.data_ptr(),
-        )
-        for s in ctx.shared
-    )
-    steer = None if ctx.steer is None else (ctx.steer.layer, ctx.steer.table.data_ptr())
-    taps = tuple(id(tap) for tap in ctx.taps if tap.in_step)
-    return (ctx.batch, ctx.capacity, ctx.tail_k[0].data_ptr(), ctx.tail_v[0].data_ptr(), shared, steer, taps)
 
 
 class Stepper:
@@ -560,12 +552,15 @@ class Stepper:
         graph.attention.span = span
         ids = torch.tensor([f[0] if f else self.pad_id for f in feeds], dtype=torch.long)
         recorded = graph.replay is not None
+        advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         if chunk is not None:
             logits = graph.mixed(ids.to(self.device, non_blocking=True), chunk)
             self.replayed = self.compiled = self.accelerated = False
         else:
-            logits = graph(ids.to(self.device, non_blocking=True))
-            self.replayed = graph.replay is not None
+            logits = graph(ids.to(self.device, non_blocking=True), advance, sum(fed))
+            self.replayed = graph.replay is not None or (
+                graph.segments is not None and graph.recorder is not None and graph.runs > WARMUP
+            )
             self.captures += int(self.replayed and not recorded)
             self.accelerated = graph.accelerated
             self.compiled = (
@@ -573,7 +568,6 @@ class Stepper:
             )
             for tap in graph.attention.taps:
                 tap.count_step()
-        advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         ctx.lens = ctx.lens + advance
         assert ctx.pos_next is not None
         ctx.pos_next = ctx.pos_next + advance

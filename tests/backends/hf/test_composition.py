@@ -278,7 +278,7 @@ def test_a_toy_acceleration_gets_its_cli_options_and_its_composition_coverage(
     assert "toy_layers" not in json.loads(off.stdout.strip().splitlines()[-1])["kv_stats"]
 
 
-FIXED_STEP = {"asks": True, "probe": True, "cgee": True, "rsbcm": True, "river": False, "skipkv": True}
+FIXED_STEP = {"asks": True, "probe": True, "cgee": True, "rsbcm": True, "river": True, "skipkv": True}
 FIXED_STEP["reasoncache"] = False
 """Which accelerations decode on the fixed-shape step (they act at fork time or between steps)."""
 

@@ -9,9 +9,10 @@ import torch
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RSBCMConfig, SkipKVConfig, SteeringConfig
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.batch import Batch, Row, Steer
+from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.skipkv import SkipKV
 from branchwise.backends.hf.skipkv_steering import SteeringVector
+from branchwise.backends.hf.step_inputs import Steer
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import beam_search, self_consistency
 

@@ -32,8 +32,6 @@ class OffFast(str, Enum):
     """A per-call observer (a verify or capture pass) watches the forward between layers."""
     ATTENTION_TAP = "attention_tap"
     """An attention tap that no plug-in declared."""
-    BLOCK_POOL = "block_pool"
-    """Rows read shared blocks through a block pool that no plug-in declared."""
     PREFILL_CHUNK = "prefill_chunk"
     """The step carried a prompt's chunk (its length varies): run uncompiled and uncaptured."""
     UNCOMPILED = "uncompiled"

@@ -342,6 +342,12 @@ class BatchContext:
         lens[pos] = start + kept
         self.lens = lens
 
+    def read_segments(self) -> list[SharedSegment]:
+        """The shared segments the rows read: their ancestors, and the block pool where rows point
+        at blocks (one more segment, masked per row)."""
+        pooled = None if self.pool is None else self.pool.segment()
+        return self.shared if pooled is None else [*self.shared, pooled]
+
     def attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
     ) -> torch.Tensor:
@@ -365,10 +371,7 @@ class BatchContext:
         total = self._own_mask.shape[-1]
         k_own, v_own = tk[:, :, :total], tv[:, :, :total]
         want_weights = any(tap.wants_weights for tap in self.taps)
-        shared = self.shared
-        pooled = None if self.pool is None else self.pool.segment()
-        if pooled is not None:
-            shared = [*shared, pooled]
+        shared = self.read_segments()
         if not want_weights and (shared or self._uniform == 0):
             # fused kernels with log-sum-exp; a fresh tail (every row starts empty) is plain causal
             if self._uniform == 0:

@@ -159,7 +159,6 @@ class ReasonCache(Acceleration):
     over the generated KV a dense cache would hold, at the end of each batch)."""
 
     name = "reasoncache"
-    layer_loop = True  # rows read shared blocks through the batch's block pool
     config = ReasonCacheConfig
 
     def __init__(
@@ -186,9 +185,6 @@ class ReasonCache(Acceleration):
         """Squared norms per node and block start, computed once per block (the paper's cache)."""
         self._decode = cast(Callable[..., str], tokenizer.decode)  # one sequence of ids: one str
         self._rng = random.Random(cfg.seed)
-
-    def layer_loop_reasons(self) -> list[str]:
-        return ["reasoncache_reads"]
 
     @classmethod
     def build(cls, cfg: ReasonCacheConfig, setup: Setup) -> ReasonCache:

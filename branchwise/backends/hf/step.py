@@ -11,14 +11,14 @@ are the same for every step of a batch while the batch keeps its rows, its tail 
 and its shared segments: on CUDA it is recorded once into a `torch.cuda.CUDAGraph` and replayed;
 elsewhere the same function runs eagerly (what the CPU tests exercise, and what a GPU captures).
 
-When it applies (`Stepper.applies`): every row feeds at most one token, and nothing needs the
-layer loop's hook points: no plug-in of the run acts inside a forward (River's exits, SkipKV's
-steering) or watches attention (RSBCM's mass, SkipKV's queries) or reads shared blocks through a
-block pool (ReasonCache) (`hooks.needs_layer_loop`). Plug-ins that act at fork time or between
-steps (ASKS, the KV probe, CGEE's decode gate and verify skip) decode on the fixed-shape step.
-Otherwise the step runs through the layer loop, and the run's statistics count it
-(`decode_steps_layer_loop`; where steps are captured, `decode_steps_uncaptured` and the plug-ins
-that kept it there), so the result's notes say so. A batch whose tails grow, whose rows leave or
+When it applies (`Stepper.applies`): every row feeds at most one token, and no plug-in of the run
+needs the layer loop's hook points (`hooks.needs_layer_loop`). Accelerations that act inside a step
+hand it inputs instead (`step_inputs.py`): SkipKV's steering (a table of vectors, a slot and a
+scale per row), taps the step feeds in place (SkipKV's query window, RSBCM's attention mass),
+River's exits (the step as segments, `step_replay.ExitSegments`) and ReasonCache's block pool (one
+more shared segment). Otherwise the step runs through the layer loop, and the run's statistics
+count it with its reasons (`decode_steps_layer_loop`, `decode_steps_off_fast`, `step_notes`), so
+the result's notes say so. A batch whose tails grow, whose rows leave or
 whose shared segments change is a new layout and a new `StepGraph` (a new recording on CUDA),
 which is rare: the tails grow by at least 128 slots, a recorded span by 128 (a compiled step's
 span is a symbolic size: one program for every span), and rows leave a batch only once a quarter
@@ -70,7 +70,9 @@ SPAN = 128
 COMPILED_SPAN = 16
 """Compiled steps that are not recorded read the tails in multiples of this many slots: the span is
 a symbolic size there, so a finer multiple costs no compilation and saves reading masked slots."""
-ACCELERATED_UNCOMPILED = "an acceleration's step inputs (steering, query taps) are not compiled ahead"
+ACCELERATED_UNCOMPILED = (
+    "an acceleration's step inputs (steering, attention taps, exits, a block pool) are not compiled ahead"
+)
 """Why a step an acceleration reads or feeds runs uncompiled where steps are compiled."""
 WARMUP = 1
 """Steps a new batch layout runs eagerly before its step is captured: real steps (their logits are
@@ -89,6 +91,9 @@ class StaticAttention:
         """The tail slots read, `0 .. span - 1` (at least the longest row's length + 1; see
         `Stepper.span`): a tensor, so that a compiled step reads the span as a size, not a number
         it would be specialised on."""
+        self.shared = ctx.read_segments()
+        """What the rows read besides their tails: their ancestors, and the blocks they point at
+        (ReasonCache's pool, read as one more segment masked per row: `batch.BlockPool`)."""
         self.taps = [tap for tap in ctx.taps if tap.in_step]
         """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
         self.grouped = ctx.n_groups > 1
@@ -110,7 +115,7 @@ class StaticAttention:
         ctx = self.ctx
         self.rows = torch.arange(self.lens.shape[0], device=self.lens.device)
         visible = self.visible = self.slots[None, :] <= self.lens[:, None]
-        if not ctx.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
+        if not self.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
             self.mask = visible[:, None, None, :]
             return
         bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
@@ -141,16 +146,16 @@ class StaticAttention:
         span = self.slots.shape[0]
         k_own, v_own = tk[:, :, :span], tv[:, :, :span]
         if self.taps:
-            keys = StepKeys(k_own, self.visible, ctx.shared, scaling)
+            keys = StepKeys(k_own, self.visible, self.shared, scaling)
             for tap in self.taps:
                 tap.on_step(layer, query, keys)
-        if not ctx.shared:  # what the layer loop runs for rows without shared ancestors
+        if not self.shared:  # what the layer loop runs for rows without shared ancestors
             out = F.scaled_dot_product_attention(
                 query, k_own, v_own, attn_mask=self.mask, scale=scaling, enable_gqa=self.grouped
             )
             return out.transpose(1, 2)
         assert self.bias is not None, "attend() before prepare()"
-        return fused_cascade(query, k_own, v_own, self.bias, ctx.shared, layer, scaling)
+        return fused_cascade(query, k_own, v_own, self.bias, self.shared, layer, scaling)
 
 
 @dataclass
@@ -247,7 +252,8 @@ class StepGraph:
         """Whether an acceleration reads or feeds this step (steering, query taps): it then runs the
         uncompiled step, which also gives the hidden states its plug-ins read (`ctx.last_hidden`);
         the compiled step is compiled ahead without them, and such steps are counted uncompiled."""
-        return self.steer is not None or bool(self.attention.taps) or self.segments is not None
+        taps, pool = bool(self.attention.taps), self.ctx.pool is not None
+        return self.steer is not None or taps or pool or self.segments is not None
 
     def begin(self) -> torch.Tensor:
         """The first layer's input (the step's attention and rotary prepared; `step_exits.py`)."""
@@ -488,27 +494,23 @@ class Stepper:
         self, ctx: BatchContext, hooks: Sequence[Acceleration], observers: Sequence[Acceleration]
     ) -> list[str]:
         """What keeps this batch's decode steps on the layer loop: the plug-ins and observers that
-        need its hook points (`hooks.needs_layer_loop`), an attention tap or a block pool no
-        plug-in declared; empty when the fixed-shape step can take them."""
+        need its hook points (`hooks.needs_layer_loop`), an attention tap the step cannot feed;
+        empty when the fixed-shape step can take them."""
         found = needs_layer_loop([*hooks, *observers])
         if not found and (taps := [tap for tap in ctx.taps if not tap.in_step]):
             found = [f"an attention tap ({type(tap).__name__})" for tap in taps]
-        if not found and ctx.pool is not None:
-            found = ["a block pool"]
         return found
 
     def loop_reasons(
         self, ctx: BatchContext, hooks: Sequence[Acceleration], observers: Sequence[Acceleration]
     ) -> list[str]:
         """Why a decode step of this batch runs on the layer loop (`step_notes.OffFast`): the mode,
-        or the plug-ins' reasons (`hooks.layer_loop_reasons`), observers, undeclared taps or pool."""
+        or the plug-ins' reasons (`hooks.layer_loop_reasons`), observers, taps the step cannot feed."""
         if self._mode == "layers":
             return [OffFast.LAYERS_MODE.value]
         found = layer_loop_reasons(hooks) + [f"{OffFast.OBSERVER.value} {o.name}" for o in observers]
         if not found and any(not tap.in_step for tap in ctx.taps):
             found = [OffFast.ATTENTION_TAP.value]
-        if not found and ctx.pool is not None:
-            found = [OffFast.BLOCK_POOL.value]
         return found
 
     def shortfall(self, carried: bool) -> list[str]:

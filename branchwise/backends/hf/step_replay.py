@@ -64,7 +64,7 @@ def signature(ctx: BatchContext) -> tuple[object, ...]:
             None if s.rows is None else s.rows.data_ptr(),
             None if s.mask is None else s.mask.data_ptr(),
         )
-        for s in ctx.shared
+        for s in ctx.read_segments()
     )
     steer = None if ctx.steer is None else (ctx.steer.layer, ctx.steer.table.data_ptr())
     inputs = (steer, tuple(id(tap) for tap in ctx.taps if tap.in_step), id(ctx.exits))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from branchwise.backends import DecodeParams, Generation
-from branchwise.backends.accel import Accel
+from branchwise.backends.accel import Accel, RiverConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.hooks import layer_loop_reasons
 from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path
@@ -120,7 +120,8 @@ def _decode(backend: HFBackend, admit_long: bool = False) -> tuple[list[Generati
 
 def test_each_fallback_reason_is_counted_and_said(backend: HFBackend) -> None:
     """The baseline's layer loop, a compiled step not ready, a step carrying a prefill chunk where
-    steps are captured: each counted under its reason, on every step it concerns, and said."""
+    steps are captured, an acceleration's setting that needs the layer loop (River's audit): each
+    counted under its reason, on every step it concerns, and said."""
     backend.decode_step = "layers"
     gens, stats = _decode(backend)
     assert off_fast_counts(stats) == {OffFast.LAYERS_MODE.value: int(stats["decode_steps_layer_loop"])}
@@ -147,6 +148,51 @@ def test_each_fallback_reason_is_counted_and_said(backend: HFBackend) -> None:
     assert carried >= 2 and off_fast_counts(stats) == {OffFast.PREFILL_CHUNK.value: carried}
     _said(stats, gens, Accel())
 
+    backend.accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, audit=True))
+    try:
+        gens, stats = _decode(backend)
+    finally:
+        backend.accel = Accel()
+    loop = int(stats["decode_steps_layer_loop"])
+    assert off_fast_counts(stats) == {"river_audit": loop} and loop >= 10  # its audit needs the loop
+    _said(stats, gens, Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, audit=True)))
+
     gens, stats = _decode(backend)  # the fast step: nothing to say
     assert "decode_steps_off_fast" not in stats and stats["decode_steps_fixed"] >= 10
     _said(stats, gens, Accel())
+
+
+def test_every_front_says_it_once(backend: HFBackend) -> None:
+    """Plain `/v1/chat/completions` and `/v1/completions` replies (`branchwise.notes`), LangChain's
+    response metadata and DSPy's history carry the note of steps that left the fast step (here:
+    the layer loop's baseline), once; a reply whose steps were all fast carries none."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from branchwise.integrations.dspy import BranchwiseLM
+    from branchwise.integrations.langchain import ChatBranchwise
+    from branchwise.serve import create_app
+    from branchwise.serve.runner import serve_in_thread
+
+    def said(notes: list[str]) -> bool:
+        return len(notes) == 1 and notes[0].endswith(f"{OffFast.LAYERS_MODE.value} ({notes[0].split()[0]})")
+
+    msgs = [{"role": "user", "content": "What is 12 + 7?"}]
+    try:
+        with serve_in_thread(create_app(backend, model_name="tiny")) as url:
+            for mode in ("layers", "eager"):
+                backend.decode_step = mode
+                chat = httpx.post(
+                    f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "n": 2}
+                )
+                text = httpx.post(f"{url}/v1/completions", json={"prompt": "12 + 7 =", "max_tokens": 6})
+                for reply in (chat.json(), text.json()):
+                    notes = reply.get("branchwise", {}).get("notes", [])
+                    assert said(notes) if mode == "layers" else notes == [], reply
+        backend.decode_step = "layers"
+        meta = ChatBranchwise(backend=backend, max_tokens=6).invoke("What is 12 + 7?").response_metadata
+        assert said(meta["branchwise"]["notes"]), meta
+        lm = BranchwiseLM(backend=backend, cache=False, max_tokens=6)
+        lm(messages=msgs)
+        assert said(lm.history[-1]["response"]["branchwise"]["notes"])
+    finally:
+        backend.decode_step = "auto"

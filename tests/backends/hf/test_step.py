@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from branchwise.backends import DecodeParams
-from branchwise.backends.accel import Accel, ReasonCacheConfig, SkipKVConfig
+from branchwise.backends.accel import Accel, RiverConfig, SkipKVConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.step import WARMUP
 
@@ -101,11 +101,11 @@ def test_sampled_decode_is_the_same_draw(tiny_llama_dir) -> None:
 
 
 def test_accelerated_runs_use_the_layer_loop_and_count_it(tiny_llama_dir) -> None:
-    """A run with an acceleration plug-in that needs the layer loop's hook points (ReasonCache's block
-    reads): its decode steps go there, counted, so its result can say they left the fast step."""
+    """A run with an acceleration plug-in that needs the layer loop's hook points (River's audit,
+    which finishes each exited forward on the backbone too): its decode steps go there, counted,
+    so its result can say they left the fast step."""
     backend = HFBackend(tiny_llama_dir)
-    config = ReasonCacheConfig(block_tokens=2, mode="random", random_rate=1.0)
-    session = backend.session(accel=Accel(reasoncache=config))
+    session = backend.session(accel=Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, audit=True)))
     root = session.prefill(backend.encode(PROMPT))
     kids = session.fork(root, 2)
     session.extend(kids, DecodeParams(max_tokens=6, min_tokens=6))

@@ -21,6 +21,7 @@ from branchwise.backends.accel import Accel, RiverConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.hooks import layer_loop_reasons
 from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path
+from branchwise.backends.hf.step import ACCELERATED_UNCOMPILED
 from branchwise.backends.step_notes import OffFast, off_fast_counts, step_notes
 
 PROMPT = "What is 12 + 7? Think step by step."
@@ -77,7 +78,7 @@ class NotReady:
     """A step compiler whose kind is still compiling: every step runs uncompiled (what a server
     meets in its first minutes), without a compile worker in the test."""
 
-    unused: str = "its kind of batch is compiling in the background"
+    unused: str | None = "its kind of batch is compiling in the background"
 
     def __call__(self, graph: object) -> None:
         return None
@@ -137,6 +138,20 @@ def test_each_fallback_reason_is_counted_and_said(backend: HFBackend) -> None:
     fixed = int(stats["decode_steps_fixed"])
     assert off_fast_counts(stats) == {f"{OffFast.UNCOMPILED.value}: {NotReady.unused}": fixed} and fixed >= 10
     _said(stats, gens, Accel())
+
+    # where steps compile, a step an acceleration hands inputs (River's exits) runs uncompiled: said
+    river = Accel(river=RiverConfig(threshold=-1.0, entry_layer=0))
+    backend.accel = river
+    stepper.compiler = NotReady(unused=None)  # type: ignore[arg-type,assignment]  # compiled, were it plain
+    try:
+        gens, stats = _decode(backend)
+    finally:
+        backend.decode_step = "eager"
+        backend.accel = Accel()
+    fixed = int(stats["decode_steps_fixed"])
+    assert off_fast_counts(stats) == {f"{OffFast.UNCOMPILED.value}: {ACCELERATED_UNCOMPILED}": fixed}
+    assert fixed >= 10 and stats["river_exits"] >= 10
+    _said(stats, gens, river)
 
     backend.prefill_chunk = 16
     stepper.recorder = Rerun()

@@ -74,6 +74,8 @@ ACCELERATED_UNCOMPILED = (
     "an acceleration's step inputs (steering, attention taps, exits, a block pool) are not compiled ahead"
 )
 """Why a step an acceleration reads or feeds runs uncompiled where steps are compiled."""
+At = tuple[torch.Tensor, Any, AttentionContext]
+"""Where a step's layers run: positions, rotary (cos, sin) and attention."""
 WARMUP = 1
 """Steps a new batch layout runs eagerly before its step is captured: real steps (their logits are
 used) that do the first-call work on the current stream (allocator growth, library handles)."""
@@ -230,7 +232,7 @@ class StepGraph:
     fed: torch.Tensor = field(init=False)
     """`[B]` tokens each row feeds this step (an early exit's test skips rows that feed none)."""
     segments: ExitSegments | None = None
-    _at: tuple[torch.Tensor, Any, AttentionContext] = field(init=False)
+    _at: At = field(init=False)
     """The step as segments under the batch's early exit (`step_exits.py`; None: one piece)."""
 
     def __post_init__(self) -> None:
@@ -262,10 +264,10 @@ class StepGraph:
         self._at = (self.pos, self.parts.rotary(h, self.pos), self.attention)
         return h
 
-    def blocks(self, h: torch.Tensor, indices: range, modules: Modules) -> torch.Tensor:
-        """`h` through `modules[i]` for each i of `indices` at the positions, rotary and attention
-        `begin` (or `_layers`) set, steered where the batch steers."""
-        pos, rope, attention = self._at
+    def blocks(self, h: torch.Tensor, indices: range, modules: Modules, at: At | None = None) -> torch.Tensor:
+        """`h` through `modules[i]` for each i of `indices`, steered where the batch steers, at
+        `at` (positions, rotary, attention; None: those `begin` set)."""
+        pos, rope, attention = self._at if at is None else at
         for index in indices:
             block = modules[index]
             assert block is not None, f"no module for layer {index}"
@@ -280,8 +282,7 @@ class StepGraph:
         parts = self.parts
         h = parts.embed(ids)
         self.attention.prepare(h.dtype)
-        self._at = (pos, parts.rotary(h, pos), attention)
-        return self.blocks(h, range(parts.n_layers), parts.layers)
+        return self.blocks(h, range(parts.n_layers), parts.layers, (pos, parts.rotary(h, pos), attention))
 
     def computed(self) -> torch.Tensor:
         """The step itself, uncompiled: logits `[B, V]` from the loaded inputs (what the compiler

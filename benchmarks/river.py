@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any
 
-from _common import BenchParser, load_problems, start, sync
+from _common import BenchParser, add_decode_step_option, load_problems, start, step_description, sync
 
 from branchwise.backends.accel import Accel, RiverConfig
 from branchwise.backends.base import DecodeParams
@@ -119,10 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--kernel", default="auto", choices=("auto", "dynamic_int8", "weight_only"))
     parser.add_argument("--seed", type=int, default=0)
+    add_decode_step_option(
+        parser, why="; 'layers': every condition on the layer loop, as before River ran on the step"
+    )
     args = parser.parse_args(argv)
     thresholds = [float(t) for t in args.thresholds.split(",")]
     bench = start("river", args)
     backend = bench.backend
+    backend.decode_step = args.decode_step
     chosen = {
         "entry_layer": args.entry_layer,
         "group_size": args.group_size,
@@ -171,6 +175,11 @@ def main(argv: list[str] | None = None) -> None:
             "decode_s": round(seconds, 3),
             "generated_tokens": generated,
             "accuracy": round(statistics.fmean(correct), 3),
+            # where its decode steps ran: the fixed-shape step, or the layer loop (and why)
+            "decode_steps_fixed": int(
+                extra.get("decode_steps_fixed", 0) + extra.get("decode_steps_captured", 0)
+            ),
+            "decode_steps_layer_loop": int(extra.get("decode_steps_layer_loop", 0)),
         }
         if cfg is None:
             reference, reference_answers = tokens, answers
@@ -208,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             "head": base.head,
             "head_top_k": base.head_top_k,
             "n_layers": backend.parts.n_layers,
+            "decode_step": step_description(backend),
         },
     )
 

@@ -120,6 +120,9 @@ class Generation:
     logprobs: list[float]
     """Per generated token: log-probability of the chosen token (temperature 1)."""
     finish_reason: FinishReason
+    notes: list[str] = field(default_factory=list)
+    """What the call that decoded it says about its speed: decode steps that left the local
+    backend's fast step, with their reasons (`step_notes`); every front passes them on."""
 
     @property
     def confidence(self) -> float:

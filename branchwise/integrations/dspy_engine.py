@@ -476,6 +476,8 @@ class BranchwiseEngine:
             info["constraint"] = plan.constraint.kind
         if plan.unenforced:
             info["unenforced"] = list(plan.unenforced)
+        if gen.notes:  # decode steps that left the fast step, with their reasons
+            info["notes"] = list(gen.notes)
         return lm15.Response(
             id=f"branchwise-{uuid.uuid4().hex[:16]}",
             model=request.model,

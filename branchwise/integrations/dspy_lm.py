@@ -413,6 +413,8 @@ class BranchwiseLM(dspy.BaseLM):
                     "batch_rows": job.batch_rows,
                     "constraint": plan.constraint.kind if plan.constraint is not None else None,
                     "unenforced": list(plan.unenforced),
+                    # decode steps that left the fast step, with their reasons (`Generation.notes`)
+                    "notes": list(dict.fromkeys(n for g in gens for n in g.notes)),
                 },
             }
         )

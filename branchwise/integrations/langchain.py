@@ -369,6 +369,8 @@ class ChatBranchwise(BaseChatModel):
                 "batch_requests": job.batch_requests,
                 "batch_rows": job.batch_rows,
                 **({"repeated_calls": repeated} if repeated and not calls else {}),
+                # decode steps that left the fast step, with their reasons (`Generation.notes`)
+                "notes": list(gen.notes),
             },
         }
         if want_logprobs:

@@ -26,6 +26,7 @@ from branchwise.serve.replies import (
     chat_choice_message,
     chat_logprobs,
     details,
+    reply_notes,
     strategy_message,
     strategy_reply,
     text_logprobs,
@@ -137,6 +138,11 @@ async def _whole(
         choices.append(choice)
     counted = usage(len(c.prompt), sum(len(g.token_ids) for g in gens))
     out: dict[str, Any] = {**head, "object": c.kind.object, "choices": choices, "usage": counted}
+    extra: dict[str, Any] = {}
     if candidates is not None:
-        out["branchwise"] = {"candidate_logprobs": candidates}
+        extra["candidate_logprobs"] = candidates
+    if notes := reply_notes(gens):  # decode steps that left the fast step: said to plain callers too
+        extra["notes"] = notes
+    if extra:
+        out["branchwise"] = extra
     return JSONResponse(out)

@@ -32,6 +32,7 @@ __all__ = [
     "chat_logprobs",
     "details",
     "finish_reason",
+    "reply_notes",
     "split_reply",
     "strategy_message",
     "strategy_reply",
@@ -175,6 +176,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+def reply_notes(gens: Sequence[Generation]) -> list[str]:
+    """The notes of a reply's generations, each once (the choices of one decode call share them)."""
+    return list(dict.fromkeys(note for g in gens for note in g.notes))
 
 
 def details(g: Generation) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from branchwise.backends.hf.attention import (
     fused_cascade,
 )
 from branchwise.backends.hf.segment import Block, Segment
+from branchwise.backends.hf.step_inputs import Exits, Steer, StepKeys
 from branchwise.backends.hf.tree import KVTree
 
 Broadcast = Literal["cascade", "copy"]
@@ -67,12 +68,24 @@ class AttentionTap:
     """
 
     wants_weights: bool = False
+    in_step: bool = False
+    """Whether the fixed-shape step can feed it (`on_step` per layer, writing in place, then
+    `count_step` once per step on the host): such a tap keeps its batch on the fast step; any other
+    keeps it on the layer loop."""
 
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         """Post-RoPE queries `[B, H, q, D]` of layer `layer`, before attention."""
 
     def on_weights(self, layer: int, weights: Weights) -> None:
         """Softmax statistics of layer `layer` (only when `wants_weights`)."""
+
+    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys) -> None:
+        """A decode step's post-RoPE queries `[B, H, 1, D]` of layer `layer` and the keys they read
+        (`in_step` taps): what it keeps is written in place into buffers that keep their address,
+        so a captured step replays it."""
+
+    def count_step(self) -> None:
+        """A decode step ran (`in_step` taps): host-side bookkeeping, outside any captured step."""
 
     def select_rows(self, keep: torch.Tensor) -> None:
         """Rows not in `keep` (old indices, in order) left the batch."""
@@ -183,6 +196,12 @@ class BatchContext:
     n_groups: int = 1
     taps: list[AttentionTap] = field(default_factory=list)
     last_hidden: torch.Tensor | None = None  # final-norm hidden state at each row's last fed token
+    steer: Steer | None = None
+    """Vectors the next forward adds to the residual stream (set by a plug-in before a decode step
+    and cleared after it; the layer loop and the fixed-shape step both apply it)."""
+    exits: Exits | None = None
+    """An early exit for the fixed-shape step's decode steps (set by a plug-in for the batch; the
+    layer loop ignores it: there the plug-in's own hooks exit)."""
     pool: BlockPool | None = None
     """Shared blocks the rows read (ReasonCache); None while no row reads one."""
     grow_min: int = 128
@@ -339,6 +358,12 @@ class BatchContext:
         lens[pos] = start + kept
         self.lens = lens
 
+    def read_segments(self) -> list[SharedSegment]:
+        """The shared segments the rows read: their ancestors, and the block pool where rows point
+        at blocks (one more segment, masked per row)."""
+        pooled = None if self.pool is None else self.pool.segment()
+        return self.shared if pooled is None else [*self.shared, pooled]
+
     def attend(
         self,
         layer: int,
@@ -371,10 +396,7 @@ class BatchContext:
         total = self._own_mask.shape[-1]
         k_own, v_own = tk[:, :, :total], tv[:, :, :total]
         want_weights = any(tap.wants_weights for tap in self.taps)
-        shared = self.shared
-        pooled = None if self.pool is None else self.pool.segment()
-        if pooled is not None:
-            shared = [*shared, pooled]
+        shared = self.read_segments()
         if window is not None and self._reach is None:  # a host read, only for a model with a window
             assert self.pos_next is not None
             self._reach = int(self.pos_next.max()) + q_len

@@ -24,7 +24,8 @@ from branchwise.backends.hf.intake import Intake, alone_chunk, policy_of
 from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.pool import TAIL_SLACK
 from branchwise.backends.hf.segment import Segment
-from branchwise.backends.hf.step import Chunk, is_decode_step
+from branchwise.backends.hf.step import ACCELERATED_UNCOMPILED, Chunk, is_decode_step
+from branchwise.backends.step_notes import OFF_FAST, OFF_FAST_BY, off_fast_delta, step_notes
 from branchwise.constraints import Constraint
 
 
@@ -189,6 +190,7 @@ class Computation:
                 raise
             self.stats.bump("decode_steps_captured" if stepper.replayed else "decode_steps_fixed")
             self._count_compiled_step(chunk is not None)
+            self._count_off_fast(stepper.shortfall(chunk is not None))
             if part is not None:
                 assert chunk is not None and chunk.logits is not None  # the step computed it
                 self._end_part(part, chunk.logits)
@@ -200,10 +202,20 @@ class Computation:
             logits = self.engine.runner.forward(batch.ctx, feeds, self.plugins, observers)
             if is_decode_step(feeds):
                 self._count_layer_loop_step(batch, observers)
+                self._count_off_fast(stepper.loop_reasons(batch.ctx, self.plugins, observers))
         self.stats.tokens_computed += sum(len(f) for f in feeds)
         self.stats.forward_calls += 1
         self.tree.accounts.note_transient(self.ledger, transient)
         return logits
+
+    def _count_off_fast(self, reasons: Sequence[str]) -> None:
+        """A decode step left the fast step for `reasons` (none: it did not): counted once, and
+        under each reason, so every front's notes say so (`step_notes`)."""
+        if not reasons:
+            return
+        self.stats.bump(OFF_FAST)
+        for why in reasons:
+            self.stats.bump(f"{OFF_FAST_BY}{why}")
 
     def _count_compiled_step(self, carried: bool) -> None:
         """Where steps are compiled (`decode_step="compiled"`): whether this one was, and why not
@@ -217,7 +229,8 @@ class Computation:
             self.stats.bump("decode_steps_compiled")
         else:
             self.stats.bump("decode_steps_uncompiled")
-            self.stats.extra[f"uncompiled_by {compiler.unused}"] = 1.0
+            why = ACCELERATED_UNCOMPILED if self.engine.stepper.accelerated else compiler.unused
+            self.stats.extra[f"uncompiled_by {why}"] = 1.0
 
     def _count_layer_loop_step(self, batch: Batch, observers: Sequence[Acceleration]) -> None:
         """A decode step ran through the layer loop. Where steps are captured as CUDA graphs and a
@@ -261,6 +274,24 @@ class Computation:
         if params is None:
             self._batch(segs, None, observers)
             return []
+        before = dict(self.stats.extra)
+        gens = self._decode(segs, params, observers, on_step, admit, constraints, row_params)
+        notes = step_notes(off_fast_delta(before, self.stats.extra))
+        for g in gens:  # said once per reply, on every front (`Generation.notes`)
+            g.notes = list(notes)
+        return gens
+
+    def _decode(
+        self,
+        segs: Sequence[Segment],
+        params: DecodeParams,
+        observers: Sequence[Acceleration],
+        on_step: StepListener | None,
+        admit: Admit | None,
+        constraints: Sequence[Constraint | None] | None,
+        row_params: Sequence[DecodeParams | None] | None,
+    ) -> list[Generation]:
+        """`run`'s decode: `segs` as one batch, joined by what `admit` hands in between steps."""
         run = DecodeRun.start(
             params,
             segs,

@@ -302,6 +302,10 @@ class Acceleration:
     (`step.py`, captured as CUDA graphs on a GPU): a plug-in that overrides a forward-level hook
     (`FORWARD_HOOKS`) does (`needs_layer_loop`); one that installs an attention tap or points rows at
     shared blocks from a batch-level hook says so here."""
+    step_inputs: bool = False
+    """Whether its decode steps' work reaches the fixed-shape step as inputs it sets on the batch
+    (`step_inputs.py`: River's exits): its forward hooks then serve only the forwards the layer loop
+    runs (prefills, the `decode_step="layers"` baseline) and keep no decode step there."""
     kv_from_tokens: bool = False
     """Whether the KV a run holds under this plug-in is what computing its tokens again gives (it
     changes no KV: it only reads, stops or skips). It decides how a row preempted under the KV
@@ -309,6 +313,12 @@ class Acceleration:
     run says so, else swapped out and back, which keeps KV and per-row state exact. False, the safe
     default, costs a copy; True on a plug-in that does change KV would change a preempted row's
     tokens."""
+
+    def layer_loop_reasons(self) -> list[str]:
+        """Why this plug-in's decode steps need the layer loop (empty: they need not): the reasons
+        those steps are counted under, off the fast step (`step_notes`). A plug-in that knows which
+        of its parts needs it names them (`river_exits`, `rsbcm_mass`, ...); else its name."""
+        return [self.name] if needs_layer_loop([self]) else []
 
     @classmethod
     def build(cls, cfg: Any, setup: Setup) -> Acceleration:
@@ -430,7 +440,16 @@ FORWARD_HOOKS = ("begin_forward", "before_layer", "after_layer", "after_forward"
 
 def needs_layer_loop(plugins: Sequence[Acceleration]) -> list[str]:
     """The names of the plug-ins whose decode steps need the layer loop (`Acceleration.layer_loop`)."""
-    return [p.name for p in plugins if p.layer_loop or any(overrides([p], hook) for hook in FORWARD_HOOKS)]
+    return [
+        p.name
+        for p in plugins
+        if p.layer_loop or (not p.step_inputs and any(overrides([p], hook) for hook in FORWARD_HOOKS))
+    ]
+
+
+def layer_loop_reasons(plugins: Sequence[Acceleration]) -> list[str]:
+    """Why these plug-ins' decode steps need the layer loop, each plug-in's reasons in turn."""
+    return [why for p in plugins if p.name in needs_layer_loop([p]) for why in p.layer_loop_reasons()]
 
 
 def overrides(plugins: Sequence[Acceleration], hook: str) -> list[Acceleration]:

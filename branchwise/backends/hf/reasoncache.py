@@ -159,7 +159,6 @@ class ReasonCache(Acceleration):
     over the generated KV a dense cache would hold, at the end of each batch)."""
 
     name = "reasoncache"
-    layer_loop = True  # rows read shared blocks through the batch's block pool
     config = ReasonCacheConfig
 
     def __init__(

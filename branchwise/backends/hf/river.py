@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from branchwise.backends.accel import RiverConfig
 from branchwise.backends.base import KVStats
 from branchwise.backends.hf.arch import DecoderParts
+from branchwise.backends.hf.batch import Batch
 from branchwise.backends.hf.hooks import Acceleration, Exit, Forward, Setup
 from branchwise.backends.hf.river_quant import (
     WeightOnlyLinear,
@@ -176,6 +177,10 @@ class River(Acceleration):
 
     name = "river"
     config = RiverConfig
+    step_inputs = True  # its exits run on the fixed-shape step, as segments (`RiverExits`)
+
+    def layer_loop_reasons(self) -> list[str]:
+        return ["river_audit"]  # the audit finishes each exited forward on the backbone too
 
     @classmethod
     def build(cls, cfg: RiverConfig, setup: Setup) -> River:
@@ -196,6 +201,12 @@ class River(Acceleration):
         self._exited_at: int | None = None  # the backbone layer after which the batch left
         self._audit: Tensor | None = None  # the backbone's own logits for exited tokens
         self._dequantize = path.execution == "dequantize"  # fixed once the river is built
+        self.layer_loop = cfg.audit  # the audit's second finish has no place in the step
+
+    def on_batch(self, batch: Batch) -> None:
+        """The batch's decode steps exit on the fixed-shape step (the layer loop ignores this and
+        exits through the forward hooks below)."""
+        batch.ctx.exits = RiverExits(self)
 
     def begin_forward(self, fwd: Forward) -> None:
         self._active = fwd.decode_step or self.cfg.prefill
@@ -232,6 +243,12 @@ class River(Acceleration):
             h = fwd.run_layer(parts.layers[j], h)
         return parts.logits(parts.norm(fwd.last_states(h)))
 
+    def account(
+        self, exited_at: int | None, n_tokens: int, decode: bool, logits: Tensor | None, audit: Tensor | None
+    ) -> None:
+        """`_account`, for the fixed-shape step's exits (`RiverExits.exited`)."""
+        self._account(exited_at, n_tokens, decode, logits, audit)
+
     def _account(
         self, exited_at: int | None, n_tokens: int, decode: bool, logits: Tensor | None, audit: Tensor | None
     ) -> None:
@@ -255,3 +272,20 @@ class River(Acceleration):
             bump("river_audit_rows", match.numel())
             bump("river_audit_matches", int(match.sum()))
             bump("river_audit_kl_sum", float(kl.sum()))
+
+
+class RiverExits:
+    """River's exit as the fixed-shape step runs it (`step_inputs.Exits`, `step_replay.ExitSegments`):
+    the same candidate layers, test and river as the forward hooks, with the run's threshold."""
+
+    def __init__(self, plugin: River) -> None:
+        self.plugin = plugin
+        self.entry = plugin.path.cfg.entry_layer
+        self.river = plugin.path.layers
+        self.head = plugin.path.head
+
+    def passes(self, h_in: Tensor, h_out: Tensor, fed: Tensor) -> Tensor:
+        return (transition_similarity(h_in, h_out, fed) >= self.plugin.cfg.threshold).all()
+
+    def exited(self, at: int | None, tokens: int) -> None:
+        self.plugin.account(at, tokens, True, None, None)

@@ -21,6 +21,7 @@ from branchwise.backends.hf.attention import Weights
 from branchwise.backends.hf.batch import AttentionTap, Batch, Row
 from branchwise.backends.hf.hooks import Acceleration, Host, Setup
 from branchwise.backends.hf.segment import Segment
+from branchwise.backends.hf.step_inputs import StepKeys
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,16 @@ def keep_mask(length: int, evicted: Sequence[Block], device: torch.device) -> to
 
 class MassTap(AttentionTap):
     """Accumulates, per batch, the attention mass every key received: each row's own tail
-    (`own`, [B, cap]) and each tracked shared segment (`segments`, key → [T])."""
+    (`own`, [B, cap]) and each tracked shared segment (`segments`, key → [T]).
+
+    On the layer loop it reads the explicit softmax's statistics (`on_weights`). On the fixed-shape
+    step (`on_step`) it makes a small pass of its own over the step's queries and keys: the
+    log-sum-exp of every part's scores (own tail, each shared segment) merged into the total, then
+    each key's mass `exp(score − lse_total)`, added in place to buffers that keep their address,
+    so the step stays fused (its attention never materialises weights) and captured."""
 
     wants_weights = True
+    in_step = True
 
     def __init__(self, own: torch.Tensor, tracked: set[int]) -> None:
         self.own = own
@@ -102,6 +110,39 @@ class MassTap(AttentionTap):
             else:
                 self.segments[seg.key] = total
 
+    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys) -> None:
+        b, h, _, d = query.shape
+        h_kv = keys.own.shape[1]
+        qg = query.reshape(b, h_kv, h // h_kv, d).float()  # query head j*G.. reads KV head j
+
+        def scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+            sc = torch.matmul(q, k.float().transpose(-1, -2)) * keys.scaling
+            return sc if visible is None else sc.masked_fill(~visible[:, None, None, :], float("-inf"))
+
+        own = scores(qg, keys.own, keys.visible)  # [B, H_kv, G, span]
+        lse = torch.logsumexp(own, -1)
+        parts = []
+        for seg in keys.shared:
+            q_rows = qg if seg.rows is None else qg.index_select(0, seg.rows)
+            sc = scores(q_rows, seg.keys[layer][None], seg.mask)  # [r, H_kv, G, T]
+            part = torch.logsumexp(sc, -1)
+            if seg.rows is None:
+                lse = torch.logaddexp(lse, part)
+            else:
+                lse = lse.index_copy(0, seg.rows, torch.logaddexp(lse.index_select(0, seg.rows), part))
+            parts.append((seg, sc))
+        span = own.shape[-1]
+        self.own[:, :span] += torch.exp(own - lse[..., None]).sum(dim=(1, 2))
+        for seg, sc in parts:
+            if seg.key not in self.tracked:
+                continue
+            lse_r = lse if seg.rows is None else lse.index_select(0, seg.rows)
+            total = torch.exp(sc - lse_r[..., None]).sum(dim=(0, 1, 2))  # [T]
+            if seg.key in self.segments:
+                self.segments[seg.key] += total
+            else:  # the first step (never a recorded one: a layout's first step runs eagerly)
+                self.segments[seg.key] = total
+
     def select_rows(self, keep: torch.Tensor) -> None:
         self.own = self.own.index_select(0, keep)
 
@@ -124,7 +165,6 @@ class RSBCM(Acceleration):
     """
 
     name = "rsbcm"
-    layer_loop = True  # its MassTap watches attention weights
     config = RSBCMConfig
     needs_cascade = True  # block masses are kept per shared segment
 

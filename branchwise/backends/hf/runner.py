@@ -82,6 +82,8 @@ class Runner:
         after = overrides(every, "after_layer")
         logits: torch.Tensor | None = None
         for index in range(parts.n_layers):
+            if ctx.steer is not None and index == ctx.steer.layer:
+                h = ctx.steer.add(h, fwd.rows)
             for hook in before:
                 h = hook.before_layer(fwd, index, h)
             h_in = h

@@ -14,7 +14,12 @@ hooks:
   `extend` calls and tree steps, not by the decode loop's step which restarts on every `extend`), a
   branch above budget keeps its best slots (`KVEdits.keep_row`); positions stay logical, so later
   tokens simply stop seeing what was evicted;
-- `before_step` / `before_layer`: steering adds α_t·v at one layer's input at delimiter tokens.
+- `before_step`: steering adds α_t·v at one layer's input at delimiter tokens, as inputs of the
+  step (`batch.Steer` on the batch: a slot of a persistent table and a scale per row).
+
+None of it needs the layer loop: the query window is fed by the fixed-shape step itself (an
+`in_step` tap, written in place) and the step returns the hidden states the tracker reads, so
+SkipKV's decode steps run on the fast step (`step.py`).
 
 A branch's budget covers its own generated KV *and* the generated KV of its exclusive ancestors:
 earlier tree steps that no live sibling reads (each has one live child, the branch's path). Those
@@ -38,7 +43,7 @@ from branchwise.backends.accel import SkipKVConfig, SteeringConfig
 from branchwise.backends.base import KVStats
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.batch import AttentionTap, Batch, Row
-from branchwise.backends.hf.hooks import Acceleration, Forward, KVEdits, Setup
+from branchwise.backends.hf.hooks import Acceleration, KVEdits, Setup
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.skipkv_policy import (
     eviction_scores,
@@ -51,25 +56,7 @@ from branchwise.backends.hf.skipkv_policy import (
 )
 from branchwise.backends.hf.skipkv_sentences import SentenceTracker, delimiter_token_ids
 from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path, steering_strength
-
-
-@dataclass
-class Steering(Acceleration):
-    """One decode step's steering (§4.2): add `strengths[row]·vector` at layer `layer`'s residual
-    input, at the positions whose fed token is a newline delimiter, and nowhere else."""
-
-    layer: int
-    vector: torch.Tensor  # [d], model dtype and device
-    delimiters: torch.Tensor  # [vocab] bool
-    strengths: torch.Tensor  # [B] per batch row
-
-    def apply(self, h: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """`h` [b, q, d] of the active rows, `ids` [b, q] their fed tokens, `rows` their batch rows."""
-        gate = self.delimiters[ids].to(h.dtype) * self.strengths[rows, None].to(h.dtype)
-        return h + gate[..., None] * self.vector
-
-    def before_layer(self, fwd: Forward, index: int, h: torch.Tensor) -> torch.Tensor:
-        return self.apply(h, fwd.ids[fwd.rows], fwd.rows) if index == self.layer else h
+from branchwise.backends.hf.step_inputs import Steer, StepKeys
 
 
 @dataclass
@@ -78,8 +65,9 @@ class SteeringBuild:
 
     vector: SteeringVector
     layer: int
-    on_device: torch.Tensor
-    delimiters: torch.Tensor  # [vocab] bool on the model's device
+    table: torch.Tensor
+    """`[2, d]` on the model's device and in its dtype: row 0 zeros (no steering), row 1 the vector
+    (`batch.Steer`: the step reads it in place, at the same address for every step)."""
 
     @classmethod
     def load(
@@ -101,14 +89,8 @@ class SteeringBuild:
                 f"steering vector at {path} has {vector.vector.numel()} dims; this model has {hidden}"
             )
         weight = parts.embed.weight
-        mask = torch.zeros(parts.embed.num_embeddings, dtype=torch.bool)
-        mask[[i for i in delimiters if i < mask.numel()]] = True
-        return cls(
-            vector=vector,
-            layer=layer,
-            on_device=vector.vector.to(device=weight.device, dtype=weight.dtype),
-            delimiters=mask.to(weight.device),
-        )
+        on_device = vector.vector.to(device=weight.device, dtype=weight.dtype)
+        return cls(vector=vector, layer=layer, table=torch.stack([torch.zeros_like(on_device), on_device]))
 
 
 @dataclass
@@ -143,11 +125,26 @@ class QueryWindow(AttentionTap):
         self.size = shape[2]
         self.filled = [0] * shape[0]
 
+    in_step = True
+
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         if q_len == 1:  # decode steps only
-            self.windows[layer] = torch.cat([self.windows[layer][:, :, 1:], query], dim=2)
+            self._record(layer, query)
             if layer == 0:
-                self.filled = [min(f + 1, self.size) for f in self.filled]
+                self.count_step()
+
+    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys) -> None:
+        self._record(layer, query)
+
+    def _record(self, layer: int, query: torch.Tensor) -> None:
+        """Shift the window by one query, in place: the buffer keeps its address (a captured step
+        replays the write); the buffers may be inference tensors (made inside a forward)."""
+        window = self.windows[layer]
+        with torch.inference_mode():
+            window.copy_(torch.cat([window[:, :, 1:], query], dim=2))
+
+    def count_step(self) -> None:
+        self.filled = [min(f + 1, self.size) for f in self.filled]
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.windows = [w.index_select(0, keep) for w in self.windows]
@@ -179,7 +176,6 @@ class SkipKV(Acceleration):
     step to this branch alone)."""
 
     name = "skipkv"
-    layer_loop = True  # its QueryWindow tap watches queries
     config = SkipKVConfig
 
     def __init__(
@@ -209,7 +205,6 @@ class SkipKV(Acceleration):
         """Windows of rows captured from the batch now decoding (committed by `after_batch`)."""
         self._fed: set[int] = set()
         """Rows whose tokens `after_pending` tracked, to check in `begin_decode`."""
-        self._steer: Steering | None = None
 
     @classmethod
     def build(cls, cfg: SkipKVConfig, setup: Setup) -> SkipKV:
@@ -280,7 +275,7 @@ class SkipKV(Acceleration):
         fed, self._fed = self._fed, set()
         if fed:
             self._check(batch, batch.rows, fed)
-        self._steer = None
+        batch.ctx.steer = None
 
     def on_capture(self, batch: Batch, pos: int, row: Row) -> None:
         """Keep the row's query window for its next batch (a decode's rows are captured when the
@@ -300,33 +295,35 @@ class SkipKV(Acceleration):
                 if state is not None:
                     state.window = window
 
-    def steering(self, rows: Sequence[Row]) -> Steering | None:
-        """This step's steering, with α_t = α0 + γ·N_nonexec per row (None when steering is off)."""
+    def steering(self, rows: Sequence[Row]) -> Steer | None:
+        """This step's steering (§4.2, None when it is off): the vector (the table's row 1) where a
+        row feeds a newline delimiter (its last sampled token), no row (row 0, zeros) elsewhere,
+        at α_t = α0 + γ·N_nonexec per row. Inputs of the step, not a hook inside it: the fixed-shape
+        step reads them at fixed addresses (`batch.Steer`)."""
         build, steer = self.steer_build, self.cfg.steering
         if build is None or steer is None:
             return None
+        idx = [int(r.finish is None and bool(r.out) and r.out[-1] in self.delimiters) for r in rows]
         strengths = [
             steering_strength(steer.alpha0, steer.gamma, self.states[r.seg.id].tracker.n_nonexec)
             for r in rows
         ]
-        return Steering(
+        device = build.table.device
+        return Steer(
             layer=build.layer,
-            vector=build.on_device,
-            delimiters=build.delimiters,
-            strengths=torch.tensor(strengths, device=build.on_device.device),
+            table=build.table,
+            idx=torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True),
+            scale=torch.tensor(strengths, dtype=torch.float32).to(device, non_blocking=True),
         )
 
     def before_step(self, batch: Batch, rows: Sequence[Row]) -> None:
-        self._steer = self.steering(rows)
-
-    def before_layer(self, fwd: Forward, index: int, h: torch.Tensor) -> torch.Tensor:
-        return h if self._steer is None else self._steer.before_layer(fwd, index, h)
+        batch.ctx.steer = self.steering(rows)
 
     def after_step(
         self, batch: Batch, rows: Sequence[Row], feeds: Sequence[Sequence[int]], step: int
     ) -> None:
         """Track the tokens just fed, then `_check` every row."""
-        self._steer = None
+        batch.ctx.steer = None
         hidden = batch.ctx.last_hidden
         assert hidden is not None
         for pos, (r, fed) in enumerate(zip(rows, feeds, strict=True)):

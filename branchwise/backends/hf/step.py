@@ -11,14 +11,14 @@ are the same for every step of a batch while the batch keeps its rows, its tail 
 and its shared segments: on CUDA it is recorded once into a `torch.cuda.CUDAGraph` and replayed;
 elsewhere the same function runs eagerly (what the CPU tests exercise, and what a GPU captures).
 
-When it applies (`Stepper.applies`): every row feeds at most one token, and nothing needs the
-layer loop's hook points: no plug-in of the run acts inside a forward (River's exits, SkipKV's
-steering) or watches attention (RSBCM's mass, SkipKV's queries) or reads shared blocks through a
-block pool (ReasonCache) (`hooks.needs_layer_loop`). Plug-ins that act at fork time or between
-steps (ASKS, the KV probe, CGEE's decode gate and verify skip) decode on the fixed-shape step.
-Otherwise the step runs through the layer loop, and the run's statistics count it
-(`decode_steps_layer_loop`; where steps are captured, `decode_steps_uncaptured` and the plug-ins
-that kept it there), so the result's notes say so. A batch whose tails grow, whose rows leave or
+When it applies (`Stepper.applies`): every row feeds at most one token, and no plug-in of the run
+needs the layer loop's hook points (`hooks.needs_layer_loop`). Accelerations that act inside a step
+hand it inputs instead (`step_inputs.py`): SkipKV's steering (a table of vectors, a slot and a
+scale per row), taps the step feeds in place (SkipKV's query window, RSBCM's attention mass),
+River's exits (the step as segments, `step_replay.ExitSegments`) and ReasonCache's block pool (one
+more shared segment). Otherwise the step runs through the layer loop, and the run's statistics
+count it with its reasons (`decode_steps_layer_loop`, `decode_steps_off_fast`, `step_notes`), so
+the result's notes say so. A batch whose tails grow, whose rows leave or
 whose shared segments change is a new layout and a new `StepGraph` (a new recording on CUDA),
 which is rare: the tails grow by at least 128 slots, a recorded span by 128 (a compiled step's
 span is a symbolic size: one program for every span), and rows leave a batch only once a quarter
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +57,11 @@ from branchwise.backends.hf.attention import (
     fused_cascade,
 )
 from branchwise.backends.hf.batch import BatchContext
-from branchwise.backends.hf.hooks import Acceleration, needs_layer_loop
+from branchwise.backends.hf.hooks import Acceleration, layer_loop_reasons, needs_layer_loop
 from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
+from branchwise.backends.hf.step_inputs import Steer, StepKeys
+from branchwise.backends.hf.step_replay import CudaGraphs, ExitSegments, Modules, Recorder, signature
+from branchwise.backends.step_notes import OffFast
 
 StepMode = Literal["auto", "compiled", "graphs", "eager", "layers"]
 """How decode steps run: `compiled` runs the fixed-shape step compiled by inductor (and captures it
@@ -73,6 +76,12 @@ SPAN = 128
 COMPILED_SPAN = 16
 """Compiled steps that are not recorded read the tails in multiples of this many slots: the span is
 a symbolic size there, so a finer multiple costs no compilation and saves reading masked slots."""
+ACCELERATED_UNCOMPILED = (
+    "an acceleration's step inputs (steering, attention taps, exits, a block pool) are not compiled ahead"
+)
+"""Why a step an acceleration reads or feeds runs uncompiled where steps are compiled."""
+At = tuple[Any, AttentionContext]
+"""Where a step's layers run: the rotary tables at the tokens' positions (`arch.Rope`), and attention."""
 WARMUP = 1
 """Steps a new batch layout runs eagerly before its step is captured: real steps (their logits are
 used) that do the first-call work on the current stream (allocator growth, library handles)."""
@@ -95,11 +104,18 @@ class StaticAttention:
         """The tail slots read, `0 .. span - 1` (at least the longest row's length + 1; see
         `Stepper.span`): a tensor, so that a compiled step reads the span as a size, not a number
         it would be specialised on."""
+        self.shared = ctx.read_segments()
+        """What the rows read besides their tails: their ancestors, and the blocks they point at
+        (ReasonCache's pool, read as one more segment masked per row: `batch.BlockPool`)."""
+        self.taps = [tap for tap in ctx.taps if tap.in_step]
+        """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
         self.grouped = ctx.n_groups > 1
         """Whether query heads share K/V heads (a bool here, outside any compilation, where sizes
         are symbolic and SDPA's `enable_gqa` takes no symbolic bool)."""
         self.bias: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
+        self.visible = self.slots[None, :0]
+        """`[B, span]`: which tail slots each row sees this step (made in `prepare`)."""
         self.rows = self.slots[:0]
         """`0 .. B - 1`, the rows' indices for the K/V writes (made in `prepare`, from the lengths:
         a tensor of its own among a compiled step's inputs would be one more size to specialise
@@ -111,8 +127,8 @@ class StaticAttention:
         row reads a shared segment, else an additive bias `[B, 1, G, span]` for the cascade."""
         ctx = self.ctx
         self.rows = torch.arange(self.lens.shape[0], device=self.lens.device)
-        visible = self.slots[None, :] <= self.lens[:, None]
-        if not ctx.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
+        visible = self.visible = self.slots[None, :] <= self.lens[:, None]
+        if not self.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
             self.mask = visible[:, None, None, :]
             return
         bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
@@ -149,20 +165,26 @@ class StaticAttention:
         tv[self.rows, :, self.lens] = value[:, :, 0]
         span = self.slots.shape[0]
         k_own, v_own = tk[:, :, :span], tv[:, :, :span]
+        if self.taps:
+            keys = StepKeys(k_own, self.visible, self.shared, scaling)
+            for tap in self.taps:
+                tap.on_step(layer, query, keys)
         windowed = window is not None and self.windowed
         if softcap is not None or windowed:  # what the fused kernels cannot do (`attention.exact_attention`)
             spec = None
             if windowed and window is not None:
                 spec = Window.of(window, ctx.tail_start, self.pos[:, 0], self.lens, 1, span)
             visible = (self.slots[None, :] <= self.lens[:, None])[:, None, :]
-            return exact_attention(query, k_own, v_own, visible, ctx.shared, layer, scaling, softcap, spec)[0]
-        if not ctx.shared:  # what the layer loop runs for rows without shared ancestors
+            return exact_attention(query, k_own, v_own, visible, self.shared, layer, scaling, softcap, spec)[
+                0
+            ]
+        if not self.shared:  # what the layer loop runs for rows without shared ancestors
             out = F.scaled_dot_product_attention(
                 query, k_own, v_own, attn_mask=self.mask, scale=scaling, enable_gqa=self.grouped
             )
             return out.transpose(1, 2)
         assert self.bias is not None, "attend() before prepare()"
-        return fused_cascade(query, k_own, v_own, self.bias, ctx.shared, layer, scaling)
+        return fused_cascade(query, k_own, v_own, self.bias, self.shared, layer, scaling)
 
 
 @dataclass
@@ -210,29 +232,6 @@ class MixedAttention:
         return torch.cat([out.transpose(0, 1), tail], dim=1)  # [1, B + C, H, D]
 
 
-class Recorder(Protocol):
-    """Records a step once and gives back how to replay it and where its output lands."""
-
-    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]: ...
-
-
-class CudaGraphs:
-    """`Recorder` of CUDA graphs, as torch documents the capture of a whole network: one warm-up run
-    on a side stream (the step rewrites the same K/V to the same slots), then the recording, which
-    runs no kernel. Capture errors are thread-local: a server has other threads."""
-
-    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = step()
-        return graph.replay, out
-
-
 @dataclass(eq=False)
 class StepGraph:
     """The fixed-shape step of one batch layout: its input buffers, and its recording once taken.
@@ -260,13 +259,58 @@ class StepGraph:
     recorded_compiled: bool = False
     """Whether the recording replays compiled code (a layout recorded before its kind was compiled
     is recorded again once it is)."""
+    steer: Steer | None = None
+    """The batch's steering (`batch.Steer`) read at fixed addresses: the plug-in's persistent table,
+    and this graph's own slot and scale buffers, loaded at every step."""
+    hidden: torch.Tensor | None = None
+    """The final-norm hidden state at each row's token `[B, d]` from the last step (accelerated
+    steps only; a recording's own output, overwritten by each replay)."""
+    fed: torch.Tensor = field(init=False)
+    """`[B]` tokens each row feeds this step (an early exit's test skips rows that feed none)."""
+    segments: ExitSegments | None = None
+    _at: At = field(init=False)
+    """The step as segments under the batch's early exit (`step_exits.py`; None: one piece)."""
 
     def __post_init__(self) -> None:
         b, device = self.ctx.batch, self.ctx.lens.device
         self.ids = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(b, 1, dtype=torch.long, device=device)
         self.lens = torch.zeros(b, dtype=torch.long, device=device)
+        self.fed = torch.zeros(b, dtype=torch.long, device=device)
         self.attention = StaticAttention(self.ctx, self.lens, self.pos)
+        if self.ctx.exits is not None:
+            self.segments = ExitSegments(self, self.ctx.exits)
+        if (steer := self.ctx.steer) is not None:
+            self.steer = Steer(
+                steer.layer, steer.table, torch.zeros_like(steer.idx), torch.zeros_like(steer.scale)
+            )
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether an acceleration reads or feeds this step (steering, query taps): it then runs the
+        uncompiled step, which also gives the hidden states its plug-ins read (`ctx.last_hidden`);
+        the compiled step is compiled ahead without them, and such steps are counted uncompiled."""
+        taps, pool = bool(self.attention.taps), self.ctx.pool is not None
+        return self.steer is not None or taps or pool or self.segments is not None
+
+    def begin(self) -> torch.Tensor:
+        """The first layer's input (the step's attention and rotary prepared; `step_exits.py`)."""
+        h = self.parts.embed(self.ids)
+        self.attention.prepare(h.dtype)
+        self._at = (self.parts.rotary(h, self.pos), self.attention)
+        return h
+
+    def blocks(self, h: torch.Tensor, indices: range, modules: Modules, at: At | None = None) -> torch.Tensor:
+        """`h` through `modules[i]` for each i of `indices`, steered where the batch steers, at
+        `at` (the rotary tables at the tokens' positions, the attention; None: those `begin` set)."""
+        rope, attention = self._at if at is None else at
+        for index in indices:
+            block = modules[index]
+            assert block is not None, f"no module for layer {index}"
+            if self.steer is not None and index == self.steer.layer:
+                h = self.steer.add(h)
+            h = self.parts.run_layer(block, h, rope, attention)
+        return h
 
     def _layers(self, ids: torch.Tensor, pos: torch.Tensor, attention: AttentionContext) -> torch.Tensor:
         """The hidden states after every layer for tokens `ids` at positions `pos`, attended by
@@ -274,29 +318,39 @@ class StepGraph:
         parts = self.parts
         h = parts.embed(ids)
         self.attention.prepare(h.dtype)
-        rope = parts.rotary(h, pos)
-        for block in parts.layers:
-            h = parts.run_layer(block, h, rope, attention)
-        return h
+        return self.blocks(h, range(parts.n_layers), parts.layers, (parts.rotary(h, pos), attention))
 
     def computed(self) -> torch.Tensor:
         """The step itself, uncompiled: logits `[B, V]` from the loaded inputs (what the compiler
         compiles, and what runs where it is off or failed)."""
-        h = self._layers(self.ids, self.pos, self.attention)
-        return self.parts.logits(self.parts.norm(h[:, -1]))
+        return self.parts.logits(self._hidden())
+
+    def _hidden(self) -> torch.Tensor:
+        """The final-norm hidden state at each row's token `[B, d]`."""
+        return self.parts.norm(self._layers(self.ids, self.pos, self.attention)[:, -1])
 
     def _step(self) -> torch.Tensor:
+        if self.accelerated:  # its hidden states kept for the plug-ins (`hidden`)
+            self.hidden = self._hidden()
+            return self.parts.logits(self.hidden)
         if self.compiler is not None and (logits := self.compiler(self)) is not None:
             return logits
         return self.computed()
 
-    def _load(self, ids: torch.Tensor) -> None:
-        """The step's inputs: each row's token `ids` `[B]`, and the batch's positions and lengths."""
+    def _load(self, ids: torch.Tensor, fed: torch.Tensor | None = None) -> None:
+        """The step's inputs: each row's token `ids` `[B]` (and how many it feeds, `fed`), and the
+        batch's positions and lengths."""
         ctx = self.ctx
         assert ctx.pos_next is not None
         self.ids[:, 0].copy_(ids)
+        if fed is not None:
+            self.fed.copy_(fed)
         self.pos[:, 0].copy_(ctx.pos_next)
         self.lens.copy_(ctx.lens)
+        if self.steer is not None:
+            assert ctx.steer is not None, "a steered layout stepped without its steering"
+            self.steer.idx.copy_(ctx.steer.idx)
+            self.steer.scale.copy_(ctx.steer.scale)
 
     def mixed(self, ids: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         """One step of the rows' `ids` that also computes `chunk`, eagerly (its length varies from
@@ -319,14 +373,23 @@ class StepGraph:
         chunk.logits = logits[b]
         return logits[:b]
 
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logits `[B, V]` after each row's token `ids` `[B]` at the batch's positions and lengths.
-        A recorder records the step on the layout's first step after `WARMUP` eager ones, and
-        replays it from then on."""
-        self._load(ids)
+    def __call__(self, ids: torch.Tensor, fed: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Logits `[B, V]` after each row's token `ids` `[B]` (`fed` `[B]` of them real, `tokens`
+        in all) at the batch's positions and lengths. A recorder records the step on the layout's
+        first step after `WARMUP` eager ones, and replays it from then on (under an early exit,
+        each of its segments on first use)."""
+        self._load(ids, fed)
         self.runs += 1
+        if self.segments is not None:
+            record = self.recorder is not None and self.runs > WARMUP
+            logits = self.segments.step(record, tokens)
+            assert self.hidden is not None
+            self.ctx.last_hidden = self.hidden.clone() if record else self.hidden
+            return logits.clone() if record else logits
         if self.recorder is None or self.runs <= WARMUP:
-            return self._step()
+            logits = self._step()
+            self.ctx.last_hidden = self.hidden
+            return logits
         compiler = self.compiler
         if (
             self.replay is not None
@@ -340,6 +403,8 @@ class StepGraph:
             self.recorded_compiled = self.compiler is not None and self.compiler.unused is None
         assert self.logits is not None
         self.replay()
+        if self.hidden is not None:
+            self.ctx.last_hidden = self.hidden.clone()
         return self.logits.clone()  # the next replay overwrites it
 
 
@@ -393,22 +458,6 @@ def is_decode_step(feeds: Sequence[Sequence[int]]) -> bool:
     return any(feeds) and all(len(f) <= 1 for f in feeds)
 
 
-def signature(ctx: BatchContext) -> tuple[object, ...]:
-    """What a captured step depends on: rows, tail capacity, and the storage every layer's tails and
-    shared segments live in (a grown, compacted or re-read batch has new storage)."""
-    shared = tuple(
-        (
-            s.key,
-            s.keys[0].data_ptr() if len(s.keys) else 0,
-            tuple(s.keys[0].shape) if len(s.keys) else (),
-            None if s.rows is None else s.rows.data_ptr(),
-            None if s.mask is None else s.mask.data_ptr(),
-        )
-        for s in ctx.shared
-    )
-    return (ctx.batch, ctx.capacity, ctx.tail_k[0].data_ptr(), ctx.tail_v[0].data_ptr(), shared)
-
-
 class Stepper:
     """Runs a batch's decode steps at fixed shapes, capturing them on CUDA (see the module docstring).
 
@@ -442,6 +491,8 @@ class Stepper:
         """Whether the last step was a replay of a recording (else it ran eagerly)."""
         self.compiled = False
         """Whether the last step ran compiled code (replayed or not)."""
+        self.accelerated = False
+        """Whether an acceleration read or fed the last step (`StepGraph.accelerated`)."""
 
     @property
     def mode(self) -> StepMode:
@@ -480,14 +531,35 @@ class Stepper:
         self, ctx: BatchContext, hooks: Sequence[Acceleration], observers: Sequence[Acceleration]
     ) -> list[str]:
         """What keeps this batch's decode steps on the layer loop: the plug-ins and observers that
-        need its hook points (`hooks.needs_layer_loop`), an attention tap or a block pool no
-        plug-in declared; empty when the fixed-shape step can take them."""
+        need its hook points (`hooks.needs_layer_loop`), an attention tap the step cannot feed;
+        empty when the fixed-shape step can take them."""
         found = needs_layer_loop([*hooks, *observers])
-        if not found and ctx.taps:
-            found = [f"an attention tap ({type(tap).__name__})" for tap in ctx.taps]
-        if not found and ctx.pool is not None:
-            found = ["a block pool"]
+        if not found and (taps := [tap for tap in ctx.taps if not tap.in_step]):
+            found = [f"an attention tap ({type(tap).__name__})" for tap in taps]
         return found
+
+    def loop_reasons(
+        self, ctx: BatchContext, hooks: Sequence[Acceleration], observers: Sequence[Acceleration]
+    ) -> list[str]:
+        """Why a decode step of this batch runs on the layer loop (`step_notes.OffFast`): the mode,
+        or the plug-ins' reasons (`hooks.layer_loop_reasons`), observers, taps the step cannot feed."""
+        if self._mode == "layers":
+            return [OffFast.LAYERS_MODE.value]
+        found = layer_loop_reasons(hooks) + [f"{OffFast.OBSERVER.value} {o.name}" for o in observers]
+        if not found and any(not tap.in_step for tap in ctx.taps):
+            found = [OffFast.ATTENTION_TAP.value]
+        return found
+
+    def shortfall(self, carried: bool) -> list[str]:
+        """Why the fixed-shape step just run was not the fast step its mode asks for: it carried a
+        prefill chunk (run eagerly) where steps are compiled or captured, or a compiled step was
+        asked for and did not run (`step_compiler.StepCompiler.unused` says why). Empty when it was."""
+        if carried and (self.compiler is not None or self.recorder is not None):
+            return [OffFast.PREFILL_CHUNK.value]
+        if self.compiler is not None and not self.compiled:
+            why = ACCELERATED_UNCOMPILED if self.accelerated else self.compiler.unused
+            return [f"{OffFast.UNCOMPILED.value}: {why}"]
+        return []
 
     def applies(
         self,
@@ -523,15 +595,22 @@ class Stepper:
         graph.attention.windowed = windowed
         ids = torch.tensor([f[0] if f else self.pad_id for f in feeds], dtype=torch.long)
         recorded = graph.replay is not None
+        advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         if chunk is not None:
             logits = graph.mixed(ids.to(self.device, non_blocking=True), chunk)
-            self.replayed = self.compiled = False
+            self.replayed = self.compiled = self.accelerated = False
         else:
-            logits = graph(ids.to(self.device, non_blocking=True))
-            self.replayed = graph.replay is not None
+            logits = graph(ids.to(self.device, non_blocking=True), advance, sum(fed))
+            self.replayed = graph.replay is not None or (
+                graph.segments is not None and graph.recorder is not None and graph.runs > WARMUP
+            )
             self.captures += int(self.replayed and not recorded)
-            self.compiled = self.compiler is not None and self.compiler.unused is None
-        advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
+            self.accelerated = graph.accelerated
+            self.compiled = (
+                self.compiler is not None and self.compiler.unused is None and not self.accelerated
+            )
+            for tap in graph.attention.taps:
+                tap.count_step()
         ctx.lens = ctx.lens + advance
         assert ctx.pos_next is not None
         ctx.pos_next = ctx.pos_next + advance

@@ -298,3 +298,27 @@ def test_a_run_that_shared_nothing_says_so(backend: HFBackend) -> None:
     )
     assert result.kv_stats["reasoncache_blocks_sealed"] > 0
     assert any(note.startswith("reasoncache: no block was shared") for note in result.notes), result.notes
+
+
+def test_block_reads_on_the_fast_step_match_the_layer_loop(backend: HFBackend) -> None:
+    """ReasonCache's rows read their blocks on the fixed-shape step (the pool as one more shared
+    segment, masked per row; a changed pool is a new layout): every block reused (random mode,
+    lossy), the same greedy tokens and reuse as on the layer loop, no step on the layer loop."""
+    cfg = ReasonCacheConfig(block_tokens=2, mode="random", random_rate=1.0, seed=1)
+    runs = {}
+    try:
+        for mode in ("layers", "eager"):
+            backend.decode_step = mode
+            session = backend.session(share="exact", accel=Accel(reasoncache=cfg))
+            _every_token_ends_a_step(session, backend)
+            root = session.prefill(backend.encode("A shared question prompt."))
+            kids = session.fork(root, 3)
+            gens = session.extend(kids, DecodeParams(max_tokens=16, temperature=0.0))
+            runs[mode] = ([g.token_ids for g in gens], session.kv_stats().as_dict())
+            session.release([*kids, root])
+    finally:
+        backend.decode_step = "auto"
+    (loop_tokens, loop), (tokens, stats) = runs["layers"], runs["eager"]
+    assert tokens == loop_tokens
+    assert stats["reasoncache_blocks_reused"] == loop["reasoncache_blocks_reused"] > 0
+    assert "decode_steps_layer_loop" not in stats and stats["decode_steps_fixed"] >= 15

@@ -213,3 +213,47 @@ def test_dequantize_per_call_fallback_is_a_note(tiny_llama_dir, monkeypatch) -> 
         f"river: {exits:g} exited forward(s) ran the river's weight-only layers by dequantizing"
     )
     assert "branchwise[gpu]" in note
+
+
+class _Rerun:
+    """A `step.Recorder` for the CPU: a recorded segment "replays" by running again into its output."""
+
+    def __init__(self) -> None:
+        self.records = 0
+
+    def record(self, step):
+        self.records += 1
+        out = step()
+        return (lambda: out.copy_(step())), out
+
+
+@pytest.mark.parametrize("threshold", [-1.0, 0.7])
+def test_exits_on_the_fast_step_match_the_layer_loop(tiny_llama_dir, threshold: float) -> None:
+    """River's exits on the fixed-shape step, as segments with one host read per candidate layer
+    (eager, and recorded segment by segment): the layer loop's greedy tokens (fp32), the same exits
+    at the same layers, and no decode step on the layer loop or off the fast step. At 0.7 the tiny
+    model's steps exit at layer 0, at layer 1 or not at all."""
+    backend = HFBackend(tiny_llama_dir)
+    backend.accel = Accel(river=RiverConfig(threshold=threshold, entry_layer=0))
+    runs = {}
+    for mode, recorder in (("layers", None), ("eager", None), ("eager", _Rerun())):
+        backend.decode_step = mode
+        if recorder is not None:
+            backend.engine.stepper.recorder = recorder
+        backend.reset_stats()
+        root = backend.prefill(backend.encode("What is 12 + 7? Think step by step."))
+        kids = backend.fork(root, 3)
+        backend.extend(kids, DecodeParams(max_tokens=16, min_tokens=16))
+        runs[mode, recorder is not None] = ([backend.tokens(k) for k in kids], backend.kv_stats().as_dict())
+        backend.release([root, *kids])
+    loop_tokens, loop = runs["layers", False]
+    keys = ("river_exits", "river_decode_tokens", "river_decode_backbone_layers")
+    for (mode, recorded), (tokens, stats) in runs.items():
+        assert tokens == loop_tokens, (mode, recorded)
+        assert {k: stats.get(k) for k in keys} == {k: loop.get(k) for k in keys}, (mode, recorded)
+        if mode == "eager":
+            assert "decode_steps_layer_loop" not in stats and "decode_steps_off_fast" not in stats
+            assert stats.get("decode_steps_captured", 0) >= (10 if recorded else 0)
+    # every step exits at the first candidate layer; or some steps exit, at either, and some do not
+    steps = loop["river_forwards"] - loop.get("river_exits", 0)
+    assert loop["river_exits"] > 0 and (steps > 0) is (threshold > 0)

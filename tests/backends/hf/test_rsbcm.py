@@ -114,3 +114,40 @@ def test_copy_broadcast_is_refused_at_construction(tiny_llama_dir) -> None:
     with pytest.raises(ValueError, match=match):
         backend.broadcast = "copy"
     assert backend.broadcast == "cascade"
+
+
+def _masses_and_tokens(backend: HFBackend, mode: str, capacity: int) -> tuple[list, list, dict[str, float]]:
+    """Three branches over a tracked prompt, decoded twice (evictions, if any, between the two) with
+    decode steps in `mode`: each node's attention mass after the first decode, every branch's
+    tokens, and the statistics."""
+    backend.decode_step = mode
+    backend.accel = Accel(rsbcm=RSBCMConfig(capacity_blocks=capacity, block_tokens=4, pin_prompt=False))
+    backend.reset_stats()
+    root = backend.prefill(backend.encode("A shared problem statement about apples and pears."))
+    kids = backend.fork(root, 3)
+    backend.extend(kids, DecodeParams(max_tokens=12, min_tokens=12))
+    plugin = backend.acceleration(rsbcm.RSBCM)
+    assert plugin is not None
+    masses = [plugin.mass[n].clone() for n in (root, *kids)]
+    backend.extend(kids, DecodeParams(max_tokens=8, min_tokens=8))
+    tokens = [backend.tokens(k) for k in kids]
+    stats = backend.kv_stats().as_dict()
+    backend.release([root, *kids])
+    return masses, tokens, stats
+
+
+@pytest.mark.parametrize("capacity", [1000, 6])
+def test_the_fast_step_accumulates_the_layer_loops_mass(tiny_llama_dir, capacity: int) -> None:
+    """RSBCM on the fixed-shape step (its mass from a pass of its own over the step's scores, by
+    log-sum-exp): every node's mass equals the layer loop's (fp32), and so do the tokens, evictions
+    and all; no step on the layer loop."""
+    backend = HFBackend(tiny_llama_dir)
+    loop = _masses_and_tokens(backend, "layers", capacity)
+    fast = _masses_and_tokens(backend, "eager", capacity)
+    for a, b in zip(fast[0], loop[0], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert fast[1] == loop[1]
+    stats = fast[2]
+    assert stats.get("rsbcm_evictions", 0) == loop[2].get("rsbcm_evictions", 0)
+    assert (stats.get("rsbcm_evictions", 0) > 0) is (capacity < 1000)
+    assert "decode_steps_layer_loop" not in stats and stats["decode_steps_fixed"] >= 15

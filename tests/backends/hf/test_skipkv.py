@@ -10,8 +10,9 @@ from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RSBCMConfig, SkipKVConfig, SteeringConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.batch import Batch, Row
-from branchwise.backends.hf.skipkv import SkipKV, Steering
+from branchwise.backends.hf.skipkv import SkipKV
 from branchwise.backends.hf.skipkv_steering import SteeringVector
+from branchwise.backends.hf.step_inputs import Steer
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import beam_search, self_consistency
 
@@ -112,36 +113,33 @@ def test_window_above_budget_is_rejected_naming_both() -> None:
         SkipKVConfig(budget=8, window=9)
 
 
-def test_steering_changes_the_residual_only_at_delimiters(tiny_llama_dir) -> None:
+def test_steering_changes_the_residual_of_the_rows_it_steers_only(tiny_llama_dir) -> None:
+    """A `Steer` on the batch adds `scale * table[idx]` at its layer's input, per row: the row at
+    slot 1 moves by 1.5 v, the row at slot 0 (the zero row) not at all."""
     backend = HFBackend(tiny_llama_dir)
     parts = backend.parts
     layer = 1
     d = parts.embed.embedding_dim
     vector = torch.randn(d, dtype=backend.dtype, device=backend.device)
-    ids = backend.encode("One.\nTwo)\n\nThree: four\nfive")
-    delims = torch.zeros(parts.embed.num_embeddings, dtype=torch.bool, device=backend.device)
-    text_of = [backend.tokenizer.decode([i]) for i in ids]
-    from branchwise.backends.hf.skipkv_sentences import is_delimiter_text
-
-    flags = [is_delimiter_text(t) for t in text_of]
-    assert any(flags) and not all(flags)
-    delims[[i for i, f in zip(ids, flags, strict=True) if f]] = True
+    table = torch.stack([torch.zeros_like(vector), vector])
+    ids = backend.encode("One.\nTwo")
     captured: list[torch.Tensor] = []
     hook = parts.layers[layer].register_forward_pre_hook(lambda _m, args: captured.append(args[0].clone()))
     try:
-        for steer in (None, Steering(layer, vector, delims, torch.tensor([1.5], device=backend.device))):
-            seg = backend.tree.add(None, False, list(ids), backend.tree.accounts.total)
-            batch = Batch.assemble([seg], 0, parts, backend.dtype, backend.device)
-            backend.engine.runner.forward(batch.ctx, [ids], [] if steer is None else [steer])
-            backend.tree.release(seg.id)
+        for steered in (False, True):
+            segs = [backend.tree.add(None, False, list(ids), backend.tree.accounts.total) for _ in range(2)]
+            batch = Batch.assemble(segs, 0, parts, backend.dtype, backend.device)
+            if steered:
+                idx, scale = torch.tensor([1, 0]), torch.tensor([1.5, 1.5])
+                batch.ctx.steer = Steer(layer, table, idx.to(backend.device), scale.to(backend.device))
+            backend.engine.runner.forward(batch.ctx, [ids, ids], [])
+            for seg in segs:
+                backend.tree.release(seg.id)
     finally:
         hook.remove()
-    diff = (captured[1] - captured[0])[0]  # [q, d]
-    for pos, flag in enumerate(flags):
-        if flag:
-            torch.testing.assert_close(diff[pos], 1.5 * vector, atol=1e-5, rtol=1e-5)
-        else:
-            assert diff[pos].abs().max() == 0
+    diff = captured[1] - captured[0]  # [2, q, d]
+    torch.testing.assert_close(diff[0], (1.5 * vector).expand_as(diff[0]), atol=1e-5, rtol=1e-5)
+    assert diff[1].abs().max() == 0
 
 
 def test_adaptive_strength_counts_nonexec_sentences(tiny_llama_dir, tmp_path) -> None:
@@ -162,7 +160,7 @@ def test_adaptive_strength_counts_nonexec_sentences(tiny_llama_dir, tmp_path) ->
     assert got is not None
     expected = [1.0 + 0.5 * t.n_nonexec for t in trackers]
     assert all(t.n_nonexec >= 1 for t in trackers)
-    torch.testing.assert_close(got.strengths, torch.tensor(expected, device=got.strengths.device))
+    torch.testing.assert_close(got.scale, torch.tensor(expected, device=got.scale.device))
     backend.release([root, *kids])
 
 
@@ -284,3 +282,59 @@ def test_per_head_selection_decodes_end_to_end_within_budget(tiny_llama_dir) -> 
     assert backend.kv_stats().extra["skipkv_branch_kv_max"] <= cfg.budget
     backend.release([root, *kids])
     assert backend.kv_stats().bytes_held == 0
+
+
+def _steered_step(backend: HFBackend, fixed: bool) -> torch.Tensor:
+    """One decode step of two rows over their computed prompts, the first steered (slot 1, 2.5 v)
+    and the second not, through the fixed-shape step or the layer loop: its logits."""
+    parts = backend.parts
+    ids = backend.encode("One.\nTwo")
+    vector = torch.linspace(-1.0, 1.0, parts.embed.embedding_dim, dtype=backend.dtype, device=backend.device)
+    table = torch.stack([torch.zeros_like(vector), vector])
+    segs = [backend.tree.add(None, False, list(ids), backend.tree.accounts.total) for _ in range(2)]
+    try:
+        batch = Batch.assemble(segs, 4, parts, backend.dtype, backend.device)
+        backend.engine.runner.forward(batch.ctx, [ids, ids], [])
+        idx, scale = torch.tensor([1, 0]), torch.tensor([2.5, 2.5])
+        batch.ctx.steer = Steer(1, table, idx.to(backend.device), scale.to(backend.device))
+        feeds = [[ids[-1]], [ids[-1]]]
+        if fixed:
+            return backend.engine.stepper.forward(batch.ctx, feeds)
+        return backend.engine.runner.forward(batch.ctx, feeds, [])
+    finally:
+        backend.engine.stepper.forget()
+        for seg in segs:
+            backend.tree.release(seg.id)
+
+
+def test_the_fixed_step_steers_as_the_layer_loop(tiny_llama_dir) -> None:
+    """Steering as step inputs (`batch.Steer`): the fixed-shape step's logits equal the layer
+    loop's in fp32, and the steered row's differ from the unsteered one's (it acted)."""
+    backend = HFBackend(tiny_llama_dir)
+    backend.decode_step = "eager"
+    fixed, loop = _steered_step(backend, True), _steered_step(backend, False)
+    torch.testing.assert_close(fixed, loop, atol=1e-5, rtol=1e-5)
+    assert (fixed[0] - fixed[1]).abs().max() > 1e-3
+
+
+def test_skipkv_decodes_on_the_fast_step_with_the_layer_loops_tokens(tiny_llama_dir, tmp_path) -> None:
+    """SkipKV's eviction, query window and steering on the fixed-shape step: the same greedy tokens
+    as the layer loop (fp32), no step on the layer loop and none off the fast step."""
+    backend = HFBackend(tiny_llama_dir)
+    d = backend.parts.embed.embedding_dim
+    path = tmp_path / "v.pt"
+    SteeringVector(layer=1, vector=torch.linspace(-1, 1, d), n_exec=3, n_nonexec=2, model="tiny").save(path)
+    steer = SteeringConfig(alpha0=4.0, gamma=1.0, vector_path=str(path))
+    backend.accel = Accel(skipkv=SkipKVConfig(budget=6, interval=4, window=2, query_window=4, steering=steer))
+    runs = {}
+    for mode in ("layers", "eager"):
+        backend.decode_step = mode
+        backend.reset_stats()
+        root, kids = _extend(backend, 3, 24)
+        runs[mode] = ([backend.tokens(k) for k in kids], backend.kv_stats().as_dict())
+        backend.release([root, *kids])
+    (loop_tokens, loop_stats), (fast_tokens, stats) = runs["layers"], runs["eager"]
+    assert fast_tokens == loop_tokens
+    assert stats["skipkv_compressions"] >= 3 and stats["decode_steps_fixed"] >= 20
+    assert "decode_steps_layer_loop" not in stats and "decode_steps_off_fast" not in stats
+    assert loop_stats["decode_steps_layer_loop"] >= 20

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from branchwise.backends import DecodeParams
-from branchwise.backends.accel import Accel, SkipKVConfig
+from branchwise.backends.accel import Accel, RiverConfig, SkipKVConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.step import WARMUP
 
@@ -101,10 +101,11 @@ def test_sampled_decode_is_the_same_draw(tiny_llama_dir) -> None:
 
 
 def test_accelerated_runs_use_the_layer_loop_and_count_it(tiny_llama_dir) -> None:
-    """A run with an acceleration plug-in needs the layer loop's hook points: its decode steps go
-    there, counted, so its result can say it ran uncaptured."""
+    """A run with an acceleration plug-in that needs the layer loop's hook points (River's audit,
+    which finishes each exited forward on the backbone too): its decode steps go there, counted,
+    so its result can say they left the fast step."""
     backend = HFBackend(tiny_llama_dir)
-    session = backend.session(accel=Accel(skipkv=SkipKVConfig(budget=64, interval=4)))
+    session = backend.session(accel=Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, audit=True)))
     root = session.prefill(backend.encode(PROMPT))
     kids = session.fork(root, 2)
     session.extend(kids, DecodeParams(max_tokens=6, min_tokens=6))
@@ -144,16 +145,16 @@ def test_captured_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
     assert 1 <= backend.engine.stepper.captures < params.max_tokens // 4
 
 
-def test_uncaptured_steps_are_noted() -> None:
-    """Where steps are captured, a run whose accelerations kept some on the layer loop says so, with
-    the count and the plug-ins that kept them; a run with none says nothing about it."""
+def test_steps_off_the_fast_step_are_noted_once_with_their_reasons() -> None:
+    """A run whose steps left the fast step says so in one note, with the count and each reason's
+    steps; a run with none says nothing about it."""
     accel = Accel(skipkv=SkipKVConfig(budget=64, interval=4))
-    stats = {"decode_steps_uncaptured": 12, "uncaptured_by skipkv": 1, "skipkv_evictions": 3}
-    assert [n for n in accel.notes(stats) if "uncaptured" in n] == [
-        "12 decode steps ran uncaptured through the layer loop, not as CUDA graphs: skipkv need its hook "
-        "points (they act between layers or watch attention)"
+    stats = {"decode_steps_off_fast": 12, "off_fast_by skipkv_reads": 12, "off_fast_by prefill_chunk": 2}
+    assert [n for n in accel.notes({**stats, "skipkv_evictions": 3}) if "fast step" in n] == [
+        "12 decode steps left the fast step (fixed-shape, compiled where asked): prefill_chunk (2), "
+        "skipkv_reads (12)"
     ]
-    assert not [n for n in accel.notes({"decode_steps_layer_loop": 12}) if "uncaptured" in n]
+    assert not [n for n in accel.notes({"decode_steps_fixed": 12}) if "fast step" in n]
 
 
 class Rerun:

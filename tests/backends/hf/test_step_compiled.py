@@ -272,7 +272,7 @@ def test_a_failed_compilation_is_noted_and_the_step_runs_uncompiled(
         and "decode_steps_compiled" not in stats
     )
     (note,) = Accel().notes(stats)
-    assert note.startswith(f"{int(stats['decode_steps_uncompiled'])} decode steps ran uncompiled")
+    assert "decode steps left the fast step" in note and "uncompiled: " in note
     assert "compiling it failed" in note
     assert _compiler(backend).compiles == 0 and _compiler(backend).status()["uncompiled"]
 

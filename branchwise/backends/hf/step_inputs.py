@@ -1,0 +1,77 @@
+"""What accelerations hand the fixed-shape decode step (`step.py`) as inputs, and what it hands them.
+
+Why a module of its own: the step is a function of tensors at fixed addresses (captured once,
+replayed many times), so an acceleration that acts inside a decode step cannot be a hook called
+between layers; it sets inputs on the batch (`batch.BatchContext.steer`, `.exits`) that both the
+step and the layer loop read, and its attention taps are fed what the step's attention reads
+(`StepKeys`). Each is a small, plain record, so the batch, the step and the plug-ins share them
+without importing one another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from branchwise.backends.hf.attention import SharedSegment
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass
+class Steer:
+    """Vectors added to the residual stream entering layer `layer`, one per row, as inputs of a
+    decode step: row b adds `scale[b] * table[idx[b]]`. `table` `[S, d]` is persistent (built once,
+    row 0 all zeros: no steering), `idx` `[B]` long and `scale` `[B]` change every step. Why this
+    shape: the fixed-shape step (`step.py`) reads it as tensors at fixed addresses, so a steered
+    step is the same step, captured once, whichever rows steer (SkipKV's steering, §4.2)."""
+
+    layer: int
+    table: torch.Tensor
+    idx: torch.Tensor
+    scale: torch.Tensor
+
+    def add(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`h` `[b, q, d]` (of batch rows `rows`; None: all) with each row's vector added."""
+        idx, scale = (self.idx, self.scale) if rows is None else (self.idx[rows], self.scale[rows])
+        return h + (self.table[idx] * scale[:, None].to(h.dtype))[:, None, :]
+
+
+class Exits(Protocol):
+    """An early exit the fixed-shape step runs as segments (River's, §4): after each candidate layer
+    (`entry` .. the last but one) one host read of whether every row passes (`passes`); on an exit
+    the rest of the stack runs on `river` (whose layers write the skipped layers' K/V into the same
+    tail slots) and the logits come from `head` (None: the backbone's). One read per candidate
+    layer reached bounds the step's syncs; each segment is captured once. `exited` is told each
+    step's exit layer (None: none) and how many tokens it fed, on the host."""
+
+    @property
+    def entry(self) -> int: ...
+
+    @property
+    def river(self) -> Sequence[nn.Module | None]: ...
+
+    @property
+    def head(self) -> nn.Module | None: ...
+
+    def passes(self, h_in: torch.Tensor, h_out: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool tensor: every row (`fed` [B] tokens each; 0 always passes) may exit here."""
+        ...
+
+    def exited(self, at: int | None, tokens: int) -> None: ...
+
+
+@dataclass
+class StepKeys:
+    """What a decode step's attention reads at one layer, for taps the fixed-shape step feeds:
+    `own` `[B, H_kv, span, D]` each row's tail keys (this step's written), `visible` `[B, span]`
+    which of them each row sees, and the batch's shared segments."""
+
+    own: torch.Tensor
+    visible: torch.Tensor
+    shared: Sequence[SharedSegment]
+    scaling: float

@@ -15,9 +15,10 @@ so later tokens read a complete cache, as on the layer loop.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -95,7 +96,9 @@ class ExitSegments:
     where that one's recording left it."""
 
     def __init__(self, host: SegmentHost, exits: Exits) -> None:
-        self.host = host
+        # by weak reference: the host holds these segments, and a cycle between them would keep an
+        # ended batch's tails alive (and counted against the KV budget) until the next collection
+        self.host = cast(SegmentHost, weakref.proxy(host))
         self.exits = exits
         n = host.parts.n_layers
         self.first = min(max(exits.entry, 0), n - 1)

@@ -167,9 +167,9 @@ def _graph_of(backend: HFBackend, hints: list[str]) -> StepGraph:
     seen: list[StepGraph] = []
     call = StepGraph.__call__
 
-    def spy(self: StepGraph, ids: torch.Tensor) -> torch.Tensor:
+    def spy(self: StepGraph, *args: Any) -> torch.Tensor:
         seen.append(self)
-        return call(self, ids)
+        return call(self, *args)
 
     StepGraph.__call__ = spy  # type: ignore[method-assign]
     try:

@@ -217,7 +217,7 @@ def tails_step(rows: Rows, cascade: bool) -> Step:
         shared=shared,
         n_groups=rows.shapes.heads // rows.shapes.kv_heads,
     )
-    attention = StaticAttention(ctx, rows.lens)
+    attention = StaticAttention(ctx, rows.lens, rows.lens[:, None])  # positions: only a window reads them
     # what `Stepper.span` reads: the slots in use when run eagerly, whole SPAN multiples when recorded
     in_use = max(rows.lens_list) + 1
     attention.span = rows.capacity if rows.lens.device.type == "cuda" else in_use

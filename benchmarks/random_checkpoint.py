@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from branchwise.backends.hf.embedded import (
     MARKER_FILE,
     EmbeddedModelMissing,
     branchwise_cache_dir,
+    built_in_place,
     conversion_stamp,
     embedded_model_dir,
     find_embedded_gguf,
@@ -153,19 +153,10 @@ def build_embedded(cache_dir: Path, source: Path | None, seed: int = 0) -> dict[
         )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # as the conversion writes it
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL}.random-", dir=target.parent))
-    try:
+    with built_in_place(target, tag="random") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         stamp_conversion(tmp, source=str(source), shape=shape, random_weights=True)
-        tmp.chmod(0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"path": str(target), "action": "random", **(conversion_stamp(target) or {})}
 
 
@@ -179,16 +170,9 @@ def build_llama(name: str, out: Path, device: torch.device, dtype: torch.dtype) 
         return {"path": str(out), "action": "kept"}
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
     model = random_llama(name, tokenizer, device, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with built_in_place(out) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     params = sum(p.numel() for p in model.parameters())
     return {
         "path": str(out),

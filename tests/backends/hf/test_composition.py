@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
@@ -26,7 +26,6 @@ from branchwise.backends.accel import Accel, AccelConfig, Examples
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend, plugins
 from branchwise.backends.hf.hooks import Acceleration, Exit, Forward, Host, Setup, needs_layer_loop
-from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path
 from branchwise.reasoners import Reasoner
 from branchwise.strategies import Strategy, beam_search, self_consistency
 
@@ -117,16 +116,8 @@ def check_lossless(backend: HFBackend, registry: type[Accel], names: tuple[str, 
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HFBackend]:
-    """The tiny model, with a steering vector saved where a run looks for the model's own (the
-    examples steer with it), in a cache of this module's own."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("BRANCHWISE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        model = HFBackend(tiny_model_dir("llama"))
-        d = model.parts.embed.embedding_dim
-        vector = SteeringVector(layer=1, vector=torch.full((d,), 0.05), n_exec=2, n_nonexec=1, model="tiny")
-        vector.save(steering_path(model.model_name))
-        yield model
+def backend(steered_backend: HFBackend) -> HFBackend:
+    return steered_backend
 
 
 def test_every_registered_acceleration_declares_its_examples() -> None:

@@ -10,17 +10,14 @@ counters must account for every step that was not the fast one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from branchwise.backends import DecodeParams, Generation
 from branchwise.backends.accel import Accel, RiverConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.hooks import layer_loop_reasons
-from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path
 from branchwise.backends.hf.step import ACCELERATED_UNCOMPILED
 from branchwise.backends.step_notes import OffFast, off_fast_counts, step_notes
 
@@ -28,17 +25,8 @@ PROMPT = "What is 12 + 7? Think step by step."
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HFBackend]:
-    """The tiny model, with a steering vector where a run looks for the model's own (SkipKV's
-    examples steer with it), in a cache of this module's own."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("BRANCHWISE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        model = HFBackend(tiny_model_dir("llama"))
-        d = model.parts.embed.embedding_dim
-        vector = SteeringVector(layer=1, vector=torch.full((d,), 0.05), n_exec=2, n_nonexec=1, model="tiny")
-        vector.save(steering_path(model.model_name))
-        yield model
-        model.decode_step = "auto"
+def backend(steered_backend: HFBackend) -> HFBackend:
+    return steered_backend
 
 
 def _said(stats: dict[str, float], gens: list[Generation], accel: Accel) -> None:

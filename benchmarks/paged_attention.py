@@ -59,7 +59,8 @@ from branchwise.backends.hf import paged_kernels
 from branchwise.backends.hf.attention import SharedSegment, fused_attention
 from branchwise.backends.hf.backend import resolve_device, resolve_dtype
 from branchwise.backends.hf.batch import BatchContext
-from branchwise.backends.hf.step import SPAN, StaticAttention
+from branchwise.backends.hf.step import SPAN
+from branchwise.backends.hf.step_attention import StaticAttention
 
 QUICK = {"batches": [1, 4], "context": 96, "layers": 2, "repeats": 2, "shared": 64, "flex": "off"}
 

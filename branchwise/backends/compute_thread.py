@@ -119,6 +119,9 @@ class ComputeThread:
         another (one timer at a time, re-armed while computations keep coming)."""
         with self._state:
             self._last_active = time.monotonic()
+            if not self._watchers:  # nobody to tell: no timer thread either
+                self._busy = False
+                return
             if not self._busy or self._idle_timer is not None:
                 return
             self._idle_timer = timer = threading.Timer(IDLE_AFTER_S, self._idle_check)
@@ -194,28 +197,33 @@ class ComputeThread:
             task = self._tasks.get()
             if task is None:
                 return
-            done, fn, threads = task
-            if not done.set_running_or_notify_cancel():
-                continue
-            if self._stopping:
-                done.set_exception(ProcessExiting("the process is exiting: the computation was not run"))
-                continue
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-            with self._state:
-                self._running = done
-                self._announce(True)
-            try:
-                result = fn()
-            except BaseException as exc:  # handed back to the caller, whatever it is
-                done.set_exception(exc)
-            else:
-                done.set_result(result)
-            finally:
-                self._running = self._interrupted = None
-            del done, fn  # a traceback or result must not outlive its caller's wait here
+            self._run_one(*task)
+            # (the task's tuple holds the caller's callable and its arguments, a whole backend
+            # while one is built: it must not live on in this frame until the next task comes)
+            del task
             if self._tasks.empty():
                 self._rest()
+
+    def _run_one(self, done: Future[Any], fn: Callable[[], Any], threads: int) -> None:
+        """One task; its callable, result and traceback go with this frame, not kept by the loop."""
+        if not done.set_running_or_notify_cancel():
+            return
+        if self._stopping:
+            done.set_exception(ProcessExiting("the process is exiting: the computation was not run"))
+            return
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        with self._state:
+            self._running = done
+            self._announce(True)
+        try:
+            result = fn()
+        except BaseException as exc:  # handed back to the caller, whatever it is
+            done.set_exception(exc)
+        else:
+            done.set_result(result)
+        finally:
+            self._running = self._interrupted = None
 
     def _forget(self) -> None:
         """In a forked child the thread does not exist: the next call starts a new one."""

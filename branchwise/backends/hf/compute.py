@@ -24,7 +24,8 @@ from branchwise.backends.hf.intake import Intake, alone_chunk, policy_of
 from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.pool import TAIL_SLACK
 from branchwise.backends.hf.segment import Segment
-from branchwise.backends.hf.step import ACCELERATED_UNCOMPILED, Chunk, is_decode_step
+from branchwise.backends.hf.step import ACCELERATED_UNCOMPILED, is_decode_step
+from branchwise.backends.hf.step_attention import Chunk
 from branchwise.backends.step_notes import OFF_FAST, OFF_FAST_BY, off_fast_delta, step_notes
 from branchwise.constraints import Constraint
 

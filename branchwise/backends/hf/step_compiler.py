@@ -105,7 +105,10 @@ class ModelSpec:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-STEP_SOURCES = ("step.py", "attention.py", "batch.py", "arch.py", "prepack.py", "step_worker.py")
+STEP_SOURCES = (
+    "step.py", "step_attention.py", "step_inputs.py", "step_replay.py", "attention.py", "batch.py", "block_pool.py",
+    "arch.py", "prepack.py", "step_worker.py",
+)  # fmt: skip
 """The modules whose code a compiled step was traced from: a compiled step never outlives an edit."""
 
 

@@ -12,7 +12,7 @@ from branchwise.backends.accel import Accel, ReasonCacheConfig, RSBCMConfig, Ski
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.attention import SharedSegment, fused_attention, fused_cascade
-from branchwise.backends.hf.batch import BlockPool
+from branchwise.backends.hf.block_pool import BlockPool
 from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.reasoncache import ReasonCache, StepBoundaries
 from branchwise.backends.hf.reasoncache_filter import (

@@ -1,0 +1,163 @@
+"""The attention of the fixed-shape decode step: each row's new K/V written in place in its tail,
+the tails read over the slots in use under a mask built on the device (`StaticAttention`), and the
+same beside a waiting prompt's chunk carried in the step's forward (`Chunk`, `MixedAttention`).
+
+Why its own module: `step.py` decides which step runs (compiled, recorded, segmented, eager); this
+is what every one of them computes in each layer, and what a compiled step is traced from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from branchwise.backends.hf.attention import Window, exact_attention, fused_cascade
+from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.step_inputs import StepKeys
+
+
+class StaticAttention:
+    """The attention of one fixed-shape step (`attention.AttentionContext`): write each row's new
+    K/V at its length, attend over the tail's first `span` slots under a mask from the lengths, plus
+    the batch's shared segments (one product each for all their rows, merged by log-sum-exp)."""
+
+    def __init__(self, ctx: BatchContext, lens: torch.Tensor, pos: torch.Tensor) -> None:
+        self.ctx = ctx
+        self.lens = lens
+        self.pos = pos
+        self.windowed = False
+        """Whether a query of this step reaches past the model's sliding window (`Stepper.forward`
+        decides it per step on the host: the window's layers then attend through
+        `exact_attention`; a bool, so a compiled step is guarded on it, not on a position)."""
+        self.slots = torch.arange(ctx.capacity, device=lens.device)
+        """The tail slots read, `0 .. span - 1` (at least the longest row's length + 1; see
+        `Stepper.span`): a tensor, so that a compiled step reads the span as a size, not a number
+        it would be specialised on."""
+        self.shared = ctx.read_segments()
+        """What the rows read besides their tails: their ancestors, and the blocks they point at
+        (ReasonCache's pool, read as one more segment masked per row: `batch.BlockPool`)."""
+        self.taps = [tap for tap in ctx.taps if tap.in_step]
+        """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
+        self.grouped = ctx.n_groups > 1
+        """Whether query heads share K/V heads (a bool here, outside any compilation, where sizes
+        are symbolic and SDPA's `enable_gqa` takes no symbolic bool)."""
+        self.bias: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
+        self.visible = self.slots[None, :0]
+        """`[B, span]`: which tail slots each row sees this step (made in `prepare`)."""
+        self.rows = self.slots[:0]
+        """`0 .. B - 1`, the rows' indices for the K/V writes (made in `prepare`, from the lengths:
+        a tensor of its own among a compiled step's inputs would be one more size to specialise
+        on, and it was: each kind compiled twice)."""
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        """The tail's mask, built on the device once per step: slot j is visible to a row's token iff
+        j <= its length (the slot it is written to). Boolean `[B, 1, 1, span]` for one SDPA when no
+        row reads a shared segment, else an additive bias `[B, 1, G, span]` for the cascade."""
+        ctx = self.ctx
+        self.rows = torch.arange(self.lens.shape[0], device=self.lens.device)
+        visible = self.visible = self.slots[None, :] <= self.lens[:, None]
+        if not self.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
+            self.mask = visible[:, None, None, :]
+            return
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        # materialised once per step: the CPU's flash kernel copies a broadcast mask in every layer
+        self.bias = bias[:, None, None, :].expand(-1, 1, ctx.n_groups, -1).contiguous()
+
+    @property
+    def span(self) -> int:
+        return int(self.slots.shape[0])
+
+    @span.setter
+    def span(self, span: int) -> None:
+        if span != self.slots.shape[0]:
+            self.slots = torch.arange(span, device=self.lens.device)
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        ctx = self.ctx
+        tk, tv = ctx.tail_k[layer], ctx.tail_v[layer]
+        # Each row's new K/V at slot `lens[row]`, written in place. An index_put, not a scatter:
+        # a compiled step's mutation of its inputs must be re-done in place by inductor, which it
+        # does for index_put and not for scatter (it then copied every layer's whole tails at
+        # every step, a cost that grew with rows x capacity).
+        tk[self.rows, :, self.lens] = key[:, :, 0]
+        tv[self.rows, :, self.lens] = value[:, :, 0]
+        span = self.slots.shape[0]
+        k_own, v_own = tk[:, :, :span], tv[:, :, :span]
+        if self.taps:
+            keys = StepKeys(k_own, self.visible, self.shared, scaling)
+            for tap in self.taps:
+                tap.on_step(layer, query, keys)
+        windowed = window is not None and self.windowed
+        if softcap is not None or windowed:  # what the fused kernels cannot do (`attention.exact_attention`)
+            spec = None
+            if windowed and window is not None:
+                spec = Window.of(window, ctx.tail_start, self.pos[:, 0], self.lens, 1, span)
+            visible = (self.slots[None, :] <= self.lens[:, None])[:, None, :]
+            return exact_attention(query, k_own, v_own, visible, self.shared, layer, scaling, softcap, spec)[
+                0
+            ]
+        if not self.shared:  # what the layer loop runs for rows without shared ancestors
+            out = F.scaled_dot_product_attention(
+                query, k_own, v_own, attn_mask=self.mask, scale=scaling, enable_gqa=self.grouped
+            )
+            return out.transpose(1, 2)
+        assert self.bias is not None, "attend() before prepare()"
+        return fused_cascade(query, k_own, v_own, self.bias, self.shared, layer, scaling)
+
+
+@dataclass
+class Chunk:
+    """Prompt tokens a decode step carries beside its rows (chunked prefill in one forward): the
+    next `ids` of one waiting prompt, in a batch of their own (`ctx`: the prompt's row, its KV so
+    far in the tail, its ancestors shared)."""
+
+    ctx: BatchContext
+    ids: Sequence[int]
+    logits: torch.Tensor | None = None
+    """The logits after the chunk's last token, once a step has computed it `[V]`."""
+
+
+class MixedAttention:
+    """The attention of a decode step that carries a prefill chunk. The forward runs the rows' tokens
+    and the chunk's as one sequence `[1, B + C]` (every linear layer reads its weights once for
+    both), and attention splits it again: the first B positions are the decoding rows', attended
+    as the fixed-shape step attends them, the last C the chunk's, causal over its own batch."""
+
+    def __init__(self, rows: StaticAttention, chunk: BatchContext) -> None:
+        self.rows = rows
+        self.chunk = chunk
+        self.b = rows.ctx.batch
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        softcap: float | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        b = self.b
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:  # [1, H, B + C, D] -> [B, H, 1, D]
+            return t[0, :, :b].transpose(0, 1).unsqueeze(2)
+
+        out = self.rows.attend(layer, rows_of(query), rows_of(key), rows_of(value), scaling, softcap, window)
+        tail = self.chunk.attend(
+            layer, query[:, :, b:], key[:, :, b:], value[:, :, b:], scaling, softcap, window
+        )
+        return torch.cat([out.transpose(0, 1), tail], dim=1)  # [1, B + C, H, D]

@@ -24,7 +24,12 @@ class RowGrammars:
 
     Each row also keeps room to close its output within its budget (`within_budget`,
     `grammar_close`): `_closing` holds the rest of a closure being forced, `_forced` the rows whose
-    closure was forced (their finish reason is ``length``, however they end)."""
+    closure was forced (their finish reason is ``length``, however they end).
+
+    A tool-call reply is closed by force only until it holds one whole call: a later call the model
+    did not finish is dropped where the reply is read (`toolcalls.split_calls`), as a cut one always
+    was, since closing it would fill in arguments the model never chose (a second call
+    `magic_function(0)` after the model's `magic_function(3)`, seen under a 64-token budget)."""
 
     def __init__(self, grammars: Grammars) -> None:
         self.grammars = grammars
@@ -33,6 +38,8 @@ class RowGrammars:
         self._closing: dict[int, list[int]] = {}
         self._forced: set[int] = set()
         self._unclosable: set[int] = set()
+        self._calls: set[int] = set()  # rows whose constraint is tool calls
+        self._whole: set[int] = set()  # ... of those, the rows that wrote a whole call already
 
     def attach(self, seg_id: int, constraint: Constraint | None, max_tokens: int | None = None) -> None:
         """Constrain the row of segment `seg_id` from its next token on (None: leave it free), fitted
@@ -42,6 +49,8 @@ class RowGrammars:
                 constraint = self.grammars.fit(constraint, max_tokens).constraint
             matcher = xgr.GrammarMatcher(self.grammars.compile(constraint))
             self._matchers[seg_id] = matcher
+            if constraint.kind == "tool_calls":
+                self._calls.add(seg_id)
             if max_tokens is not None:
                 plan = self.grammars.closer().plan(matcher)
                 if plan is None or len(plan) > max_tokens:
@@ -61,7 +70,7 @@ class RowGrammars:
         rest follow at the next steps, whatever is sampled), or an end of sequence when the output is
         whole already. A token the grammar refuses is returned as it is (`accept` ends the row)."""
         matcher = self._matchers.get(seg_id)
-        if matcher is None:
+        if matcher is None or seg_id in self._whole:
             return token
         closing = self._closing.get(seg_id)
         if closing:
@@ -72,6 +81,8 @@ class RowGrammars:
         after = closer.plan(matcher)
         matcher.rollback(1)
         if after is not None and len(after) < room:
+            if not after and seg_id in self._calls:  # a whole call: none after it is forced
+                self._whole.add(seg_id)
             return token
         now = closer.plan(matcher)
         if now is None:  # no closure known: decoded as without a budget, and said once
@@ -154,3 +165,5 @@ class RowGrammars:
         self._closing.pop(seg_id, None)
         self._forced.discard(seg_id)
         self._unclosable.discard(seg_id)
+        self._calls.discard(seg_id)
+        self._whole.discard(seg_id)

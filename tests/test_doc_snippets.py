@@ -166,7 +166,9 @@ CI_RUN = "`.ci/run` runs it verbatim in a brand-new virtualenv with empty caches
 SHELL_NOT_RUN: dict[tuple[str, int], str] = {
     (README, 0): f"the quick start's main command, installs from PyPI: {CI_RUN}",
     (README, 1): f"the quick start's install and whole test suite (this file included): {CI_RUN}",
-    (README, 2): "downloads Qwen2.5-1.5B-Instruct (about 3 GB) from the hub",
+    (README, 2): "downloads Qwen2.5-1.5B-Instruct (about 3 GB) from the hub, and Qwen2.5-Coder-0.5B "
+    "(about 500 MB) from the package index (`tests/backends/hf/test_packaged.py` tests the build "
+    "with pip and the conversion stood in for)",
     (PERFORMANCE, 0): "installs torch's CUDA build and the extras from PyPI (a network, minutes)",
     ("docs/INTEGRATIONS.md", 0): "installs from PyPI (a network); the suite's environment has the "
     "extra, `.[all]`",

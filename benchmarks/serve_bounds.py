@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx
 from _common import BenchParser, emit, set_threads
+from serve_load import _free_port, _stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,12 +52,6 @@ QUICK = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
     """`branchwise serve` on `port` at the probe's budget; its stderr goes to a file (read back if
     it exits early)."""
@@ -66,42 +60,11 @@ def _start(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
     cmd += ["--max-queued-rows", str(max(args.requests, 1))]
     if args.model:
         cmd += ["--model", args.model]
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed with its server (`_stop`)
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - closed with its server (`serve_load._stop`)
     env = None if not args.threads else {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, env=env)
     proc.log = log  # type: ignore[attr-defined]
     return proc
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    proc.log.close()  # type: ignore[attr-defined]
-
-
-async def _ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
-    """Wait for /health 200 (a starting server answers 503); the server's log if it exits first."""
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=5) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                log = proc.log  # type: ignore[attr-defined]
-                log.seek(0)
-                raise SystemExit(
-                    f"branchwise serve exited ({proc.returncode}): {log.read().decode()[-3000:]}"
-                )
-            try:
-                if (await client.get(f"{url}/health")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.2)
-    raise SystemExit(f"branchwise serve did not answer /health within {timeout_s:.0f} s")
 
 
 class Sampler:
@@ -242,7 +205,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     proc = _start(args, port)
     try:
-        asyncio.run(_ready(proc, url, 600.0))
+        wait_healthy(proc, url, 600.0, "branchwise serve")  # a starting server answers 503
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         results = asyncio.run(probe(args, url))
     finally:

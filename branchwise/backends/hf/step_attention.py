@@ -105,7 +105,8 @@ class StaticAttention:
             spec = None
             if windowed and window is not None:
                 spec = Window.of(window, ctx.tail_start, self.pos[:, 0], self.lens, 1, span)
-            visible = (self.slots[None, :] <= self.lens[:, None])[:, None, :]
+            # the step's own mask (`prepare`), not built again in every windowed or soft-capped layer
+            visible = self.visible[:, None, :]
             return exact_attention(query, k_own, v_own, visible, self.shared, layer, scaling, softcap, spec)[
                 0
             ]

@@ -182,8 +182,7 @@ def allocated_bytes(pool: KVPool) -> int:
             add(block.keys)
             add(block.values)
     for ctx in list(pool._batches.values()):
-        add(ctx.tail_k)
-        add(ctx.tail_v)
+        add(ctx.kv.tensors())
         if ctx.pool is not None:
             add(ctx.pool.keys)
             add(ctx.pool.values)

@@ -55,6 +55,7 @@ import torch
 from _common import BenchParser, emit, set_threads
 
 from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.own_kv import Tails
 from branchwise.backends.hf.pool import TAIL_SLACK
 
 QUICK = {"requests": 6, "prompt": 64, "min_tokens": 16, "max_tokens": 128, "budget_mib": 100.0}
@@ -68,9 +69,7 @@ def next_capacity(capacity: int, needed: int, grow_min: int, grow_limit: int) ->
     """The tails' capacity once grown to hold `needed` slots per row: `BatchContext.next_capacity`
     itself, on an empty tail of that capacity."""
     empty = [torch.empty(0, 0, capacity, 0)]
-    ctx = BatchContext(
-        tail_k=empty, tail_v=empty, lens=torch.zeros(0), grow_min=grow_min, grow_limit=grow_limit
-    )
+    ctx = BatchContext(kv=Tails(empty, empty), lens=torch.zeros(0), grow_min=grow_min, grow_limit=grow_limit)
     return ctx.next_capacity(needed)
 
 

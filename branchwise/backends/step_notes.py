@@ -34,6 +34,10 @@ class OffFast(str, Enum):
     """An attention tap that no plug-in declared."""
     PREFILL_CHUNK = "prefill_chunk"
     """The step carried a prompt's chunk (its length varies): run uncompiled and uncaptured."""
+    PAGES_COPIED = "pages_copied"
+    """The batch keeps its rows' KV in pages, and this step read a gathered copy of them instead of
+    reading them in place (`pages_copied: <why>`: no paged kernel here, a tap, a soft-capped or
+    windowed layer)."""
     UNCOMPILED = "uncompiled"
     """A compiled step was asked for and did not run (`uncompiled: <why>`: its kind compiling in the
     background, a failed compilation, a batch its guards refused)."""

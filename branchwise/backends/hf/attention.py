@@ -223,6 +223,23 @@ def fused_cascade(
         o, lse = o.reshape(b, h_kv, gq, d), lse.reshape(b, h_kv, gq)
     else:
         o, lse = fused_attention(qg, k_own, v_own, scaling, mask=own_mask)
+    o, lse = merge_shared(qg, o, lse, shared, layer, scaling)
+    return o.reshape(b, h, q_len, d).transpose(1, 2)
+
+
+def merge_shared(
+    qg: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    shared: Sequence[SharedSegment],
+    layer: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' attention over their own KV (`o` `[B, H_kv, G·q, D]` and its log-sum-exp `lse`
+    `[B, H_kv, G·q]`, for queries `qg` stacked the same way) merged with each shared segment's, each
+    segment read once for all its rows: whatever read the own KV (a rectangle of tails, or pages in
+    place), the shared part is the same."""
+    h_kv, gq, d = qg.shape[1:]
     for seg in shared:
         ks, vs = seg.keys[layer], seg.values[layer]
         q_rows = qg if seg.rows is None else qg.index_select(0, seg.rows)
@@ -240,7 +257,7 @@ def fused_cascade(
         else:
             om, lm = _merge_lse(o.index_select(0, seg.rows), lse.index_select(0, seg.rows), os_, ls)
             o, lse = o.index_copy(0, seg.rows, om), lse.index_copy(0, seg.rows, lm)
-    return o.reshape(b, h, q_len, d).transpose(1, 2)
+    return o, lse
 
 
 def _merge_lse(

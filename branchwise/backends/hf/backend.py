@@ -53,6 +53,7 @@ from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
 from branchwise.backends.hf.engine import Engine, check_broadcast
 from branchwise.backends.hf.grammar import BudgetFit
 from branchwise.backends.hf.hooks import Acceleration
+from branchwise.backends.hf.own_kv import KVLayout, check_layout, default_layout
 from branchwise.backends.hf.packaged import packaged_model_dir
 from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
@@ -147,6 +148,7 @@ class HFBackend:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prepack: bool = True,
         decode_step: StepMode = "auto",
+        kv_layout: KVLayout | None = None,
     ) -> None:
         dev = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -172,6 +174,7 @@ class HFBackend:
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
         self.decode_step = decode_step
+        self.kv_layout = default_layout() if kv_layout is None else kv_layout
 
     @classmethod
     def from_model(
@@ -186,6 +189,7 @@ class HFBackend:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prepack: bool = True,
         decode_step: StepMode = "auto",
+        kv_layout: KVLayout | None = None,
     ) -> HFBackend:
         """Wrap an already loaded model (tests, notebooks) without reloading it. With `prepack`,
         its linear layers are packed in place (see `prepack.py`): the model is changed."""
@@ -197,6 +201,7 @@ class HFBackend:
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
         self.decode_step = decode_step
+        self.kv_layout = default_layout() if kv_layout is None else kv_layout
         return self
 
     @on_compute_thread
@@ -413,6 +418,18 @@ class HFBackend:
     def broadcast(self, value: Broadcast) -> None:
         check_broadcast(value, self._default.plugins)  # e.g. RSBCM needs 'cascade'
         self.engine.broadcast = value
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """How decode batches hold their rows' own KV (`own_kv.py`): ``tails`` (a rectangle per
+        batch, every row padded to the longest) or ``pages`` (16-token pages and a block table per
+        row, read in place by the decode step on a CPU). Default: `$BRANCHWISE_KV_LAYOUT`, else
+        ``tails``."""
+        return self.engine.kv_layout
+
+    @kv_layout.setter
+    def kv_layout(self, value: KVLayout) -> None:
+        self.engine.kv_layout = check_layout(value)
 
     def acceleration(self, kind: type[A]) -> A | None:
         """The default session's instance of an acceleration (its state, its build), or None."""

@@ -30,6 +30,7 @@ from branchwise.backends.hf.attention import (
     fused_cascade,
 )
 from branchwise.backends.hf.block_pool import BlockPool
+from branchwise.backends.hf.own_kv import BLOCK, KVLayout, OwnKV, Pages, Tails
 from branchwise.backends.hf.segment import Block, Segment
 from branchwise.backends.hf.step_inputs import Exits, Steer, StepKeys
 from branchwise.backends.hf.tree import KVTree
@@ -102,14 +103,14 @@ class AttentionTap:
 class BatchContext:
     """Per-batch KV state the attention function reads and writes, layer by layer.
 
-    `tail_k[l]` / `tail_v[l]` are `[B, H_kv, cap, D]` buffers holding each row's own tokens, right
-    padded; `lens[b]` is how many of them are valid before the current forward. `begin(q)` prepares
-    the masks and write positions for a forward of `q` new tokens per row (padded rows feed dummies
-    whose outputs are discarded and whose slots are later overwritten).
+    `kv` holds each row's own tokens (`own_kv.py`: rectangular tails or pages; "tail" below means
+    a row's own slots in either); `lens[b]` is how many of them are valid before the current
+    forward. `begin(q)` prepares the masks and write positions for a forward of `q` new tokens per
+    row (padded rows feed dummies whose outputs are discarded and whose slots are later
+    overwritten).
     """
 
-    tail_k: list[torch.Tensor]
-    tail_v: list[torch.Tensor]
+    kv: OwnKV
     lens: torch.Tensor  # [B] long
     shared: list[SharedSegment] = field(default_factory=list)
     pos_next: torch.Tensor | None = None  # [B] logical position of each row's next token
@@ -149,12 +150,12 @@ class BatchContext:
 
     @property
     def capacity(self) -> int:
-        return int(self.tail_k[0].shape[2])
+        return self.kv.capacity
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the tail buffers (transient: they live as long as the batch)."""
-        return sum(t.nbytes for t in self.tail_k) * 2
+        """Bytes of the rows' own KV storage (transient: it lives as long as the batch)."""
+        return self.kv.nbytes
 
     def begin(self, q_len: int) -> None:
         """Prepare masks and write positions for a forward of `q_len` tokens per row."""
@@ -178,11 +179,16 @@ class BatchContext:
         self._write_idx = None if self._uniform is not None else limit  # [B, q]
 
     def make_room(self, q_len: int) -> int:
-        """Grow the tails (amortised) so every row can take `q_len` more tokens; returns the slots
-        the longest row will then use."""
-        total = int(self.lens.max()) + q_len
-        if total > self.capacity:
-            self._grow(total)
+        """Grow the tails (amortised) so every row can take `q_len` more tokens (pages: give each
+        row the pages that needs); returns the slots the longest row will then use."""
+        lens = self.lens.tolist()
+        total = max(lens) + q_len
+        grown = total > self.capacity
+        capacity = self.next_capacity(total) if grown else self.capacity
+        self.kv.fit(lens, q_len, capacity)
+        if grown:
+            for tap in self.taps:
+                tap.grow(capacity)
         return total
 
     def grow_by(self) -> int:
@@ -197,24 +203,9 @@ class BatchContext:
             grown = min(grown, self.grow_limit)
         return max(needed, grown)
 
-    def _grow(self, needed: int) -> None:
-        new_cap = self.next_capacity(needed)
-        # plain tensors, like the tails a batch is assembled with, though this runs inside a
-        # forward: a compiled step checks which kind its inputs are, and recompiles for the other
-        with torch.inference_mode(False):
-            for layer in range(len(self.tail_k)):
-                for buf in (self.tail_k, self.tail_v):
-                    old = buf[layer]
-                    new = old.new_zeros(old.shape[0], old.shape[1], new_cap, old.shape[3])
-                    new[:, :, : old.shape[2]] = old
-                    buf[layer] = new
-        for tap in self.taps:
-            tap.grow(new_cap)
-
     def select_rows(self, keep: torch.Tensor, row_map: dict[int, int]) -> None:
         """Drop batch rows not in `keep` (a long tensor of old row indices, in order)."""
-        self.tail_k = [t.index_select(0, keep) for t in self.tail_k]
-        self.tail_v = [t.index_select(0, keep) for t in self.tail_v]
+        self.kv.select_rows(keep)
         self.lens = self.lens.index_select(0, keep)
         # per-forward state too: rows can leave between layers (early exits)
         if self._own_mask is not None:
@@ -250,10 +241,7 @@ class BatchContext:
         """
         kept = int(index.numel())
         self.tail_start = None  # slots no longer follow positions
-        with torch.inference_mode():  # a write that needs no autograd record
-            for buffers in (self.tail_k, self.tail_v):
-                for t in buffers:
-                    t[pos, :, start : start + kept] = t[pos, :, index]
+        self.kv.move(pos, start, index, kept)
         for tap in self.taps:
             tap.move_slots(pos, start, index)
         lens = self.lens.clone()
@@ -269,11 +257,7 @@ class BatchContext:
                 raise ValueError(f"{type(tap).__name__} keeps per-slot state: no per-head eviction under it")
         kept = int(index.shape[-1])
         self.tail_start = None  # slots no longer follow positions
-        with torch.inference_mode():
-            for buffers in (self.tail_k, self.tail_v):
-                for t, idx in zip(buffers, index, strict=True):
-                    rows = idx.to(t.device)[..., None].expand(-1, -1, t.shape[-1])
-                    t[pos, :, start : start + kept] = t[pos].gather(1, rows)
+        self.kv.move(pos, start, index, kept)
         lens = self.lens.clone()
         lens[pos] = start + kept
         self.lens = lens
@@ -300,21 +284,17 @@ class BatchContext:
         A soft-capped layer, or a sliding window some query reaches past, attends through
         `exact_attention`.
         """
-        tk, tv = self.tail_k[layer], self.tail_v[layer]
         q_len = self.q_len
         for tap in self.taps:
             tap.on_query(layer, query, q_len)
         if self._uniform is not None:
-            start = self._uniform
-            tk[:, :, start : start + q_len] = key
-            tv[:, :, start : start + q_len] = value
+            self.kv.write_from(layer, key, value, self._uniform)
         else:
-            rows = torch.arange(self.batch, device=key.device)[:, None]
-            tk[rows, :, self._write_idx] = key.transpose(1, 2)
-            tv[rows, :, self._write_idx] = value.transpose(1, 2)
+            assert self._write_idx is not None
+            self.kv.write(layer, key, value, self._write_idx)
         assert self._own_mask is not None and self._own_mask_g is not None, "attend() before begin()"
         total = self._own_mask.shape[-1]
-        k_own, v_own = tk[:, :, :total], tv[:, :, :total]
+        k_own, v_own = self.kv.read(layer, total)
         want_weights = any(tap.wants_weights for tap in self.taps)
         shared = self.read_segments()
         if window is not None and self._reach is None:  # a host read, only for a model with a window
@@ -379,6 +359,7 @@ class Batch:
         copy_tokens: int = 0,
         limit: int | None = None,
         reserve: Callable[[int], None] | None = None,
+        layout: KVLayout = "tails",
     ) -> Batch:
         """Rows for `segs`: each row's own KV in its tail (with `extra` free slots), ancestors shared.
 
@@ -393,7 +374,8 @@ class Batch:
 
         `limit` feeds (and makes room for) at most that many pending tokens per row: one chunk of a
         long prompt (chunked prefill), the rest left pending. `reserve` is told the tails' bytes
-        before they are allocated (the KV budget may refuse them).
+        before they are allocated (the KV budget may refuse them). `layout` is how the rows' own
+        KV is held (`own_kv.py`): in pages, the free slots ahead cost nothing until written.
         """
         rows = [Row(seg=s, kv_len=s.kv_tokens, computed=s.n_computed) for s in segs]
         b = len(rows)
@@ -413,23 +395,26 @@ class Batch:
         feeds = [s.pending if limit is None else s.pending[:limit] for s in segs]
         # the first forward pads every row's feed to the longest (`BatchContext.begin`): room for
         # that, or it would grow every row's tail by `grow_by` slots before the budget is asked
-        cap = max(lens) + max(len(f) for f in feeds) + extra
-        shape = (b, parts.n_kv_heads, max(cap, 1), parts.head_dim)
+        fed = max(len(f) for f in feeds)
+        cap = max(max(lens) + fed + extra, 1)
+        shape = (b, parts.n_kv_heads, cap, parts.head_dim)
+        slots = b * cap if layout == "tails" else sum(-(-(n + fed) // BLOCK) * BLOCK for n in lens)
         if reserve is not None:
             itemsize = torch.tensor([], dtype=dtype).element_size()
-            reserve(2 * parts.n_layers * math.prod(shape) * itemsize)
-        # zeros, not empty: masked slots still enter the products (0 * NaN garbage would be NaN)
-        tail_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(parts.n_layers)]
-        tail_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(parts.n_layers)]
+            reserve(2 * parts.n_layers * slots * math.prod(shape[1::2]) * itemsize)
+        kv: OwnKV
+        if layout == "tails":
+            kv = Tails.zeros(shape, parts.n_layers, dtype, device)
+        else:
+            kv = Pages(parts.n_layers, parts.n_kv_heads, parts.head_dim, b, dtype, device)
+            kv.fit(lens, fed, cap)
         for i, (r, chain) in enumerate(zip(rows, chains, strict=True)):
             at = 0
             for piece in [*chain, r.seg]:
                 n = r.kv_len if piece is r.seg else piece.kv_tokens
                 if n:
                     assert piece.keys is not None and piece.values is not None
-                    for layer in range(parts.n_layers):
-                        tail_k[layer][i, :, at : at + n] = piece.keys[layer]
-                        tail_v[layer][i, :, at : at + n] = piece.values[layer]
+                    kv.load(i, at, piece.keys, piece.values)
                 at += n
         groups: dict[int, tuple[Segment, list[int]]] = {}
         for i, r in enumerate(rows):
@@ -448,8 +433,7 @@ class Batch:
             if anc.kv_tokens  # a segment emptied by eviction has nothing left to attend to
         ]
         ctx = BatchContext(
-            tail_k=tail_k,
-            tail_v=tail_v,
+            kv=kv,
             lens=torch.tensor(lens, device=device),
             shared=shared,
             n_groups=parts.n_heads // parts.n_kv_heads,
@@ -469,7 +453,8 @@ class Batch:
     def pool(self) -> BlockPool:
         """The batch's block pool (made on first use)."""
         if self.ctx.pool is None:
-            self.ctx.pool = BlockPool.empty(self.ctx.tail_k[0], len(self.ctx.tail_k), self.ctx.batch)
+            kv = self.ctx.kv
+            self.ctx.pool = BlockPool.empty(kv.like(), len(kv.tensors()) // 2, self.ctx.batch)
         return self.ctx.pool
 
     def own_kv(
@@ -478,8 +463,7 @@ class Batch:
         """Views `[H_kv, n, D]` per layer of the row's own KV slots `first .. last` (relative to its own
         KV; `last` None: all it holds): read them, or clone what must outlive the batch."""
         end = row.kv_len if last is None else last
-        a, b = row.tail_start + first, row.tail_start + end
-        return [t[pos, :, a:b] for t in self.ctx.tail_k], [t[pos, :, a:b] for t in self.ctx.tail_v]
+        return self.ctx.kv.row(pos, row.tail_start + first, row.tail_start + end)
 
     def seal(self, tree: KVTree, pos: int, row: Row, slot: int, n: int) -> Block:
         """Copy `n` own KV slots of a row (from `slot`, relative to its own KV) into a new block.
@@ -537,11 +521,13 @@ class Batch:
 
         Why: a capture copies the row's KV while the tails still hold it, so for a moment a prompt's
         whole KV is held twice, over a budget that priced it once (a long prompt's last chunk)."""
-        ctx = self.ctx
-        if ctx.batch != 1 or row.tail_start or ctx.pool is not None or row.kv_len != ctx.capacity:
+        ctx, kv = self.ctx, self.ctx.kv
+        if not isinstance(kv, Tails) or ctx.batch != 1 or row.tail_start or ctx.pool is not None:
             return False
-        keys, values = [t[0] for t in ctx.tail_k], [t[0] for t in ctx.tail_v]
-        ctx.tail_k[:], ctx.tail_v[:] = [], []
+        if row.kv_len != ctx.capacity:
+            return False
+        keys, values = [t[0] for t in kv.keys], [t[0] for t in kv.values]
+        kv.clear()
         tree.set_kv(row.seg, keys, values)
         row.seg.n_computed = row.computed
         row.captured = True

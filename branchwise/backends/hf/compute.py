@@ -24,7 +24,7 @@ from branchwise.backends.hf.intake import Intake, alone_chunk, policy_of
 from branchwise.backends.hf.ledger import Ledger
 from branchwise.backends.hf.pool import TAIL_SLACK
 from branchwise.backends.hf.segment import Segment
-from branchwise.backends.hf.step import ACCELERATED_UNCOMPILED, is_decode_step
+from branchwise.backends.hf.step import is_decode_step
 from branchwise.backends.hf.step_attention import Chunk
 from branchwise.backends.step_notes import OFF_FAST, OFF_FAST_BY, off_fast_delta, step_notes
 from branchwise.constraints import Constraint
@@ -147,6 +147,7 @@ class Computation:
             self.device,
             engine.broadcast,
             copy_tokens,
+            layout=engine.kv_layout,
             # free slots ahead are refused where they would not fit (`KVPool.reserve_tails`)
             reserve=functools.partial(
                 engine.pool.reserve_tails,
@@ -230,7 +231,7 @@ class Computation:
             self.stats.bump("decode_steps_compiled")
         else:
             self.stats.bump("decode_steps_uncompiled")
-            why = ACCELERATED_UNCOMPILED if self.engine.stepper.accelerated else compiler.unused
+            why = self.engine.stepper.uncompilable or compiler.unused
             self.stats.extra[f"uncompiled_by {why}"] = 1.0
 
     def _count_layer_loop_step(self, batch: Batch, observers: Sequence[Acceleration]) -> None:

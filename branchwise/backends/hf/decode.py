@@ -369,10 +369,15 @@ def decode(
             admitted = list(run.admit(len(alive)))
             if admitted:
                 break
+        if ctx.kv.frees_rows:  # an ended row's pages go back now, for the rows still decoding
+            for pos, ri in enumerate(present):
+                if rows[ri].finish is not None and not rows[ri].captured:
+                    capture(pos, rows[ri])
+                    ctx.kv.release(pos)
         dead = len(present) - len(alive)
         if evict or (dead and dead * 4 >= len(present)):  # compact: ended rows leave the batch
             for pos, ri in enumerate(present):
-                if rows[ri].finish is not None:
+                if rows[ri].finish is not None and not rows[ri].captured:
                     capture(pos, rows[ri])
             keep = [
                 pos for pos, ri in enumerate(present) if rows[ri].finish is None and not rows[ri].preempted

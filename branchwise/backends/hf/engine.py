@@ -20,6 +20,7 @@ from branchwise.backends.hf.arch import DecoderParts, kv_bytes_per_token
 from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, Builds
+from branchwise.backends.hf.own_kv import KVLayout
 from branchwise.backends.hf.pace import PrefillPace
 from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.runner import Runner
@@ -74,6 +75,8 @@ class Engine:
     """Whether the model's linear layers were packed (`prepack.py`): the step compiler's worker
     packs its copy alike."""
     broadcast: Broadcast = "cascade"
+    kv_layout: KVLayout = "tails"
+    """How decode batches hold their rows' own KV (`own_kv.py`)."""
     tree: KVTree = field(default_factory=KVTree)
     lock: threading.RLock = field(default_factory=threading.RLock)
     builds: Builds = field(default_factory=Builds)

@@ -360,7 +360,7 @@ class Intake:
             worst += pool.row_slots(final, cap) + r.tail_start
             held += r.seg.kv_tokens
         if alive and self.batch is not None:
-            held += len(alive) * self.batch.ctx.capacity
+            held += self.batch.ctx.kv.slots_held(len(alive))
         self._running_reserved = max(worst - held, 0) * tb
         self._reserve()
         if pool.budget is None:
@@ -526,15 +526,16 @@ class Intake:
         return out
 
     def _growth(self, alive: list[Row]) -> int:
-        """Bytes the batch's tail buffers grow by at the next step (when a row reaches their end,
-        they grow for every row at once: `BatchContext._grow`)."""
+        """Bytes the batch's own KV storage grows by at the next step (tails: when a row reaches
+        their end, for every row at once, ended ones not yet compacted too; pages: when the free
+        pages do not cover the rows that start a page: `BatchContext.make_room`)."""
         ctx = None if self.batch is None else self.batch.ctx
         if ctx is None or not alive:
             return 0
-        needed = int(ctx.lens.max()) + 1
-        if needed <= ctx.capacity:  # every row's tail, ended ones not yet compacted too
-            return 0
-        return ctx.batch * (ctx.next_capacity(needed) - ctx.capacity) * self.pool.token_bytes
+        lens = ctx.lens.tolist()
+        needed = max(lens) + 1
+        capacity = ctx.next_capacity(needed) if needed > ctx.capacity else ctx.capacity
+        return ctx.kv.growth(lens, 1, capacity)
 
     @staticmethod
     def _tail_capacity(alive: list[Row]) -> int:

@@ -195,8 +195,7 @@ class KVPool:
         """A batch ended abnormally (its call raised): free its tails now. The exception's traceback
         keeps the decode's frames, and so the batch, alive for as long as a caller keeps the error;
         its buffers must not stay allocated and counted that long."""
-        for bufs in (ctx.tail_k, ctx.tail_v):
-            bufs[:] = []
+        ctx.kv.clear()
         if ctx.pool is not None:
             ctx.pool.keys[:], ctx.pool.values[:] = [], []
         self._batches.pop(id(ctx), None)
@@ -361,8 +360,7 @@ class KVPool:
                 add(block.keys)
                 add(block.values)
         for ctx in self._contexts():
-            add(ctx.tail_k)
-            add(ctx.tail_v)
+            add(ctx.kv.tensors())
             if ctx.pool is not None:
                 add(ctx.pool.keys)
                 add(ctx.pool.values)

@@ -250,7 +250,7 @@ class SkipKV(Acceleration):
         feeds its last sampled token there, one decode query), starting from its carried window."""
         ctx = batch.ctx
         shape = (ctx.batch, self.parts.n_heads, self.cfg.query_window, self.parts.head_dim)
-        window = QueryWindow(ctx.tail_k[0], shape, self.parts.n_layers)
+        window = QueryWindow(ctx.kv.like(), shape, self.parts.n_layers)
         for pos, r in enumerate(batch.rows):
             state = self.states.get(r.seg.id)
             if state is not None and state.window is not None:

@@ -54,6 +54,7 @@ from branchwise.backends.hf.attention import (
 )
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, layer_loop_reasons, needs_layer_loop
+from branchwise.backends.hf.own_kv import Tails
 from branchwise.backends.hf.step_attention import Chunk, MixedAttention, StaticAttention
 from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
 from branchwise.backends.hf.step_inputs import Steer
@@ -77,6 +78,8 @@ ACCELERATED_UNCOMPILED = (
     "an acceleration's step inputs (steering, attention taps, exits, a block pool) are not compiled ahead"
 )
 """Why a step an acceleration reads or feeds runs uncompiled where steps are compiled."""
+PAGES_UNCOMPILED = "a batch whose KV is in pages is not compiled ahead yet"
+"""Why a step of a paged batch (`own_kv.Pages`) runs uncompiled where steps are compiled."""
 At = tuple[Any, AttentionContext]
 """Where a step's layers run: the rotary tables at the tokens' positions (`arch.Rope`), and attention."""
 WARMUP = 1
@@ -145,6 +148,16 @@ class StepGraph:
         taps, pool = bool(self.attention.taps), self.ctx.pool is not None
         return self.steer is not None or taps or pool or self.segments is not None
 
+    @property
+    def uncompilable(self) -> str | None:
+        """Why this layout's steps run uncompiled where steps are compiled (None: they may run
+        compiled once their kind is)."""
+        if self.accelerated:
+            return ACCELERATED_UNCOMPILED
+        if not isinstance(self.ctx.kv, Tails):
+            return PAGES_UNCOMPILED
+        return None
+
     def begin(self) -> torch.Tensor:
         """The first layer's input (the step's attention and rotary prepared; `step_exits.py`)."""
         h = self.parts.embed(self.ids)
@@ -185,7 +198,11 @@ class StepGraph:
         if self.accelerated:  # its hidden states kept for the plug-ins (`hidden`)
             self.hidden = self._hidden()
             return self.parts.logits(self.hidden)
-        if self.compiler is not None and (logits := self.compiler(self)) is not None:
+        if (
+            self.compiler is not None
+            and self.uncompilable is None
+            and (logits := self.compiler(self)) is not None
+        ):
             return logits
         return self.computed()
 
@@ -276,8 +293,7 @@ def from_skeleton(batch: dict[str, Any], parts: DecoderParts, device: torch.devi
     lens = made(batch["lens"])
     assert lens is not None
     ctx = BatchContext(
-        tail_k=tensors(batch["tail_k"]),
-        tail_v=tensors(batch["tail_v"]),
+        kv=Tails(tensors(batch["tail_k"]), tensors(batch["tail_v"])),
         lens=lens,
         shared=[
             SharedSegment(tensors(s["keys"]), tensors(s["values"]), made(s["rows"]), mask=made(s["mask"]))
@@ -343,8 +359,10 @@ class Stepper:
         """Whether the last step was a replay of a recording (else it ran eagerly)."""
         self.compiled = False
         """Whether the last step ran compiled code (replayed or not)."""
-        self.accelerated = False
-        """Whether an acceleration read or fed the last step (`StepGraph.accelerated`)."""
+        self.uncompilable: str | None = None
+        """Why the last step's layout runs uncompiled whatever the compiler has (`StepGraph.uncompilable`)."""
+        self.copied: str | None = None
+        """Why the last step read a gathered copy of its batch's pages (`step_attention.pages_copied`)."""
 
     @property
     def mode(self) -> StepMode:
@@ -406,12 +424,13 @@ class Stepper:
         """Why the fixed-shape step just run was not the fast step its mode asks for: it carried a
         prefill chunk (run eagerly) where steps are compiled or captured, or a compiled step was
         asked for and did not run (`step_compiler.StepCompiler.unused` says why). Empty when it was."""
+        copied = [] if self.copied is None else [f"{OffFast.PAGES_COPIED.value}: {self.copied}"]
         if carried and (self.compiler is not None or self.recorder is not None):
-            return [OffFast.PREFILL_CHUNK.value]
+            return [OffFast.PREFILL_CHUNK.value, *copied]
         if self.compiler is not None and not self.compiled:
-            why = ACCELERATED_UNCOMPILED if self.accelerated else self.compiler.unused
-            return [f"{OffFast.UNCOMPILED.value}: {why}"]
-        return []
+            why = self.uncompilable or self.compiler.unused
+            return [f"{OffFast.UNCOMPILED.value}: {why}", *copied]
+        return copied
 
     def applies(
         self,
@@ -445,21 +464,23 @@ class Stepper:
             graph = self._graph = StepGraph(self.parts, ctx, sig, self.recorder, self.compiler)
         graph.attention.span = span
         graph.attention.windowed = windowed
+        self.copied = graph.attention.copied
         ids = torch.tensor([f[0] if f else self.pad_id for f in feeds], dtype=torch.long)
         recorded = graph.replay is not None
         advance = torch.tensor(fed, dtype=torch.long).to(self.device, non_blocking=True)
         if chunk is not None:
             logits = graph.mixed(ids.to(self.device, non_blocking=True), chunk)
-            self.replayed = self.compiled = self.accelerated = False
+            self.replayed = self.compiled = False
+            self.uncompilable = None
         else:
             logits = graph(ids.to(self.device, non_blocking=True), advance, sum(fed))
             self.replayed = graph.replay is not None or (
                 graph.segments is not None and graph.recorder is not None and graph.runs > WARMUP
             )
             self.captures += int(self.replayed and not recorded)
-            self.accelerated = graph.accelerated
+            self.uncompilable = graph.uncompilable
             self.compiled = (
-                self.compiler is not None and self.compiler.unused is None and not self.accelerated
+                self.compiler is not None and self.compiler.unused is None and self.uncompilable is None
             )
             for tap in graph.attention.taps:
                 tap.count_step()

@@ -13,9 +13,28 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from branchwise.backends.hf.attention import Window, exact_attention, fused_cascade
+from branchwise.backends.hf import paged_kernels
+from branchwise.backends.hf.attention import Window, exact_attention, fused_cascade, merge_shared
 from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.own_kv import Pages
 from branchwise.backends.hf.step_inputs import StepKeys
+
+
+def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
+    """Why a step of this batch cannot read its rows' pages in place (None: it can, or the batch
+    keeps tails): the paged kernel reads float32 and bfloat16 on a CPU, one query per row, nothing
+    for a tap to see (what a tap reads is a rectangle of keys)."""
+    kv = ctx.kv
+    if not isinstance(kv, Pages):
+        return None
+    like = kv.like()
+    if like.device.type != "cpu":
+        return f"no paged decode kernel wired for {like.device.type} (the reference path reads a copy)"
+    if like.dtype not in (torch.float32, torch.bfloat16):
+        return f"the paged decode kernel reads float32 and bfloat16, not {like.dtype}"
+    if taps:
+        return "an acceleration's attention tap reads the keys as a rectangle"
+    return paged_kernels.unavailable_reason()
 
 
 class StaticAttention:
@@ -40,6 +59,10 @@ class StaticAttention:
         (ReasonCache's pool, read as one more segment masked per row: `batch.BlockPool`)."""
         self.taps = [tap for tap in ctx.taps if tap.in_step]
         """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
+        self.copied = pages_copied(ctx, bool(self.taps))
+        """Why this step reads a gathered copy of its rows' pages (None: tails, or pages in place)."""
+        self.in_place = isinstance(ctx.kv, Pages) and self.copied is None
+        """Whether each layer reads the rows' pages where they lie (`paged_kernels.paged_decode`)."""
         self.grouped = ctx.n_groups > 1
         """Whether query heads share K/V heads (a bool here, outside any compilation, where sizes
         are symbolic and SDPA's `enable_gqa` takes no symbolic bool)."""
@@ -47,6 +70,10 @@ class StaticAttention:
         self.mask: torch.Tensor | None = None
         self.visible = self.slots[None, :0]
         """`[B, span]`: which tail slots each row sees this step (made in `prepare`)."""
+        self.at = self.lens[:, None]
+        """`[B, 1]`: the slot each row's new K/V goes to (its length; made in `prepare`)."""
+        self.reach = self.lens.to(torch.int32)
+        """`[B]` int32: the slots each row reads in place, its new one included (`prepare`)."""
         self.rows = self.slots[:0]
         """`0 .. B - 1`, the rows' indices for the K/V writes (made in `prepare`, from the lengths:
         a tensor of its own among a compiled step's inputs would be one more size to specialise
@@ -58,7 +85,11 @@ class StaticAttention:
         row reads a shared segment, else an additive bias `[B, 1, G, span]` for the cascade."""
         ctx = self.ctx
         self.rows = torch.arange(self.lens.shape[0], device=self.lens.device)
+        self.at = self.lens[:, None]
         visible = self.visible = self.slots[None, :] <= self.lens[:, None]
+        if self.in_place:  # the kernel masks by length itself (`visible`: a soft-capped or windowed layer's)
+            self.reach = (self.lens + 1).to(torch.int32)
+            return
         if not self.shared:  # one SDPA over the tails (its kernel picks the grouped heads itself)
             self.mask = visible[:, None, None, :]
             return
@@ -87,20 +118,16 @@ class StaticAttention:
         window: int | None = None,
     ) -> torch.Tensor:
         ctx = self.ctx
-        tk, tv = ctx.tail_k[layer], ctx.tail_v[layer]
-        # Each row's new K/V at slot `lens[row]`, written in place. An index_put, not a scatter:
-        # a compiled step's mutation of its inputs must be re-done in place by inductor, which it
-        # does for index_put and not for scatter (it then copied every layer's whole tails at
-        # every step, a cost that grew with rows x capacity).
-        tk[self.rows, :, self.lens] = key[:, :, 0]
-        tv[self.rows, :, self.lens] = value[:, :, 0]
+        ctx.kv.write(layer, key, value, self.at, self.rows[:, None])  # each row's new K/V at its length
+        windowed = window is not None and self.windowed
+        if self.in_place and softcap is None and not windowed:
+            return self._paged(layer, query, scaling)
         span = self.slots.shape[0]
-        k_own, v_own = tk[:, :, :span], tv[:, :, :span]
+        k_own, v_own = ctx.kv.read(layer, span)
         if self.taps:
             keys = StepKeys(k_own, self.visible, self.shared, scaling)
             for tap in self.taps:
                 tap.on_step(layer, query, keys)
-        windowed = window is not None and self.windowed
         if softcap is not None or windowed:  # what the fused kernels cannot do (`attention.exact_attention`)
             spec = None
             if windowed and window is not None:
@@ -117,6 +144,29 @@ class StaticAttention:
             return out.transpose(1, 2)
         assert self.bias is not None, "attend() before prepare()"
         return fused_cascade(query, k_own, v_own, self.bias, self.shared, layer, scaling)
+
+    def _paged(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention over the rows' pages read in place (output and log-sum-exp per query), merged
+        with the shared segments' by log-sum-exp: `[B, 1, H, D]`."""
+        kv = self.ctx.kv
+        assert isinstance(kv, Pages)
+        b, h, _, d = query.shape
+        out, lse = paged_kernels.paged_decode(
+            query[:, :, 0], kv.keys[layer], kv.values[layer], kv.table, self.reach, scaling
+        )
+        if self.shared:
+            h_kv = kv.keys[layer].shape[1]
+            g = h // h_kv
+            merged, _ = merge_shared(
+                query.reshape(b, h_kv, g, d),
+                out.view(b, h_kv, g, d),
+                lse.view(b, h_kv, g),
+                self.shared,
+                layer,
+                scaling,
+            )
+            out = merged.reshape(b, h, d)
+        return out[:, None]
 
 
 @dataclass

@@ -50,6 +50,7 @@ import transformers
 
 from branchwise.backends.compute_thread import COMPUTE
 from branchwise.backends.hf.embedded import branchwise_cache_dir
+from branchwise.backends.hf.own_kv import Tails
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class ModelSpec:
 
 STEP_SOURCES = (
     "step.py", "step_attention.py", "step_inputs.py", "step_replay.py", "attention.py", "batch.py", "block_pool.py",
-    "arch.py", "prepack.py", "step_worker.py",
+    "arch.py", "prepack.py", "step_worker.py", "own_kv.py", "paged_kernels.py",
 )  # fmt: skip
 """The modules whose code a compiled step was traced from: a compiled step never outlives an edit."""
 
@@ -121,7 +122,7 @@ def mark_sizes(graph: Any) -> None:
     for t in (graph.ids, graph.pos, graph.lens, graph.attention.slots):
         mark(t, 0)
     ctx = graph.ctx
-    for t in (*ctx.tail_k, *ctx.tail_v):
+    for t in ctx.kv.tensors():
         mark(t, 0)
         mark(t, 2)
     for seg in ctx.shared:
@@ -161,9 +162,11 @@ def skeleton(graph: Any) -> dict[str, Any]:
     def keep(t: torch.Tensor | None) -> dict[str, Any] | None:
         return None if t is None else {"data": t.detach().cpu().clone(), "inference": t.is_inference()}
 
+    kv = ctx.kv
+    assert isinstance(kv, Tails), "a paged batch's step is not compiled ahead"
     return {
-        "tail_k": [cut(t, 2, SKELETON_CAPACITY) for t in ctx.tail_k],
-        "tail_v": [cut(t, 2, SKELETON_CAPACITY) for t in ctx.tail_v],
+        "tail_k": [cut(t, 2, SKELETON_CAPACITY) for t in kv.keys],
+        "tail_v": [cut(t, 2, SKELETON_CAPACITY) for t in kv.values],
         "lens": cut(ctx.lens, 0, ctx.batch),
         "pos_next": None if ctx.pos_next is None else cut(ctx.pos_next, 0, ctx.batch),
         "n_groups": ctx.n_groups,

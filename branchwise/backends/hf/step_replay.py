@@ -69,7 +69,7 @@ def signature(ctx: BatchContext) -> tuple[object, ...]:
     )
     steer = None if ctx.steer is None else (ctx.steer.layer, ctx.steer.table.data_ptr())
     inputs = (steer, tuple(id(tap) for tap in ctx.taps if tap.in_step), id(ctx.exits))
-    return (ctx.batch, ctx.capacity, ctx.tail_k[0].data_ptr(), ctx.tail_v[0].data_ptr(), shared, inputs)
+    return (ctx.batch, ctx.kv.signature(), shared, inputs)
 
 
 class SegmentHost(Protocol):

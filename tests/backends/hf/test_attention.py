@@ -7,6 +7,7 @@ import torch
 
 from branchwise.backends.hf.attention import SharedSegment, fused_attention
 from branchwise.backends.hf.batch import AttentionTap, BatchContext
+from branchwise.backends.hf.own_kv import Tails
 
 
 class _WantWeights(AttentionTap):
@@ -87,8 +88,7 @@ def test_cascade_matches_concatenated_keys(
         for s in segments
     ]
     ctx = BatchContext(
-        tail_k=[on(tail_k)],
-        tail_v=[on(tail_v)],
+        kv=Tails([on(tail_k)], [on(tail_v)]),
         lens=on(torch.tensor(lens)),
         shared=placed,
         n_groups=h // h_kv,

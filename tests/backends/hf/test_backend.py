@@ -11,6 +11,7 @@ from branchwise.backends import DecodeParams
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.attention import SharedSegment
 from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.own_kv import Tails
 
 PROMPTS = ["What is 12 + 7?", "Name three colours.", "Count to five:", "The quick brown fox"]
 GREEDY = DecodeParams(max_tokens=10, min_tokens=10)
@@ -170,8 +171,7 @@ def test_cascade_attention_matches_concatenated_keys() -> None:
     tail_v = torch.zeros(b, h_kv, n_own + q, d)
     tail_k[:, :, :n_own], tail_v[:, :, :n_own] = own_k, own_v
     ctx = BatchContext(
-        tail_k=[tail_k],
-        tail_v=[tail_v],
+        kv=Tails([tail_k], [tail_v]),
         lens=torch.full((b,), n_own),
         shared=[SharedSegment([shared_k], [shared_v], None)],
         n_groups=h // h_kv,

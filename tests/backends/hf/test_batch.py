@@ -154,9 +154,9 @@ def test_cascade_puts_own_kv_in_the_tails_and_reads_ancestors_once() -> None:
     assert batch.feeds == [[12], [20], [41], [32]]
     assert ctx.pos_next.tolist() == [8, 6, 10, 2]  # logical: ancestors' tokens + own computed
     assert ctx.capacity == 2 + 1 + 3 and ctx.n_groups == HEADS // KV_HEADS
-    torch.testing.assert_close(ctx.tail_k[1][0, :, :2], n["a"].keys[1])
-    torch.testing.assert_close(ctx.tail_v[0][3, :, :2], n["other"].values[0])
-    assert not ctx.tail_k[0][1].any()  # b holds nothing yet: zeros, never garbage
+    torch.testing.assert_close(ctx.kv.keys[1][0, :, :2], n["a"].keys[1])
+    torch.testing.assert_close(ctx.kv.values[0][3, :, :2], n["other"].values[0])
+    assert not ctx.kv.keys[0][1].any()  # b holds nothing yet: zeros, never garbage
     readers = {s.key: (None if s.rows is None else s.rows.tolist()) for s in ctx.shared}
     assert readers == {n["prompt"].id: [0, 1, 2], n["mid"].id: [2]}
     assert ctx.shared[0].keys[0] is n["prompt"].keys[0]  # read in place, not copied
@@ -181,7 +181,7 @@ def test_copy_broadcast_lays_each_rows_path_in_its_tail(q: int) -> None:
     assert ctx.lens.tolist() == [8, 6, 10, 2]
     for i, seg in enumerate(segs):
         k, _ = _path_kv(seg, 1)
-        torch.testing.assert_close(ctx.tail_k[1][i, :, : k.shape[1]], k)
+        torch.testing.assert_close(ctx.kv.keys[1][i, :, : k.shape[1]], k)
     _check_against_paths(batch, q)
 
 
@@ -249,12 +249,12 @@ def test_tails_grow_when_full_and_keep_what_they_hold() -> None:
     batch = Batch.assemble([n["a"]], extra=0, parts=PARTS, dtype=torch.float32, device=CPU)
     tap = Recorder()
     batch.ctx.taps.append(tap)
-    before = batch.ctx.tail_k[0][0, :, :2].clone()
+    before = batch.ctx.kv.keys[0][0, :, :2].clone()
     assert batch.ctx.capacity == 3
     batch.ctx.lens = torch.tensor([3])  # the row filled its tail
     batch.ctx.begin(2)
     assert batch.ctx.capacity == 3 + 128 and tap.events == [("grow", 131)]
-    torch.testing.assert_close(batch.ctx.tail_k[0][0, :, :2], before)
+    torch.testing.assert_close(batch.ctx.kv.keys[0][0, :, :2], before)
 
 
 def test_rows_leaving_keep_the_rest_reading_the_right_ancestors() -> None:
@@ -294,7 +294,7 @@ def test_capture_writes_back_exactly_the_rows_own_kv() -> None:
         torch.testing.assert_close(c.values[layer][:, 1:], steps[layer][3][1])
     slot = 2 * LAYERS * KV_HEADS * DIM * 4
     assert run.held == held + 2 * slot and tree.accounts.total.held == run.held
-    batch.ctx.tail_k[0].zero_()
+    batch.ctx.kv.keys[0].zero_()
     assert a.keys[0].abs().sum() > 0  # independent tensors: the batch's buffers may go
 
 
@@ -306,11 +306,11 @@ def test_an_eviction_mid_decode_moves_slots_and_positions_stay_logical() -> None
     _forward(batch, 1)
     batch.advance([0, 1], batch.feeds)
     row = batch.rows[0]
-    own = batch.ctx.tail_k[0][0, :, :3].clone()
+    own = batch.ctx.kv.keys[0][0, :, :3].clone()
     batch.keep_own(0, row, torch.tensor([0, 2]))  # evict the row's second slot
     assert row.kv_len == 2 and row.computed == 3 and batch.ctx.lens.tolist() == [2, 3]
     assert tap.events == [("move", (0, 0, [0, 2]))]
-    torch.testing.assert_close(batch.ctx.tail_k[0][0, :, :2], own[:, [0, 2]])
+    torch.testing.assert_close(batch.ctx.kv.keys[0][0, :, :2], own[:, [0, 2]])
     batch.capture(tree, 0, row)
     assert n["a"].kv_tokens == 2 and n["a"].n_computed == 3 and n["a"].position == 9
 
@@ -318,12 +318,12 @@ def test_an_eviction_mid_decode_moves_slots_and_positions_stay_logical() -> None
 def test_evicting_under_copy_broadcast_leaves_the_copied_ancestors_alone() -> None:
     _, _, n = _forest()
     batch = Batch.assemble([n["a"]], extra=0, parts=PARTS, dtype=torch.float32, device=CPU, broadcast="copy")
-    prompt_copy = batch.ctx.tail_k[0][0, :, :6].clone()
+    prompt_copy = batch.ctx.kv.keys[0][0, :, :6].clone()
     row = batch.rows[0]
     batch.keep_own(0, row, torch.tensor([1]))
     assert row.kv_len == 1 and batch.ctx.lens.tolist() == [7]
-    torch.testing.assert_close(batch.ctx.tail_k[0][0, :, :6], prompt_copy)
-    torch.testing.assert_close(batch.ctx.tail_k[0][0, :, 6], n["a"].keys[0][:, 1])
+    torch.testing.assert_close(batch.ctx.kv.keys[0][0, :, :6], prompt_copy)
+    torch.testing.assert_close(batch.ctx.kv.keys[0][0, :, 6], n["a"].keys[0][:, 1])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -337,7 +337,7 @@ def test_pointing_a_row_at_a_sealed_block_changes_nothing_it_attends_to() -> Non
     _forward(batch, 1, seed=5)
     batch.advance([0, 1], batch.feeds)
     row = batch.rows[0]
-    full = [batch.ctx.tail_k[layer][0, :, :3].clone() for layer in range(LAYERS)]
+    full = [batch.ctx.kv.keys[layer][0, :, :3].clone() for layer in range(LAYERS)]
     block = batch.seal(tree, 0, row, slot=0, n=2)
     assert block.refs == 0 and block.owner is run and tree.blocks.live == 1
     torch.testing.assert_close(block.keys[1], full[1][:, :2])
@@ -354,7 +354,7 @@ def test_pointing_a_row_at_a_sealed_block_changes_nothing_it_attends_to() -> Non
     query = torch.randn(2, HEADS, 1, DIM, generator=gen)
     key = torch.randn(2, KV_HEADS, 1, DIM, generator=gen)
     value = torch.randn(2, KV_HEADS, 1, DIM, generator=gen)
-    tail_v = batch.ctx.tail_v[0][0, :, :1].clone()
+    tail_v = batch.ctx.kv.values[0][0, :, :1].clone()
     out = batch.ctx.attend(0, query, key, value, SCALE)
     pk, pv = _path_kv(n["prompt"], 0)
     keys = torch.cat([pk, block.keys[0], full[0][:, 2:], key[0]], 1)

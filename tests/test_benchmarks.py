@@ -326,6 +326,21 @@ def test_compile_ahead_quick() -> None:
             assert row["first_vs_eager"] == round(row["first_s"] / row["eager_s"], 3)
 
 
+@pytest.mark.slow
+def test_first_constrained_quick() -> None:
+    """Two processes on one empty cache folder: the first builds the tokenizer's grammar tables, the
+    second reads them and builds none; every ratio is the quotient of the figures it names."""
+    out = run_quick("first_constrained.py")
+    assert (out["cold"]["tables"]["built"], out["cold"]["tables"]["loaded"]) == (1, 0)
+    assert (out["warm"]["tables"]["built"], out["warm"]["tables"]["loaded"]) == (0, 1)
+    for run in (out["cold"], out["warm"]):
+        assert set(run["rows"]) == {"json_object", "tool_call"}
+        for row in run["rows"].values():
+            assert row["ratio"] == round(row["first_s"] / row["later_s"], 3)
+        waited = [note for row in run["rows"].values() for note in row["notes"] if "grammar tables" in note]
+        assert len(waited) == run["tables"]["waits"]  # each wait said once, in a reply's notes
+
+
 def test_paged_admission_quick() -> None:
     """The replay of a KV budget: every layout decodes the same useful tokens of a workload; each
     throughput is its useful tokens over its steps and each ratio the quotient of the two layouts'

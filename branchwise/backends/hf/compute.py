@@ -277,8 +277,8 @@ class Computation:
             self._batch(segs, None, observers)
             return []
         before = dict(self.stats.extra)
-        gens = self._decode(segs, params, observers, on_step, admit, constraints, row_params)
-        notes = step_notes(off_fast_delta(before, self.stats.extra))
+        gens, waits = self._decode(segs, params, observers, on_step, admit, constraints, row_params)
+        notes = step_notes(off_fast_delta(before, self.stats.extra)) + waits
         for g in gens:  # said once per reply, on every front (`Generation.notes`)
             g.notes = list(notes)
         return gens
@@ -292,8 +292,9 @@ class Computation:
         admit: Admit | None,
         constraints: Sequence[Constraint | None] | None,
         row_params: Sequence[DecodeParams | None] | None,
-    ) -> list[Generation]:
-        """`run`'s decode: `segs` as one batch, joined by what `admit` hands in between steps."""
+    ) -> tuple[list[Generation], list[str]]:
+        """`run`'s decode: `segs` as one batch, joined by what `admit` hands in between steps; with
+        its generations, what its constrained rows waited for (`RowGrammars.notes`)."""
         run = DecodeRun.start(
             params,
             segs,
@@ -353,7 +354,7 @@ class Computation:
                 self._carried = None
             self.engine.stepper.forget()
             intake.finish()
-        return run.generations()
+        return run.generations(), [] if run.grammar is None else run.grammar.notes
 
     def _batch(
         self,

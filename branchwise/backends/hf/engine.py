@@ -18,6 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from branchwise.backends.hf.arch import DecoderParts, kv_bytes_per_token
 from branchwise.backends.hf.batch import Broadcast
+from branchwise.backends.hf.embedded import branchwise_cache_dir
 from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, Builds
 from branchwise.backends.hf.own_kv import KVLayout
@@ -110,7 +111,10 @@ class Engine:
             if hasattr(self.parts.head, "out_features")
             else len(self.tokenizer)
         )
-        self.grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
+        self.grammars = Grammars(
+            self.tokenizer, vocab, self.eos_ids, cache_dir=branchwise_cache_dir() / "grammar"
+        )
+        self.grammars.start()  # the tokenizer's tables, in the background: no first call waits for them
         self.pool = KVPool(self.tree, kv_bytes_per_token(self.parts, self.dtype), copy_tokens=COPY_TOKENS)
         config = self.model.config
         self.max_context = next(

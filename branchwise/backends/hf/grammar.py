@@ -30,6 +30,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import xgrammar as xgr
@@ -44,6 +45,7 @@ from branchwise.backends.hf.grammar_fit import (
     _Fitted,
     _shapes,
 )
+from branchwise.backends.hf.grammar_tables import TablesLoader, TablesStats
 from branchwise.backends.hf.grammar_workers import CompileFailed, CompileProcess, CompileTimedOut, Lane, both
 from branchwise.constraints import Constraint, ConstraintError
 from branchwise.pattern_limits import PatternSize
@@ -98,7 +100,9 @@ class GrammarTimeout(ConstraintError):
 class GrammarStats:
     """Compiles and cache hits of one backend's grammars, the time compiling took, and the compiles
     refused: `timeouts` ran out of time, `refused` were answered from the remembered failures,
-    `in_child` compiled in a `CompileProcess`, `abandoned` overran in a thread (see `Grammars`)."""
+    `in_child` compiled in a `CompileProcess`, `abandoned` overran in a thread (see `Grammars`);
+    `tables`: how the tokenizer's tables came (built or read from the cache) and what waited for
+    them (`grammar_tables`)."""
 
     compiled: int = 0
     cache_hits: int = 0
@@ -108,6 +112,7 @@ class GrammarStats:
     refused: int = 0
     in_child: int = 0
     abandoned: int = 0
+    tables: TablesStats = field(default_factory=TablesStats)
 
 
 COMPILE_WORKERS = 2
@@ -155,6 +160,11 @@ class Grammars:
     is killed, a thread (which cannot be) is abandoned and replaced, and while `COMPILE_WORKERS`
     abandoned threads still run, every compile goes to a child. A constraint that failed, by time or
     because the engine cannot compile it, is remembered and refused at once when asked for again.
+
+    What every grammar of the tokenizer needs (`grammar_tables`: xgrammar's vocabulary table, the
+    closing pieces, the longest token) comes from `_tables`, read from `cache_dir` or built there
+    (None: built, not stored); `start` begins that at the model's load, on a thread of its own, then
+    compiles ``json_object`` ahead too, so that no first call pays for either.
     """
 
     tokenizer: PreTrainedTokenizerBase
@@ -162,15 +172,15 @@ class Grammars:
     eos_ids: set[int]
     stats: GrammarStats = field(default_factory=GrammarStats)
     timeout_s: float = COMPILE_TIMEOUT_S
+    cache_dir: Path | None = None
+    _tables: TablesLoader = field(init=False)
     _compiler: xgr.GrammarCompiler | None = None
-    _info: xgr.TokenizerInfo | None = None
     _cache: dict[str, xgr.CompiledGrammar] = field(default_factory=dict)
     _cached_bytes: int = 0
     _pending: dict[str, Future[xgr.CompiledGrammar]] = field(default_factory=dict)
     _failed: dict[str, tuple[ConstraintError, float]] = field(default_factory=dict)
     _fits: dict[tuple[str, int], BudgetFit] = field(default_factory=dict)
     _warned: set[tuple[str, int]] = field(default_factory=set)
-    _longest: int | None = None
     _closer: Closer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _compiler_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -178,13 +188,25 @@ class Grammars:
     _children: Lane = field(default_factory=lambda: Lane("grammar-child", PROCESS_WORKERS))
     _idle: list[CompileProcess] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self._tables = TablesLoader(
+            self.tokenizer, self.vocab_size, self.eos_ids, self.cache_dir, self.stats.tables
+        )
+
+    def start(self) -> None:
+        """Load or build the tokenizer's tables in the background, then compile ``json_object``
+        (the grammar of every JSON-mode request, whatever its budget: `fit` leaves it as it is)."""
+        self._tables.start(then=lambda: self._precompile(Constraint.of_json_object()))
+
+    def _precompile(self, constraint: Constraint) -> None:
+        self.prepare(constraint)  # its failure is remembered, and said to the request that asks for it
+
+    def take_notes(self) -> list[str]:
+        """What a constrained reply says about waits for the tokenizer's tables (`TablesLoader`)."""
+        return self._tables.take_notes()
+
     def tokenizer_info(self) -> xgr.TokenizerInfo:
-        with self._compiler_lock:  # built once, by whichever thread needs it first
-            if self._info is None:
-                self._info = xgr.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(self.eos_ids)
-                )
-            return self._info
+        return self._tables.get().info
 
     def compiler(self) -> xgr.GrammarCompiler:
         info = self.tokenizer_info()
@@ -194,12 +216,11 @@ class Grammars:
             return self._compiler
 
     def closer(self) -> Closer:
-        """The closing walk over this tokenizer's vocabulary (`grammar_close`), built on first use."""
-        info = self.tokenizer_info()
+        """The closing walk over this tokenizer's vocabulary (`grammar_close`), made on first use."""
+        tables = self._tables.get()
         with self._compiler_lock:
             if self._closer is None:
-                added = set(getattr(self.tokenizer, "added_tokens_decoder", {}))
-                self._closer = Closer(info, {*self.tokenizer.all_special_ids, *added, *self.eos_ids})
+                self._closer = Closer(tables.pieces, tables.info.vocab_size)
             return self._closer
 
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
@@ -377,11 +398,9 @@ class Grammars:
         stored (special tokens included), read once. A stored entry is never shorter than the text
         it decodes to (a byte-level entry has a character per byte; a SentencePiece one writes its
         space as one character), so a text of ``c`` characters takes at least ``c / longest_token``
-        tokens: the bound `fit` uses where the shortest output is too long to tokenize."""
-        if self._longest is None:
-            vocab = self.tokenizer.get_vocab()
-            self._longest = max(1, max((len(t) for t in vocab), default=1))
-        return self._longest
+        tokens: the bound `fit` uses where the shortest output is too long to tokenize (one of the
+        tokenizer's tables: `grammar_tables`)."""
+        return self._tables.get().longest
 
     def fit(self, constraint: Constraint, max_tokens: int, *, warn: bool = True) -> BudgetFit:
         """`constraint` fitted to `max_tokens`, so that a valid output fits where the schema allows.

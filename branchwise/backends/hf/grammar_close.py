@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
-__all__ = ["MAX_CLOSING_STEPS", "Closer"]
+__all__ = ["MAX_CLOSING_STEPS", "Closer", "closing_pieces"]
 
 MAX_CLOSING_STEPS = 512
 """Characters (or forced runs) a closing walk may take before it gives up: far past any closing text
@@ -50,19 +50,26 @@ _FALLBACK = bytes(range(0x21, 0x7F)) + b" \n" + bytes(range(0x80, 0x100))
 above ASCII (a row that stopped inside a multi-byte character needs its continuation bytes)."""
 
 
+def closing_pieces(info: xgr.TokenizerInfo, excluded: set[int]) -> dict[bytes, int]:
+    """The vocabulary entries the closing text is cut into: each entry's bytes (up to `_PIECE_CHARS`)
+    and its first token, leaving out `excluded` (special and added tokens: a grammar never allows
+    their text as one token). Built once per tokenizer (`grammar_tables`): a walk over every token."""
+    pieces: dict[bytes, int] = {}
+    for token, text in enumerate(info.decoded_vocab):
+        if token not in excluded and 0 < len(text) <= _PIECE_CHARS:
+            pieces.setdefault(bytes(text), token)
+    return pieces
+
+
 class Closer:
     """The closing walk (see the module docstring) for one tokenizer's vocabulary.
 
-    `pieces` maps a vocabulary entry's bytes to its token (the plain entries: special and added
-    tokens never, since a grammar never allows their text as one token); every single byte must be
-    one (byte-level and byte-fallback vocabularies are), or `plan` finds no closure."""
+    `pieces` maps a vocabulary entry's bytes to its token (`closing_pieces`); every single byte must
+    be one (byte-level and byte-fallback vocabularies are), or `plan` finds no closure."""
 
-    def __init__(self, info: xgr.TokenizerInfo, excluded: set[int]) -> None:
-        self.pieces: dict[bytes, int] = {}
-        for token, text in enumerate(info.decoded_vocab):
-            if token not in excluded and 0 < len(text) <= _PIECE_CHARS:
-                self.pieces.setdefault(bytes(text), token)
-        self.vocab_size = info.vocab_size
+    def __init__(self, pieces: dict[bytes, int], vocab_size: int) -> None:
+        self.pieces = pieces
+        self.vocab_size = vocab_size
         self._bitmask: torch.Tensor | None = None
 
     def plan(self, matcher: xgr.GrammarMatcher) -> list[int] | None:

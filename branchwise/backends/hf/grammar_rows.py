@@ -40,6 +40,9 @@ class RowGrammars:
         self._unclosable: set[int] = set()
         self._calls: set[int] = set()  # rows whose constraint is tool calls
         self._whole: set[int] = set()  # ... of those, the rows that wrote a whole call already
+        self.notes: list[str] = []
+        """Waits of this call's constrained rows for the tokenizer's tables (`Grammars.take_notes`),
+        said in its replies' notes."""
 
     def attach(self, seg_id: int, constraint: Constraint | None, max_tokens: int | None = None) -> None:
         """Constrain the row of segment `seg_id` from its next token on (None: leave it free), fitted
@@ -62,6 +65,7 @@ class RowGrammars:
                         if plan is None
                         else f"closing its shortest output takes {len(plan)} tokens",
                     )
+            self.notes += self.grammars.take_notes()  # a wait of `fit`, `compile` or `closer` above
 
     def within_budget(self, seg_id: int, token: int, room: int) -> int:
         """The token the row takes instead of `token` (sampled), so that what it leaves open can still

@@ -126,11 +126,14 @@ class Lane:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._threads = 0
+        self._queued = 0  # jobs submitted that no thread took yet
         self._busy: set[int] = set()
         self._stuck: set[int] = set()
         _LANES.add(self)
 
     def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            self._queued += 1
         self._jobs.put(job)
         self._fill()
 
@@ -164,6 +167,7 @@ class Lane:
                 self._fill()  # a job came in just now: a thread must stay for it
                 return
             with self._lock:
+                self._queued -= 1
                 self._busy.add(me)
             try:
                 job()  # jobs settle their own futures and never raise (`Grammars` wraps them)
@@ -184,12 +188,13 @@ class Lane:
             return len(self._busy)
 
     def wait_idle(self, until: float) -> bool:
-        """Wait until no job runs but overrun ones, or `time.monotonic()` passes `until`; whether none
-        does (an overrun job is not waited for: it may run for minutes)."""
+        """Wait until no job runs but overrun ones and none is queued, or `time.monotonic()` passes
+        `until`; whether so (an overrun job is not waited for: it may run for minutes). A queued job
+        counts: a thread that took it during the interpreter's shutdown would run it there."""
         with self._lock:
-            while self._busy - self._stuck and (left := until - time.monotonic()) > 0:
+            while (self._busy - self._stuck or self._queued) and (left := until - time.monotonic()) > 0:
                 self._idle.wait(left)
-            return not self._busy - self._stuck
+            return not (self._busy - self._stuck or self._queued)
 
 
 _LANES: weakref.WeakSet[Lane] = weakref.WeakSet()

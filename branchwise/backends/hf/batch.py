@@ -74,6 +74,10 @@ class AttentionTap:
     """Whether the fixed-shape step can feed it (`on_step` per layer, writing in place, then
     `count_step` once per step on the host): such a tap keeps its batch on the fast step; any other
     keeps it on the layer loop."""
+    reads_keys: bool = True
+    """Whether `on_step` reads the keys (`StepKeys`): a batch in pages then reads a gathered copy
+    of them at each step (`step_attention.pages_copied`); a tap that reads only the queries is
+    given None there, and the pages are read in place."""
 
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         """Post-RoPE queries `[B, H, q, D]` of layer `layer`, before attention."""
@@ -81,9 +85,10 @@ class AttentionTap:
     def on_weights(self, layer: int, weights: Weights) -> None:
         """Softmax statistics of layer `layer` (only when `wants_weights`)."""
 
-    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys) -> None:
+    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys | None) -> None:
         """A decode step's post-RoPE queries `[B, H, 1, D]` of layer `layer` and the keys they read
-        (`in_step` taps): what it keeps is written in place into buffers that keep their address,
+        (None where the tap does not read them, `reads_keys`, and the step reads pages in place;
+        `in_step` taps): what it keeps is written in place into buffers that keep their address,
         so a captured step replays it."""
 
     def count_step(self) -> None:

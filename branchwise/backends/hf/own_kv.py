@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Literal, Protocol, cast
+from typing import Literal, Protocol
 
 import torch
 
@@ -41,7 +41,7 @@ def check_layout(layout: str) -> KVLayout:
     """`layout` if it is one of `KV_LAYOUTS`, else a ValueError naming the field and the choices."""
     if layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout={layout!r} is not one of {', '.join(map(repr, KV_LAYOUTS))}")
-    return cast(KVLayout, layout)
+    return layout
 
 
 def default_layout() -> KVLayout:

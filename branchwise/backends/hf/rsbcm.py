@@ -110,7 +110,8 @@ class MassTap(AttentionTap):
             else:
                 self.segments[seg.key] = total
 
-    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys) -> None:
+    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys | None) -> None:
+        assert keys is not None, "the attention mass is the queries against the keys (`reads_keys`)"
         b, h, _, d = query.shape
         h_kv = keys.own.shape[1]
         qg = query.reshape(b, h_kv, h // h_kv, d).float()  # query head j*G.. reads KV head j

@@ -133,7 +133,9 @@ class QueryWindow(AttentionTap):
             if layer == 0:
                 self.count_step()
 
-    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys) -> None:
+    reads_keys = False
+
+    def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys | None) -> None:
         self._record(layer, query)
 
     def _record(self, layer: int, query: torch.Tensor) -> None:

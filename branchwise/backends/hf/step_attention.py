@@ -59,7 +59,7 @@ class StaticAttention:
         (ReasonCache's pool, read as one more segment masked per row: `batch.BlockPool`)."""
         self.taps = [tap for tap in ctx.taps if tap.in_step]
         """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
-        self.copied = pages_copied(ctx, bool(self.taps))
+        self.copied = pages_copied(ctx, any(tap.reads_keys for tap in self.taps))
         """Why this step reads a gathered copy of its rows' pages (None: tails, or pages in place)."""
         self.in_place = isinstance(ctx.kv, Pages) and self.copied is None
         """Whether each layer reads the rows' pages where they lie (`paged_kernels.paged_decode`)."""
@@ -121,6 +121,8 @@ class StaticAttention:
         ctx.kv.write(layer, key, value, self.at, self.rows[:, None])  # each row's new K/V at its length
         windowed = window is not None and self.windowed
         if self.in_place and softcap is None and not windowed:
+            for tap in self.taps:  # none reads the keys (`pages_copied`)
+                tap.on_step(layer, query, None)
             return self._paged(layer, query, scaling)
         span = self.slots.shape[0]
         k_own, v_own = ctx.kv.read(layer, span)

@@ -75,6 +75,7 @@ SCRIPTS = [
     "kv_budget_search",
     "paged_attention",
     "paged_admission",
+    "kv_layout",
     "compile_ahead",
 ]
 
@@ -108,6 +109,8 @@ PROFILES: dict[str, list[Run]] = {
         Run("paged_attention", "paged_attention"),
         Run("paged_attention-random-1b", "paged_attention", ["--random-config", "1b", "--batches", "1", "8"]),
         Run("paged_admission", "paged_admission"),
+        Run("kv_layout", "kv_layout"),
+        Run("kv_layout-ragged", "kv_layout", ["--ragged", "on", "--batch", "8", "32"]),
         Run("compile_ahead", "compile_ahead"),
     ],
     "gpu-check": [
@@ -229,6 +232,7 @@ HEADLINES: dict[str, list[str]] = {
         "arms.*.accuracy_branch.value",
         "goals.*.met",
     ],
+    "kv_layout": ["B=*.pages_vs_tails", "B=*.same_tokens", "B=*.peak_own_kv_bytes.*", "B=*.off_fast.*"],
     "paged_attention": [
         "batches.*.paged_inplace.vs_tails",
         "batches.*.cascade.paged_inplace.vs_tails",

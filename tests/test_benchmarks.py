@@ -276,6 +276,19 @@ def test_linear_kernels_quick() -> None:
         assert abs(got["gb_per_s"] - out["weight_mb"] / got["ms"]) <= 0.02 * got["gb_per_s"], name
 
 
+def test_kv_layout_quick() -> None:
+    """The whole decode step in both layouts: the same greedy tokens, each ratio the pages' speed
+    over the tails', the storage each held, and no step of either left the fast step (a paged step
+    that read a copy would be listed with its reason)."""
+    out = run_quick("kv_layout.py")
+    for b in (1, 4):
+        row = out[f"B={b}"]
+        assert row["same_tokens"] is True
+        assert row["pages_vs_tails"] == round(row["tok_s"]["pages"] / row["tok_s"]["tails"], 3)
+        assert all(v > 0 for v in row["peak_own_kv_bytes"].values())
+        assert row["off_fast"] == {"tails": {}, "pages": {}}
+
+
 def test_paged_attention_quick() -> None:
     """Every layout computes the same attention as the float64 reference, alone and in the cascade
     (a shared prefix merged by LSE); each ratio is the tails' time over the arm's own; the pool holds

@@ -30,7 +30,7 @@ from branchwise.backends.hf.attention import (
     fused_cascade,
 )
 from branchwise.backends.hf.block_pool import BlockPool
-from branchwise.backends.hf.own_kv import BLOCK, KVLayout, OwnKV, Pages, Tails
+from branchwise.backends.hf.own_kv import KVLayout, OwnKV, Pages, Tails, Where
 from branchwise.backends.hf.segment import Block, Segment
 from branchwise.backends.hf.step_inputs import Exits, Steer, StepKeys
 from branchwise.backends.hf.tree import KVTree
@@ -145,6 +145,7 @@ class BatchContext:
     _own_mask: torch.Tensor | None = None  # [B,1,q,T] bool
     _own_mask_g: torch.Tensor | None = None  # [B,1,G*q,T] bool
     _write_idx: torch.Tensor | None = None
+    _where: Where | None = None  # `kv.locate(_write_idx)`, made by the first layer of a forward
     _uniform: int | None = None
     _own_bias_g: torch.Tensor | None = None  # _own_mask_g as an additive bias, built on first use
     _reach: int | None = None  # one past the last position this forward's queries hold (read once, lazily)
@@ -182,6 +183,7 @@ class BatchContext:
         self._uniform = lens_list[0] if all(x == lens_list[0] for x in lens_list) else None
         self._reach = None
         self._write_idx = None if self._uniform is not None else limit  # [B, q]
+        self._where = None
 
     def make_room(self, q_len: int) -> int:
         """Grow the tails (amortised) so every row can take `q_len` more tokens (pages: give each
@@ -220,6 +222,7 @@ class BatchContext:
         self._own_bias_g = None
         if self._write_idx is not None:
             self._write_idx = self._write_idx.index_select(0, keep)
+        self._where = None
         if self.pos_next is not None:
             self.pos_next = self.pos_next.index_select(0, keep)
         if self.tail_start is not None:
@@ -296,7 +299,9 @@ class BatchContext:
             self.kv.write_from(layer, key, value, self._uniform)
         else:
             assert self._write_idx is not None
-            self.kv.write(layer, key, value, self._write_idx)
+            if self._where is None:
+                self._where = self.kv.locate(self._write_idx)
+            self.kv.write(layer, key, value, self._where)
         assert self._own_mask is not None and self._own_mask_g is not None, "attend() before begin()"
         total = self._own_mask.shape[-1]
         k_own, v_own = self.kv.read(layer, total)
@@ -403,15 +408,16 @@ class Batch:
         fed = max(len(f) for f in feeds)
         cap = max(max(lens) + fed + extra, 1)
         shape = (b, parts.n_kv_heads, cap, parts.head_dim)
-        slots = b * cap if layout == "tails" else sum(-(-(n + fed) // BLOCK) * BLOCK for n in lens)
-        if reserve is not None:
-            itemsize = torch.tensor([], dtype=dtype).element_size()
-            reserve(2 * parts.n_layers * slots * math.prod(shape[1::2]) * itemsize)
         kv: OwnKV
         if layout == "tails":
+            if reserve is not None:
+                itemsize = torch.tensor([], dtype=dtype).element_size()
+                reserve(2 * parts.n_layers * math.prod(shape) * itemsize)
             kv = Tails.zeros(shape, parts.n_layers, dtype, device)
-        else:
+        else:  # the pages the rows hold now, and as many free ones as the tails' free slots would be
             kv = Pages(parts.n_layers, parts.n_kv_heads, parts.head_dim, b, dtype, device)
+            if reserve is not None:
+                reserve(kv.growth(lens, fed, cap))
             kv.fit(lens, fed, cap)
         for i, (r, chain) in enumerate(zip(rows, chains, strict=True)):
             at = 0

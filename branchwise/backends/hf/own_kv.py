@@ -27,11 +27,15 @@ from typing import Literal, Protocol
 
 import torch
 
+Where = tuple[torch.Tensor, torch.Tensor]
+"""Where a forward's new K/V go (`OwnKV.locate`): two index tensors, the layout's own."""
 KVLayout = Literal["tails", "pages"]
 """How a batch holds its rows' own KV (`Tails`, `Pages`)."""
 KV_LAYOUTS: tuple[KVLayout, ...] = ("tails", "pages")
 LAYOUT_ENV = "BRANCHWISE_KV_LAYOUT"
 """Environment variable naming the layout a backend gets when it is given none (`default_layout`)."""
+GROW_SLOTS = 128
+"""Fewest slots per row the storage grows by (`BatchContext.grow_min`'s default, as the tails grow)."""
 BLOCK = 16
 """Tokens per page: the page size `paged_kernels.paged_decode` was measured best at on a CPU
 (`benchmarks/paged_attention.py`), and what a row wastes at most (one partly filled page)."""
@@ -77,16 +81,13 @@ class OwnKV(Protocol):
         `capacity` slots from now on (at least the current capacity)."""
         ...
 
-    def write(
-        self,
-        layer: int,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        at: torch.Tensor,
-        rows: torch.Tensor | None = None,
-    ) -> None:
-        """Write `key`/`value` `[B, H_kv, q, D]` at each row's slots `at` `[B, q]` (`rows`: `[B, 1]`
-        row indices, where the caller keeps them; made here otherwise)."""
+    def locate(self, at: torch.Tensor) -> Where:
+        """Where each row's slots `at` `[B, q]` lie (for `write`): made once per forward, read by
+        every layer."""
+        ...
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, where: Where) -> None:
+        """Write `key`/`value` `[B, H_kv, q, D]` at the slots `where` locates (`locate`)."""
         ...
 
     def growth(self, lens: Sequence[int], q_len: int, capacity: int) -> int:
@@ -189,19 +190,14 @@ class Tails:
                     new[:, :, : old.shape[2]] = old
                     buf[layer] = new
 
-    def write(
-        self,
-        layer: int,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        at: torch.Tensor,
-        rows: torch.Tensor | None = None,
-    ) -> None:
+    def locate(self, at: torch.Tensor) -> Where:
+        return torch.arange(at.shape[0], device=at.device)[:, None], at
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, where: Where) -> None:
         # an index_put, not a scatter: a compiled step's mutation of its inputs must be re-done in
         # place by inductor, which it does for index_put and not for scatter (it then copied every
         # layer's whole tails at every step, a cost that grew with rows x capacity)
-        if rows is None:
-            rows = torch.arange(at.shape[0], device=at.device)[:, None]
+        rows, at = where
         self.keys[layer][rows, :, at] = key.transpose(1, 2)
         self.values[layer][rows, :, at] = value.transpose(1, 2)
 
@@ -324,7 +320,7 @@ class Pages:
         wanted = self._short(lens, q_len)
         short = sum(w for w in wanted if w > 0) - len(self.free)
         if short > 0:
-            self._grow(short)
+            self._grow(short, capacity)
         for b, w in enumerate(wanted):
             if w <= 0:
                 continue
@@ -333,10 +329,15 @@ class Pages:
             self.held[b].extend(got)
             self.table[b, first : first + w] = torch.tensor(got, dtype=torch.int32)
 
-    def _grown(self, short: int) -> int:
-        """Pages of storage once grown for `short` more: by half, amortised as the tails grow."""
+    def _grown(self, short: int, capacity: int) -> int:
+        """Pages of storage once grown for `short` more, amortised as the tails grow: `short` and
+        `GROW_SLOTS` more per row or half the storage, whichever is more, but never past what every
+        row still decoding would hold at `capacity` slots (the tails' size, which bounds it)."""
         old = self.pages
-        return max(old + short, old + old // 2)
+        live = [h for b, h in enumerate(self.held) if b not in self.released]
+        ceiling = old - len(self.free) + sum(max(-(-capacity // self.block) - len(h), 0) for h in live)
+        amortised = old + short + max(len(live) * (-(-GROW_SLOTS // self.block)), old // 2)
+        return max(old + short, min(amortised, ceiling))
 
     def _short(self, lens: Sequence[int], q_len: int) -> list[int]:
         """Pages each row still needs to take `q_len` more tokens after `lens`."""
@@ -347,15 +348,15 @@ class Pages:
 
     def growth(self, lens: Sequence[int], q_len: int, capacity: int) -> int:
         short = sum(w for w in self._short(lens, q_len) if w > 0) - len(self.free)
-        return 0 if short <= 0 else (self._grown(short) - self.pages) * self.page_bytes
+        return 0 if short <= 0 else (self._grown(short, capacity) - self.pages) * self.page_bytes
 
     def slots_held(self, rows: int) -> int:
         return self.pages * self.block
 
-    def _grow(self, short: int) -> None:
+    def _grow(self, short: int, capacity: int) -> None:
         """Add at least `short` pages of storage (zeros: a masked slot still enters the products)."""
         old = self.pages
-        new = self._grown(short)
+        new = self._grown(short, capacity)
         with torch.inference_mode(False):  # plain tensors, as `Tails.fit` keeps them
             for buf in (self.keys, self.values):
                 for layer, t in enumerate(buf):
@@ -364,28 +365,20 @@ class Pages:
                     buf[layer] = grown
         self.free.extend(range(old, new))
 
-    def _where(self, at: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def locate(self, at: torch.Tensor) -> Where:
         """The pages and offsets of each row's slots `at` `[B, q]`."""
-        if rows is None:
-            rows = torch.arange(at.shape[0], device=at.device)[:, None]
+        rows = torch.arange(at.shape[0], device=at.device)[:, None]
         return self.table[rows, at // self.block].long(), at % self.block
 
-    def write(
-        self,
-        layer: int,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        at: torch.Tensor,
-        rows: torch.Tensor | None = None,
-    ) -> None:
-        page, off = self._where(at, rows)
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, where: Where) -> None:
+        page, off = where
         self.keys[layer][page, :, off] = key.transpose(1, 2)
         self.values[layer][page, :, off] = value.transpose(1, 2)
 
     def write_from(self, layer: int, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
         q = key.shape[2]
         at = torch.arange(start, start + q, device=key.device).expand(key.shape[0], q)
-        self.write(layer, key, value, at)
+        self.write(layer, key, value, self.locate(at))
 
     def read(self, layer: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = -(-total // self.block)
@@ -477,7 +470,7 @@ class Pages:
     def release(self, pos: int) -> None:
         if self.sink is None:
             if not self.free:
-                self._grow(1)
+                self._grow(1, self.capacity)
             self.sink = self.free.pop()
         self.free.extend(self.held[pos])
         self.held[pos] = []

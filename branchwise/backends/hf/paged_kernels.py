@@ -206,7 +206,7 @@ def paged_decode(
     merge (0: chosen from the rows and threads). Raises `PagedKernelUnavailable` when the kernel
     cannot be built here (`unavailable_reason()` says why beforehand). Inside `torch.compile` the
     op is traced through its fake kernel: build it before compiling."""
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and (not _tried or _reason is not None):
         reason = build()
         if reason is not None:
             raise PagedKernelUnavailable(reason)

@@ -70,22 +70,19 @@ class StaticAttention:
         self.mask: torch.Tensor | None = None
         self.visible = self.slots[None, :0]
         """`[B, span]`: which tail slots each row sees this step (made in `prepare`)."""
-        self.at = self.lens[:, None]
-        """`[B, 1]`: the slot each row's new K/V goes to (its length; made in `prepare`)."""
+        self.where = ctx.kv.locate(lens[:, None])
+        """Where each row's new K/V goes, at its length (made in `prepare` from the lengths, read by
+        every layer: the rows' indices a tensor of their own among a compiled step's inputs would
+        be one more size to specialise on, and it was: each kind compiled twice)."""
         self.reach = self.lens.to(torch.int32)
         """`[B]` int32: the slots each row reads in place, its new one included (`prepare`)."""
-        self.rows = self.slots[:0]
-        """`0 .. B - 1`, the rows' indices for the K/V writes (made in `prepare`, from the lengths:
-        a tensor of its own among a compiled step's inputs would be one more size to specialise
-        on, and it was: each kind compiled twice)."""
 
     def prepare(self, dtype: torch.dtype) -> None:
         """The tail's mask, built on the device once per step: slot j is visible to a row's token iff
         j <= its length (the slot it is written to). Boolean `[B, 1, 1, span]` for one SDPA when no
         row reads a shared segment, else an additive bias `[B, 1, G, span]` for the cascade."""
         ctx = self.ctx
-        self.rows = torch.arange(self.lens.shape[0], device=self.lens.device)
-        self.at = self.lens[:, None]
+        self.where = ctx.kv.locate(self.lens[:, None])
         visible = self.visible = self.slots[None, :] <= self.lens[:, None]
         if self.in_place:  # the kernel masks by length itself (`visible`: a soft-capped or windowed layer's)
             self.reach = (self.lens + 1).to(torch.int32)
@@ -118,7 +115,7 @@ class StaticAttention:
         window: int | None = None,
     ) -> torch.Tensor:
         ctx = self.ctx
-        ctx.kv.write(layer, key, value, self.at, self.rows[:, None])  # each row's new K/V at its length
+        ctx.kv.write(layer, key, value, self.where)  # each row's new K/V at its length
         windowed = window is not None and self.windowed
         if self.in_place and softcap is None and not windowed:
             for tap in self.taps:  # none reads the keys (`pages_copied`)

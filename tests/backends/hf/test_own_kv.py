@@ -12,7 +12,7 @@ import torch
 
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.own_kv import BLOCK, OwnKV, Pages, Tails, check_layout
+from branchwise.backends.hf.own_kv import BLOCK, GROW_SLOTS, OwnKV, Pages, Tails, check_layout
 from branchwise.backends.step_notes import OFF_FAST_BY, OffFast
 
 L, H, D = 2, 2, 4
@@ -45,19 +45,18 @@ def _same(a: OwnKV, b: OwnKV, lens: list[int]) -> None:
 
 
 def test_pages_hold_each_rows_own_length() -> None:
-    """Rows of 3, 40 and 17 tokens taking one more each: a page per started 16 tokens, not the
-    longest row's room for every row; the table is as wide as the capacity asks."""
-    lens = [3, 40, 17]
-    _, pages = _pair(lens, 1, 64)
-    assert [len(h) for h in pages.held] == [1, 3, 2]
-    assert pages.capacity == 64 and pages.table.shape == (3, 64 // BLOCK)
-    assert len({p for h in pages.held for p in h}) == 6  # no page held twice
-    per_page = 2 * L * H * BLOCK * D * 4
-    assert (
-        pages.nbytes
-        <= 8 * per_page
-        < Tails.zeros((3, H, 64, D), L, torch.float32, torch.device("cpu")).nbytes
-    )
+    """Rows of 3, 400 and 17 tokens taking one more each, with the free slots a batch is assembled
+    with (128 past the longest row): a page per started 16 tokens of each row, `GROW_SLOTS` free
+    ones per row beside them, not the longest row's room for every row; the table is as wide as
+    the capacity asks."""
+    lens = [3, 400, 17]
+    cap = max(lens) + 1 + GROW_SLOTS
+    tails, pages = _pair(lens, 1, cap)
+    assert [len(h) for h in pages.held] == [1, 26, 2]
+    assert pages.capacity >= cap and pages.table.shape == (3, -(-cap // BLOCK))
+    assert len({p for h in pages.held for p in h}) == 29  # no page held twice
+    assert pages.pages == 29 + 3 * GROW_SLOTS // BLOCK
+    assert pages.nbytes < 0.6 * tails.nbytes
 
 
 def test_writes_reads_and_rows_agree() -> None:
@@ -70,7 +69,7 @@ def test_writes_reads_and_rows_agree() -> None:
     key, value = torch.randn(3, H, 2, D, generator=gen), torch.randn(3, H, 2, D, generator=gen)
     at = torch.tensor(lens)[:, None] + torch.arange(2)
     for kv in (tails, pages):
-        kv.write(1, key, value, at)
+        kv.write(1, key, value, kv.locate(at))
     grown = [n + 2 for n in lens]
     _same(tails, pages, grown)
     kt, vt = tails.read(1, max(grown))
@@ -85,7 +84,7 @@ def test_an_ended_rows_pages_go_back_at_once_and_leaving_rows_shrink_the_storage
     take them: no new storage) and writes only into a sink page after; once most of the storage
     is free, and at compaction, it shrinks to the pages the rows hold, as the tails shrink."""
     lens = [40, 20, 9]
-    tails, pages = _pair(lens, 1, 64)
+    tails, pages = _pair(lens, 1, 41)  # no free slots ahead: no free pages beside the rows' own
     for kv in (tails, pages):
         _fill(kv, lens)
     gone = list(pages.held[1])
@@ -93,16 +92,17 @@ def test_an_ended_rows_pages_go_back_at_once_and_leaving_rows_shrink_the_storage
     assert set(gone) <= set(pages.free) and not pages.held[1]
     storage = pages.pages
     pages.fit([40, 20, 9], 20, 64)  # rows 0 and 2 grow into the freed pages
+    tails.fit([40, 20, 9], 20, 64)
     assert pages.pages == storage
     pad = torch.ones(3, H, 1, D)
-    pages.write(0, pad, pad, torch.tensor([[40], [20], [9]]))  # the ended row's pad goes to the sink
+    pages.write(0, pad, pad, pages.locate(torch.tensor([[40], [20], [9]])))  # the ended row's pad goes to the sink
     _same(tails, pages, [40, 0, 9])
     for kv in (tails, pages):
         kv.select_rows(torch.tensor([0, 2]))
     _same(tails, pages, [40, 9])
     assert pages.pages == sum(map(len, pages.held)) and pages.sink is None  # no ended row left: no sink
-    lens = [40, 60]
-    tails, pages = _pair(lens, 1, 64)
+    lens = [40, 100]
+    tails, pages = _pair(lens, 1, 101)
     for kv in (tails, pages):
         _fill(kv, lens)
     pages.release(1)  # most of the storage free now: packed to what row 0 holds, and the sink

@@ -469,19 +469,20 @@ class Batch:
         return self.ctx.pool
 
     def own_kv(
-        self, pos: int, row: Row, first: int = 0, last: int | None = None
+        self, pos: int, row: Row, first: int = 0, last: int | None = None, owned: bool = False
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views `[H_kv, n, D]` per layer of the row's own KV slots `first .. last` (relative to its own
-        KV; `last` None: all it holds): read them, or clone what must outlive the batch."""
+        """`[H_kv, n, D]` per layer of the row's own KV slots `first .. last` (relative to its own
+        KV; `last` None: all it holds), to read (views where the layout has them); with `owned`,
+        tensors of their own, for what outlives the batch (copied once whatever the layout)."""
         end = row.kv_len if last is None else last
-        return self.ctx.kv.row(pos, row.tail_start + first, row.tail_start + end)
+        return self.ctx.kv.row(pos, row.tail_start + first, row.tail_start + end, owned)
 
     def seal(self, tree: KVTree, pos: int, row: Row, slot: int, n: int) -> Block:
         """Copy `n` own KV slots of a row (from `slot`, relative to its own KV) into a new block.
 
         The block is owned by the row's run; nothing points at it yet (see `point_at`)."""
-        keys, values = self.own_kv(pos, row, slot, slot + n)
-        return tree.blocks.seal([k.clone() for k in keys], [v.clone() for v in values], row.seg.owner)
+        keys, values = self.own_kv(pos, row, slot, slot + n, owned=True)
+        return tree.blocks.seal(keys, values, row.seg.owner)
 
     def point_at(self, tree: KVTree, pos: int, row: Row, slot: int, logical: int, block: Block) -> None:
         """Replace the row's own KV slots `slot .. slot + block.tokens` by a reference to `block`.
@@ -547,7 +548,7 @@ class Batch:
     def capture(self, tree: KVTree, pos: int, row: Row) -> None:
         """Copy a row's KV out of the batch buffers into its segment (independent tensors, so
         releasing the node frees exactly its memory)."""
-        keys, values = self.own_kv(pos, row)
-        tree.set_kv(row.seg, [k.clone() for k in keys], [v.clone() for v in values])
+        keys, values = self.own_kv(pos, row, owned=True)
+        tree.set_kv(row.seg, keys, values)
         row.seg.n_computed = row.computed
         row.captured = True

@@ -134,8 +134,11 @@ class OwnKV(Protocol):
         tails; a copy of the pages)."""
         ...
 
-    def row(self, pos: int, first: int, last: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Row `pos`'s slots `first .. last - 1`, `[H_kv, n, D]` per layer (views, or copies)."""
+    def row(
+        self, pos: int, first: int, last: int, owned: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Row `pos`'s slots `first .. last - 1`, `[H_kv, n, D]` per layer: views where the layout
+        can give them, else copies; with `owned`, tensors of their own (what outlives the batch)."""
         ...
 
     def load(self, pos: int, at: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
@@ -243,8 +246,14 @@ class Tails:
     def read(self, layer: int, total: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer][:, :, :total], self.values[layer][:, :, :total]
 
-    def row(self, pos: int, first: int, last: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return [t[pos, :, first:last] for t in self.keys], [t[pos, :, first:last] for t in self.values]
+    def row(
+        self, pos: int, first: int, last: int, owned: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        keys = [t[pos, :, first:last] for t in self.keys]
+        values = [t[pos, :, first:last] for t in self.values]
+        if owned:
+            return [k.clone() for k in keys], [v.clone() for v in values]
+        return keys, values
 
     def load(self, pos: int, at: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
@@ -314,6 +323,17 @@ class Pages:
         self.free: list[int] = []
         self.released: set[int] = set()
         """Rows that gave their pages back (`release`): they get none again."""
+
+    @classmethod
+    def of(cls, keys: list[torch.Tensor], values: list[torch.Tensor], table: torch.Tensor) -> Pages:
+        """Pages over given storage and table, no row holding any yet (a compiler's sample batch:
+        `step.from_skeleton`)."""
+        pages = cls.__new__(cls)
+        pages.block = int(keys[0].shape[2])
+        pages.keys, pages.values, pages.table = keys, values, table
+        pages.held = [[] for _ in range(table.shape[0])]
+        pages.free, pages.released, pages.sink = list(range(int(keys[0].shape[0]))), set(), None
+        return pages
 
     @property
     def capacity(self) -> int:
@@ -425,12 +445,14 @@ class Pages:
         device = self.keys[0].device
         return held[at // self.block].to(device), (at % self.block).to(device)
 
-    def row(self, pos: int, first: int, last: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def row(
+        self, pos: int, first: int, last: int, owned: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         page, off = self._row_slots(pos, first, last)
-        # [n, H, D] -> [H, n, D], each its own storage
+        # one gather per layer, straight into [H, n, D] (the heads first): each its own storage
         return (
-            [t[page, :, off].transpose(0, 1).contiguous() for t in self.keys],
-            [t[page, :, off].transpose(0, 1).contiguous() for t in self.values],
+            [t.transpose(0, 1)[:, page, off] for t in self.keys],
+            [t.transpose(0, 1)[:, page, off] for t in self.values],
         )
 
     def load(self, pos: int, at: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:

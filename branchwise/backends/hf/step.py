@@ -54,7 +54,7 @@ from branchwise.backends.hf.attention import (
 )
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.hooks import Acceleration, layer_loop_reasons, needs_layer_loop
-from branchwise.backends.hf.own_kv import Tails
+from branchwise.backends.hf.own_kv import OwnKV, Pages, Tails
 from branchwise.backends.hf.step_attention import Chunk, MixedAttention, StaticAttention
 from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
 from branchwise.backends.hf.step_inputs import Steer
@@ -78,8 +78,6 @@ ACCELERATED_UNCOMPILED = (
     "an acceleration's step inputs (steering, attention taps, exits, a block pool) are not compiled ahead"
 )
 """Why a step an acceleration reads or feeds runs uncompiled where steps are compiled."""
-PAGES_UNCOMPILED = "a batch whose KV is in pages is not compiled ahead yet"
-"""Why a step of a paged batch (`own_kv.Pages`) runs uncompiled where steps are compiled."""
 At = tuple[Any, AttentionContext]
 """Where a step's layers run: the rotary tables at the tokens' positions (`arch.Rope`), and attention."""
 WARMUP = 1
@@ -152,11 +150,7 @@ class StepGraph:
     def uncompilable(self) -> str | None:
         """Why this layout's steps run uncompiled where steps are compiled (None: they may run
         compiled once their kind is)."""
-        if self.accelerated:
-            return ACCELERATED_UNCOMPILED
-        if not isinstance(self.ctx.kv, Tails):
-            return PAGES_UNCOMPILED
-        return None
+        return ACCELERATED_UNCOMPILED if self.accelerated else None
 
     def begin(self) -> torch.Tensor:
         """The first layer's input (the step's attention and rotary prepared; `step_exits.py`)."""
@@ -292,8 +286,15 @@ def from_skeleton(batch: dict[str, Any], parts: DecoderParts, device: torch.devi
 
     lens = made(batch["lens"])
     assert lens is not None
+    own = batch["own"]
+    table = made(own.get("table"))
+    kv: OwnKV = (
+        Tails(tensors(own["keys"]), tensors(own["values"]))
+        if table is None
+        else Pages.of(tensors(own["keys"]), tensors(own["values"]), table)
+    )
     ctx = BatchContext(
-        kv=Tails(tensors(batch["tail_k"]), tensors(batch["tail_v"])),
+        kv=kv,
         lens=lens,
         shared=[
             SharedSegment(tensors(s["keys"]), tensors(s["values"]), made(s["rows"]), mask=made(s["mask"]))

@@ -61,7 +61,7 @@ from ever more ancestors, or a prefix cache that splits prompts at every common 
 compile at every new depth. One or two segments are the shapes that recur (a prompt shared by its
 branches, under a cached lead-in); deeper batches run uncompiled and say so."""
 
-SKELETON_CAPACITY, SKELETON_SPAN, SKELETON_SEGMENT = 48, 32, 24
+SKELETON_CAPACITY, SKELETON_SPAN, SKELETON_SEGMENT, SKELETON_PAGES = 48, 32, 24, 5
 """Sizes of the small batch a kind is compiled on (tail capacity, span read, shared segment length).
 Each of these sizes is symbolic in the compiled step (`mark_sizes`), so any value serves, as long
 as it is above 1 (0 and 1 are specialised) and the span stays below the capacity (`step.Stepper.span`
@@ -122,9 +122,15 @@ def mark_sizes(graph: Any) -> None:
     for t in (graph.ids, graph.pos, graph.lens, graph.attention.slots):
         mark(t, 0)
     ctx = graph.ctx
-    for t in ctx.kv.tensors():
-        mark(t, 0)
-        mark(t, 2)
+    if isinstance(ctx.kv, Tails):  # rows and capacity
+        for t in ctx.kv.tensors():
+            mark(t, 0)
+            mark(t, 2)
+    else:  # pages of storage, and the table's rows and width
+        for t in ctx.kv.tensors():
+            mark(t, 0)
+        mark(ctx.kv.table, 0)
+        mark(ctx.kv.table, 1)
     for seg in ctx.shared:
         for t in (*seg.keys, *seg.values):
             mark(t, 1)
@@ -145,7 +151,10 @@ def kind_of(graph: Any) -> str:
         )
         for s in graph.ctx.shared
     ]
-    return hashlib.sha256(repr((graph.ctx.batch == 1, graph.ctx.n_groups, segs)).encode()).hexdigest()[:16]
+    layout = type(graph.ctx.kv).__name__
+    return hashlib.sha256(
+        repr((graph.ctx.batch == 1, graph.ctx.n_groups, segs, layout)).encode()
+    ).hexdigest()[:16]
 
 
 def skeleton(graph: Any) -> dict[str, Any]:
@@ -163,10 +172,19 @@ def skeleton(graph: Any) -> dict[str, Any]:
         return None if t is None else {"data": t.detach().cpu().clone(), "inference": t.is_inference()}
 
     kv = ctx.kv
-    assert isinstance(kv, Tails), "a paged batch's step is not compiled ahead"
+    if isinstance(kv, Tails):
+        own: dict[str, Any] = {
+            "keys": [cut(t, 2, SKELETON_CAPACITY) for t in kv.keys],
+            "values": [cut(t, 2, SKELETON_CAPACITY) for t in kv.values],
+        }
+    else:  # every table entry page 0 (zeros), which each row reads under its length
+        own = {
+            "keys": [cut(t, 0, SKELETON_PAGES) for t in kv.keys],
+            "values": [cut(t, 0, SKELETON_PAGES) for t in kv.values],
+            "table": cut(kv.table, 1, SKELETON_CAPACITY // kv.block),
+        }
     return {
-        "tail_k": [cut(t, 2, SKELETON_CAPACITY) for t in kv.keys],
-        "tail_v": [cut(t, 2, SKELETON_CAPACITY) for t in kv.values],
+        "own": own,
         "lens": cut(ctx.lens, 0, ctx.batch),
         "pos_next": None if ctx.pos_next is None else cut(ctx.pos_next, 0, ctx.batch),
         "n_groups": ctx.n_groups,

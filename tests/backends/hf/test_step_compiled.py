@@ -100,11 +100,13 @@ def test_no_request_waits_for_a_compilation(
     assert again.kv_stats().as_dict().get("decode_steps_compiled", 0) >= params[0].max_tokens - 1
 
 
-def test_compiled_step_gives_the_layer_loops_tokens(tiny_llama_dir) -> None:
+@pytest.mark.parametrize("layout", ["tails", "pages"])
+def test_compiled_step_gives_the_layer_loops_tokens(tiny_llama_dir, layout: str) -> None:
     """The compiled step gives the layer loop's greedy tokens in fp32, for one row and for a shared
     prompt read by rows of unequal lengths, every step counted as compiled, with the CPU's
-    prepacked weights kept (the compiled step calls the same oneDNN products on them)."""
-    backend = HFBackend(tiny_llama_dir)
+    prepacked weights kept (the compiled step calls the same oneDNN products on them), whichever
+    layout holds the rows' own KV (pages: read in place by the kernel inside the compiled step)."""
+    backend = HFBackend(tiny_llama_dir, kv_layout=layout)  # type: ignore[arg-type]
     assert backend.prepacked.active
     params = [DecodeParams(max_tokens=12, min_tokens=12)]
     for hints in (["", " hint", " hint hint"], [""]):

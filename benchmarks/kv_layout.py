@@ -6,7 +6,8 @@ gets, the model's whole decode step (`HFBackend(kv_layout=...)`), for rows whose
 `--context` tokens each (`--ragged on`: spread evenly between a quarter of it and all of it, the
 mixed lengths where pages hold less), decoding `--tokens` greedy tokens.
 
-The two layouts run alternately, `--repeats` times each, on one backend (the prefix cache off, the
+With `--decode-step compiled`, each layout's kind of batch is compiled (in the background worker)
+and loaded before any timed call. The two layouts run alternately, `--repeats` times each, on one backend (the prefix cache off, the
 prompts prefilled before each timed call, outside the clock). Per batch size: decode tokens per
 second of each layout, pages / tails (> 1: pages faster), whether every row's tokens are the same
 under both, the largest KV storage each held while decoding (`peak_own_kv_bytes`, from the
@@ -22,7 +23,7 @@ import statistics
 import time
 from typing import Any
 
-from _common import BenchParser, start
+from _common import BenchParser, settle, start
 
 from branchwise.backends.base import DecodeParams
 from branchwise.backends.hf import HFBackend
@@ -84,8 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     for b in args.batch:
         batch = prompts(backend, b, args.context, args.ragged == "on")
         bench.log(f"B={b}: warm-up")
-        for layout in LAYOUTS:
-            timed(backend, layout, batch[:1], 2)
+        for layout in LAYOUTS:  # compiled: each layout's kind of this batch compiled before timing
+            timed(backend, layout, batch if args.decode_step == "compiled" else batch[:1], 2)
+        settle(backend)
         runs: dict[str, list[dict[str, Any]]] = {layout: [] for layout in LAYOUTS}
         for rep in range(args.repeats):
             order = LAYOUTS if rep % 2 == 0 else LAYOUTS[::-1]

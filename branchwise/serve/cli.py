@@ -144,6 +144,14 @@ def serve_command(
             "background while the same steps run uncompiled, so no request waits; /health shows the progress."
         ),
     ] = "auto",
+    kv_layout: Annotated[
+        str | None,
+        typer.Option(
+            help="How decode batches hold their rows' own KV: tails (one rectangle per batch) or pages "
+            "(16-token pages read in place; less memory and faster for rows of mixed lengths). "
+            "Default: $BRANCHWISE_KV_LAYOUT, else tails."
+        ),
+    ] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health)."""
     try:
@@ -161,12 +169,20 @@ def serve_command(
         check_share(share)
     except ValueError as err:
         raise typer.BadParameter(str(err), param_hint="--share") from None
+    if kv_layout is not None:
+        from branchwise.backends.hf.own_kv import check_layout
+
+        try:
+            check_layout(kv_layout)
+        except ValueError as err:
+            raise typer.BadParameter(str(err), param_hint="--kv-layout") from None
     if endpoint:
         _local_only(
             device=device != "auto",
             dtype=dtype != "auto",
             kv_budget=kv_budget is not None,
             decode_step=decode_step != "auto",
+            kv_layout=kv_layout is not None,
             grammar_timeout=grammar_timeout != 10.0,
         )
     else:
@@ -205,6 +221,8 @@ def serve_command(
                     backend.decode_step = "compiled" if decode_step == "auto" else decode_step
                 except ValueError as err:
                     raise typer.BadParameter(str(err), param_hint="--decode-step") from None
+            if kv_layout is not None and hasattr(backend, "kv_layout"):
+                backend.kv_layout = kv_layout
             app = create_app(
                 backend,
                 model_name=served_model_name or model,

@@ -95,7 +95,9 @@ def test_an_ended_rows_pages_go_back_at_once_and_leaving_rows_shrink_the_storage
     tails.fit([40, 20, 9], 20, 64)
     assert pages.pages == storage
     pad = torch.ones(3, H, 1, D)
-    pages.write(0, pad, pad, pages.locate(torch.tensor([[40], [20], [9]])))  # the ended row's pad goes to the sink
+    pages.write(
+        0, pad, pad, pages.locate(torch.tensor([[40], [20], [9]]))
+    )  # the ended row's pad goes to the sink
     _same(tails, pages, [40, 0, 9])
     for kv in (tails, pages):
         kv.select_rows(torch.tensor([0, 2]))

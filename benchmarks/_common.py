@@ -202,6 +202,17 @@ def step_description(backend: HFBackend) -> str:
     )
 
 
+def resolve_for_children(args: argparse.Namespace) -> None:
+    """Pin the threads and resolve `--device`/`--dtype` to what they mean here, in place: a script
+    that times child processes (`compile_ahead.py`, `first_constrained.py`) hands them these, so
+    every child runs on the same device and dtype whatever `auto` would pick there."""
+    from branchwise.backends.hf.backend import resolve_device, resolve_dtype
+
+    set_threads(args.threads)
+    device = resolve_device(args.device)
+    args.device, args.dtype = str(device), str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+
+
 def settle(backend: HFBackend, timeout_s: float = 3600.0) -> None:
     """Wait until no kind of batch is compiling in the background (`StepCompiler.wait`): a benchmark
     of the compiled step calls it after its warm-up, so that it times compiled steps; requests

@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BenchParser, emit, set_threads
+from _common import BenchParser, emit, resolve_for_children
 
 QUICK = {"layers": 2, "tokens": 8, "samples": 4, "repeats": 2}
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -149,11 +149,7 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     started = time.perf_counter()
-    set_threads(args.threads)
-    from branchwise.backends.hf.backend import resolve_device, resolve_dtype
-
-    device = resolve_device(args.device)
-    args.device, args.dtype = str(device), str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    resolve_for_children(args)
     with tempfile.TemporaryDirectory() as tmp:
         if args.layers:
             args.model = tiny_model(args.layers, Path(tmp) / "model")

@@ -34,21 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BenchParser, emit, set_threads
+from _common import BenchParser, emit, resolve_for_children
+from structured import ADD_TOOL
 
 QUICK = {"tokens": 16, "calls": 3}
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
 
 
 def child(args: Any) -> dict[str, Any]:
@@ -65,7 +54,7 @@ def child(args: Any) -> dict[str, Any]:
     start = time.perf_counter()
     backend = HFBackend(args.model, device=args.device, dtype=args.dtype, cache_bytes=0)
     load_s = time.perf_counter() - start
-    tools = normalize_tools([ADD])
+    tools = normalize_tools([ADD_TOOL])
     kinds = {
         "json_object": (Constraint.of_json_object(), None, "Describe a cat as a JSON object."),
         "tool_call": (Constraint.of_tools(tools, "required"), tools, "What is 12 plus 30?"),
@@ -107,11 +96,7 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     started = time.perf_counter()
-    set_threads(args.threads)
-    from branchwise.backends.hf.backend import resolve_device, resolve_dtype
-
-    device = resolve_device(args.device)
-    args.device, args.dtype = str(device), str(resolve_dtype(args.dtype, device)).removeprefix("torch.")
+    resolve_for_children(args)
     if args.model is None:
         from branchwise.backends.hf.embedded import embedded_model_dir
 

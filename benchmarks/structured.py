@@ -33,20 +33,22 @@ from branchwise.reasoners import Reasoner
 from branchwise.strategies import self_consistency
 from branchwise.toolcalls import normalize_tools, parse_tool_calls, valid_arguments
 
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+"""An OpenAI tool definition (also `first_constrained.py`'s tool call)."""
 TOOLS = normalize_tools(
     [
-        {
-            "type": "function",
-            "function": {
-                "name": "add",
-                "description": "Add two integers.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                    "required": ["a", "b"],
-                },
-            },
-        },
+        ADD_TOOL,
         {
             "type": "function",
             "function": {

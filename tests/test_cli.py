@@ -250,6 +250,7 @@ BAD_COMMAND_LINES: list[tuple[list[str], str]] = [
     (["eval", "{good}"], "Missing option '--out'"),
     (["report", "/nonexistent"], "'run_dir': dir '/nonexistent' does not exist"),
     (["serve", "--port", "99999"], "'--port': 99999 is not in the range 0<=x<=65535"),
+    (["serve", "--kv-layout", "heap"], "--kv-layout: kv_layout='heap' is not one of 'tails', 'pages'"),
 ]
 
 

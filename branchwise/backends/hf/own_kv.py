@@ -299,8 +299,9 @@ class Pages:
     row b: the page holding its slots `i * block .. (i + 1) * block - 1`; entries past what a row
     holds point at page 0, read only under a mask); `held[b]` the same pages on the host, in order;
     `free` the pages no row holds. Once a row gave its pages back (`release`), a `sink` page that
-    no row holds takes what it still writes (its pad tokens' K/V) until it leaves. The storage grows by half (or by what is
-    asked) when the free list runs dry; it never moves otherwise.
+    no row holds takes what it still writes (its pad tokens' K/V) until it leaves. The storage
+    grows when the free list runs dry (`_grown`) and packs when most of it is free and at
+    compaction (`_pack`); it never moves otherwise.
     """
 
     def __init__(

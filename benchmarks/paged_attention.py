@@ -59,6 +59,7 @@ from branchwise.backends.hf import paged_kernels
 from branchwise.backends.hf.attention import SharedSegment, fused_attention
 from branchwise.backends.hf.backend import resolve_device, resolve_dtype
 from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.own_kv import Tails
 from branchwise.backends.hf.step import SPAN
 from branchwise.backends.hf.step_attention import StaticAttention
 
@@ -212,8 +213,7 @@ def tails_step(rows: Rows, cascade: bool) -> Step:
         [SharedSegment(rows.prefix_k, rows.prefix_v, None)] if cascade else []
     )  # one segment every row reads
     ctx = BatchContext(
-        tail_k=rows.tail_k,
-        tail_v=rows.tail_v,
+        kv=Tails(rows.tail_k, rows.tail_v),
         lens=rows.lens,
         shared=shared,
         n_groups=rows.shapes.heads // rows.shapes.kv_heads,

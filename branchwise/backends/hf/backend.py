@@ -174,7 +174,7 @@ class HFBackend:
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
         self.decode_step = decode_step
-        self.kv_layout = default_layout() if kv_layout is None else kv_layout
+        self.kv_layout = kv_layout
 
     @classmethod
     def from_model(
@@ -201,7 +201,7 @@ class HFBackend:
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
         self.decode_step = decode_step
-        self.kv_layout = default_layout() if kv_layout is None else kv_layout
+        self.kv_layout = kv_layout
         return self
 
     @on_compute_thread
@@ -423,13 +423,13 @@ class HFBackend:
     def kv_layout(self) -> KVLayout:
         """How decode batches hold their rows' own KV (`own_kv.py`): ``tails`` (a rectangle per
         batch, every row padded to the longest) or ``pages`` (16-token pages and a block table per
-        row, read in place by the decode step on a CPU). Default: `$BRANCHWISE_KV_LAYOUT`, else
+        row, read in place by the decode step on a CPU). None sets the default: `$BRANCHWISE_KV_LAYOUT`, else
         ``tails``."""
         return self.engine.kv_layout
 
     @kv_layout.setter
-    def kv_layout(self, value: KVLayout) -> None:
-        self.engine.kv_layout = check_layout(value)
+    def kv_layout(self, value: KVLayout | None) -> None:
+        self.engine.kv_layout = default_layout() if value is None else check_layout(value)
 
     def acceleration(self, kind: type[A]) -> A | None:
         """The default session's instance of an acceleration (its state, its build), or None."""

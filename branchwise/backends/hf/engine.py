@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -115,6 +116,8 @@ class Engine:
             self.tokenizer, vocab, self.eos_ids, cache_dir=branchwise_cache_dir() / "grammar"
         )
         self.grammars.start()  # the tokenizer's tables, in the background: no first call waits for them
+        # a dropped backend's grammar threads end with it, not a minute later
+        weakref.finalize(self, self.grammars.close)
         self.pool = KVPool(self.tree, kv_bytes_per_token(self.parts, self.dtype), copy_tokens=COPY_TOKENS)
         config = self.model.config
         self.max_context = next(

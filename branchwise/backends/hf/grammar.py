@@ -379,11 +379,13 @@ class Grammars:
         return True
 
     def close(self) -> None:
-        """Stop the child processes (the threads end on their own: daemons, idle after a minute)."""
+        """Stop the child processes and let the lanes' idle threads end (`Lane.close`)."""
         with self._lock:
             children, self._idle = self._idle, []
         for child in children:
             child.close()
+        for lane in (self._threads, self._children, self._tables.lane):
+            lane.close()
 
     def clear(self) -> None:
         with self._lock:

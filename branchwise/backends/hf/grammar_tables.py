@@ -206,7 +206,8 @@ class TablesLoader:
     stats: TablesStats = field(default_factory=TablesStats)
     _future: Future[TokenizerTables] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _lane: Lane = field(default_factory=lambda: Lane("grammar-tables", 1))
+    lane: Lane = field(default_factory=lambda: Lane("grammar-tables", 1))
+    """Where the tables load (one thread; `Grammars.close` ends it)."""
     _unsaid: list[str] = field(default_factory=list)
 
     def start(self, then: Callable[[], None] | None = None) -> Future[TokenizerTables]:
@@ -217,7 +218,7 @@ class TablesLoader:
                 return self._future
             future: Future[TokenizerTables] = Future()
             self._future = future
-        self._lane.submit(lambda: self._load(future, then))
+        self.lane.submit(lambda: self._load(future, then))
         return future
 
     def _load(self, future: Future[TokenizerTables], then: Callable[[], None] | None) -> None:

@@ -129,6 +129,7 @@ class Lane:
         self._queued = 0  # jobs submitted that no thread took yet
         self._busy: set[int] = set()
         self._stuck: set[int] = set()
+        self._running: set[threading.Thread] = set()
         _LANES.add(self)
 
     def submit(self, job: Callable[[], None]) -> None:
@@ -152,10 +153,32 @@ class Lane:
         with self._lock:
             while self._threads - len(self._stuck) < self.size:
                 self._threads += 1
-                threading.Thread(target=self._serve, name=f"branchwise-{self.name}", daemon=True).start()
+                thread = threading.Thread(target=self._serve, name=f"branchwise-{self.name}", daemon=True)
+                self._running.add(thread)
+                thread.start()
+
+    def close(self, wait_s: float = 1.0) -> None:
+        """The lane's owner is gone: its idle threads end now, not after `IDLE_EXIT_S` (a backend
+        built and dropped in a loop left two idle threads per load for a minute), and they are
+        waited for up to `wait_s` (a running job is not stopped: its thread ends after it)."""
+        with self._lock:
+            threads = list(self._running)
+        for _ in threads:
+            self._jobs.put(_STOP)
+        end = time.monotonic() + wait_s
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, end - time.monotonic()))
 
     def _serve(self) -> None:
         me = threading.get_ident()
+        try:
+            self._loop(me)
+        finally:
+            with self._lock:
+                self._running.discard(threading.current_thread())
+
+    def _loop(self, me: int) -> None:
         while True:
             try:
                 job = self._jobs.get(timeout=IDLE_EXIT_S)
@@ -165,6 +188,10 @@ class Lane:
                 if self._jobs.empty():
                     return
                 self._fill()  # a job came in just now: a thread must stay for it
+                return
+            if job is _STOP:  # the lane is closed (its owner is gone): no thread takes its place
+                with self._lock:
+                    self._threads -= 1
                 return
             with self._lock:
                 self._queued -= 1
@@ -198,6 +225,10 @@ class Lane:
 
 
 _LANES: weakref.WeakSet[Lane] = weakref.WeakSet()
+
+
+def _STOP() -> None:
+    """The job `Lane.close` queues once per thread: the thread that takes it ends."""
 
 
 @atexit.register

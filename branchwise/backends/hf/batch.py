@@ -247,14 +247,9 @@ class BatchContext:
         The public way to evict part of a row's own KV mid-decode: buffers, the row's length and
         every tap move together, so nothing is left pointing at a slot that moved.
         """
-        kept = int(index.numel())
-        self.tail_start = None  # slots no longer follow positions
-        self.kv.move(pos, start, index, kept)
+        self._move(pos, start, index, int(index.numel()))
         for tap in self.taps:
             tap.move_slots(pos, start, index)
-        lens = self.lens.clone()
-        lens[pos] = start + kept
-        self.lens = lens
 
     def move_slots_per_head(self, pos: int, start: int, index: torch.Tensor) -> None:
         """`move_slots` with its own slots per (layer, KV head): `index` [L, H_kv, k] (absolute,
@@ -263,7 +258,10 @@ class BatchContext:
         for tap in self.taps:
             if type(tap).move_slots is not AttentionTap.move_slots:
                 raise ValueError(f"{type(tap).__name__} keeps per-slot state: no per-head eviction under it")
-        kept = int(index.shape[-1])
+        self._move(pos, start, index, int(index.shape[-1]))
+
+    def _move(self, pos: int, start: int, index: torch.Tensor, kept: int) -> None:
+        """Row `pos` keeps slots `index` (`kept` of them per head) packed from `start` on."""
         self.tail_start = None  # slots no longer follow positions
         self.kv.move(pos, start, index, kept)
         lens = self.lens.clone()

@@ -12,7 +12,7 @@ the engine never asks which one it has.
 - `Pages`: the rows' KV in fixed-size pages (`[N, H_kv, block, D]` per layer, the layout of vLLM,
   SGLang and FlashInfer) and a block table per row (`table` `[B, M]` int32 on the device). A row
   holds the pages its own length needs; growing adds pages to a row (nothing copied), a row that
-  leaves or an eviction puts pages back on the free list at once, where any row of the batch takes
+  ends or an eviction puts pages back on the free list at once, where any row of the batch takes
   them. The decode step reads the pages in place (`paged_kernels.paged_decode`); what needs a
   rectangle (a prefill chunk's causal attention, a tap, a soft-capped or windowed layer) reads a
   gathered copy (`read`).
@@ -75,8 +75,8 @@ def check_layout(layout: str) -> KVLayout:
 
 
 def default_layout() -> KVLayout:
-    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else tails (pages are not yet
-    compiled ahead, so the tails stay the default while steps compile)."""
+    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else tails (pages are one pool
+    per batch yet, not the engine's, and admission does not price rows by pages: docs/ARCHITECTURE.md)."""
     return check_layout(os.environ.get(LAYOUT_ENV, "tails"))
 
 
@@ -498,15 +498,17 @@ class Pages:
         total = start + kept
         span = int(index.max()) + 1 if index.numel() else total
         dst_page, dst_off = self._row_slots(pos, start, total)
+        page, off = self._row_slots(pos, 0, span)  # where the row's slots lie, for every layer alike
+        if index.dim() == 1:
+            index = index.to(page.device)
+            page, off = page[index], off[index]
         with torch.inference_mode():
             for buffers in (self.keys, self.values):
                 for layer, t in enumerate(buffers):
-                    idx = _per_layer_index(index, layer).to(t.device)
-                    if idx.dim() == 1:
-                        src_page, src_off = self._row_slots(pos, 0, span)
-                        moved = t[src_page[idx], :, src_off[idx]]  # [k, H, D]
+                    if index.dim() == 1:  # the kept slots, [k, H, D]
+                        moved = t[page, :, off]
                     else:  # per head: the row's slots as [H, span, D], gathered per head
-                        page, off = self._row_slots(pos, 0, span)
+                        idx = index[layer].to(t.device)
                         whole = t[page, :, off].transpose(0, 1)
                         moved = whole.gather(1, idx[..., None].expand(-1, -1, t.shape[-1])).transpose(0, 1)
                     t[dst_page, :, dst_off] = moved

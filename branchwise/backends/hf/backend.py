@@ -46,6 +46,7 @@ from branchwise.backends.base import (
     check_share,
 )
 from branchwise.backends.compute_thread import on_compute_thread
+from branchwise.backends.hf import paged_kernels
 from branchwise.backends.hf.arch import check_config, decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
@@ -429,7 +430,9 @@ class HFBackend:
 
     @kv_layout.setter
     def kv_layout(self, value: KVLayout | None) -> None:
-        self.engine.kv_layout = default_layout() if value is None else check_layout(value)
+        layout = self.engine.kv_layout = default_layout() if value is None else check_layout(value)
+        if layout == "pages" and self.device.type == "cpu":
+            paged_kernels.build_ahead()  # from now on, in the background: no step waits for it
 
     def acceleration(self, kind: type[A]) -> A | None:
         """The default session's instance of an acceleration (its state, its build), or None."""

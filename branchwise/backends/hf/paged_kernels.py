@@ -62,6 +62,11 @@ _lock = threading.Lock()
 _info: BuildInfo | None = None
 _reason: str | None = None
 _tried = False
+_done = False
+_builder: threading.Thread | None = None
+_builder_lock = threading.Lock()
+BUILDING = "the paged decode kernel is being built in the background (once per machine, then cached)"
+"""`ready_now`'s answer while a build runs: a step then reads a copy of its pages instead of waiting."""
 
 
 def _capability_flags() -> list[str]:
@@ -112,7 +117,7 @@ def build_dir() -> Path:
 def build() -> str | None:
     """Build (or load the cached build of) the kernel once per process; None when it is ready,
     else why not (no compiler, no ninja, a build error), so the caller can fall back and say so."""
-    global _info, _reason, _tried
+    global _info, _reason, _tried, _done
     with _lock:
         if _tried:
             return _reason
@@ -122,7 +127,30 @@ def build() -> str | None:
         except Exception as exc:  # every failure is reported as the reason, never raised
             _reason = f"{type(exc).__name__}: {exc}"[:2000]
             log.warning("paged decode kernel unavailable: %s", _reason)
+        _done = True
         return _reason
+
+
+def build_ahead() -> None:
+    """Start `build` on a thread of its own, unless one ran or runs: a backend that keeps its KV in
+    pages starts it at load, so that no request waits for a compiler (20-50 s on 2 cores the first
+    time on a machine). The thread is not a daemon: the interpreter waits for it at exit rather
+    than cut a build short and leave the build folder locked."""
+    global _builder
+    with _builder_lock:
+        if _tried or _builder is not None:
+            return
+        _builder = threading.Thread(target=build, name="branchwise-paged-build")
+        _builder.start()
+
+
+def ready_now() -> str | None:
+    """`build()`'s answer without waiting for it: None when the kernel is ready, why not when it
+    cannot be, `BUILDING` while a build runs (started here if none was)."""
+    if _done:
+        return _reason
+    build_ahead()
+    return BUILDING
 
 
 def _build() -> BuildInfo:
@@ -206,7 +234,7 @@ def paged_decode(
     merge (0: chosen from the rows and threads). Raises `PagedKernelUnavailable` when the kernel
     cannot be built here (`unavailable_reason()` says why beforehand). Inside `torch.compile` the
     op is traced through its fake kernel: build it before compiling."""
-    if not torch.compiler.is_compiling() and (not _tried or _reason is not None):
+    if not torch.compiler.is_compiling() and (not _done or _reason is not None):
         reason = build()
         if reason is not None:
             raise PagedKernelUnavailable(reason)

@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 import torch
 
+from branchwise.backends.hf import paged_kernels
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import (
     AttentionContext,
@@ -288,6 +289,8 @@ def from_skeleton(batch: dict[str, Any], parts: DecoderParts, device: torch.devi
     assert lens is not None
     own = batch["own"]
     table = made(own.get("table"))
+    if table is not None:  # a compiler's or a warm-up's batch, never a request's: it may wait for the kernel
+        paged_kernels.build()
     kv: OwnKV = (
         Tails(tensors(own["keys"]), tensors(own["values"]))
         if table is None

@@ -1,6 +1,7 @@
-"""The attention of the fixed-shape decode step: each row's new K/V written in place in its tail,
-the tails read over the slots in use under a mask built on the device (`StaticAttention`), and the
-same beside a waiting prompt's chunk carried in the step's forward (`Chunk`, `MixedAttention`).
+"""The attention of the fixed-shape decode step: each row's new K/V written in place in its own KV,
+tails read over the slots in use under a mask built on the device or pages read in place by the
+paged kernel (`StaticAttention`), and the same beside a waiting prompt's chunk carried in the step's
+forward (`Chunk`, `MixedAttention`).
 
 Why its own module: `step.py` decides which step runs (compiled, recorded, segmented, eager); this
 is what every one of them computes in each layer, and what a compiled step is traced from."""
@@ -23,7 +24,8 @@ from branchwise.backends.hf.step_inputs import StepKeys
 def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
     """Why a step of this batch cannot read its rows' pages in place (None: it can, or the batch
     keeps tails): the paged kernel reads float32 and bfloat16 on a CPU, one query per row, nothing
-    for a tap to see (what a tap reads is a rectangle of keys)."""
+    for a tap to see (what a tap reads is a rectangle of keys), and once it is built: a step never
+    waits for its build (`paged_kernels.ready_now`)."""
     kv = ctx.kv
     if not isinstance(kv, Pages):
         return None
@@ -34,7 +36,7 @@ def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
         return f"the paged decode kernel reads float32 and bfloat16, not {like.dtype}"
     if taps:
         return "an acceleration's attention tap reads the keys as a rectangle"
-    return paged_kernels.unavailable_reason()
+    return paged_kernels.ready_now()
 
 
 class StaticAttention:

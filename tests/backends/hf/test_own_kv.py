@@ -157,7 +157,11 @@ def _decode(backend: HFBackend, layout: str, mode: str = "eager") -> list[list[i
 def test_pages_give_the_tails_tokens_and_are_read_in_place(backend: HFBackend) -> None:
     """Greedy, fp32: a shared prompt, rows of unequal lengths ending apart and growing past their
     first pages: the tokens of the tails and of the layer loop; each step read the pages in place
-    (no step counted as reading a copy)."""
+    (no step counted as reading a copy, once the kernel is built: `build_ahead` starts it at the
+    layout's choice, and this waits for it)."""
+    from branchwise.backends.hf import paged_kernels
+
+    assert paged_kernels.build() is None
     layers = _decode(backend, "tails", "layers")
     tails = _decode(backend, "tails")
     pages = _decode(backend, "pages")
@@ -179,3 +183,21 @@ def test_a_paged_step_that_reads_a_copy_says_why(tiny_model_dir) -> None:
     backend.kv_layout = "tails"
     root2 = backend.prefill(backend.encode("Half precision on a CPU."))
     assert backend.extend([root2], DecodeParams(max_tokens=6, min_tokens=6))[0].token_ids == gen.token_ids
+
+
+def test_no_step_waits_for_the_paged_kernels_build(
+    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the paged kernel is still being built (the first time on a machine, in the background
+    from the backend's load), the steps read a copy of their pages instead of waiting for the
+    compiler, say so, and give the same tokens."""
+    from branchwise.backends.hf import paged_kernels
+
+    tails = _decode(backend, "tails")
+    started: list[bool] = []
+    monkeypatch.setattr(paged_kernels, "_done", False)  # as while the build thread runs
+    monkeypatch.setattr(paged_kernels, "build_ahead", lambda: started.append(True))
+    pages = _decode(backend, "pages")
+    stats = backend.kv_stats().as_dict()
+    assert pages == tails and started
+    assert stats.get(f"{OFF_FAST_BY}{OffFast.PAGES_COPIED.value}: {paged_kernels.BUILDING}", 0) >= 59

@@ -379,9 +379,10 @@ class Grammars:
         return True
 
     def close(self) -> None:
-        """Stop the child processes and let the lanes' idle threads end (`Lane.close`)."""
-        with self._lock:
-            children, self._idle = self._idle, []
+        """Stop the child processes and let the lanes' idle threads end (`Lane.close`). Called by
+        the engine's finalizer, so it takes no lock (see `Lane.close`): the idle children are
+        taken in one step the interpreter does not interleave."""
+        children, self._idle = self._idle, []
         for child in children:
             child.close()
         for lane in (self._threads, self._children, self._tables.lane):

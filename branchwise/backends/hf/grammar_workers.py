@@ -157,18 +157,18 @@ class Lane:
                 self._running.add(thread)
                 thread.start()
 
-    def close(self, wait_s: float = 1.0) -> None:
+    def close(self) -> None:
         """The lane's owner is gone: its idle threads end now, not after `IDLE_EXIT_S` (a backend
-        built and dropped in a loop left two idle threads per load for a minute), and they are
-        waited for up to `wait_s` (a running job is not stopped: its thread ends after it)."""
-        with self._lock:
-            threads = list(self._running)
-        for _ in threads:
+        built and dropped in a loop left two idle threads per load for a minute); a running job is
+        not stopped (its thread ends after it).
+
+        Why it takes no lock and waits for nothing: it runs from a garbage collector's finalizer
+        (the engine's), on whatever thread the collection happened, which may be inside `_fill`
+        holding this lane's lock (a load's background thread starting a worker was once stuck
+        there for good, and the interpreter's exit with it). `SimpleQueue.put` is safe there; a
+        thread started meanwhile and not told ends after its idle period."""
+        for _ in range(self._threads):
             self._jobs.put(_STOP)
-        end = time.monotonic() + wait_s
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, end - time.monotonic()))
 
     def _serve(self) -> None:
         me = threading.get_ident()

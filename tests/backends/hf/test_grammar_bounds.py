@@ -31,7 +31,7 @@ from branchwise.backends.hf.grammar import (
     Grammars,
     GrammarTimeout,
 )
-from branchwise.backends.hf.grammar_workers import CompileProcess, both
+from branchwise.backends.hf.grammar_workers import CompileProcess, Lane, both
 from branchwise.constraints import Constraint, ConstraintError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -301,3 +301,23 @@ def test_the_cache_forgets_the_least_recently_used_past_its_bytes(
     grammars.compile(third)  # past the bytes: `second` goes
     assert list(grammars._cache) == [first.key(), third.key()]
     assert grammars.stats.compiled == 3 and grammars.stats.cache_hits == 1
+
+
+def test_a_lane_closed_from_a_finalizer_inside_its_own_fill_does_not_hang() -> None:
+    """The engine's finalizer closes its grammar lanes on whatever thread a garbage collection
+    happens, which may be one inside `Lane._fill` holding the lane's lock (it starts a thread, and
+    starting one may collect): closing there must neither wait for that lock nor for a thread."""
+    lane = Lane("finalizer-test", 1)
+    ran = threading.Event()
+    lane.submit(ran.set)
+    wait_until(ran.is_set, "the lane's job to run")
+    done = threading.Event()
+
+    def close_holding_the_lock() -> None:
+        with lane._lock:  # as `_fill` holds it when a collection runs the finalizer
+            lane.close()
+        done.set()
+
+    threading.Thread(target=close_holding_the_lock, daemon=True).start()
+    assert done.wait(5), "Lane.close waited on the lock its caller holds"
+    wait_until(lambda: lane._threads == 0, "the lane's idle thread to end once told to")

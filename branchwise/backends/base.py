@@ -365,7 +365,14 @@ class SupportsKVBudget(Protocol):
         ...
 
     def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
-        """Worst-case KV bytes of ``n`` samples of a prompt, each decoding up to ``max_tokens``."""
+        """KV bytes admission prices ``n`` samples of a prompt, each decoding up to ``max_tokens``,
+        at: their worst case, or what they start with where the backend preempts rows that outgrow
+        its budget."""
+        ...
+
+    def kv_floor(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
+        """The least KV bytes under which such a request can finish at all (a request above the
+        budget's share is refused at once)."""
         ...
 
 

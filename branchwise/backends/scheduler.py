@@ -309,12 +309,13 @@ class Scheduler:
         return None if room is None else room()
 
     def _check_fits(self, job: Job) -> None:
-        """Refuse at once a job whose worst-case KV exceeds what the budget admits for one job:
-        waiting would not help, and it must not hold up the queue behind it."""
+        """Refuse at once a job that cannot finish within what the budget admits for one job
+        (`kv_floor`: its worst case where the backend prices that, one row's worst case where it
+        preempts rows): waiting would not help, and it must not hold up the queue behind it."""
         limit = getattr(self.backend, "kv_limit", None)
         if limit is None:
             return
-        cost = self._kv_cost(job)
+        cost = self.backend.kv_floor(len(job.prompt), job.n, job.params.max_tokens, prompt_share(job))  # type: ignore[attr-defined]
         if cost > limit:
             with self._cv:
                 self.stats.rejected += 1
@@ -328,8 +329,8 @@ class Scheduler:
             )
 
     def _kv_cost(self, job: Job) -> int:
-        """Worst-case KV of the job, priced by how its rows will hold its prompt (`prompt_share`; a
-        node job's prompt is held already: it has none)."""
+        """The KV the backend prices the job at (`kv_cost`), by how its rows will hold its prompt
+        (`prompt_share`; a node job's prompt is held already: it has none)."""
         return self.backend.kv_cost(len(job.prompt), job.n, job.params.max_tokens, prompt_share(job))  # type: ignore[attr-defined]
 
     def view(self, backend: Backend) -> Backend:

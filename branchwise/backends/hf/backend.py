@@ -51,10 +51,10 @@ from branchwise.backends.hf.arch import check_config, decoder_parts, kv_bytes_pe
 from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
 from branchwise.backends.hf.embedded import EMBEDDED_MODEL, embedded_model_dir
-from branchwise.backends.hf.engine import Engine, check_broadcast
+from branchwise.backends.hf.engine import Engine, check_broadcast, special_ids
 from branchwise.backends.hf.grammar import BudgetFit
 from branchwise.backends.hf.hooks import Acceleration
-from branchwise.backends.hf.own_kv import KVLayout, check_layout, default_layout
+from branchwise.backends.hf.own_kv import BLOCK, KVLayout, check_layout, default_layout
 from branchwise.backends.hf.packaged import packaged_model_dir
 from branchwise.backends.hf.plugins import EntropyTrace
 from branchwise.backends.hf.pool import parse_budget, return_freed_memory
@@ -172,10 +172,10 @@ class HFBackend:
         self._setup(on_device, tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
         self.broadcast = broadcast
         self.cache_bytes = cache_bytes
+        self.kv_layout = kv_layout  # first: the least budget depends on how rows are priced
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
         self.decode_step = decode_step
-        self.kv_layout = kv_layout
 
     @classmethod
     def from_model(
@@ -199,10 +199,10 @@ class HFBackend:
         name = getattr(model.config, "_name_or_path", "model")
         self._setup(model, tokenizer, share=share, model_name=name, accel=accel, prepack=prepack)
         self.cache_bytes = cache_bytes
+        self.kv_layout = kv_layout  # first: the least budget depends on how rows are priced
         self.kv_budget = kv_budget  # the setter resolves it to bytes
         self.prefill_chunk = prefill_chunk
         self.decode_step = decode_step
-        self.kv_layout = kv_layout
         return self
 
     @on_compute_thread
@@ -228,15 +228,10 @@ class HFBackend:
         self.prepacked = (
             pack_weights(model, decoder_parts(model).layers) if prepack else Prepacked(reason="prepack=False")
         )
-        """Whether the linear layers run on weights packed for the CPU's kernels (`prepack.py`), and
-        why not where they do not."""
+        """Whether the linear layers run on packed weights (`prepack.py`), and why not if not."""
         parts = decoder_parts(model)
         param = next(model.parameters())
-        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids), 0)
+        eos_ids, pad_id = special_ids(model, tokenizer)
         self.engine = Engine(
             model=model,
             tokenizer=tokenizer,
@@ -257,8 +252,7 @@ class HFBackend:
     @property
     def max_context(self) -> int | None:
         """The model's context window in tokens (None where its config does not say): `prefill`,
-        `append`, `extend` (path + ``max_tokens``) and `score_next` refuse what would not fit it
-        with `ContextTooLong` before computing anything."""
+        `append`, `extend` (path + ``max_tokens``) and `score_next` refuse what exceeds it first."""
         return self.engine.max_context
 
     # ------------------------------------------------------------------ settings
@@ -395,6 +389,9 @@ class HFBackend:
     def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
         return self._default.kv_cost(prompt_tokens, n, max_tokens, share)
 
+    def kv_floor(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
+        return self._default.kv_floor(prompt_tokens, n, max_tokens, share)
+
     def prepare_grammar(self, params: DecodeParams) -> Future[Any] | None:
         """The grammar rows decoding with `params` need, compiled off the caller's thread
         (`Grammars.prepare`; None without a constraint): a scheduler queues a constrained request
@@ -422,15 +419,18 @@ class HFBackend:
 
     @property
     def kv_layout(self) -> KVLayout:
-        """How decode batches hold their rows' own KV (`own_kv.py`): ``tails`` (a rectangle per
-        batch, every row padded to the longest) or ``pages`` (16-token pages and a block table per
-        row, read in place by the decode step on a CPU). None sets the default: `$BRANCHWISE_KV_LAYOUT`, else
-        ``tails``."""
+        """How decode batches hold their rows' own KV (`own_kv.py`), and so how admission prices rows
+        (`KVPool.row_slots`): ``tails`` (a rectangle per batch, rows padded to the longest; the worst
+        case) or ``pages`` (16-token pages and a block table per row, read in place on a CPU; what
+        rows hold, preempting those that outgrow the budget). None: `$BRANCHWISE_KV_LAYOUT`, else tails."""
         return self.engine.kv_layout
 
     @kv_layout.setter
     def kv_layout(self, value: KVLayout | None) -> None:
-        layout = self.engine.kv_layout = default_layout() if value is None else check_layout(value)
+        layout = default_layout() if value is None else check_layout(value)
+        with self.engine.lock:
+            self.engine.pool.price_by(BLOCK if layout == "pages" else None)
+            self.engine.kv_layout = layout
         if layout == "pages" and self.device.type == "cpu":
             paged_kernels.build_ahead()  # from now on, in the background: no step waits for it
 

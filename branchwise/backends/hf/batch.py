@@ -412,11 +412,11 @@ class Batch:
                 itemsize = torch.tensor([], dtype=dtype).element_size()
                 reserve(2 * parts.n_layers * math.prod(shape) * itemsize)
             kv = Tails.zeros(shape, parts.n_layers, dtype, device)
-        else:  # the pages the rows hold now, and as many free ones as the tails' free slots would be
+        else:  # the pages each row holds now and its own `extra` free slots ahead, no rectangle
             kv = Pages(parts.n_layers, parts.n_kv_heads, parts.head_dim, b, dtype, device)
             if reserve is not None:
-                reserve(kv.growth(lens, fed, cap))
-            kv.fit(lens, fed, cap)
+                reserve(kv.growth(lens, fed + extra, cap))
+            kv.fit(lens, fed + extra, cap)
         for i, (r, chain) in enumerate(zip(rows, chains, strict=True)):
             at = 0
             for piece in [*chain, r.seg]:

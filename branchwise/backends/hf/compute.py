@@ -22,7 +22,7 @@ from branchwise.backends.hf.engine import COPY_MIN_SEGMENTS, COPY_TOKENS, Engine
 from branchwise.backends.hf.hooks import Acceleration, overrides
 from branchwise.backends.hf.intake import Intake, alone_chunk, policy_of
 from branchwise.backends.hf.ledger import Ledger
-from branchwise.backends.hf.pool import TAIL_SLACK
+from branchwise.backends.hf.pool import TailSlackRefused
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.step import is_decode_step
 from branchwise.backends.hf.step_attention import Chunk
@@ -128,10 +128,14 @@ class Computation:
             ready = [a for a in todo.values() if not any(x.id in todo for x in a.kv_ancestors())]
             self.run(ready, None)
 
-    def assemble(self, segs: Sequence[Segment], extra: int, lend: bool = False) -> Batch:
+    def assemble(
+        self, segs: Sequence[Segment], extra: int, lend: bool = False, refuse: bool = False
+    ) -> Batch:
         """The batch of `segs` with `extra` free slots per row; with `lend`, the rows' nodes lend
         their own KV to its tails once copied (`KVTree.lend`: a decode batch, which captures every
-        row back), so the tails' reservation counts those bytes as moving, not added."""
+        row back), so the tails' reservation counts those bytes as moving, not added. Storage
+        that does not fit the budget is refused (`TailSlackRefused`) when it has free slots ahead,
+        or with `refuse`; else let through and counted (`KVPool.reserve_tails`)."""
         engine = self.engine
         # many short ancestors (many requests' prompts) are copied into the rows' tails
         # (`Batch.assemble`); with an acceleration on, every ancestor stays a shared segment, the
@@ -151,7 +155,7 @@ class Computation:
             # free slots ahead are refused where they would not fit (`KVPool.reserve_tails`)
             reserve=functools.partial(
                 engine.pool.reserve_tails,
-                slack=extra > 0,
+                slack=extra > 0 or refuse,
                 moving=sum(s.kv_bytes for s in segs) if lend else 0,
             ),
         )
@@ -326,7 +330,14 @@ class Computation:
                     segs = intake.next_ready()
                     if not segs:
                         break
-                batch, start = self._batch(segs, params, observers, run)
+                # under pages, rows are admitted by what they hold (`KVPool.row_slots`): a batch
+                # that does not fit is refused while rows join it, and they wait (`hold_back`)
+                refuse = self.engine.pool.page is not None and intake.joins(segs)
+                try:
+                    batch, start = self._batch(segs, params, observers, run, refuse)
+                except TailSlackRefused:  # the youngest joining row waits until the batch fits
+                    segs = intake.hold_back(segs)
+                    continue
                 capture = self._capture(batch)
                 intake.batch, intake.capture = batch, capture
                 admitted = decode(
@@ -362,10 +373,12 @@ class Computation:
         params: DecodeParams | None,
         observers: Sequence[Acceleration],
         run: DecodeRun | None = None,
+        refuse: bool = False,
     ) -> tuple[Batch, list[torch.Tensor]]:
         """Compute the pending tokens of `segs` (ancestors first) and assemble their batch; returns it
         with each row's next-token logits. Without `params` the rows' KV goes back into their nodes
-        at once (a prefill), each with its logits."""
+        at once (a prefill), each with its logits. With `refuse`, a batch over the KV budget is
+        refused (`TailSlackRefused`), not let through (`assemble`)."""
         self.materialize_ancestors(segs)
         chunk = 0 if self.plugins else alone_chunk(self.engine.prefill_chunk)
         for seg in segs if chunk else ():
@@ -387,22 +400,22 @@ class Computation:
         extra, caps = 0, []
         if params is not None:
             # the most KV each row may hold (its max_tokens, or an eviction policy's cap); no more
-            # free slots than the largest: admission prices that many (`KVPool.row_tokens`), and a
-            # capped row never fills more
+            # free slots than the largest, nor than admission prices (`KVPool.slack`): a capped row
+            # never fills more
             caps = [
                 self.row_kv_tokens(run.params_of(s).max_tokens if run is not None else params.max_tokens)
                 for s in segs
             ]
-            extra = min(max(caps), TAIL_SLACK)
+            extra = self.engine.pool.slack(caps)
         # every row is captured back: a decode batch's when it leaves, a prefill's at once. Lent, a
         # row's computed KV is held once while its tail holds the copy (a long prompt's last chunk
         # once held the prompt twice, over the budget its admission priced); a prefill with
         # accelerations keeps it in the node, where their hooks may read it
         lend = params is not None or not self.plugins
         try:
-            batch = self.assemble(segs, extra, lend)
+            batch = self.assemble(segs, extra, lend, refuse)
         except KVBudgetExceeded:
-            if not extra:
+            if refuse or not extra:
                 raise
             batch = self.assemble(segs, 0, lend)  # no free slots ahead: the tails grow as rows do
         if params is not None:

@@ -355,6 +355,11 @@ def decode(
         run.step += 1
         if not alive:
             break
+        if ctx.kv.frees_rows:  # an ended row's pages go back now, for the rows still decoding
+            for pos, ri in enumerate(present):  # (before the budget is asked: its capture adds bytes)
+                if rows[ri].finish is not None and not rows[ri].captured:
+                    capture(pos, rows[ri])
+                    ctx.kv.release(pos)
         evict = False
         if run.pressure is not None:
             for r in run.pressure([rows[ri] for ri in alive]):
@@ -369,11 +374,6 @@ def decode(
             admitted = list(run.admit(len(alive)))
             if admitted:
                 break
-        if ctx.kv.frees_rows:  # an ended row's pages go back now, for the rows still decoding
-            for pos, ri in enumerate(present):
-                if rows[ri].finish is not None and not rows[ri].captured:
-                    capture(pos, rows[ri])
-                    ctx.kv.release(pos)
         dead = len(present) - len(alive)
         if evict or (dead and dead * 4 >= len(present)):  # compact: ended rows leave the batch
             for pos, ri in enumerate(present):

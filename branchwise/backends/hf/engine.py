@@ -60,6 +60,17 @@ def check_broadcast(broadcast: str, plugins: Sequence[Acceleration]) -> None:
         )
 
 
+def special_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[set[int], int]:
+    """The ids that end a row (the generation config's and the tokenizer's end of sequence) and
+    the id pads are fed as (the tokenizer's pad, else an end of sequence)."""
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids), 0)
+    return eos_ids, pad_id
+
+
 @dataclass
 class Engine:
     """What every session of one backend shares: the model, the KV tree, the runner, the lock and

@@ -225,6 +225,8 @@ class Intake:
         """Bytes of `pool.reserved` the decoding rows may still need (`pressure`; 0 while none decode)."""
         self.batch: Batch | None = None
         """The batch being decoded (set by `Computation.run` before each `decode`)."""
+        self._joining: set[int] = set()
+        """Rows handed to the decode at the last boundary (`joins`)."""
 
     # ------------------------------------------------------------------ the decode loop's calls
     def start(self, segs: Sequence[Segment]) -> list[Segment]:
@@ -239,6 +241,7 @@ class Intake:
         one batch's tails) or overshoot the budget and preempt a third of its rows a step later."""
         if self.outer is None:
             segs = self._fitting(segs)
+        self._joining = {s.id for s in segs}
         if not self.chunk or self.outer is None:
             return list(segs)
         now = [s for s in segs if pending_work(s) <= self.chunk]
@@ -265,6 +268,27 @@ class Intake:
             self.host.stats.bump("deferred_rows", len(self.preempted))
         return now
 
+    def hold_back(self, segs: Sequence[Segment]) -> list[Segment]:
+        """The batch of `segs` did not fit the budget (pages: rows are admitted by what they hold,
+        `KVPool.row_slots`, and a batch re-assembled around newcomers may still come out larger
+        than priced, e.g. where the prefix cache it counted as free is read by live rows): the
+        youngest row new to the call waits in `preempted`, as rows that do not fit at the start do
+        (`_fitting`), and joins once there is room (`_rejoin`). Returns the rows that stay."""
+        joining = [s for s in segs[1:] if s.id in self._joining]
+        assert joining, "only a batch that rows join is refused (`joins`)"
+        victim = max(joining, key=lambda s: self.run.rows[s.id])
+        self.preempted.append(victim)
+        if victim.id not in self.run.carried:  # a preempted row rejoining keeps its carried row
+            self.run.hold(victim)
+        self._joining.discard(victim.id)
+        self.host.stats.bump("deferred_rows")
+        return [s for s in segs if s is not victim]
+
+    def joins(self, segs: Sequence[Segment]) -> bool:
+        """Whether rows join the batch of `segs` at this boundary, besides its first (the rows that
+        `hold_back` may let wait: newcomers, and preempted rows coming back)."""
+        return any(s.id in self._joining for s in segs[1:])
+
     def _join_cost(self, seg: Segment, counted: set[int]) -> int:
         """Bytes a row may still add to what is held once it joins the batch, priced as admission
         prices a row (`KVPool.row_slots`: its own KV as it will be, and its free slots): its
@@ -276,8 +300,8 @@ class Intake:
                 counted.add(anc.id)
                 ancestors += len(anc.pending)
         cap = self._cap(seg)
-        own = seg.kv_tokens + self.swap.tokens.get(seg.id, 0) + len(seg.pending) + cap
-        return (ancestors + self.pool.row_slots(own, cap) - seg.kv_tokens) * self.pool.token_bytes
+        now = seg.kv_tokens + self.swap.tokens.get(seg.id, 0) + len(seg.pending) + self._copies(seg, 0)
+        return (ancestors + self.pool.row_slots(now, cap, cap) - seg.kv_tokens) * self.pool.token_bytes
 
     def waiting(self) -> bool:
         return bool(self.prefilling or self.preempted or self.ready)
@@ -356,8 +380,8 @@ class Intake:
         worst = held = 0
         for r in alive:
             cap = self._cap(r.seg)
-            final = r.kv_len + max(cap - min(len(r.out), cap), 0)
-            worst += pool.row_slots(final, cap) + r.tail_start
+            now = r.kv_len + self._copies(r.seg, r.tail_start)
+            worst += pool.row_slots(now, max(cap - min(len(r.out), cap), 0), cap)
             held += r.seg.kv_tokens
         if alive and self.batch is not None:
             held += self.batch.ctx.kv.slots_held(len(alive))
@@ -370,6 +394,9 @@ class Intake:
             return []
         pool.yield_cache(need)
         over = pool.over(need)
+        if over > 0 and self.batch is not None and self.batch.ctx.kv.shrink():  # free pages go first
+            need = len(alive) * tb + self._growth(alive)
+            over = pool.over(need)
         if over <= 0:
             return []
         if len(alive) < 2:  # the oldest row alone: it goes on over the budget, and the run says so
@@ -382,7 +409,7 @@ class Intake:
         capacity = self._tail_capacity(alive)
         for r in youngest:
             victims.append(r)
-            over -= r.seg.kv_bytes + capacity * tb
+            over -= r.seg.kv_bytes + self._freed(r, capacity) * tb
             if over <= 0:
                 break
         return victims
@@ -523,15 +550,40 @@ class Intake:
 
     def _pop_ready(self) -> list[Segment]:
         out, self.ready = self.ready, []
+        self._joining = {s.id for s in out}
         return out
+
+    def _copies(self, seg: Segment, copied: int) -> int:
+        """Ancestor tokens the row of `seg` holds in its own KV: `copied` now, and under pages as
+        many as a batch re-assembled with many prompts may copy into it (`Batch.assemble`: the
+        ancestors whose path holds at most `copy_tokens`). Under tails the worst case's free slots
+        cover that copy; under pages, priced by what rows hold, it must be priced itself (a burst
+        of short prompts once asked 1.2x the budget for one batch)."""
+        if self.pool.page is None:
+            return copied
+        copyable = sum(a.kv_tokens for a in seg.kv_ancestors() if a.position <= self.pool.copy_tokens)
+        return max(copied, copyable)
+
+    def _freed(self, row: Row, capacity: int) -> int:
+        """Slots of the batch's own KV a preempted `row` gives back: a tail's `capacity` (every row
+        holds as many), or the pages its own tokens fill."""
+        page = self.pool.page
+        if page is None:
+            return capacity
+        return -(-(row.kv_len + row.tail_start) // page) * page
 
     def _growth(self, alive: list[Row]) -> int:
         """Bytes the batch's own KV storage grows by at the next step (tails: when a row reaches
         their end, for every row at once, ended ones not yet compacted too; pages: when the free
-        pages do not cover the rows that start a page: `BatchContext.make_room`)."""
+        pages do not cover the rows that start a page: `BatchContext.make_room`). Under a budget,
+        the storage is told first how far it may grow (`OwnKV.limit`): its amortised growth stops
+        there, so growing never preempts a row for room no row needs yet."""
         ctx = None if self.batch is None else self.batch.ctx
         if ctx is None or not alive:
             return 0
+        pool = self.pool
+        if pool.budget is not None:
+            ctx.kv.limit = pool.budget - pool.used() + ctx.kv.nbytes
         lens = ctx.lens.tolist()
         needed = max(lens) + 1
         capacity = ctx.next_capacity(needed) if needed > ctx.capacity else ctx.capacity

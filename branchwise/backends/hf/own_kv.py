@@ -94,6 +94,11 @@ class OwnKV(Protocol):
         """Bytes of storage the layout holds now (what the KV budget counts while the batch lives)."""
         ...
 
+    limit: int | None
+    """Bytes the storage may grow to ahead of need (set from the KV budget at each step boundary,
+    `intake.Intake`; None: unbounded). Pages grow amortised only up to it (past it, by what rows
+    need now); the tails' growth is bounded by `BatchContext.next_capacity` instead."""
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor holding KV (the budget's storage check, a batch's end)."""
         ...
@@ -162,6 +167,11 @@ class OwnKV(Protocol):
         row (only where `frees_rows`); it stays in the batch until compaction, holding nothing."""
         ...
 
+    def shrink(self) -> bool:
+        """Give back now the storage no row holds (a KV budget would be exceeded otherwise); returns
+        whether anything went. Tails hold none apart from their rows' own slots."""
+        ...
+
     def signature(self) -> tuple[object, ...]:
         """What a recorded step bakes in: the storage's addresses and shapes."""
         ...
@@ -182,6 +192,7 @@ class Tails:
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         self.keys = keys
         self.values = values
+        self.limit: int | None = None
 
     @classmethod
     def zeros(
@@ -282,6 +293,9 @@ class Tails:
 
     frees_rows = False
 
+    def shrink(self) -> bool:
+        return False
+
     def release(self, pos: int) -> None:
         raise NotImplementedError("a row's tail slots go only when the batch compacts")
 
@@ -324,6 +338,7 @@ class Pages:
         self.free: list[int] = []
         self.released: set[int] = set()
         """Rows that gave their pages back (`release`): they get none again."""
+        self.limit: int | None = None
 
     @classmethod
     def of(cls, keys: list[torch.Tensor], values: list[torch.Tensor], table: torch.Tensor) -> Pages:
@@ -334,6 +349,7 @@ class Pages:
         pages.keys, pages.values, pages.table = keys, values, table
         pages.held = [[] for _ in range(table.shape[0])]
         pages.free, pages.released, pages.sink = list(range(int(keys[0].shape[0]))), set(), None
+        pages.limit = None
         return pages
 
     @property
@@ -377,15 +393,22 @@ class Pages:
             got, self.free = self.free[:w], self.free[w:]
             first = len(self.held[b])
             self.held[b].extend(got)
-            self.table[b, first : first + w] = torch.tensor(got, dtype=torch.int32)
+            with torch.inference_mode():  # as in `move`
+                self.table[b, first : first + w] = torch.tensor(got, dtype=torch.int32)
 
     def _grown(self, short: int, capacity: int) -> int:
         """Pages of storage once grown for `short` more, amortised as the tails grow: `short` and
         `GROW_SLOTS` more per row or half the storage, whichever is more, but never past what every
-        row still decoding would hold at `capacity` slots (the tails' size, which bounds it)."""
+        row still decoding would hold at `capacity` slots (the tails' size, which bounds it), nor
+        past `limit`. Empty storage (a batch being assembled) grows by exactly `short`: the pages
+        its rows hold, their free slots ahead included (`Batch.assemble`), as admission priced."""
         old = self.pages
+        if not old:
+            return short
         live = [h for b, h in enumerate(self.held) if b not in self.released]
         ceiling = old - len(self.free) + sum(max(-(-capacity // self.block) - len(h), 0) for h in live)
+        if self.limit is not None and self.keys:
+            ceiling = min(ceiling, self.limit // self.page_bytes)
         amortised = old + short + max(len(live) * (-(-GROW_SLOTS // self.block)), old // 2)
         return max(old + short, min(amortised, ceiling))
 
@@ -517,7 +540,8 @@ class Pages:
         if freed:  # whole pages past what the row keeps go back at once, for any row
             self.held[pos] = self.held[pos][:keep_pages]
             self.free.extend(freed)
-            self.table[pos, keep_pages : keep_pages + len(freed)] = 0
+            with torch.inference_mode():  # the table may have been made in a step's inference mode
+                self.table[pos, keep_pages : keep_pages + len(freed)] = 0
 
     frees_rows = True
 
@@ -528,10 +552,17 @@ class Pages:
             self.sink = self.free.pop()
         self.free.extend(self.held[pos])
         self.held[pos] = []
-        self.table[pos] = self.sink
+        with torch.inference_mode():  # as in `move`
+            self.table[pos] = self.sink
         self.released.add(pos)
         if 2 * len(self.free) > self.pages:
             self._pack()
+
+    def shrink(self) -> bool:
+        if not self.free:
+            return False
+        self._pack()
+        return True
 
     def signature(self) -> tuple[object, ...]:
         return (

@@ -29,7 +29,7 @@ import math
 import os
 import re
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -160,6 +160,9 @@ class KVPool:
     nodes not yet made (worst case; set at each step boundary by `Intake.pressure`)."""
     copy_tokens: int = 0
     """Prompts up to this many tokens may be copied into each row's tail (`Computation.assemble`)."""
+    page: int | None = None
+    """How rows are priced (`row_slots`): None for rectangular tails (the worst case), else the
+    pages' size in tokens (what a row holds and a page ahead; set with the KV layout)."""
     preemptions: int = 0
     overruns: int = 0
     """Decode steps that ran above the budget because nothing could yield (the oldest row alone:
@@ -278,44 +281,68 @@ class KVPool:
             f"{self.budget} bytes; kv_budget must be at least {nbytes} bytes for it"
         )
 
-    @staticmethod
-    def row_tokens(max_tokens: int) -> int:
-        """KV slots one decoding row may hold at worst besides its prompt (see `job_cost`)."""
-        return KVPool.row_slots(max_tokens, max_tokens)
+    def row_tokens(self, max_tokens: int) -> int:
+        """KV slots one decoding row is priced at besides its prompt (see `job_cost`)."""
+        return self.row_slots(0, max_tokens, max_tokens)
 
-    @staticmethod
-    def row_slots(own: int, cap: int) -> int:
-        """KV slots a decoding row holds at worst once its own KV is `own` tokens, `cap` being the
-        most it may generate: that KV once (in its tail while it decodes: its node lends it, and
-        in its node once captured) and its tail's free slots."""
-        return own + min(cap, TAIL_SLACK)
+    def row_slots(self, now: int, left: int, cap: int) -> int:
+        """KV slots a decoding row is priced at when it holds `now` own tokens and may add `left`
+        more (`cap` being the most it may generate).
+
+        Rectangular tails (`page` None) price the worst case: that KV once grown (in its tail while
+        it decodes: its node lends it, and in its node once captured) and its tail's free slots.
+        Pages price what the row holds now and one page ahead, rounded to whole pages, as vLLM's
+        admission does: a row that outgrows the budget is preempted (`intake.Intake.pressure`), and
+        rows that stop early (most samples of a self-consistency request stop well before their
+        `max_tokens`) never tie up the room their worst case would have."""
+        if self.page is None:
+            return now + left + min(cap, TAIL_SLACK)
+        return -(-(now + min(left, self.page)) // self.page) * self.page
+
+    def slack(self, caps: Sequence[int]) -> int:
+        """Free slots per row a decode batch is assembled with ahead of its rows' growth
+        (`Computation._batch`): under tails, up to `TAIL_SLACK` (their growth copies every row);
+        under pages none, each row holding the pages its first step fills (within `row_slots`'s
+        page ahead) and taking one more when it starts it."""
+        return min(max(caps), TAIL_SLACK) if self.page is None else 0
 
     def job_cost(self, prompt_tokens: int, n: int, max_tokens: int, shared: bool) -> int:
-        """Worst-case bytes of ``n`` rows decoding up to ``max_tokens`` each from one prompt (held
-        once when `shared` by ``n > 1`` rows, by each row otherwise: a lone row, or rows that do not
-        share, hold the prompt as their own KV); cached prompt tokens are not subtracted.
+        """Bytes admission prices ``n`` rows decoding up to ``max_tokens`` each from one prompt at
+        (held once when `shared` by ``n > 1`` rows, by each row otherwise: a lone row, or rows that
+        do not share, hold the prompt as their own KV); cached prompt tokens are not subtracted.
 
-        Per row it counts what a decode really holds, not only the tokens: a row's own KV once (its
-        node lends it to the batch's tail while the row decodes, `KVTree.lend`, and takes it back
-        when the row ends or the batch is re-assembled for a newcomer), the free slots a batch's
-        tails are assembled with (`Computation.assemble`'s ``extra``: up to 128 per row), and, when
-        many short prompts decode together, its own copy of its prompt in its tail
-        (`copy_tokens`). Counting the tokens alone made admission promise room that decoding then
-        took back by preemption; counting a row's own KV twice, as the node kept a copy of what
-        its tail held, admitted two thirds of the rows a budget holds. The tails are rectangular
-        (every row gets the longest row's room), which paged KV blocks would avoid."""
+        Under tails that is the worst case, counting what a decode really holds, not only the
+        tokens: a row's own KV once (its node lends it to the batch's tail while the row decodes,
+        `KVTree.lend`, and takes it back when the row ends or the batch is re-assembled for a
+        newcomer), the free slots a batch's tails are assembled with (`Computation.assemble`'s
+        ``extra``: up to 128 per row), and, when many short prompts decode together, its own copy
+        of its prompt in its tail (`copy_tokens`). Counting the tokens alone made admission
+        promise room that decoding then took back by preemption; counting a row's own KV twice, as
+        the node kept a copy of what its tail held, admitted two thirds of the rows a budget holds.
+        Under pages, what the rows hold when they start and a page ahead each (`row_slots`)."""
         if shared and n > 1:  # one prompt node the rows read (or copy into their tails, if short)
             prompt = prompt_tokens
-            row = self.row_tokens(max_tokens) + (prompt_tokens if prompt_tokens <= self.copy_tokens else 0)
+            copied = prompt_tokens if prompt_tokens <= self.copy_tokens else 0
+            row = self.row_slots(copied, max_tokens, max_tokens)
         else:  # each row's prompt is its own KV, held like its tokens
             prompt = 0
-            row = self.row_slots(prompt_tokens + max_tokens, max_tokens)
+            row = self.row_slots(prompt_tokens, max_tokens, max_tokens)
         return (prompt + n * row) * self.token_bytes
+
+    def job_floor(self, prompt_tokens: int, n: int, max_tokens: int, shared: bool) -> int:
+        """The least budget share under which such a job can finish at all: its admission price,
+        and under pages also one of its rows grown to ``max_tokens`` (rows beside it are preempted
+        until it ends, but it cannot be: `intake.Intake.pressure`)."""
+        cost = self.job_cost(prompt_tokens, n, max_tokens, shared)
+        if self.page is None:
+            return cost
+        alone = (prompt_tokens + -(-max_tokens // self.page) * self.page) * self.token_bytes
+        return max(cost, alone)
 
     def minimum_budget(self, prompt_tokens: int = 1, max_tokens: int = 1) -> int:
         """The smallest ``kv_budget`` under which one row of `prompt_tokens` decoding `max_tokens`
-        is admitted at all (its `job_cost` within the budget less the watermark)."""
-        cost = self.job_cost(prompt_tokens, 1, max_tokens, True)
+        can finish at all (its `job_floor` within the budget less the watermark)."""
+        cost = self.job_floor(prompt_tokens, 1, max_tokens, True)
         return math.ceil(cost / (1.0 - self.watermark))
 
     def set_budget(self, budget: int | None) -> None:
@@ -325,11 +352,21 @@ class KVPool:
         if budget is not None and budget < least:
             raise ValueError(
                 f"kv_budget={budget} bytes is below the minimum of {least} bytes: one row of one "
-                f"token needs {self.job_cost(1, 1, 1, True)} bytes of KV ({self.token_bytes} bytes "
+                f"token needs {self.job_floor(1, 1, 1, True)} bytes of KV ({self.token_bytes} bytes "
                 f"per token) and admission keeps {self.watermark:.0%} of the budget free"
             )
         self.budget = budget
         self.tree.trim()
+
+    def price_by(self, page: int | None) -> None:
+        """Price rows for the KV layout (`page`: see its field), refusing the change where the
+        budget is below the least one row then needs (`set_budget`'s error, nothing changed)."""
+        old, self.page = self.page, page
+        try:
+            self.set_budget(self.budget)
+        except ValueError:
+            self.page = old
+            raise
 
     def settle(self) -> int:
         """After nodes were released: trim the prefix cache to its own budget and to what the KV

@@ -120,11 +120,18 @@ class Session:
             return self.engine.pool.room()
 
     def kv_cost(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
-        """Worst-case KV bytes of ``n`` samples of a prompt decoding up to ``max_tokens`` each, under
+        """KV bytes admission prices ``n`` samples of a prompt decoding up to ``max_tokens`` each at
+        (`KVPool.job_cost`: the worst case under tails, what they start with under pages), under
         this run's accelerations (SkipKV's budget caps what a row keeps)."""
         mode = self.share if share is None else share
         kept = self.computation.row_kv_tokens(max_tokens)
         return self.engine.pool.job_cost(prompt_tokens, n, kept, mode == "exact")
+
+    def kv_floor(self, prompt_tokens: int, n: int, max_tokens: int, share: ShareMode | None = None) -> int:
+        """The least KV bytes under which such a request can finish at all (`KVPool.job_floor`)."""
+        mode = self.share if share is None else share
+        kept = self.computation.row_kv_tokens(max_tokens)
+        return self.engine.pool.job_floor(prompt_tokens, n, kept, mode == "exact")
 
     # ------------------------------------------------------------------ text
     def encode(self, text: str) -> list[int]:

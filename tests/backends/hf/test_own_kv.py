@@ -45,18 +45,36 @@ def _same(a: OwnKV, b: OwnKV, lens: list[int]) -> None:
 
 
 def test_pages_hold_each_rows_own_length() -> None:
-    """Rows of 3, 400 and 17 tokens taking one more each, with the free slots a batch is assembled
-    with (128 past the longest row): a page per started 16 tokens of each row, `GROW_SLOTS` free
-    ones per row beside them, not the longest row's room for every row; the table is as wide as
-    the capacity asks."""
+    """Rows of 3, 400 and 17 tokens taking one more each, in a batch whose rows may address 128
+    slots past the longest: a page per started 16 tokens of each row and no more (what admission
+    priced them at), not the longest row's room for every row; the table is as wide as the
+    capacity asks. Growth past it is amortised (`test_growth_is_amortised_up_to_the_budgets_limit`)."""
     lens = [3, 400, 17]
     cap = max(lens) + 1 + GROW_SLOTS
     tails, pages = _pair(lens, 1, cap)
     assert [len(h) for h in pages.held] == [1, 26, 2]
     assert pages.capacity >= cap and pages.table.shape == (3, -(-cap // BLOCK))
     assert len({p for h in pages.held for p in h}) == 29  # no page held twice
-    assert pages.pages == 29 + 3 * GROW_SLOTS // BLOCK
-    assert pages.nbytes < 0.6 * tails.nbytes
+    assert pages.pages == 29 and not pages.free
+    assert pages.nbytes < 0.3 * tails.nbytes
+
+
+def test_growth_is_amortised_up_to_the_budgets_limit() -> None:
+    """Two rows whose pages are full each start a page: without a limit the storage grows by
+    `GROW_SLOTS` per row ahead (as the tails grow), with one (a KV budget's room) by no more than it
+    allows, and by what the rows need even past it (the budget's pressure preempts, not the storage)."""
+    lens = [BLOCK, 2 * BLOCK]
+    cap = 4 * GROW_SLOTS
+    grown = {}
+    for limit in (None, 5, 2):
+        _, pages = _pair(lens, 0, cap)
+        assert pages.pages == 3
+        pages.limit = None if limit is None else limit * pages.page_bytes
+        predicted = pages.growth(lens, 1, cap)
+        pages.fit(lens, 1, cap)
+        assert predicted == (pages.pages - 3) * pages.page_bytes
+        grown[limit] = pages.pages
+    assert grown == {None: 3 + 2 + 2 * GROW_SLOTS // BLOCK, 5: 5, 2: 5}
 
 
 def test_writes_reads_and_rows_agree() -> None:

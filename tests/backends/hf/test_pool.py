@@ -50,6 +50,12 @@ def test_admission_prices_a_prompt_by_how_its_rows_hold_it(tiny_llama_dir: Path)
     assert pool.job_cost(long, 4, 16, shared=False) == 4 * (row + long) * tb
     assert pool.job_cost(long, 1, 16, shared=False) == (row + long) * tb
     assert row == 16 + 16  # its tokens once and its free slots
+    # under pages, what the rows hold when they start and a page ahead, in whole pages; a job
+    # that cannot finish unless one row alone reaches its max_tokens is refused by its floor
+    paged = HFBackend(tiny_llama_dir, kv_layout="pages").engine.pool
+    assert paged.row_tokens(100) == 16 and paged.job_cost(long, 4, 100, shared=True) == (long + 4 * 16) * tb
+    assert paged.job_cost(long, 4, 100, shared=False) == 4 * (-(-(long + 16) // 16) * 16) * tb
+    assert paged.job_floor(long, 4, 100, shared=True) == (long + 112) * tb
     params = DecodeParams(max_tokens=16)
     short_prompt, long_prompt = [1] * 8, [1] * (PLAIN_ROW_TOKENS + 1)
     assert prompt_share(Job(prompt=short_prompt, n=1, params=params)) == "none"  # its own node
@@ -123,17 +129,20 @@ def test_a_prompt_alone_is_chunked_by_the_wait_it_imposes(
         assert chunks == -(-len(ids) // size) - 1
 
 
-def test_rows_beyond_the_budget_wait_and_keep_greedy_tokens(tiny_arch_dir: Path) -> None:
+@pytest.mark.parametrize("layout", ["tails", "pages"])
+def test_rows_beyond_the_budget_wait_and_keep_greedy_tokens(tiny_arch_dir: Path, layout: str) -> None:
     """Eight rows that cannot all decode at once within the budget (a call without a scheduler):
-    the rows beyond it wait outside the batch and join as the first end, so none is preempted,
     counted KV never passes the budget, and every row ends with the tokens an unbounded run gives.
-    All eight at once used to overshoot the budget and preempt the youngest a step later."""
+    Under tails, priced at their worst case, the rows beyond it wait outside the batch and join as
+    the first end, so none is preempted (all eight at once used to overshoot the budget and preempt
+    the youngest a step later). Under pages, priced by what they hold, they start together and the
+    youngest are preempted as the rows outgrow the budget, then come back."""
     free = HFBackend(tiny_arch_dir, kv_budget=None, cache_bytes=0)
     ids = free.encode(TEXT)
     want = decode(free, ids, 8, 48)
     tb = free.engine.pool.token_bytes
     budget = (len(ids) + 8 * 48) * tb
-    tight = HFBackend(tiny_arch_dir, kv_budget=budget, cache_bytes=0)
+    tight = HFBackend(tiny_arch_dir, kv_budget=budget, cache_bytes=0, kv_layout=layout)
     seen: list[int] = []
     root = tight.prefill(ids)
     kids = tight.fork(root, 8)
@@ -142,7 +151,10 @@ def test_rows_beyond_the_budget_wait_and_keep_greedy_tokens(tiny_arch_dir: Path)
     tight.release([*kids, root])
     assert [g.token_ids for g in gens] == want
     stats = tight.kv_stats()
-    assert stats.extra["deferred_rows"] > 0 and stats.preemptions == 0
+    if layout == "tails":
+        assert stats.extra["deferred_rows"] > 0 and stats.preemptions == 0
+    else:
+        assert stats.preemptions > 0
     assert tight.engine.pool.overruns == 0 and max(seen) <= budget
     assert stats.bytes_held == 0 and stats.used_bytes == 0
 

@@ -76,6 +76,7 @@ SCRIPTS = [
     "paged_attention",
     "paged_admission",
     "kv_layout",
+    "kv_admission",
     "compile_ahead",
 ]
 
@@ -111,6 +112,7 @@ PROFILES: dict[str, list[Run]] = {
         Run("paged_admission", "paged_admission"),
         Run("kv_layout", "kv_layout"),
         Run("kv_layout-ragged", "kv_layout", ["--ragged", "on", "--batch", "8", "32"]),
+        Run("kv_admission", "kv_admission"),
         Run("compile_ahead", "compile_ahead"),
     ],
     "gpu-check": [
@@ -232,6 +234,7 @@ HEADLINES: dict[str, list[str]] = {
         "arms.*.accuracy_branch.value",
         "goals.*.met",
     ],
+    "kv_admission": ["workloads.*.pages_vs_tails.*", "workloads.*.*.preemptions", "workloads.*.*.overruns"],
     "kv_layout": ["B=*.pages_vs_tails", "B=*.same_tokens", "B=*.peak_own_kv_bytes.*", "B=*.off_fast.*"],
     "paged_attention": [
         "batches.*.paged_inplace.vs_tails",

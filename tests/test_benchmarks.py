@@ -357,6 +357,30 @@ def test_first_constrained_quick() -> None:
         assert len(waited) == run["tables"]["waits"]  # each wait said once, in a reply's notes
 
 
+def test_kv_admission_quick() -> None:
+    """Both layouts run each workload under one budget and stay within it; every ratio is the
+    quotient of the two layouts' medians; the branches' lengths and the rows at once are read."""
+    out = run_quick("kv_admission.py")
+    assert out["paged_kernel"] == "in place"
+    for name, work in out["workloads"].items():
+        for layout in ("tails", "pages"):
+            arm = work[layout]
+            assert arm["overruns"] == [0], (name, layout)
+            assert arm["tokens_per_step"]["median"] >= 1.0
+            peak = arm.get("peak_used_fraction_of_budget", arm.get("peak_fraction_of_budget"))
+            assert 0 < peak <= 1.0, (name, layout)
+        ratio = work["pages_vs_tails"]
+        assert ratio["tokens_per_s"] == round(
+            work["pages"]["tokens_per_s"]["median"] / work["tails"]["tokens_per_s"]["median"], 3
+        )
+        assert ratio["speed"] == round(
+            work["tails"]["seconds"]["median"] / work["pages"]["seconds"]["median"], 3
+        )
+    sc = out["workloads"]["self_consistency"]
+    assert sc["tails"]["max_rows_at_once"]["median"] >= 1
+    assert sc["tails"]["branch_tokens"]["max"] <= out["config"]["max_tokens"]
+
+
 def test_paged_admission_quick() -> None:
     """The replay of a KV budget: every layout decodes the same useful tokens of a workload; each
     throughput is its useful tokens over its steps and each ratio the quotient of the two layouts'

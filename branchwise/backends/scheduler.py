@@ -23,11 +23,12 @@ call. The scheduler owns that problem once, generic over the `Backend` protocol:
   prefilled and its rows decode beside the others from then on. Rows that end leave room for the
   next ones, so the decode batch stays full under a steady load;
 * **a KV memory budget**: where the backend has one (`SupportsKVBudget`: the local backend's
-  `kv_budget`), a request is taken (into a new batch, or into a running one) only while its
-  worst-case KV (`kv_cost`: its prompt and ``n`` rows of ``max_tokens``) fits the room the backend
-  reports (`kv_room`: the budget less what is held and what running rows may still need), first
-  come, first served; a request that could never fit fails with `KVBudgetExceeded`, one that does
-  not fit yet waits for memory to be freed;
+  `kv_budget`), a request is taken (into a new batch, or into a running one) only while the KV the
+  backend prices it at (`kv_cost`: its prompt and ``n`` rows of ``max_tokens`` at worst, or, where
+  the backend preempts rows that outgrow its budget, what they start with) fits the room the
+  backend reports (`kv_room`: the budget less what is held and what running rows may still need),
+  first come, first served; a request that could never finish within it (`kv_floor`) fails with
+  `KVBudgetExceeded`, one that does not fit yet waits for memory to be freed;
 * **cancellation**: a request cancelled while it waits is dropped before it is prefilled (a client
   that went away costs nothing); one cancelled mid-batch has its branches stopped at the next
   decode step (they stop taking batch rows and compute) and released with the batch. A backend

@@ -43,6 +43,11 @@ BLOCK = 16
 """Tokens per page: the page size `paged_kernels.paged_decode` was measured best at on a CPU
 (`benchmarks/paged_attention.py`), and what a row wastes at most (one partly filled page)."""
 
+LEAST = 2
+"""The fewest pages a batch's storage holds and the narrowest block table: a compiler specialises
+a dimension of size 1 (it would refuse the same kind of batch once a second page came), and a
+batch assembled with exactly the pages its rows fill often starts with one."""
+
 
 HUGE_PAGE = 2 << 20
 """Bytes of a transparent huge page on x86-64 and most arm64 Linux kernels."""
@@ -315,7 +320,10 @@ class Pages:
     `free` the pages no row holds. Once a row gave its pages back (`release`), a `sink` page that
     no row holds takes what it still writes (its pad tokens' K/V) until it leaves. The storage
     grows when the free list runs dry (`_grown`) and packs when most of it is free and at
-    compaction (`_pack`); it never moves otherwise.
+    compaction (`_pack`); it never moves otherwise. Every table is made outside inference mode, a
+    plain tensor as the tails' buffers are: a step compiled over a plain table refuses an inference
+    one (its guards compare dispatch keys; once every paged step after a compaction ran
+    uncompiled), and a plain one takes the in-place edits made in and out of inference mode.
     """
 
     def __init__(
@@ -333,7 +341,8 @@ class Pages:
         self.keys = [empty.clone() for _ in range(n_layers)]
         self.values = [empty.clone() for _ in range(n_layers)]
         self.sink: int | None = None
-        self.table = torch.zeros(batch, 0, dtype=torch.int32, device=device)
+        with torch.inference_mode(False):  # plain, as every table is (the class docstring)
+            self.table = torch.zeros(batch, 0, dtype=torch.int32, device=device)
         self.held: list[list[int]] = [[] for _ in range(batch)]
         self.free: list[int] = []
         self.released: set[int] = set()
@@ -378,9 +387,10 @@ class Pages:
         return self.keys[0]
 
     def fit(self, lens: Sequence[int], q_len: int, capacity: int) -> None:
-        width = -(-capacity // self.block)
+        width = max(-(-capacity // self.block), LEAST)
         if width > self.table.shape[1]:
-            table = self.table.new_zeros(self.table.shape[0], width)
+            with torch.inference_mode(False):  # a plain table (the class docstring)
+                table = self.table.new_zeros(self.table.shape[0], width)
             table[:, : self.table.shape[1]] = self.table
             self.table = table
         wanted = self._short(lens, q_len)
@@ -393,8 +403,7 @@ class Pages:
             got, self.free = self.free[:w], self.free[w:]
             first = len(self.held[b])
             self.held[b].extend(got)
-            with torch.inference_mode():  # as in `move`
-                self.table[b, first : first + w] = torch.tensor(got, dtype=torch.int32)
+            self.table[b, first : first + w] = torch.tensor(got, dtype=torch.int32)
 
     def _grown(self, short: int, capacity: int) -> int:
         """Pages of storage once grown for `short` more, amortised as the tails grow: `short` and
@@ -404,7 +413,7 @@ class Pages:
         its rows hold, their free slots ahead included (`Batch.assemble`), as admission priced."""
         old = self.pages
         if not old:
-            return short
+            return max(short, LEAST)
         live = [h for b, h in enumerate(self.held) if b not in self.released]
         ceiling = old - len(self.free) + sum(max(-(-capacity // self.block) - len(h), 0) for h in live)
         if self.limit is not None and self.keys:
@@ -492,7 +501,8 @@ class Pages:
         kept = keep.tolist()
         self.held = [self.held[b] for b in kept]
         self.released = {new for new, old in enumerate(kept) if old in self.released}
-        self.table = self.table.index_select(0, keep.to(self.table.device))
+        with torch.inference_mode(False):  # a plain table (the class docstring)
+            self.table = self.table.index_select(0, keep.to(self.table.device))
         self._pack()
 
     def _pack(self) -> None:
@@ -502,20 +512,24 @@ class Pages:
         are many (`release`) and at compaction."""
         sink = [self.sink] if self.sink is not None and self.released else []
         order = [*sink, *(p for held in self.held for p in held)]
+        n = max(len(order), LEAST)
         with torch.inference_mode(False):  # plain tensors, as `Tails.fit` keeps them
             index = torch.tensor(order, dtype=torch.long, device=self.table.device)
             for buf in (self.keys, self.values):
                 for layer, t in enumerate(buf):
-                    buf[layer] = torch.index_select(t, 0, index, out=kv_buffer((len(order), *t.shape[1:]), t))
+                    packed = kv_buffer((n, *t.shape[1:]), t)
+                    torch.index_select(t, 0, index, out=packed[: len(order)])
+                    buf[layer] = packed
         self.sink = 0 if sink else None
         renamed, at = [], len(sink)
-        table = torch.zeros(len(self.held), self.table.shape[1], dtype=torch.int32)
+        with torch.inference_mode(False):  # a plain table (the class docstring)
+            table = torch.zeros(len(self.held), self.table.shape[1], dtype=torch.int32)
         for b, held in enumerate(self.held):
             renamed.append(list(range(at, at + len(held))))
             table[b, : len(held)] = torch.tensor(renamed[-1], dtype=torch.int32)
             at += len(held)
-        self.held, self.free = renamed, []
-        self.table = table.to(self.table.device)
+        self.held, self.free = renamed, list(range(len(order), n))
+        self.table = table.to(self.table.device)  # a plain tensor's copy is plain
 
     def move(self, pos: int, start: int, index: torch.Tensor, kept: int) -> None:
         total = start + kept
@@ -540,8 +554,7 @@ class Pages:
         if freed:  # whole pages past what the row keeps go back at once, for any row
             self.held[pos] = self.held[pos][:keep_pages]
             self.free.extend(freed)
-            with torch.inference_mode():  # the table may have been made in a step's inference mode
-                self.table[pos, keep_pages : keep_pages + len(freed)] = 0
+            self.table[pos, keep_pages : keep_pages + len(freed)] = 0
 
     frees_rows = True
 
@@ -552,15 +565,14 @@ class Pages:
             self.sink = self.free.pop()
         self.free.extend(self.held[pos])
         self.held[pos] = []
-        with torch.inference_mode():  # as in `move`
-            self.table[pos] = self.sink
+        self.table[pos] = self.sink
         self.released.add(pos)
         if 2 * len(self.free) > self.pages:
             self._pack()
 
     def shrink(self) -> bool:
-        if not self.free:
-            return False
+        if max(self.pages - len(self.free), LEAST) >= self.pages:
+            return False  # nothing to give back (the free pages a pack keeps do not count)
         self._pack()
         return True
 

@@ -55,6 +55,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
+def paged_kernel_built() -> None:
+    """Build (or load) the paged decode kernel once, before any test: a CPU backend given no
+    `kv_layout` keeps pages and starts this build in the background, and until it is done its steps
+    read a copy and say so (`pages_copied`), a note no test should meet by the order it runs in. The
+    tests of that window make it themselves (`test_own_kv.py`)."""
+    from branchwise.backends.hf import paged_kernels
+
+    paged_kernels.build()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def backend_defaults(request: pytest.FixtureRequest) -> Iterator[None]:
     """Apply `--backend-device` / `--backend-dtype` to every backend built with 'auto'."""
     device = request.config.getoption("--backend-device")

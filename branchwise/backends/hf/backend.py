@@ -251,8 +251,7 @@ class HFBackend:
 
     @property
     def max_context(self) -> int | None:
-        """The model's context window in tokens (None where its config does not say): `prefill`,
-        `append`, `extend` (path + ``max_tokens``) and `score_next` refuse what exceeds it first."""
+        """The model's context window in tokens (None if unknown); longer paths are refused first."""
         return self.engine.max_context
 
     # ------------------------------------------------------------------ settings
@@ -422,12 +421,13 @@ class HFBackend:
         """How decode batches hold their rows' own KV (`own_kv.py`), and so how admission prices rows
         (`KVPool.row_slots`): ``tails`` (a rectangle per batch, rows padded to the longest; the worst
         case) or ``pages`` (16-token pages and a block table per row, read in place on a CPU; what
-        rows hold, preempting those that outgrow the budget). None: `$BRANCHWISE_KV_LAYOUT`, else tails."""
+        rows hold, preempting those that outgrow the budget). None: the default (`default_layout`)."""
         return self.engine.kv_layout
 
     @kv_layout.setter
     def kv_layout(self, value: KVLayout | None) -> None:
-        layout = default_layout() if value is None else check_layout(value)
+        in_place = self.device.type == "cpu" and paged_kernels.toolchain() is None  # the default's test
+        layout = default_layout(in_place) if value is None else check_layout(value)
         with self.engine.lock:
             self.engine.pool.price_by(BLOCK if layout == "pages" else None)
             self.engine.kv_layout = layout

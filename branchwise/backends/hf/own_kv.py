@@ -79,10 +79,17 @@ def check_layout(layout: str) -> KVLayout:
     return layout
 
 
-def default_layout() -> KVLayout:
-    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else tails (pages are one pool
-    per batch yet, not the engine's, and admission does not price rows by pages: docs/ARCHITECTURE.md)."""
-    return check_layout(os.environ.get(LAYOUT_ENV, "tails"))
+def default_layout(in_place: bool) -> KVLayout:
+    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else pages where the decode step
+    reads them in place (`in_place`: a CPU whose toolchain builds the paged kernel), else tails.
+
+    Why pages there: at equal rows they decode at the tails' speed, rows of mixed lengths faster
+    and in fewer bytes, and under a KV budget they are admitted by what they hold, not by their
+    worst case (`benchmarks/kv_layout.py`, `benchmarks/kv_admission.py`). Where the step would read
+    a gathered copy of the pages every step (CUDA, until FlashInfer is wired; a CPU with no
+    compiler) the tails stay the default."""
+    env = os.environ.get(LAYOUT_ENV)
+    return check_layout(env) if env is not None else "pages" if in_place else "tails"
 
 
 class OwnKV(Protocol):

@@ -153,16 +153,27 @@ def ready_now() -> str | None:
     return BUILDING
 
 
-def _build() -> BuildInfo:
+def toolchain() -> str | None:
+    """Why the kernel cannot be built here (its source missing, no C++ compiler, no ninja), or None
+    where it can: what a backend given no `kv_layout` checks before choosing pages (`own_kv`)."""
     if not SOURCE.is_file():
-        raise PagedKernelUnavailable(f"the kernel's source is not installed ({SOURCE})")
+        return f"the kernel's source is not installed ({SOURCE})"
     compiler = _compiler()
     if shutil.which(compiler) is None:
-        raise PagedKernelUnavailable(f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)")
+        return f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)"
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
-        raise PagedKernelUnavailable("torch builds extensions with ninja, which is not installed")
+        return "torch builds extensions with ninja, which is not installed (pip install ninja)"
+    return None
+
+
+def _build() -> BuildInfo:
+    missing = toolchain()
+    if missing is not None:
+        raise PagedKernelUnavailable(missing)
+    from torch.utils import cpp_extension
+
     cflags = _cflags()
     name = _extension_name(cflags)
     directory = build_dir() / name

@@ -151,7 +151,8 @@ class Computation:
             self.device,
             engine.broadcast,
             copy_tokens,
-            layout=engine.kv_layout,
+            # a tap that reads the keys as a rectangle reads tails in place, pages as a copy
+            layout="tails" if any(p.reads_keys for p in self.plugins) else engine.kv_layout,
             # free slots ahead are refused where they would not fit (`KVPool.reserve_tails`)
             reserve=functools.partial(
                 engine.pool.reserve_tails,

@@ -306,6 +306,11 @@ class Acceleration:
     """Whether its decode steps' work reaches the fixed-shape step as inputs it sets on the batch
     (`step_inputs.py`: River's exits): its forward hooks then serve only the forwards the layer loop
     runs (prefills, the `decode_step="layers"` baseline) and keep no decode step there."""
+    reads_keys: bool = False
+    """Whether its attention tap reads each decode step's keys as a rectangle (RSBCM's attention
+    mass): its batches then keep their rows' own KV in tails, which the step reads in place, not in
+    pages, which it would have to gather into a copy at every step (`Computation.assemble`; until
+    the paged kernel returns each slot's score)."""
     kv_from_tokens: bool = False
     """Whether the KV a run holds under this plug-in is what computing its tokens again gives (it
     changes no KV: it only reads, stops or skips). It decides how a row preempted under the KV

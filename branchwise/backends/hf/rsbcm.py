@@ -168,6 +168,7 @@ class RSBCM(Acceleration):
     name = "rsbcm"
     config = RSBCMConfig
     needs_cascade = True  # block masses are kept per shared segment
+    reads_keys = True  # the mass tap scores the step's keys itself: its batches keep tails
 
     def __init__(self, cfg: RSBCMConfig, host: Host) -> None:
         self.cfg = cfg

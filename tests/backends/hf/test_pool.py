@@ -43,7 +43,7 @@ def test_admission_prices_a_prompt_by_how_its_rows_hold_it(tiny_llama_dir: Path)
     """Rows that share a prompt read it once (or each copy a short one into its tail); a row that
     holds its prompt as its own KV holds it like its tokens, once (its node lends it to the batch's
     tail). The scheduler prices a job by the router's layout: a lone short prompt is a plain row."""
-    pool = HFBackend(tiny_llama_dir).engine.pool
+    pool = HFBackend(tiny_llama_dir, kv_layout="tails").engine.pool
     tb, row = pool.token_bytes, pool.row_tokens(16)
     long = pool.copy_tokens + 100
     assert pool.job_cost(long, 4, 16, shared=True) == (long + 4 * row) * tb

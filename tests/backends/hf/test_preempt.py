@@ -115,13 +115,18 @@ def test_a_forced_preemption_keeps_greedy_tokens(
     assert backend.kv_stats().bytes_held == 0
 
 
+@pytest.mark.parametrize("layout", ["tails", "pages"])
 @pytest.mark.parametrize("names", [("skipkv",), ("reasoncache",), ("river",)], ids=ids)
 def test_rows_beyond_a_tight_budget_wait_under_each_acceleration(
-    tiny_llama_dir: Path, names: tuple[str, ...]
+    tiny_llama_dir: Path, names: tuple[str, ...], layout: str
 ) -> None:
     """Eight accelerated rows of which about three fit the budget at once (each priced at its
-    acceleration's cap, `row_kv_tokens`): the others wait outside the batch and join as rows end,
-    none is preempted or runs over the budget, and all end with the unbounded run's tokens."""
+    acceleration's cap, `row_kv_tokens`), none runs over the budget, and all end with the unbounded
+    run's tokens. Tails price rows at their worst case: the others wait outside the batch and join
+    as rows end, none preempted. Pages price what rows hold: all start, and any that outgrow the
+    budget are preempted (their KV swapped out and back: these accelerations change KV); where the
+    budget holds every row's real KV (ReasonCache's and River's rows keep all their tokens, so
+    eight fit what three of their worst cases would), none waits at all."""
     accel = acting(names)
     free = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
     want, _ = greedy(free, accel, rows=8)
@@ -129,10 +134,12 @@ def test_rows_beyond_a_tight_budget_wait_under_each_acceleration(
     prompt = len(free.encode(TEXT))
     kept = free.session(accel=accel).computation.row_kv_tokens(TOKENS)  # SkipKV's cap per row
     # the eight rows' final KV, and one row's price (its KV twice and its free slots) to spare
-    tight = HFBackend(tiny_llama_dir, kv_budget=math.ceil((prompt + 11 * kept) * tb / 0.98), cache_bytes=0)
+    budget = math.ceil((prompt + 11 * kept) * tb / 0.98)
+    tight = HFBackend(tiny_llama_dir, kv_budget=budget, cache_bytes=0, kv_layout=layout)
     got, stats = greedy(tight, accel, rows=8)
     assert got == want
-    assert stats.extra["deferred_rows"] > 0 and stats.preemptions == 0
+    if layout == "tails":
+        assert stats.extra["deferred_rows"] > 0 and stats.preemptions == 0
     assert tight.engine.pool.overruns == 0 and "kv_overruns" not in stats.extra
     after = tight.kv_stats()
     assert after.bytes_held == 0 and after.used_bytes == 0

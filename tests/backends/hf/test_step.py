@@ -179,7 +179,8 @@ class Rerun:
 
 def test_recorded_steps_replay_the_layer_loops_tokens(backend: HFBackend) -> None:
     """One recording per batch layout (after one eager step), replays for the other steps; rows
-    ending (compaction) and tails growing are new layouts; the tokens are the layer loop's."""
+    ending (compaction; with pages also the storage packed once ended rows freed most of it) and
+    the storage growing are new layouts; the tokens are the layer loop's."""
     lengths = [3, 150, 40, 7]
     params = [DecodeParams(max_tokens=m, min_tokens=m) for m in lengths]
     hints = ["", " a", " b c", " d"]
@@ -188,10 +189,10 @@ def test_recorded_steps_replay_the_layer_loops_tokens(backend: HFBackend) -> Non
     got = _branches(backend, "eager", params, hints, recorder=rerun)
     stats = backend.kv_stats().as_dict()
     assert got == layers
-    assert 3 <= rerun.records <= 8  # the first layout, compactions as rows end, grown tails
+    assert 3 <= rerun.records <= 10  # the first layout, compactions as rows end, grown storage
     assert rerun.records == backend.engine.stepper.captures
     assert rerun.replays == stats["decode_steps_captured"] >= 140  # most steps replay
-    assert rerun.records * WARMUP <= stats["decode_steps_fixed"] <= 8 * WARMUP  # each layout's first
+    assert rerun.records * WARMUP <= stats["decode_steps_fixed"] <= 10 * WARMUP  # each layout's first
 
 
 @pytest.mark.parametrize("cached", [False, True])

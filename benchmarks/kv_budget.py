@@ -503,7 +503,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     check_arm_options(parser, args, ("questions", "n", "max_tokens", "alloc_every"))
 
-    bench = start("kv_budget", args, kv_budget=None, decode_step=args.decode_step)
+    # tails: the worst-case admission its budgets are fractions of (`kv_admission.py` compares layouts)
+    bench = start("kv_budget", args, kv_budget=None, decode_step=args.decode_step, kv_layout="tails")
     backend = bench.backend
     pool = backend.engine.pool
     if args.prefill_chunk < 0:

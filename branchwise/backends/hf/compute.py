@@ -151,8 +151,7 @@ class Computation:
             self.device,
             engine.broadcast,
             copy_tokens,
-            # a tap that reads the keys as a rectangle reads tails in place, pages as a copy
-            layout="tails" if any(p.reads_keys for p in self.plugins) else engine.kv_layout,
+            layout="tails" if any(p.keeps_tails for p in self.plugins) else engine.kv_layout,
             # free slots ahead are refused where they would not fit (`KVPool.reserve_tails`)
             reserve=functools.partial(
                 engine.pool.reserve_tails,

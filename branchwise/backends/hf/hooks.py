@@ -306,11 +306,12 @@ class Acceleration:
     """Whether its decode steps' work reaches the fixed-shape step as inputs it sets on the batch
     (`step_inputs.py`: River's exits): its forward hooks then serve only the forwards the layer loop
     runs (prefills, the `decode_step="layers"` baseline) and keep no decode step there."""
-    reads_keys: bool = False
-    """Whether its attention tap reads each decode step's keys as a rectangle (RSBCM's attention
-    mass): its batches then keep their rows' own KV in tails, which the step reads in place, not in
-    pages, which it would have to gather into a copy at every step (`Computation.assemble`; until
-    the paged kernel returns each slot's score)."""
+    keeps_tails: str | None = None
+    """Why its batches keep their rows' own KV in tails, not pages (None: pages serve it;
+    `Computation.assemble`): RSBCM's attention-mass tap scores each step's keys as a rectangle,
+    which pages would gather into a copy at every step (until the paged kernel returns each slot's
+    score); ReasonCache reads and re-points a finished branch's last blocks in the batch after the
+    branch ended, when pages have given them back (until its blocks are page references)."""
     kv_from_tokens: bool = False
     """Whether the KV a run holds under this plug-in is what computing its tokens again gives (it
     changes no KV: it only reads, stops or skips). It decides how a row preempted under the KV

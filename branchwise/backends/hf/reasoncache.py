@@ -160,6 +160,7 @@ class ReasonCache(Acceleration):
 
     name = "reasoncache"
     config = ReasonCacheConfig
+    keeps_tails = "it reads and re-points a finished branch's last blocks in the batch"
 
     def __init__(
         self,

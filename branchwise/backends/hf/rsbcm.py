@@ -168,7 +168,7 @@ class RSBCM(Acceleration):
     name = "rsbcm"
     config = RSBCMConfig
     needs_cascade = True  # block masses are kept per shared segment
-    reads_keys = True  # the mass tap scores the step's keys itself: its batches keep tails
+    keeps_tails = "its attention-mass tap scores each step's keys as a rectangle"
 
     def __init__(self, cfg: RSBCMConfig, host: Host) -> None:
         self.cfg = cfg

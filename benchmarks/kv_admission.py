@@ -43,6 +43,7 @@ from typing import Any
 from _common import Bench, BenchParser, load_problems, start
 from kv_budget import TASKS, few_shot, run_arm
 from kv_budget_search import run_arm as run_search
+from kv_budget_search import search_of
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams
@@ -87,6 +88,8 @@ def self_consistency(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             backend.kv_layout = layout
             run, gens = run_arm(bench, Accel(), "exact", prompts, args.n, params)
             run["tokens_per_step"] = run["generated_tokens"] / max(steps_of(run["extra"]), 1.0)
+            run["deferred_rows"] = run["extra"].get("deferred_rows", 0.0)
+            run["peak_bytes"] = run["peak_used_bytes"]
             runs[layout].append(run)
             lengths[layout] += [len(g.token_ids) for gs in gens for g in gs]
             bench.log(
@@ -96,16 +99,9 @@ def self_consistency(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             )
     out: dict[str, Any] = {"budget_bytes": budget, "tails_worst_case_all_bytes": worst}
     for layout in LAYOUTS:
-        rs = runs[layout]
         out[layout] = {
-            "seconds": summary(rs, "seconds"),
-            "tokens_per_s": summary(rs, "tokens_per_s"),
-            "max_rows_at_once": summary(rs, "max_rows_at_once"),
-            "tokens_per_step": summary(rs, "tokens_per_step"),
-            "deferred_rows": [r["extra"].get("deferred_rows", 0.0) for r in rs],
-            "preemptions": [r["preemptions"] for r in rs],
-            "overruns": [r["overruns"] for r in rs],
-            "peak_used_fraction_of_budget": round(max(r["peak_used_bytes"] for r in rs) / budget, 3),
+            **layout_row(runs[layout], budget),
+            "max_rows_at_once": summary(runs[layout], "max_rows_at_once"),
             "branch_tokens": quantiles(lengths[layout]),
         }
     out["pages_vs_tails"] = ratios(out)
@@ -128,18 +124,7 @@ def beam(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         f"tokens, budget {budget / 2**20:.1f} MiB"
     )
 
-    def strategy(seed: int) -> Any:
-        return beam_search(
-            width=args.width,
-            depth=args.depth,
-            max_step_tokens=args.step_tokens,
-            verifier="confidence",
-            temperature=args.temperature,
-            step_delimiter=".",
-            seed=seed,
-        )
-
-    warm = beam_search(width=2, depth=1, max_step_tokens=4, verifier="confidence", seed=0)
+    warm = beam_search(width=2, depth=1, max_step_tokens=4, verifier=args.verifier, seed=0)
     for layout in LAYOUTS:
         backend.kv_layout = layout
         run_search(bench, warm, Accel(), "exact", questions[:1], shots)
@@ -147,7 +132,9 @@ def beam(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     for rnd in range(args.repeats):
         for layout in LAYOUTS if rnd % 2 == 0 else LAYOUTS[::-1]:
             backend.kv_layout = layout
-            run, results = run_search(bench, strategy(args.seed + rnd), Accel(), "exact", questions, shots)
+            run, results = run_search(
+                bench, search_of(args, args.seed + rnd), Accel(), "exact", questions, shots
+            )
             steps = sum(steps_of(r.kv_stats) for r in results)  # each search's own session counts its steps
             run["tokens_per_step"] = run["generated_tokens"] / max(steps, 1.0)
             runs[layout].append(run)
@@ -158,18 +145,22 @@ def beam(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
             )
     out: dict[str, Any] = {"budget_bytes": budget, "tails_worst_case_one_step_bytes": one_step}
     for layout in LAYOUTS:
-        rs = runs[layout]
-        out[layout] = {
-            "seconds": summary(rs, "seconds"),
-            "tokens_per_s": summary(rs, "tokens_per_s"),
-            "tokens_per_step": summary(rs, "tokens_per_step"),
-            "deferred_rows": [r["deferred_rows"] for r in rs],
-            "preemptions": [r["preemptions"] for r in rs],
-            "overruns": [r["overruns"] for r in rs],
-            "peak_fraction_of_budget": round(max(r["peak_bytes"] for r in rs) / budget, 3),
-        }
+        out[layout] = layout_row(runs[layout], budget)
     out["pages_vs_tails"] = ratios(out)
     return out
+
+
+def layout_row(runs: list[dict[str, Any]], budget: int) -> dict[str, Any]:
+    """One layout's figures over its rounds (each run's `deferred_rows` and `peak_bytes` set)."""
+    return {
+        "seconds": summary(runs, "seconds"),
+        "tokens_per_s": summary(runs, "tokens_per_s"),
+        "tokens_per_step": summary(runs, "tokens_per_step"),
+        "deferred_rows": [r["deferred_rows"] for r in runs],
+        "preemptions": [r["preemptions"] for r in runs],
+        "overruns": [r["overruns"] for r in runs],
+        "peak_fraction_of_budget": round(max(r["peak_bytes"] for r in runs) / budget, 3),
+    }
 
 
 def quantiles(values: list[int]) -> dict[str, float]:
@@ -222,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=16, help="the beam's width (rows per step)")
     parser.add_argument("--depth", type=int, default=3, help="search steps")
     parser.add_argument("--step-tokens", type=int, default=64, help="tokens per step at most")
+    parser.add_argument("--verifier", default="confidence", help="the beam's step scorer (a verifier name)")
     parser.add_argument(
         "--beam-budget-fraction",
         type=float,

@@ -34,6 +34,7 @@ Prints progress to stderr and one JSON object as the last line of stdout.
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import time
@@ -58,6 +59,20 @@ from kv_budget import (
 from branchwise.backends.accel import Accel
 from branchwise.reasoners import Reasoner, ReasoningResult
 from branchwise.strategies import Strategy, beam_search
+
+
+def search_of(args: argparse.Namespace, seed: int) -> Strategy:
+    """The timed beam search (`--width`, `--depth`, `--step-tokens`, `--verifier`, `--temperature`),
+    sampling with `seed`; sentences are its steps."""
+    return beam_search(
+        width=args.width,
+        depth=args.depth,
+        max_step_tokens=args.step_tokens,
+        verifier=args.verifier,
+        temperature=args.temperature,
+        step_delimiter=".",
+        seed=seed,
+    )
 
 
 def run_arm(
@@ -153,15 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     def strategy(seed: int) -> Strategy:
-        return beam_search(
-            width=args.width,
-            depth=args.depth,
-            max_step_tokens=args.step_tokens,
-            verifier=args.verifier,
-            temperature=args.temperature,
-            step_delimiter=".",
-            seed=seed,
-        )
+        return search_of(args, seed)
 
     warm = beam_search(width=2, depth=1, max_step_tokens=4, verifier=args.verifier, seed=0)
     for name, accel in arms.items():  # warm-up outside the timings: lazy init, plug-in builds

@@ -56,10 +56,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def paged_kernel_built() -> None:
-    """Build (or load) the paged decode kernel once, before any test: a CPU backend given no
-    `kv_layout` keeps pages and starts this build in the background, and until it is done its steps
-    read a copy and say so (`pages_copied`), a note no test should meet by the order it runs in. The
-    tests of that window make it themselves (`test_own_kv.py`)."""
+    """Build (or load) the paged decode kernel once, before any test: a CPU backend that keeps
+    pages starts this build in the background, and until it is done its steps read a copy and say
+    so (`pages_copied`), a note no test should meet by the order it runs in. The tests of that
+    window make it themselves (`test_own_kv.py`)."""
     from branchwise.backends.hf import paged_kernels
 
     paged_kernels.build()

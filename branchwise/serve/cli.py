@@ -149,8 +149,7 @@ def serve_command(
         typer.Option(
             help="How decode batches hold their rows' own KV: tails (one rectangle per batch) or pages "
             "(16-token pages read in place; less memory, faster for rows of mixed lengths, and admitted "
-            "under --kv-budget by what they hold). Default: $BRANCHWISE_KV_LAYOUT, else pages on a CPU "
-            "with a C++ compiler and ninja, tails elsewhere."
+            "under --kv-budget by what they hold). Default: $BRANCHWISE_KV_LAYOUT, else tails."
         ),
     ] = None,
 ) -> None:

@@ -426,8 +426,7 @@ class HFBackend:
 
     @kv_layout.setter
     def kv_layout(self, value: KVLayout | None) -> None:
-        in_place = self.device.type == "cpu" and paged_kernels.toolchain() is None  # the default's test
-        layout = default_layout(in_place) if value is None else check_layout(value)
+        layout = default_layout() if value is None else check_layout(value)
         with self.engine.lock:
             self.engine.pool.price_by(BLOCK if layout == "pages" else None)
             self.engine.kv_layout = layout

@@ -79,17 +79,17 @@ def check_layout(layout: str) -> KVLayout:
     return layout
 
 
-def default_layout(in_place: bool) -> KVLayout:
-    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else pages where the decode step
-    reads them in place (`in_place`: a CPU whose toolchain builds the paged kernel), else tails.
+def default_layout() -> KVLayout:
+    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else tails.
 
-    Why pages there: at equal rows they decode at the tails' speed, rows of mixed lengths faster
-    and in fewer bytes, and under a KV budget they are admitted by what they hold, not by their
-    worst case (`benchmarks/kv_layout.py`, `benchmarks/kv_admission.py`). Where the step would read
-    a gathered copy of the pages every step (CUDA, until FlashInfer is wired; a CPU with no
-    compiler) the tails stay the default."""
-    env = os.environ.get(LAYOUT_ENV)
-    return check_layout(env) if env is not None else "pages" if in_place else "tails"
+    Why not pages yet, though they decode at the tails' speed for rows of equal length, faster and
+    in fewer bytes for rows of mixed lengths, and are admitted under a KV budget by what rows hold
+    (`benchmarks/kv_layout.py`, `benchmarks/kv_admission.py`): at a budget that binds them, a
+    request's shared prompt stays held while its rows are preempted, so admission by holdings can
+    take more requests than their prompts and growth fit, and steps then run over the budget
+    (counted as overruns). Tails, priced at their worst case, keep it a bound; on CUDA pages would
+    also be read as a copy (no FlashInfer wiring)."""
+    return check_layout(os.environ.get(LAYOUT_ENV, "tails"))
 
 
 class OwnKV(Protocol):

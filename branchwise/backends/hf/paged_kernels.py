@@ -155,7 +155,7 @@ def ready_now() -> str | None:
 
 def toolchain() -> str | None:
     """Why the kernel cannot be built here (its source missing, no C++ compiler, no ninja), or None
-    where it can: what a backend given no `kv_layout` checks before choosing pages (`own_kv`)."""
+    where it can: checked before a build starts, so that the reason is said, not a build's trace."""
     if not SOURCE.is_file():
         return f"the kernel's source is not installed ({SOURCE})"
     compiler = _compiler()

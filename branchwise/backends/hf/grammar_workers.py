@@ -129,7 +129,6 @@ class Lane:
         self._queued = 0  # jobs submitted that no thread took yet
         self._busy: set[int] = set()
         self._stuck: set[int] = set()
-        self._running: set[threading.Thread] = set()
         _LANES.add(self)
 
     def submit(self, job: Callable[[], None]) -> None:
@@ -153,9 +152,7 @@ class Lane:
         with self._lock:
             while self._threads - len(self._stuck) < self.size:
                 self._threads += 1
-                thread = threading.Thread(target=self._serve, name=f"branchwise-{self.name}", daemon=True)
-                self._running.add(thread)
-                thread.start()
+                threading.Thread(target=self._serve, name=f"branchwise-{self.name}", daemon=True).start()
 
     def close(self) -> None:
         """The lane's owner is gone: its idle threads end now, not after `IDLE_EXIT_S` (a backend
@@ -172,13 +169,6 @@ class Lane:
 
     def _serve(self) -> None:
         me = threading.get_ident()
-        try:
-            self._loop(me)
-        finally:
-            with self._lock:
-                self._running.discard(threading.current_thread())
-
-    def _loop(self, me: int) -> None:
         while True:
             try:
                 job = self._jobs.get(timeout=IDLE_EXIT_S)

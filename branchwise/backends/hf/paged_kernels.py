@@ -153,27 +153,16 @@ def ready_now() -> str | None:
     return BUILDING
 
 
-def toolchain() -> str | None:
-    """Why the kernel cannot be built here (its source missing, no C++ compiler, no ninja), or None
-    where it can: checked before a build starts, so that the reason is said, not a build's trace."""
+def _build() -> BuildInfo:
     if not SOURCE.is_file():
-        return f"the kernel's source is not installed ({SOURCE})"
+        raise PagedKernelUnavailable(f"the kernel's source is not installed ({SOURCE})")
     compiler = _compiler()
     if shutil.which(compiler) is None:
-        return f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)"
+        raise PagedKernelUnavailable(f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)")
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
-        return "torch builds extensions with ninja, which is not installed (pip install ninja)"
-    return None
-
-
-def _build() -> BuildInfo:
-    missing = toolchain()
-    if missing is not None:
-        raise PagedKernelUnavailable(missing)
-    from torch.utils import cpp_extension
-
+        raise PagedKernelUnavailable("torch builds extensions with ninja, which is not installed")
     cflags = _cflags()
     name = _extension_name(cflags)
     directory = build_dir() / name

@@ -567,10 +567,7 @@ class Intake:
     def _freed(self, row: Row, capacity: int) -> int:
         """Slots of the batch's own KV a preempted `row` gives back: a tail's `capacity` (every row
         holds as many), or the pages its own tokens fill."""
-        page = self.pool.page
-        if page is None:
-            return capacity
-        return -(-(row.kv_len + row.tail_start) // page) * page
+        return capacity if self.pool.page is None else self.pool.in_pages(row.kv_len + row.tail_start)
 
     def _growth(self, alive: list[Row]) -> int:
         """Bytes the batch's own KV storage grows by at the next step (tails: when a row reaches

@@ -297,7 +297,12 @@ class KVPool:
         `max_tokens`) never tie up the room their worst case would have."""
         if self.page is None:
             return now + left + min(cap, TAIL_SLACK)
-        return -(-(now + min(left, self.page)) // self.page) * self.page
+        return self.in_pages(now + min(left, self.page))
+
+    def in_pages(self, tokens: int) -> int:
+        """The slots of the whole pages `tokens` fill (under pages: `page` set)."""
+        assert self.page is not None, "only pages round to pages"
+        return -(-tokens // self.page) * self.page
 
     def slack(self, caps: Sequence[int]) -> int:
         """Free slots per row a decode batch is assembled with ahead of its rows' growth
@@ -336,7 +341,7 @@ class KVPool:
         cost = self.job_cost(prompt_tokens, n, max_tokens, shared)
         if self.page is None:
             return cost
-        alone = (prompt_tokens + -(-max_tokens // self.page) * self.page) * self.token_bytes
+        alone = (prompt_tokens + self.in_pages(max_tokens)) * self.token_bytes
         return max(cost, alone)
 
     def minimum_budget(self, prompt_tokens: int = 1, max_tokens: int = 1) -> int:

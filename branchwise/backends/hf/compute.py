@@ -22,7 +22,7 @@ from branchwise.backends.hf.engine import COPY_MIN_SEGMENTS, COPY_TOKENS, Engine
 from branchwise.backends.hf.hooks import Acceleration, overrides
 from branchwise.backends.hf.intake import Intake, alone_chunk, policy_of
 from branchwise.backends.hf.ledger import Ledger
-from branchwise.backends.hf.pool import TailSlackRefused
+from branchwise.backends.hf.pool import BatchRefused
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.step import is_decode_step
 from branchwise.backends.hf.step_attention import Chunk
@@ -134,7 +134,7 @@ class Computation:
         """The batch of `segs` with `extra` free slots per row; with `lend`, the rows' nodes lend
         their own KV to its tails once copied (`KVTree.lend`: a decode batch, which captures every
         row back), so the tails' reservation counts those bytes as moving, not added. Storage
-        that does not fit the budget is refused (`TailSlackRefused`) when it has free slots ahead,
+        that does not fit the budget is refused (`BatchRefused`) when it has free slots ahead,
         or with `refuse`; else let through and counted (`KVPool.reserve_tails`)."""
         engine = self.engine
         # many short ancestors (many requests' prompts) are copied into the rows' tails
@@ -155,7 +155,7 @@ class Computation:
             # free slots ahead are refused where they would not fit (`KVPool.reserve_tails`)
             reserve=functools.partial(
                 engine.pool.reserve_tails,
-                slack=extra > 0 or refuse,
+                refusable=extra > 0 or refuse,
                 moving=sum(s.kv_bytes for s in segs) if lend else 0,
             ),
         )
@@ -335,7 +335,7 @@ class Computation:
                 refuse = self.engine.pool.page is not None and intake.joins(segs)
                 try:
                     batch, start = self._batch(segs, params, observers, run, refuse)
-                except TailSlackRefused:  # the youngest joining row waits until the batch fits
+                except BatchRefused:  # the youngest joining row waits until the batch fits
                     segs = intake.hold_back(segs)
                     continue
                 capture = self._capture(batch)
@@ -378,7 +378,7 @@ class Computation:
         """Compute the pending tokens of `segs` (ancestors first) and assemble their batch; returns it
         with each row's next-token logits. Without `params` the rows' KV goes back into their nodes
         at once (a prefill), each with its logits. With `refuse`, a batch over the KV budget is
-        refused (`TailSlackRefused`), not let through (`assemble`)."""
+        refused (`BatchRefused`), not let through (`assemble`)."""
         self.materialize_ancestors(segs)
         chunk = 0 if self.plugins else alone_chunk(self.engine.prefill_chunk)
         for seg in segs if chunk else ():

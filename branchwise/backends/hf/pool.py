@@ -40,8 +40,8 @@ from branchwise.backends.hf.tree import KVTree
 
 __all__ = [
     "AUTO_FRACTION",
+    "BatchRefused",
     "KVPool",
-    "TailSlackRefused",
     "free_memory",
     "parse_budget",
     "return_freed_memory",
@@ -60,9 +60,11 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
 
-class TailSlackRefused(KVBudgetExceeded):
-    """A batch's tails with free slots ahead do not fit the budget: assemble them without
-    (`KVPool.reserve_tails`); never reaches a caller."""
+class BatchRefused(KVBudgetExceeded):
+    """A batch's storage does not fit the budget where the caller can do with less
+    (`KVPool.reserve_tails`'s `refusable`): tails with free slots ahead are assembled again without
+    them, a paged batch that rows join lets its youngest joining row wait (`Intake.hold_back`);
+    never reaches a caller."""
 
 
 def _batch_bytes(ctx: BatchContext) -> int:
@@ -248,15 +250,16 @@ class KVPool:
             return 0
         return self.tree.trim(max(0, self.tree.accounts.cache.held - over))
 
-    def reserve_tails(self, nbytes: int, slack: bool = False, moving: int = 0) -> None:
+    def reserve_tails(self, nbytes: int, refusable: bool = False, moving: int = 0) -> None:
         """A batch is about to allocate `nbytes` of tails: let the prefix cache yield. `moving` is
         what the batch's rows' nodes hold now and lend to the tails once copied (`KVTree.lend`):
         those bytes move, they are not added (for the copy's moment they are held twice).
 
-        Tails that still do not fit are refused with `TailSlackRefused` when they include free slots
-        ahead (`slack`: the caller assembles them again without, `Computation.assemble`): a fresh
-        batch's free slots cost up to `TAIL_SLACK` tokens per row at once, and letting them through
-        is how a burst of re-assembled batches once held twice the budget. Tails larger than the
+        Storage that still does not fit is refused with `BatchRefused` where the caller can do with
+        less (`refusable`: tails with free slots ahead, assembled again without them, or a paged
+        batch that rows join, `Computation.assemble`): a fresh batch's free slots cost up to
+        `TAIL_SLACK` tokens per row at once, and letting them through is how a burst of
+        re-assembled batches once held twice the budget. Tails larger than the
         whole budget are refused with `KVBudgetExceeded` (an error, not the process killed for
         memory: one long row makes every row's tail as long, `job_cost`). A smaller overshoot of
         tails without slack (what the rows already hold, copied) is let through and counted
@@ -268,9 +271,9 @@ class KVPool:
         self.yield_cache(need)
         if self.over(need) <= 0:
             return
-        if slack:
-            raise TailSlackRefused(
-                f"a decode batch's tails with free slots need {nbytes} bytes; the KV budget of "
+        if refusable:
+            raise BatchRefused(
+                f"a decode batch's storage needs {nbytes} bytes; the KV budget of "
                 f"{self.budget} bytes has {self.budget - self.used()} free"
             )
         if nbytes <= self.budget:

@@ -13,6 +13,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -234,7 +235,9 @@ class FaultProxy:
     `vllm=True` it lists the model as not owned by branchwise, so `RemoteBackend` uses the standard
     paths, and streams a completion asked with ``stream`` as vLLM does (a chunk per token, its id
     in ``logprobs``; `chunk_delay_s` apart); `strip_logprobs` removes the log-probabilities from
-    completion replies. `aborted` counts streams whose client left before the end.
+    completion replies. `aborted` counts streams whose client left before the end. While `hold` is
+    set to an unset event, a stream stops halfway until the event is set, or for 10 s (a test that
+    must see the text arrive in parts sets it once the first part has reached it).
     """
 
     def __init__(
@@ -251,6 +254,7 @@ class FaultProxy:
         self.upstream, self.script, self.vllm, self.stall_s = upstream, list(script), vllm, stall_s
         self.retry_after, self.strip_logprobs, self.chunk_delay_s = retry_after, strip_logprobs, chunk_delay_s
         self.seen: list[str] = []
+        self.hold: threading.Event | None = None
         self.aborted = 0
         self.lock = threading.Lock()
         proxy = self
@@ -331,7 +335,10 @@ class FaultProxy:
                 self.send_header("content-type", "text/event-stream")
                 self.end_headers()
                 try:
-                    for _, part in sorted(chunks, key=lambda kc: kc[0]):
+                    ordered = [part for _, part in sorted(chunks, key=lambda kc: kc[0])]
+                    for k, part in enumerate(ordered):
+                        if k == len(ordered) // 2 and proxy.hold is not None:
+                            proxy.hold.wait(10)
                         self.wfile.write(f"data: {json.dumps({'choices': [part]})}\n\n".encode())
                         self.wfile.flush()
                         time.sleep(proxy.chunk_delay_s)
@@ -486,14 +493,16 @@ def test_cli_run_on_an_endpoint(served: str, tiny_backend: Any) -> None:
     assert unreachable.exit_code == 2 and "ConnectError" in unreachable.output
 
 
-def _sse(response: Any) -> list[dict[str, Any]]:
-    return [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+def _sse(lines: Iterator[str]) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
 
 def test_serve_in_front_of_a_vllm_like_server_streams_its_tokens(served: str) -> None:
     """``serve --endpoint``: a streamed chat reply through serve → RemoteBackend → a vLLM-like
-    server comes in several chunks joining to the unstreamed reply; a client that leaves mid-stream
-    has its upstream stream closed (the server aborts the request)."""
+    server comes in several chunks joining to the unstreamed reply (the server holds the second half
+    of its stream until text from the first has reached the client, so a busy machine cannot merge
+    it all into one delta); a client that leaves mid-stream has its upstream stream closed (the
+    server aborts the request)."""
     from branchwise.serve import create_app
     from branchwise.serve.runner import serve_in_thread
 
@@ -509,9 +518,18 @@ def test_serve_in_front_of_a_vllm_like_server_streams_its_tokens(served: str) ->
             }
             whole = httpx.post(f"{front}/v1/chat/completions", json=body, timeout=60).json()
             streamed = {**body, "stream": True}
+            proxy.hold = threading.Event()
             with httpx.stream("POST", f"{front}/v1/chat/completions", json=streamed, timeout=60) as r:
                 assert r.status_code == 200
-                events = _sse(r)
+                lines = r.iter_lines()
+                events = []
+                for line in lines:  # up to the first text
+                    events += _sse(iter([line]))
+                    if any(c["delta"].get("content") for e in events for c in e["choices"]):
+                        break
+                proxy.hold.set()
+                events += _sse(lines)
+            proxy.hold = None
             deltas = [c["delta"].get("content") or "" for e in events for c in e["choices"]]
             assert sum(1 for d in deltas if d) > 1
             assert "".join(deltas) == whole["choices"][0]["message"]["content"]

@@ -37,7 +37,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import IO, Any, TypeVar
@@ -124,16 +123,12 @@ class Lane:
         self.name, self.size = name, size
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
         self._threads = 0
-        self._queued = 0  # jobs submitted that no thread took yet
         self._busy: set[int] = set()
         self._stuck: set[int] = set()
-        _LANES.add(self)
 
     def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._queued += 1
+        _PENDING.change(+1)
         self._jobs.put(job)
         self._fill()
 
@@ -145,7 +140,10 @@ class Lane:
     def stuck(self, ident: int) -> None:
         """The thread `ident` runs a job that overran: start one in its place."""
         with self._lock:
+            abandoned = ident in self._busy and ident not in self._stuck
             self._stuck.add(ident)
+        if abandoned:  # exit no longer waits for it
+            _PENDING.change(-1)
         self._fill()
 
     def _fill(self) -> None:
@@ -184,19 +182,20 @@ class Lane:
                     self._threads -= 1
                 return
             with self._lock:
-                self._queued -= 1
                 self._busy.add(me)
             try:
                 job()  # jobs settle their own futures and never raise (`Grammars` wraps them)
             finally:
                 with self._lock:
                     self._busy.discard(me)
-                    self._idle.notify_all()
-            with self._lock:
-                if me in self._stuck:
-                    self._stuck.discard(me)
-                    self._threads -= 1
-                    return
+                    abandoned = me in self._stuck
+                    if abandoned:  # its place was taken (`stuck`): this thread ends
+                        self._stuck.discard(me)
+                        self._threads -= 1
+                if not abandoned:
+                    _PENDING.change(-1)
+            if abandoned:
+                return
 
     @property
     def busy(self) -> int:
@@ -204,17 +203,33 @@ class Lane:
         with self._lock:
             return len(self._busy)
 
-    def wait_idle(self, until: float) -> bool:
-        """Wait until no job runs but overrun ones and none is queued, or `time.monotonic()` passes
-        `until`; whether so (an overrun job is not waited for: it may run for minutes). A queued job
-        counts: a thread that took it during the interpreter's shutdown would run it there."""
-        with self._lock:
-            while (self._busy - self._stuck or self._queued) and (left := until - time.monotonic()) > 0:
-                self._idle.wait(left)
-            return not (self._busy - self._stuck or self._queued)
+
+class _Pending:
+    """Jobs submitted to any lane and not ended, abandoned ones (`Lane.stuck`) aside.
+
+    Why one count for every lane and not a wait per lane: a job may submit to another lane before it
+    ends (the tables' build queues the ``json_object`` compile), and lanes waited one after the
+    other missed it when the second had been waited first; the compile then ran into the shutdown
+    and aborted the process. One count never drops to zero between the two jobs."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._count = 0
+
+    def change(self, by: int) -> None:
+        with self._changed:
+            self._count += by
+            self._changed.notify_all()
+
+    def wait_none(self, until: float) -> bool:
+        """Wait until none is pending or `time.monotonic()` passes `until`; whether none is."""
+        with self._changed:
+            while self._count and (left := until - time.monotonic()) > 0:
+                self._changed.wait(left)
+            return not self._count
 
 
-_LANES: weakref.WeakSet[Lane] = weakref.WeakSet()
+_PENDING = _Pending()
 
 
 def _STOP() -> None:
@@ -223,9 +238,7 @@ def _STOP() -> None:
 
 @atexit.register
 def _wait_for_lanes() -> None:
-    until = time.monotonic() + EXIT_WAIT_S
-    for lane in list(_LANES):
-        lane.wait_idle(until)
+    _PENDING.wait_none(time.monotonic() + EXIT_WAIT_S)
 
 
 class CompileProcess:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from testkit import wait_until
 
-from branchwise.backends.hf import grammar
+from branchwise.backends.hf import grammar, grammar_workers
 from branchwise.backends.hf.grammar import (
     COMPILE_TIMEOUT_S,
     COMPILE_WORKERS,
@@ -321,3 +321,21 @@ def test_a_lane_closed_from_a_finalizer_inside_its_own_fill_does_not_hang() -> N
     threading.Thread(target=close_holding_the_lock, daemon=True).start()
     assert done.wait(5), "Lane.close waited on the lock its caller holds"
     wait_until(lambda: lane._threads == 0, "the lane's idle thread to end once told to")
+
+
+def test_exit_waits_for_a_job_that_another_lanes_job_queued() -> None:
+    """The tables' build queues the ``json_object`` compile on another lane before it ends; exit
+    waits for both (lanes waited one after the other missed it, and the compile then ran into the
+    interpreter's shutdown and aborted the process)."""
+    first, second = Lane("exit-first", 1), Lane("exit-second", 1)
+    finished = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.3)
+        finished.set()
+
+    first.submit(lambda: (time.sleep(0.1), second.submit(slow)))
+    assert grammar_workers._PENDING.wait_none(time.monotonic() + 30)
+    assert finished.is_set()
+    first.close()
+    second.close()

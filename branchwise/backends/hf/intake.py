@@ -20,14 +20,14 @@ object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
   (`PrefillPace.idle_size`: about a quarter of a second, from `chunk` to `ALONE_CHUNK` tokens).
   Without a scheduler nobody can arrive, and a prompt is computed in `ALONE_CHUNK`s.
 - **Preemption.** When the engine's KV would exceed its budget at the next step, the prefix cache
-  yields first (`KVPool.yield_cache`); if that is not enough, the youngest rows (the last to join
-  the call) leave the batch at once (`preempt`) and wait in `preempted` with their tokens so far.
+  yields first (`KVPool.yield_cache`), then the KV of the call's ended rows (`_free_ended`); if that
+  is not enough, the youngest rows (the last to join the call) leave the batch at once (`preempt`) and wait in `preempted` with their tokens so far.
   They come back, before any newcomer, once their KV and growth fit again, so decoding resumes where
   it stopped. The oldest row is never preempted (progress: a step it alone makes over the budget is
   counted in `KVPool.overruns` and in the run's `kv_overruns`). A preempted row's KV is either
 
   - *recomputed* (`RECOMPUTE`): dropped, its tokens made pending and computed again like a prompt
-    when it rejoins. The policy of runs whose KV is a function of the tokens (no acceleration, or
+    when it rejoins (its request's prompt with it, once no row reads it: `KVTree.drop_row`). The policy of runs whose KV is a function of the tokens (no acceleration, or
     only ones that leave KV exact: `Acceleration.kv_from_tokens`): nothing is copied, and a
     recompute runs at prefill speed, many tokens per forward; or
   - *swapped* (`SWAP`): copied into its node as at any batch boundary, then moved out of the
@@ -49,11 +49,8 @@ a request's rows keep the indices the scheduler expects whatever they wait for.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -62,12 +59,13 @@ from branchwise.backends.base import Admit, Admitted, KVStats, NodeId
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun
 from branchwise.backends.hf.hooks import Acceleration
+from branchwise.backends.hf.kv_swap import KVSwap
 from branchwise.backends.hf.pace import PrefillPace
 from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.segment import Segment
 from branchwise.backends.hf.tree import KVTree
 
-__all__ = ["RECOMPUTE", "SWAP", "Intake", "IntakeHost", "KVSwap", "Policy", "pending_work", "policy_of"]
+__all__ = ["RECOMPUTE", "SWAP", "Intake", "IntakeHost", "Policy", "pending_work", "policy_of"]
 
 Policy = Literal["recompute", "swap"]
 RECOMPUTE: Policy = "recompute"
@@ -115,70 +113,6 @@ def alone_chunk(chunk: int) -> int:
 def pending_work(seg: Segment) -> int:
     """Tokens still to compute before `seg` can decode: its own pending and its ancestors'."""
     return len(seg.pending) + sum(len(a.pending) for a in seg.kv_ancestors())
-
-
-class KVSwap:
-    """Swapped rows' KV, outside the KV budget until they rejoin (the `SWAP` policy).
-
-    Where it goes: from an accelerator, to host memory (the budget bounds the accelerator's); from
-    a CPU, host memory is the budget's own, so to a temporary file (one per row, removed when the
-    row comes back or the call ends): the bytes really leave the memory the budget bounds.
-    `to_file` overrides the choice (the tests run both on a CPU).
-    """
-
-    def __init__(self, device: torch.device, to_file: bool | None = None) -> None:
-        self.device = device
-        self.to_file = device.type == "cpu" if to_file is None else to_file
-        self.held: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]] | Path] = {}
-        self.tokens: dict[int, int] = {}
-        """KV tokens each swapped node holds (what its rejoining needs back)."""
-        self.nbytes = 0
-        """Bytes swapped out now."""
-        self.segs: dict[int, Segment] = {}
-        self._sizes: dict[int, int] = {}
-        self._dir: Path | None = None
-
-    def out(self, seg: Segment, tree: KVTree) -> int:
-        """Move `seg`'s own KV out of the tree (its bytes leave the budget); returns the bytes."""
-        if seg.keys is None or seg.values is None:
-            return 0
-        keys, values, size = seg.keys, seg.values, seg.kv_bytes
-        if self.to_file:
-            if self._dir is None:
-                self._dir = Path(tempfile.mkdtemp(prefix="branchwise-kv-swap-"))
-            path = self._dir / f"{seg.id}.pt"
-            torch.save((keys, values), path)
-            self.held[seg.id] = path
-        else:
-            self.held[seg.id] = ([k.to("cpu") for k in keys], [v.to("cpu") for v in values])
-        self.tokens[seg.id] = seg.kv_tokens
-        self.segs[seg.id] = seg
-        self._sizes[seg.id] = size
-        self.nbytes += size
-        tree.set_kv(seg, None, None)
-        return size
-
-    def back(self, seg: Segment, tree: KVTree) -> None:
-        """Put a swapped node's KV back into the tree (a no-op for a node not swapped)."""
-        held = self.held.pop(seg.id, None)
-        if held is None:
-            return
-        if isinstance(held, Path):
-            keys, values = torch.load(held, weights_only=True)
-            held.unlink()
-        else:
-            keys = [k.to(self.device) for k in held[0]]
-            values = [v.to(self.device) for v in held[1]]
-        tree.set_kv(seg, keys, values)
-        self.tokens.pop(seg.id)
-        self.segs.pop(seg.id)
-        self.nbytes -= self._sizes.pop(seg.id)
-
-    def close(self) -> None:
-        """Remove the swap files (every row came back before: nothing is lost)."""
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
 
 
 class Intake:
@@ -339,9 +273,8 @@ class Intake:
             nbytes = self.swap.out(seg, self.host.tree)
             self.host.stats.bump("swapped_rows")
             self.host.stats.bump("swapped_bytes", nbytes)
-        else:
-            self.host.tree.set_kv(seg, None, None)
-            seg.n_computed = 0
+        elif prompts := self.host.tree.drop_row(seg):  # and its prompt, once no row reads it
+            self.host.stats.bump("preempted_prompts", prompts)
         seg.last_logits = None
         self.preempted.append(seg)
         self._just.add(seg.id)
@@ -368,13 +301,12 @@ class Intake:
         the budget.
 
         Running rows may still need what admission priced them at (`KVPool.job_cost`) less what
-        they hold now: each row's own KV as it will be (grown to its cap; its node lends it to the
-        tail while it decodes), plus its tail's copied prompt and free slots; they hold their
-        nodes' KV (none while lent) and their tail slots. Reserving growth alone let a
-        newcomer's admission double the running rows' KV unpriced (the dense arm of
-        `benchmarks/kv_budget.py` was preempted 80 times a run). Waiting rows need what they will
-        cost when they join (`_join_cost`): newcomers may not take it, but they themselves may
-        (`_rejoin` adds it back to the room)."""
+        they hold now: each row's own KV grown to its cap, its copied prompt and free slots.
+        Reserving growth alone let a newcomer's admission double the running rows' KV unpriced
+        (the dense arm of `benchmarks/kv_budget.py` was preempted 80 times a run). Waiting rows
+        need what they will cost when they join (`_join_cost`): newcomers may not take it, but
+        they themselves may (`_rejoin` adds it back to the room). Past the budget, the call's
+        ended rows' KV goes before any running row (`_free_ended`)."""
         self._just.clear()
         pool, tb = self.pool, self.pool.token_bytes
         worst = held = 0
@@ -397,6 +329,8 @@ class Intake:
         if over > 0 and self.batch is not None and self.batch.ctx.kv.shrink():  # free pages go first
             need = len(alive) * tb + self._growth(alive)
             over = pool.over(need)
+        if over > 0 and self.policy == RECOMPUTE:  # ended rows' KV goes before any running row
+            over -= self._free_ended(over)
         if over <= 0:
             return []
         if len(alive) < 2:  # the oldest row alone: it goes on over the budget, and the run says so
@@ -407,12 +341,22 @@ class Intake:
         youngest = sorted(alive, key=lambda r: rows[r.seg.id], reverse=True)[:-1]
         victims = []
         capacity = self._tail_capacity(alive)
-        for r in youngest:
+        readers, leaving = self.host.tree.readers(), set[int]()
+        for r in youngest:  # a request's rows are admitted together: its prompt goes with the last
             victims.append(r)
             over -= r.seg.kv_bytes + self._freed(r, capacity) * tb
+            if self.policy == RECOMPUTE:
+                over -= sum(a.kv_bytes for a in self.host.tree.unread_ancestors(r.seg, readers, leaving))
             if over <= 0:
                 break
         return victims
+
+    def _free_ended(self, over: int) -> int:
+        """Bytes freed of up to `over` of the call's ended rows' KV (`KVTree.free_idle`)."""
+        ended = [sid for sid, index in self.run.rows.items() if index in self.run.results]
+        freed = self.host.tree.free_idle(ended, over)
+        self.host.stats.bump("freed_ended_kv_nodes", len(freed))
+        return sum(freed)
 
     def _reserve(self) -> None:
         """Set `pool.reserved` to what the decoding rows and the rows waiting here may still need.
@@ -539,6 +483,8 @@ class Intake:
             if seg.id in self._just and not force:
                 continue
             cost = self._join_cost(seg, counted)
+            if room is not None and cost > room and self.policy == RECOMPUTE:  # ended rows' KV first
+                room += self._free_ended(cost - room)
             if room is not None and cost > room and not (force and not back):
                 break
             self.swap.back(seg, self.host.tree)

@@ -283,9 +283,80 @@ class KVTree:
         if not seg.lent:
             return
         self.blocks.unref_all(seg)
+        self.drop_kv(seg)
+
+    def drop_kv(self, seg: Segment) -> None:
+        """Free `seg`'s KV: all its tokens are pending again, computed on next use."""
         self.set_kv(seg, None, None)
         seg.n_computed = 0
         seg.last_logits = None
+
+    def drop_row(self, seg: Segment) -> int:
+        """`drop_kv` a preempted row's node, and its ancestors that are `unread_ancestors` then;
+        how many ancestors went."""
+        self.drop_kv(seg)
+        above = self.unread_ancestors(seg, self.readers(), set())
+        for anc in above:
+            self.drop_kv(anc)
+        return len(above)
+
+    def readers(self) -> dict[int, list[Segment]]:
+        """Each node's readers by its id: the nodes whose KV chain holds it (`kv_ancestors`)."""
+        out: dict[int, list[Segment]] = {}
+        for seg in self._segments.values():
+            for anc in seg.kv_ancestors():
+                out.setdefault(anc.id, []).append(seg)
+        return out
+
+    def recomputable(self, seg: Segment, readers: dict[int, list[Segment]], leaving: set[int]) -> bool:
+        """Whether `seg`'s KV may be freed now and computed again on next use, once the nodes in
+        `leaving` have freed theirs: recomputing gives it back as it is (exact, none evicted, no
+        shared block, neither cached nor lent; an ended row's unfed last token may be pending), and no other reader (`readers`) holds KV computed
+        after it (a child's KV would then read its parent recomputed under it)."""
+        whole = seg.exact and seg.kv_bytes and seg.kv_tokens == seg.n_computed
+        if not whole or seg.lent or seg.cached or seg.blocks:
+            return False
+        return not any(r.id not in leaving and (r.n_computed or r.lent) for r in readers.get(seg.id, ()))
+
+    def unread_ancestors(
+        self, seg: Segment, readers: dict[int, list[Segment]], leaving: set[int]
+    ) -> list[Segment]:
+        """The ancestors of `seg`, nearest first, that are `recomputable` once `seg` and the nodes
+        in `leaving` have freed their KV (all are added to `leaving`).
+
+        Why: a request that leaves the batch must take its prompt with it. Rows preempted one by
+        one left their shared prompt held, and at a tight budget the held prompts of waiting
+        requests took the room the running rows needed (the oldest row alone then grew past the
+        budget, for dozens of steps)."""
+        leaving.add(seg.id)
+        out = []
+        for anc in seg.kv_ancestors():
+            if not self.recomputable(anc, readers, leaving):
+                break
+            leaving.add(anc.id)
+            out.append(anc)
+        return out
+
+    def free_idle(self, nodes: list[int], over: int) -> list[int]:
+        """Free up to `over` bytes of the KV of `nodes` (in order) that are `recomputable`, with the
+        ancestors no other node reads then (`unread_ancestors`); the bytes of each node freed.
+
+        The decode frees its ended rows' KV so before it preempts a running row: their nodes keep
+        their tokens, computed again only if ever extended (a server's request never is: it only
+        releases them once its last row ends). A preemption costs a running row's recompute for
+        sure, this one only if the caller comes back (vLLM frees a finished sequence's blocks at
+        once). Only for KV that is a function of the tokens (what is recomputed is what was held)."""
+        readers, leaving, freed = self.readers(), set[int](), list[int]()
+        for node in nodes:
+            seg = self._segments.get(node)
+            if sum(freed) >= over:
+                break
+            if seg is None or not self.recomputable(seg, readers, leaving):
+                continue
+            for done in (seg, *self.unread_ancestors(seg, readers, leaving)):
+                freed.append(done.kv_bytes)
+                self.drop_kv(done)
+        return freed
 
     def keep_kv(self, seg: Segment, keep: torch.Tensor) -> None:
         """Evict the physical KV positions where `keep` is False (their tensors are really freed)."""

@@ -20,6 +20,7 @@ from branchwise.backends.base import DecodeParams, DecodeStep, KVStats
 from branchwise.backends.hf import HFBackend, intake
 from branchwise.backends.hf.batch import Row
 from branchwise.backends.hf.hooks import Acceleration
+from branchwise.backends.hf.kv_swap import KVSwap
 
 TEXT = "Question: How many apples are left? Let's think step by step about the problem.\n"
 ROWS, TOKENS = 4, 24
@@ -205,7 +206,7 @@ def test_a_swap_takes_a_nodes_kv_out_of_the_budget_and_back_unchanged(
     assert seg.keys is not None and seg.values is not None
     keys, values = [k.clone() for k in seg.keys], [v.clone() for v in seg.values]
     held, tokens = backend.kv_stats().bytes_held, seg.kv_tokens
-    swap = intake.KVSwap(seg.keys[0].device, to_file=to_file)
+    swap = KVSwap(seg.keys[0].device, to_file=to_file)
     nbytes = swap.out(seg, backend.tree)
     assert nbytes == held - backend.kv_stats().bytes_held > 0 and swap.nbytes == nbytes
     assert seg.keys is None and swap.tokens == {root: tokens}
@@ -216,3 +217,44 @@ def test_a_swap_takes_a_nodes_kv_out_of_the_budget_and_back_unchanged(
     assert all(torch.equal(a, b) for a, b in zip([*seg.keys, *seg.values], [*keys, *values], strict=True))
     assert list(tmp_path.iterdir()) == []
     backend.release([root])
+
+
+def test_a_request_preempted_whole_takes_its_prompt_with_it(
+    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prompts of two rows each decode in one batch; at the third step every row of the second
+    prompt is preempted. That prompt's KV is freed with its last row (no running row reads it),
+    recomputed when the rows rejoin, and every row ends with the tokens of the unpreempted run. The
+    first prompt, read by rows that stay, keeps its KV."""
+    second = "Question: What is seven times six? Answer:"
+
+    def run() -> tuple[list[list[int]], KVStats, list[int]]:
+        backend.accel = Accel()
+        backend.reset_stats()
+        roots = [backend.prefill(backend.encode(t)) for t in (TEXT, second)]
+        kids = [k for r in roots for k in backend.fork(r, 2)]
+        gens = backend.extend(kids, DecodeParams(max_tokens=TOKENS, min_tokens=TOKENS))
+        stats = backend.kv_stats()
+        held = [backend.engine.tree.get(r).kv_tokens for r in roots]
+        backend.release([*kids, *roots])
+        return [g.token_ids for g in gens], stats, held
+
+    want, _, _ = run()
+    original = intake.Intake.pressure
+    dropped: list[int] = []
+
+    def pressure(self: intake.Intake, alive: list[Row]) -> list[Row]:
+        victims = original(self, alive)
+        if not victims and self.run.step == 3:
+            younger = max(r.seg.kv_ancestors()[-1].id for r in alive)  # the second prompt's node
+            victims = [r for r in alive if r.seg.kv_ancestors()[-1].id == younger]
+            dropped.append(len(victims))
+        return victims
+
+    monkeypatch.setattr(intake.Intake, "pressure", pressure)
+    got, stats, held = run()
+    assert dropped == [2] and stats.extra["preempted_rows"] == 2
+    assert stats.extra["preempted_prompts"] == 1
+    assert got == want
+    assert held == [len(backend.encode(t)) for t in (TEXT, second)]  # the second computed again
+    assert backend.kv_stats().bytes_held == 0

@@ -71,3 +71,27 @@ def test_common_prefix_and_suffix() -> None:
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert common_suffix([1, 2, 3], [0, 2, 3]) == 2
     assert common_prefix([], [1]) == 0
+
+
+def test_ended_rows_and_then_their_unread_prompt_free_their_kv_for_a_recompute() -> None:
+    """`free_idle` frees a node's KV only where recomputing gives it back (exact, nothing evicted)
+    and no other node holds KV computed after it: an ended row first, its prompt once no row
+    that holds KV reads it. The nodes keep their tokens, all pending again."""
+    tree, run = KVTree(), Ledger()
+    root = tree.add(None, False, [1, 2, 3], run)
+    tree.set_kv(root, *_kv(3))
+    root.n_computed = 3
+    rows = [tree.add(root, True, [4 + i, 9], run) for i in range(3)]
+    for row in rows:
+        tree.set_kv(row, *_kv(1))  # an ended row: its last token sampled, not fed
+        row.n_computed = 1
+    rows[1].exact = False  # an acceleration touched it: a recompute would not give it back
+    rows[2].lent = True  # decoding in a batch
+    per_row, prompt = rows[0].kv_bytes, root.kv_bytes
+    assert tree.free_idle([r.id for r in rows], 10**9) == [per_row]  # the others are read or lent
+    assert rows[0].kv_bytes == 0 and rows[0].pending == [4, 9] and root.kv_bytes == prompt
+    rows[1].exact, rows[2].lent = True, False
+    assert tree.free_idle([rows[1].id], 1) == [per_row]  # enough: the rest stays
+    assert tree.free_idle([rows[2].id], 10**9) == [per_row, prompt]  # its last reader went
+    assert root.pending == [1, 2, 3] and tree.accounts.total.held == 0
+    assert len(tree) == 4  # every node stays, for its tokens

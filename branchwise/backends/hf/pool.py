@@ -193,7 +193,12 @@ class KVPool:
             )
 
     def track(self, ctx: BatchContext) -> None:
-        """Count a batch's tail buffers while the batch lives."""
+        """Count a batch's tail buffers while the batch lives. Under a budget their storage grows
+        amortised only into the room the budget leaves (`OwnKV.limit`, updated by the intake at
+        every step boundary): set here, before the batch's first forward, which once grew a new
+        batch's pages by half their size, 1.12x the budget, before any boundary had set it."""
+        if self.budget is not None:
+            ctx.kv.limit = self.budget - self.used()
         self._batches[id(ctx)] = ctx
 
     def end(self, ctx: BatchContext) -> None:

@@ -262,8 +262,9 @@ def test_history_turns_sit_between_the_system_prompt_and_the_question(tiny_backe
 
 def test_a_kv_budget_defers_rows_and_a_budget_too_small_is_said(tiny_llama_dir) -> None:
     """Dense branches under a budget that holds a few at a time decode in turns with the unbounded
-    run's greedy texts; a budget below what the finished branches hold together cannot bound the
-    run, and its result says so instead of running over it silently."""
+    run's greedy texts. Under a budget below what the finished branches hold together, their KV is
+    freed to make room (and the result says so); a budget that what the caller holds outside the
+    run fills cannot bound the run, and its result says so instead of running over it silently."""
     strat = self_consistency(n=6, temperature=0.0, max_tokens=12)
     free = HFBackend(tiny_llama_dir, kv_budget=None, cache_bytes=0)
     want = Reasoner(strat, backend=free, share="none").run("Count to five:")
@@ -278,5 +279,14 @@ def test_a_kv_budget_defers_rows_and_a_budget_too_small_is_said(tiny_llama_dir) 
     tiny = HFBackend(tiny_llama_dir, kv_budget=2 * row * tb, cache_bytes=0)
     small = Reasoner(strat, backend=tiny, share="none").run("Count to five:")
     assert [b.text for b in small.branches] == [b.text for b in want.branches]
-    assert small.kv_stats["kv_overruns"] > 0
-    assert any(n.startswith(f"kv_budget: {small.kv_stats['kv_overruns']:g} decode step") for n in small.notes)
+    freed = small.kv_stats["freed_ended_kv_nodes"]
+    assert freed > 0 and "kv_overruns" not in small.kv_stats
+    assert any(n.startswith(f"kv_budget: the KV of {freed:g} ended branch") for n in small.notes)
+    filler = tiny.encode("Count to five: " * 2 * row)[: 2 * row - prompt]  # the caller's KV, not the run's
+    held = tiny.prefill(filler)  # to free: no row of the run fits beside it
+    tiny.extend([held], DecodeParams(max_tokens=1))  # its KV computed (a prefill alone defers it)
+    full = Reasoner(strat, backend=tiny, share="none").run("Count to five:")
+    tiny.release([held])
+    assert [b.text for b in full.branches] == [b.text for b in want.branches]
+    assert full.kv_stats["kv_overruns"] > 0
+    assert any(n.startswith(f"kv_budget: {full.kv_stats['kv_overruns']:g} decode step") for n in full.notes)

@@ -529,6 +529,13 @@ class Reasoner:
                 f"kv_budget: {stats['kv_overruns']:g} decode step(s) ran over the KV budget: what the run "
                 "held (its live branches, and the one row a decode always goes on with) did not fit it"
             )
+        if stats.get("freed_ended_kv_nodes"):
+            # a cost the caller may pay later: said, like the overrun it avoided
+            run.notes.append(
+                f"kv_budget: the KV of {stats['freed_ended_kv_nodes']:g} ended branch(es) or their prompts "
+                "was freed to stay within the KV budget; their tokens are kept, and extending one "
+                "computes its KV again"
+            )
         key = run.typed.key if run.typed is not None else extract_answer
         value, calls = self._typed_answer(run)
         branches = [

@@ -159,9 +159,9 @@ class Computation:
                 moving=sum(s.kv_bytes for s in segs) if lend else 0,
             ),
         )
-        if lend:
+        if lend:  # rows with nothing computed yet too: their KV will live in the batch alone
             for seg in segs:
-                if seg.keys is not None:
+                if seg.keys is not None or not seg.n_computed:
                     self.tree.lend(seg)
         engine.pool.track(batch.ctx)
         try:

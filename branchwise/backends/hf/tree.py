@@ -272,7 +272,8 @@ class KVTree:
         """`seg`'s own KV was just copied into a decoding batch's tail: its tensors go, so the KV is
         held once while the row decodes (the tail is the only copy), and the batch's capture puts it
         back (`set_kv`). Holding it in both, as every re-assembled row did, cost admission a second
-        copy of every row's own KV."""
+        copy of every row's own KV. A row with nothing computed yet is lent too: its KV will be in
+        the batch, and a node it reads must not look unread (`recomputable`)."""
         self.set_kv(seg, None, None)
         seg.lent = True
 

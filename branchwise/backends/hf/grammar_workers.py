@@ -126,6 +126,7 @@ class Lane:
         self._threads = 0
         self._busy: set[int] = set()
         self._stuck: set[int] = set()
+        self._closed = False
 
     def submit(self, job: Callable[[], None]) -> None:
         _PENDING.change(+1)
@@ -161,7 +162,10 @@ class Lane:
         (the engine's), on whatever thread the collection happened, which may be inside `_fill`
         holding this lane's lock (a load's background thread starting a worker was once stuck
         there for good, and the interpreter's exit with it). `SimpleQueue.put` is safe there; a
-        thread started meanwhile and not told ends after its idle period."""
+        thread started after (a job of another lane submitting here, such as the tables' build
+        queueing the ``json_object`` compile) sees the lane closed once its job is done, and ends
+        instead of idling for `IDLE_EXIT_S`."""
+        self._closed = True  # first: a thread not counted below reads it
         for _ in range(self._threads):
             self._jobs.put(_STOP)
 
@@ -169,7 +173,7 @@ class Lane:
         me = threading.get_ident()
         while True:
             try:
-                job = self._jobs.get(timeout=IDLE_EXIT_S)
+                job = self._jobs.get(timeout=0 if self._closed else IDLE_EXIT_S)
             except queue.Empty:
                 with self._lock:
                     self._threads -= 1

@@ -84,11 +84,9 @@ def default_layout() -> KVLayout:
 
     Why not pages yet, though they decode at the tails' speed for rows of equal length, faster and
     in fewer bytes for rows of mixed lengths, and are admitted under a KV budget by what rows hold
-    (`benchmarks/kv_layout.py`, `benchmarks/kv_admission.py`): at a budget that binds them, a
-    request's shared prompt stays held while its rows are preempted, so admission by holdings can
-    take more requests than their prompts and growth fit, and steps then run over the budget
-    (counted as overruns). Tails, priced at their worst case, keep it a bound; on CUDA pages would
-    also be read as a copy (no FlashInfer wiring)."""
+    (`benchmarks/kv_admission.py`), and now stay within a budget that binds them (a preempted
+    request takes its prompt with it, ended rows' KV goes first): not measured yet against vLLM
+    under pages, and on CUDA pages would be read as a copy (no FlashInfer wiring)."""
     return check_layout(os.environ.get(LAYOUT_ENV, "tails"))
 
 

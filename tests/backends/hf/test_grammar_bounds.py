@@ -339,3 +339,16 @@ def test_exit_waits_for_a_job_that_another_lanes_job_queued() -> None:
     assert finished.is_set()
     first.close()
     second.close()
+
+
+def test_a_thread_a_closed_lane_starts_ends_after_its_job() -> None:
+    """A job may reach a lane after its owner closed it (the tables' build queues the
+    ``json_object`` compile on the compile lane of a model dropped meanwhile): it runs, and its
+    thread ends then instead of idling for a minute (dropped models once left such threads)."""
+    lane = Lane("closed-test", 1)
+    lane.close()
+    ran = threading.Event()
+    lane.submit(ran.set)
+    wait_until(ran.is_set, "the job to run")
+    wait_until(lambda: lane._threads == 0, "the thread to end without idling", 10)
+    assert lane.busy == 0 and lane.stuck_now == 0

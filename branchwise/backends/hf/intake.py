@@ -20,16 +20,18 @@ object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
   (`PrefillPace.idle_size`: about a quarter of a second, from `chunk` to `ALONE_CHUNK` tokens).
   Without a scheduler nobody can arrive, and a prompt is computed in `ALONE_CHUNK`s.
 - **Preemption.** When the engine's KV would exceed its budget at the next step, the prefix cache
-  yields first (`KVPool.yield_cache`), then the KV of the call's ended rows (`_free_ended`); if that
-  is not enough, the youngest rows (the last to join the call) leave the batch at once (`preempt`) and wait in `preempted` with their tokens so far.
+  yields first (`KVPool.yield_cache`), then the KV of the call's ended rows (`_free_ended`); if
+  that is not enough, the youngest rows (the last to join the call) leave the batch at once
+  (`preempt`) and wait in `preempted` with their tokens so far.
   They come back, before any newcomer, once their KV and growth fit again, so decoding resumes where
   it stopped. The oldest row is never preempted (progress: a step it alone makes over the budget is
   counted in `KVPool.overruns` and in the run's `kv_overruns`). A preempted row's KV is either
 
   - *recomputed* (`RECOMPUTE`): dropped, its tokens made pending and computed again like a prompt
-    when it rejoins (its request's prompt with it, once no row reads it: `KVTree.drop_row`). The policy of runs whose KV is a function of the tokens (no acceleration, or
-    only ones that leave KV exact: `Acceleration.kv_from_tokens`): nothing is copied, and a
-    recompute runs at prefill speed, many tokens per forward; or
+    when it rejoins (its request's prompt with it, once no row reads it: `KVTree.drop_row`). The
+    policy of runs whose KV is a function of the tokens (no acceleration, or only ones that leave
+    KV exact: `Acceleration.kv_from_tokens`): nothing is copied, and a recompute runs at prefill
+    speed, many tokens per forward; or
   - *swapped* (`SWAP`): copied into its node as at any batch boundary, then moved out of the
     budget (`KVSwap`: to host memory from an accelerator, to a file from a CPU) and moved back
     when it rejoins. The policy of runs with an acceleration that changes KV (SkipKV's evictions,
@@ -354,8 +356,8 @@ class Intake:
     def _free_ended(self, over: int) -> int:
         """Bytes freed of up to `over` of the call's ended rows' KV (`KVTree.free_idle`)."""
         ended = [sid for sid, index in self.run.rows.items() if index in self.run.results]
-        freed = self.host.tree.free_idle(ended, over)
-        self.host.stats.bump("freed_ended_kv_nodes", len(freed))
+        if freed := self.host.tree.free_idle(ended, over):  # a run that freed none says nothing
+            self.host.stats.bump("freed_ended_kv_nodes", len(freed))
         return sum(freed)
 
     def _reserve(self) -> None:

@@ -295,11 +295,15 @@ class KVTree:
     def drop_row(self, seg: Segment) -> int:
         """`drop_kv` a preempted row's node, and its ancestors that are `unread_ancestors` then;
         how many ancestors went."""
-        self.drop_kv(seg)
-        above = self.unread_ancestors(seg, self.readers(), set())
-        for anc in above:
-            self.drop_kv(anc)
-        return len(above)
+        return len(self._drop_up(seg, self.readers(), set())) - 1
+
+    def _drop_up(self, seg: Segment, readers: dict[int, list[Segment]], leaving: set[int]) -> list[int]:
+        """`drop_kv` `seg` and its `unread_ancestors` then; the bytes each held."""
+        gone = [seg, *self.unread_ancestors(seg, readers, leaving)]
+        freed = [node.kv_bytes for node in gone]
+        for node in gone:
+            self.drop_kv(node)
+        return freed
 
     def readers(self) -> dict[int, list[Segment]]:
         """Each node's readers by its id: the nodes whose KV chain holds it (`kv_ancestors`)."""
@@ -312,8 +316,9 @@ class KVTree:
     def recomputable(self, seg: Segment, readers: dict[int, list[Segment]], leaving: set[int]) -> bool:
         """Whether `seg`'s KV may be freed now and computed again on next use, once the nodes in
         `leaving` have freed theirs: recomputing gives it back as it is (exact, none evicted, no
-        shared block, neither cached nor lent; an ended row's unfed last token may be pending), and no other reader (`readers`) holds KV computed
-        after it (a child's KV would then read its parent recomputed under it)."""
+        shared block, neither cached nor lent; an ended row's unfed last token may be pending), and
+        no other reader (`readers`) holds KV computed after it (a child's KV would then read its
+        parent recomputed under it)."""
         whole = seg.exact and seg.kv_bytes and seg.kv_tokens == seg.n_computed
         if not whole or seg.lent or seg.cached or seg.blocks:
             return False
@@ -349,14 +354,11 @@ class KVTree:
         once). Only for KV that is a function of the tokens (what is recomputed is what was held)."""
         readers, leaving, freed = self.readers(), set[int](), list[int]()
         for node in nodes:
-            seg = self._segments.get(node)
             if sum(freed) >= over:
                 break
-            if seg is None or not self.recomputable(seg, readers, leaving):
-                continue
-            for done in (seg, *self.unread_ancestors(seg, readers, leaving)):
-                freed.append(done.kv_bytes)
-                self.drop_kv(done)
+            seg = self._segments.get(node)
+            if seg is not None and self.recomputable(seg, readers, leaving):
+                freed += self._drop_up(seg, readers, leaving)
         return freed
 
     def keep_kv(self, seg: Segment, keep: torch.Tensor) -> None:

@@ -17,7 +17,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from branchwise.serve.errors import RequestError
+from branchwise.serve.errors import ClientGone, RequestError
+from branchwise.serve.progress import Progress
 from branchwise.serve.protocol import ChatRequest
 from branchwise.serve.replies import (
     FINISH,
@@ -72,8 +73,19 @@ async def _strategy(server: Server, c: Completion, request: Request, head: dict[
         raise RequestError(
             400, f"{c.field}: the prompt is {len(c.prompt)} tokens, the model's context {context}", c.field
         )
-    result = await server.strategies.run(c.req, c.messages, request, server.drop, c.field)
+    strategy = c.req.branchwise.strategy if c.req.branchwise is not None else None
+    name = strategy if isinstance(strategy, str) else "given inline"
+    progress = Progress(f"{request.url.path} {head['id']} (strategy {name})", len(c.prompt), None)
+    try:
+        result = await server.strategies.run(c.req, c.messages, request, server.drop, c.field)
+    except ClientGone:
+        progress.end("cancelled (the client went away)", 0)
+        raise
+    except RequestError as err:
+        progress.end(f"answered {err.status}", 0)
+        raise
     text, finish, extra, used = strategy_reply(result)
+    progress.end(f"answered ({finish})", used)
     if isinstance(c.req, ChatRequest):
         message, finish = strategy_message(result, text, finish, c.req.constraint)
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
@@ -93,7 +105,7 @@ async def _streamed(
 ) -> Response:
     """Server-sent events as the tokens are decoded (`streaming.chunks`)."""
     req = c.req
-    stream = await server.stream(req, c.prompt, max_tokens, request)
+    stream = await server.stream(req, c.prompt, max_tokens, request, head["id"])
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     tools = tools_of(req.constraint)
     chat = isinstance(req, ChatRequest)
@@ -116,7 +128,7 @@ async def _whole(
 ) -> Response:
     """The ``n`` choices once decoded, with log-probabilities and candidate scores where asked."""
     req, backend, opts = c.req, server.backend, c.req.branchwise
-    gens = await server.decode(req, c.prompt, max_tokens, request)
+    gens = await server.decode(req, c.prompt, max_tokens, request, head["id"])
     k = (req.top_logprobs or 0) if isinstance(req, ChatRequest) else (req.logprobs or 0)
     tops = [await asyncio.to_thread(server.top_logprobs, c.prompt, g, k) if k else None for g in gens]
     choices = []

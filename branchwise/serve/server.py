@@ -22,6 +22,7 @@ from branchwise.backends.base import Backend, Generation, ShareMode
 from branchwise.backends.scheduler import Job, Scheduler
 from branchwise.schema_budget import OutputFloor
 from branchwise.serve.errors import ClientGone, RequestError, draining
+from branchwise.serve.progress import PROGRESS_EVERY_S, Progress
 from branchwise.serve.protocol import BranchwiseOptions, ChatRequest, CompletionRequest
 from branchwise.serve.strategy import StrategyRunner
 from branchwise.serve.streaming import StepFeed, Stream, outcome, until
@@ -66,6 +67,8 @@ class Server:
         self.drop = asyncio.Event()
         """Set at the drain's deadline: every request still waiting is cancelled and answered 503."""
         self.drain_end: float | None = None
+        self.progress_every_s = PROGRESS_EVERY_S
+        """Seconds between the progress lines a decoding request logs (`progress.Progress`)."""
 
     def begin_drain(self, timeout_s: float) -> None:
         """On the loop: refuse new requests; drop what still runs `timeout_s` from now."""
@@ -167,35 +170,53 @@ class Server:
             raise RequestError(400, f"{field} holds ids outside [0, {vocab}): {bad[:5]}", field)
 
     # ------------------------------------------------------------------ plain completions
-    def _job(self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int) -> Job:
+    def _job(
+        self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int, label: str
+    ) -> tuple[Job, Progress]:
         if self.draining:
             raise draining()
         opts = req.branchwise or BranchwiseOptions()
         share = opts.share or self.share
-        return Job(prompt=prompt, n=req.n, params=req.decode_params(max_tokens), share=share)
+        job = Job(prompt=prompt, n=req.n, params=req.decode_params(max_tokens), share=share)
+        return job, Progress(label, len(prompt), req.n, self.progress_every_s)
 
     async def decode(
-        self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int, request: Request
+        self,
+        req: ChatRequest | CompletionRequest,
+        prompt: list[int],
+        max_tokens: int,
+        request: Request,
+        rid: str,
     ) -> list[Generation]:
-        """Queue the request's ``n`` samples and wait for them, or for the client to go away."""
-        job = self._job(req, prompt, max_tokens)
+        """Queue the request's ``n`` samples and wait for them, or for the client to go away
+        (`rid`: the reply's id, which its log lines name)."""
+        job, progress = self._job(req, prompt, max_tokens, f"{request.url.path} {rid}")
+        job.on_step = progress.on_step
         work = asyncio.ensure_future(self.scheduler.submit_async(job))
+        work.add_done_callback(progress.ended)
         await until(work, request, self.drop)
         return outcome(work, req.constraint_field)
 
     async def stream(
-        self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int, request: Request
+        self,
+        req: ChatRequest | CompletionRequest,
+        prompt: list[int],
+        max_tokens: int,
+        request: Request,
+        rid: str,
     ) -> Stream:
         """Queue the request with a step listener; return once its first tokens (or its end) are in.
 
         Waiting for them before answering keeps errors found on the way (a full queue, a prompt the
         backend refuses) proper HTTP errors instead of failures inside a 200 stream.
         """
-        job = self._job(req, prompt, max_tokens)
+        job, progress = self._job(req, prompt, max_tokens, f"{request.url.path} {rid} (streamed)")
         feed = StepFeed(asyncio.get_running_loop())
-        job.on_step = feed.push
+        progress.listener = feed.push
+        job.on_step = progress.on_step
         work = asyncio.ensure_future(self.scheduler.submit_async(job))
         work.add_done_callback(lambda _: feed.wake())
+        work.add_done_callback(progress.ended)
         ready = asyncio.ensure_future(feed.wait())
         try:
             await until(ready, request, self.drop, cancel=work)

@@ -49,7 +49,9 @@ def test_a_request_logs_its_progress_and_one_last_line_with_its_usage(
     last = [line for line in lines if "answered" in line]
     assert len(last) == 1, lines
     usage = reply["usage"]
-    assert f"{usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} completion tokens" in last[0]
+    assert (
+        f"{usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} completion tokens" in last[0]
+    )
     assert "over 3 branches" in last[0] and "3 length" in last[0]
     assert "/v1/completions" in last[0] and "first token after" in last[0]
 
@@ -85,6 +87,9 @@ def test_a_cancelled_or_failed_job_says_so(caplog: pytest.LogCaptureFixture) -> 
 
     asyncio.run(run())
     said = {r.getMessage().split(":")[0]: r.getMessage() for r in caplog.records}
-    assert "cancelled after" in said["r-cancelled"] and "2 completion tokens over 2 branches" in said["r-cancelled"]
+    assert (
+        "cancelled after" in said["r-cancelled"]
+        and "2 completion tokens over 2 branches" in said["r-cancelled"]
+    )
     assert "failed (RuntimeError: the batch raised)" in said["r-failed"]
     assert not [r for r in caplog.records if "tokens decoded" in r.getMessage()]  # every_s not reached

@@ -92,6 +92,7 @@ def create_app(
     max_strategy_branches: int = 64,
     max_strategy_tokens: int = 64 * 2048,
     strategy_timeout_s: float = 600.0,
+    dspy_fields: bool = True,
 ) -> FastAPI:
     """The OpenAI-compatible app over `backend` (see the module docstring).
 
@@ -108,6 +109,8 @@ def create_app(
         docs: serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json``.
         max_strategy_branches, max_strategy_tokens, strategy_timeout_s: bounds of a strategy run
             (`strategy.StrategyLimits`).
+        dspy_fields: decode a request that asks for DSPy's fields in DSPy's words under a JSON
+            Schema of them (`field_format.FieldFormat`).
     """
     scheduler = Scheduler(
         backend,
@@ -122,6 +125,7 @@ def create_app(
     limits = StrategyLimits(max_strategy_branches, max_strategy_tokens, strategy_timeout_s)
     strategies = StrategyRunner(backend, share, max_strategy_queue, limits)
     server = Server(backend, scheduler, share, strategies, name)
+    server.dspy_fields = dspy_fields
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

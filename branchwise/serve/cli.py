@@ -144,6 +144,14 @@ def serve_command(
             "background while the same steps run uncompiled, so no request waits; /health shows the progress."
         ),
     ] = "auto",
+    dspy_fields: Annotated[
+        bool,
+        typer.Option(
+            help="A chat request whose prompt asks for DSPy's output fields (its adapters' words) and "
+            "sends no constraint is decoded under a JSON Schema of those fields, so an unchanged DSPy "
+            "program's replies always parse; the reply's notes say so."
+        ),
+    ] = True,
     kv_layout: Annotated[
         str | None,
         typer.Option(
@@ -242,6 +250,7 @@ def serve_command(
                 max_strategy_branches=max_strategy_branches,
                 max_strategy_tokens=max_strategy_tokens,
                 strategy_timeout_s=strategy_timeout,
+                dspy_fields=dspy_fields,
             )
             if hasattr(backend, "warm_up"):  # starts compiling the first kinds of batch, without waiting
                 starting.begin("preparing the decode steps (loading compiled ones, warming up)")

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from branchwise.serve.errors import ClientGone, RequestError
+from branchwise.serve.field_format import FieldFormat
 from branchwise.serve.progress import Progress
 from branchwise.serve.protocol import ChatRequest
 from branchwise.serve.replies import (
@@ -55,7 +56,8 @@ async def answer(server: Server, c: Completion, request: Request) -> Response:
     candidates = await _candidates(server, c)  # before a stream too: a bad list is a 400 either way
     if c.req.stream:
         return await _streamed(server, c, request, head, max_tokens)
-    return await _whole(server, c, request, head, max_tokens, candidates)
+    fields = await server.dspy_fields_of(c.req, c.messages, c.prompt, max_tokens)
+    return await _whole(server, c, request, head, max_tokens, candidates, fields)
 
 
 async def _candidates(server: Server, c: Completion) -> list[float] | None:
@@ -125,8 +127,10 @@ async def _whole(
     head: dict[str, Any],
     max_tokens: int,
     candidates: list[float] | None,
+    fields: FieldFormat | None,
 ) -> Response:
-    """The ``n`` choices once decoded, with log-probabilities and candidate scores where asked."""
+    """The ``n`` choices once decoded, with log-probabilities and candidate scores where asked
+    (`fields`: DSPy's fields the reply was decoded as, written back in their adapter's format)."""
     req, backend, opts = c.req, server.backend, c.req.branchwise
     gens = await server.decode(req, c.prompt, max_tokens, request, head["id"])
     k = (req.top_logprobs or 0) if isinstance(req, ChatRequest) else (req.logprobs or 0)
@@ -136,6 +140,8 @@ async def _whole(
         choice: dict[str, Any] = {"index": i}
         if isinstance(req, ChatRequest):
             message, finish = chat_choice_message(g, req.constraint)
+            if fields is not None:
+                message["content"] = fields.render(g.text)
             choice.update(message=message, finish_reason=finish, logprobs=None)
             if req.logprobs:
                 choice["logprobs"] = {"content": chat_logprobs(backend, g, top)}
@@ -153,7 +159,10 @@ async def _whole(
     extra: dict[str, Any] = {}
     if candidates is not None:
         extra["candidate_logprobs"] = candidates
-    if notes := reply_notes(gens):  # decode steps that left the fast step: said to plain callers too
+    notes = reply_notes(gens)  # decode steps that left the fast step: said to plain callers too
+    if fields is not None:
+        notes = [*notes, fields.note]
+    if notes:
         extra["notes"] = notes
     if extra:
         out["branchwise"] = extra

@@ -196,6 +196,11 @@ class _Request(BaseModel):
             self._set_constraint(self.branchwise.constraint, "branchwise.constraint")
         return self
 
+    def constrain(self, constraint: Constraint, field: str) -> None:
+        """Decode the reply under `constraint`, which the server read from `field` (a request that
+        has a constraint of its own keeps it: one grammar per reply)."""
+        self._set_constraint(constraint, field)
+
     def _set_constraint(self, constraint: Constraint | None, field: str) -> None:
         """Take the request's one constraint; a second one is refused (one grammar per reply)."""
         if constraint is None:

@@ -22,6 +22,7 @@ from branchwise.backends.base import Backend, Generation, ShareMode
 from branchwise.backends.scheduler import Job, Scheduler
 from branchwise.schema_budget import OutputFloor
 from branchwise.serve.errors import ClientGone, RequestError, draining
+from branchwise.serve.field_format import FieldFormat
 from branchwise.serve.progress import PROGRESS_EVERY_S, Progress
 from branchwise.serve.protocol import BranchwiseOptions, ChatRequest, CompletionRequest
 from branchwise.serve.strategy import StrategyRunner
@@ -69,6 +70,8 @@ class Server:
         self.drain_end: float | None = None
         self.progress_every_s = PROGRESS_EVERY_S
         """Seconds between the progress lines a decoding request logs (`progress.Progress`)."""
+        self.dspy_fields = True
+        """Whether a request asking for DSPy's fields is decoded under their schema (`field_format`)."""
 
     def begin_drain(self, timeout_s: float) -> None:
         """On the loop: refuse new requests; drop what still runs `timeout_s` from now."""
@@ -151,6 +154,32 @@ class Server:
             "constraint allows; the reply could only be cut",
             name,
         )
+
+    async def dspy_fields_of(
+        self,
+        req: ChatRequest | CompletionRequest,
+        messages: list[dict[str, Any]],
+        prompt: list[int],
+        max_tokens: int,
+    ) -> FieldFormat | None:
+        """The DSPy fields a plain chat request asks for in DSPy's words (`field_format`), now its
+        constraint; None (the request as it came) when off, when it has a constraint of its own, is
+        streamed or a strategy run, or when their shortest JSON cannot fit ``max_tokens`` or the
+        context (the client asked for no grammar, so it gets no 400 for one)."""
+        plain = req.constraint is None and not req.stream
+        if not self.dspy_fields or not plain or not isinstance(req, ChatRequest):
+            return None
+        fields = FieldFormat.of(messages)
+        fit_of = getattr(self.backend, "fit_constraint", None)
+        if fields is None or fit_of is None:
+            return None
+        fit = await asyncio.to_thread(fit_of, fields.constraint(), max_tokens)
+        context = getattr(self.backend, "max_context", None)
+        room = max_tokens if context is None else min(max_tokens, context - len(prompt))
+        if fit.floor_tokens is None or fit.floor_tokens > room:
+            return None
+        req.constrain(fields.constraint(), "messages")
+        return fields
 
     def check_ids(self, ids: Sequence[int], field: str) -> None:
         """A 400 naming `field` and the range when an id is outside the vocabulary."""

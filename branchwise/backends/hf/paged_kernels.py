@@ -29,6 +29,8 @@ import platform
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,10 +103,19 @@ def _compiler() -> str:
 
 
 def _extension_name(cflags: list[str]) -> str:
-    """A name per source, flags, torch and machine: a cache shared by machines or torch versions
-    never loads a library built for another (the build directory is per name)."""
+    """A name per source (its text and where it lies), flags, torch and machine: a cache shared by
+    machines or torch versions never loads a library built for another, and two installs of the
+    package (a checkout and a worktree) do not rebuild each other's (torch rebuilds a folder whose
+    build file names another source path)."""
     key = "\n".join(
-        [SOURCE.read_text(encoding="utf-8"), *cflags, torch.__version__, platform.machine(), _compiler()]
+        [
+            SOURCE.read_text(encoding="utf-8"),
+            str(SOURCE),
+            *cflags,
+            torch.__version__,
+            platform.machine(),
+            _compiler(),
+        ]
     )
     return "branchwise_paged_decode_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
@@ -168,21 +179,48 @@ def _build() -> BuildInfo:
     directory = build_dir() / name
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"{name}.so"
-    cached = library.is_file()
     started = time.perf_counter()
-    cpp_extension.load(
-        name=name,
-        sources=[str(SOURCE)],
-        extra_cflags=cflags,
-        extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
+    with _only_builder(directory):
+        cached = library.is_file()
+        cpp_extension.load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
     _register_fake()
     seconds = time.perf_counter() - started
     log.info("paged decode kernel %s in %.1f s (%s)", "loaded" if cached else "built", seconds, library)
     return BuildInfo(library, seconds, cached)
+
+
+@contextmanager
+def _only_builder(directory: Path) -> Iterator[None]:
+    """Hold `directory` against every other process that builds or loads the kernel, with a lock
+    the OS lets go of when its holder dies; a lock file torch's own guard left behind then is stale.
+
+    Why: torch guards a build folder with a plain file (`FileBaton`) that only its holder removes. A
+    process killed while it built (a server stopped during its first start, a test's subprocess)
+    left it, and every later process on the machine waited on it forever: a test fixture hung, and a
+    server's background build never ended, so its pages were read as a copy from then on."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own guard alone
+        yield
+        return
+    with open(directory / "build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = directory / "lock"
+            if stale.exists():
+                log.warning("removed the build lock a process left when it died while building (%s)", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _register_fake() -> None:

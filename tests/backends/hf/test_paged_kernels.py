@@ -209,3 +209,27 @@ def test_a_failed_build_gives_its_error_as_the_reason(fresh: pytest.MonkeyPatch,
     reason = paged_kernels.build()
     assert reason is not None and "Error building extension" in reason
     assert paged_kernels.build() == reason  # tried once per process, the answer kept
+
+
+@pytest.mark.usefixtures("kernel")
+def test_a_lock_left_by_a_builder_that_died_is_taken_over() -> None:
+    """torch's build guard is a file only its holder removes: a process killed while it built left
+    it, and every later process waited on it forever. A new process builds (or loads) through it."""
+    import subprocess
+    import sys
+
+    info = paged_kernels.build_info()
+    assert info is not None
+    stale = info.path.parent / "lock"
+    stale.touch()  # what a builder killed mid-build leaves
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "from branchwise.backends.hf import paged_kernels as p; print(p.build())"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        stale.unlink(missing_ok=True)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
+    assert "removed the build lock a process left" in done.stderr

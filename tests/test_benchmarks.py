@@ -357,6 +357,17 @@ def test_first_constrained_quick() -> None:
         assert len(waited) == run["tables"]["waits"]  # each wait said once, in a reply's notes
 
 
+@pytest.mark.slow
+def test_dspy_serve_quick() -> None:
+    """An unchanged `dspy.Predict` against the server in the script's process: its reply parses,
+    and the figures are the runs' own."""
+    pytest.importorskip("dspy")
+    out = run_quick("dspy_serve.py")
+    row = out["programs"]["Predict"]
+    assert (row["runs"], row["parsed"], row["errors"]) == (1, 1, [])
+    assert row["seconds"]["median"] == row["seconds"]["values"][0] > 0
+
+
 def test_kv_admission_quick() -> None:
     """Both layouts run each workload under one budget and stay within it; every ratio is the
     quotient of the two layouts' medians; the branches' lengths and the rows at once are read."""

@@ -157,7 +157,8 @@ def serve_command(
         typer.Option(
             help="How decode batches hold their rows' own KV: tails (one rectangle per batch) or pages "
             "(16-token pages read in place; less memory, faster for rows of mixed lengths, and admitted "
-            "under --kv-budget by what they hold). Default: $BRANCHWISE_KV_LAYOUT, else tails."
+            "under --kv-budget by what they hold). Default: $BRANCHWISE_KV_LAYOUT, else pages on a CPU that can build their kernel (a C++ compiler "
+            "and ninja), tails elsewhere."
         ),
     ] = None,
 ) -> None:

@@ -421,12 +421,13 @@ class HFBackend:
         """How decode batches hold their rows' own KV (`own_kv.py`), and so how admission prices rows
         (`KVPool.row_slots`): ``tails`` (a rectangle per batch, rows padded to the longest; the worst
         case) or ``pages`` (16-token pages and a block table per row, read in place on a CPU; what
-        rows hold, preempting those that outgrow the budget). None: the default (`default_layout`)."""
+        rows hold, preempting those that outgrow the budget). None: the default (`default_layout`: pages on
+        a CPU that can build their kernel, tails elsewhere)."""
         return self.engine.kv_layout
 
     @kv_layout.setter
     def kv_layout(self, value: KVLayout | None) -> None:
-        layout = default_layout() if value is None else check_layout(value)
+        layout = default_layout(self.device) if value is None else check_layout(value)
         with self.engine.lock:
             self.engine.pool.price_by(BLOCK if layout == "pages" else None)
             self.engine.kv_layout = layout

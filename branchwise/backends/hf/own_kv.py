@@ -30,6 +30,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from branchwise.backends.hf import paged_kernels
+
 Where = tuple[torch.Tensor, torch.Tensor]
 """Where a forward's new K/V go (`OwnKV.locate`): two index tensors, the layout's own."""
 KVLayout = Literal["tails", "pages"]
@@ -79,15 +81,23 @@ def check_layout(layout: str) -> KVLayout:
     return layout
 
 
-def default_layout() -> KVLayout:
-    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else tails.
+def default_layout(device: torch.device) -> KVLayout:
+    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else pages on a CPU where the
+    paged kernel can be built, tails elsewhere.
 
-    Why not pages yet, though they decode at the tails' speed for rows of equal length, faster and
-    in fewer bytes for rows of mixed lengths, and are admitted under a KV budget by what rows hold
-    (`benchmarks/kv_admission.py`), and now stay within a budget that binds them (a preempted
-    request takes its prompt with it, ended rows' KV goes first): not measured yet against vLLM
-    under pages, and on CUDA pages would be read as a copy (no FlashInfer wiring)."""
-    return check_layout(os.environ.get(LAYOUT_ENV, "tails"))
+    Why pages on a CPU: they decode at the tails' speed for rows of equal length, faster and in fewer
+    bytes for rows of mixed lengths, are admitted under a KV budget by what rows hold (4x the rows
+    at once, 1.2-2.9x the tails' tokens/s: `benchmarks/kv_admission.py`), and stay within a budget
+    that binds them (a preempted request takes its prompt with it, ended rows' KV goes first). Why
+    tails where the kernel cannot be built (no C++ compiler or ninja: `paged_kernels.missing`) and
+    on CUDA: pages would be read as a gathered copy there (no FlashInfer wiring yet), which costs
+    more than the tails save; each step that reads a copy says so (`pages_copied`)."""
+    chosen = os.environ.get(LAYOUT_ENV)
+    if chosen:
+        return check_layout(chosen)
+    if device.type != "cpu":
+        return "tails"
+    return "tails" if paged_kernels.missing() is not None else "pages"
 
 
 class OwnKV(Protocol):

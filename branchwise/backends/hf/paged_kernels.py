@@ -164,16 +164,26 @@ def ready_now() -> str | None:
     return BUILDING
 
 
-def _build() -> BuildInfo:
+def missing() -> str | None:
+    """What this machine lacks to build the kernel (its source, a C++ compiler, ninja), without
+    building it; None when nothing is missing (the build itself may still fail: `build`)."""
     if not SOURCE.is_file():
-        raise PagedKernelUnavailable(f"the kernel's source is not installed ({SOURCE})")
+        return f"the kernel's source is not installed ({SOURCE})"
     compiler = _compiler()
     if shutil.which(compiler) is None:
-        raise PagedKernelUnavailable(f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)")
+        return f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)"
     from torch.utils import cpp_extension
 
     if not cpp_extension.is_ninja_available():
-        raise PagedKernelUnavailable("torch builds extensions with ninja, which is not installed")
+        return "torch builds extensions with ninja, which is not installed"
+    return None
+
+
+def _build() -> BuildInfo:
+    if (lacking := missing()) is not None:
+        raise PagedKernelUnavailable(lacking)
+    from torch.utils import cpp_extension
+
     cflags = _cflags()
     name = _extension_name(cflags)
     directory = build_dir() / name

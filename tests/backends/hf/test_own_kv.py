@@ -153,6 +153,25 @@ def test_bad_layout_names_the_field() -> None:
         check_layout("heap")
 
 
+def test_the_default_is_pages_on_a_cpu_that_can_build_their_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages on a CPU with a compiler; tails where the kernel cannot be built (steps would read a
+    copy of the pages, slower than the tails) and on CUDA (no paged kernel wired there yet);
+    `$BRANCHWISE_KV_LAYOUT` wins over both, and a bad value there names the field."""
+    from branchwise.backends.hf import own_kv, paged_kernels
+
+    monkeypatch.delenv(own_kv.LAYOUT_ENV, raising=False)
+    monkeypatch.setattr(paged_kernels, "missing", lambda: None)
+    assert own_kv.default_layout(torch.device("cpu")) == "pages"
+    assert own_kv.default_layout(torch.device("cuda")) == "tails"
+    monkeypatch.setattr(paged_kernels, "missing", lambda: "no C++ compiler")
+    assert own_kv.default_layout(torch.device("cpu")) == "tails"
+    monkeypatch.setenv(own_kv.LAYOUT_ENV, "pages")
+    assert own_kv.default_layout(torch.device("cuda")) == "pages"
+    monkeypatch.setenv(own_kv.LAYOUT_ENV, "heap")
+    with pytest.raises(ValueError, match="kv_layout='heap'"):
+        own_kv.default_layout(torch.device("cpu"))
+
+
 @pytest.fixture(scope="module")
 def backend(tiny_model_dir) -> HFBackend:
     return HFBackend(tiny_model_dir("llama"))

@@ -194,3 +194,45 @@ def test_embedded_react_and_typed_predict_run_as_the_docs_write_them(embedded_di
         assert isinstance(dspy.Predict("question -> answer: int")(question="What is 40 + 44?").answer, int)
         verdict = dspy.Predict(Judge)(claim="2 + 2 = 5")
         assert isinstance(verdict.verdict, Verdict)
+
+
+def test_a_repeated_tool_call_ends_react_with_what_was_gathered() -> None:
+    """A step that calls a tool with arguments it was already called with finishes instead: the
+    tool runs once, the loop ends at the repeat (not after 20 iterations), the thought says why,
+    and the answer is extracted from what was gathered."""
+    from dspy.utils.dummies import DummyLM
+
+    calls: list[tuple[int, int]] = []
+
+    def tracked_add(a: int, b: int) -> int:
+        """Add two integers."""
+        calls.append((a, b))
+        return a + b
+
+    step = {
+        "next_thought": "Add them.",
+        "next_tool_name": "tracked_add",
+        "next_tool_args": {"a": 44, "b": 44},
+    }
+    lm = DummyLM([step, step, {"reasoning": "The tool said 88.", "answer": "88"}])
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        pred = dspy.ReAct("question -> answer", tools=[tracked_add])(question="What is 44 + 44?")
+    assert calls == [(44, 44)]
+    trajectory = pred.trajectory
+    assert (trajectory["tool_name_0"], trajectory["tool_name_1"]) == ("tracked_add", "finish")
+    assert "was called with" in trajectory["thought_1"] and "tool_name_2" not in trajectory
+    assert pred.answer == "88"
+
+
+def test_a_new_call_of_the_same_tool_goes_on() -> None:
+    """Other arguments are a new call: the loop goes on as DSPy runs it."""
+    from dspy.utils.dummies import DummyLM
+
+    first = {"next_thought": "Add.", "next_tool_name": "add", "next_tool_args": {"a": 1, "b": 2}}
+    second = {"next_thought": "Add more.", "next_tool_name": "add", "next_tool_args": {"a": 3, "b": 4}}
+    done = {"next_thought": "Done.", "next_tool_name": "finish", "next_tool_args": {}}
+    lm = DummyLM([first, second, done, {"reasoning": "r", "answer": "7"}])
+    with dspy.context(lm=lm, adapter=LenientChatAdapter()):
+        pred = dspy.ReAct("question -> answer", tools=[add])(question="?")
+    names = [pred.trajectory[f"tool_name_{i}"] for i in range(3)]
+    assert names == ["add", "add", "finish"] and pred.trajectory["observation_1"] == 7

@@ -21,11 +21,15 @@ Two ways it keeps a small model's reply parseable:
 * **Text signatures are salvaged.** All-``str`` outputs keep `ChatAdapter`'s text format (a small
   model writes better prose unconstrained); a reply without the markers is not an error: the last
   field (the answer) is taken from `extract_answer` or the last line, other fields from the text.
+
+And one way it keeps an agent from looping: a `dspy.ReAct` step that repeats a call its trajectory
+already holds (same tool, same arguments) finishes instead (`_end_repeated_calls`).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import re
 from typing import Any, Literal, get_args, get_origin
 
@@ -152,6 +156,50 @@ def signature_schema(signature: Any) -> dict[str, Any] | None:
     return schema
 
 
+_TRAJECTORY_CALL = re.compile(
+    r"\[\[ ## tool_name_(\d+) ## \]\]\n(?P<name>.*?)\n\n\[\[ ## tool_args_\1 ## \]\]\n(?P<args>.*?)(?:\n\n\[\[ ## |\Z)",
+    re.S,
+)
+
+
+def _canonical(args: Any) -> str:
+    """Tool arguments as one comparable string (a dict, or its JSON or Python text)."""
+    if isinstance(args, str):
+        for read in (json.loads, ast.literal_eval):
+            try:
+                args = read(args)
+                break
+            except (ValueError, SyntaxError):
+                continue
+    return json.dumps(args, sort_keys=True, default=str)
+
+
+def _end_repeated_calls(signature: Any, inputs: dict[str, Any], outputs: list[dict[str, Any]]) -> None:
+    """A `dspy.ReAct` step that calls a tool with arguments it was already called with (its
+    trajectory, as DSPy formats it, holds the call) finishes instead, in place.
+
+    Why: a small model repeats a call it has made (``add(44, 44)``, then again) until the loop's 20
+    iterations run out, each a full step. The repeat cannot tell it anything new, so the loop ends
+    with what was gathered, and the thought says why (LangChain's agents are ended the same way,
+    `ChatBranchwise`'s ``repeated_calls``)."""
+    if tuple(signature.output_fields) != _REACT_FIELDS or not isinstance(inputs.get("trajectory"), str):
+        return
+    made = {
+        (m.group("name").strip(), _canonical(m.group("args").strip()))
+        for m in _TRAJECTORY_CALL.finditer(inputs["trajectory"])
+    }
+    for out in outputs:
+        name, args = out.get("next_tool_name"), out.get("next_tool_args")
+        if name == "finish" or (name, _canonical(args)) not in made:
+            continue
+        shown = json.dumps(args, default=str)
+        out["next_thought"] = (
+            f"{out.get('next_thought', '')} [{name} was called with {shown} before; the loop finishes "
+            "with what was gathered]"
+        ).strip()
+        out["next_tool_name"], out["next_tool_args"] = "finish", {}
+
+
 # ---------------------------------------------------------------------------------------- adapters
 class _SchemaAdapter(dspy.JSONAdapter):
     """`dspy.JSONAdapter` whose ``response_format`` is `signature_schema` (strict), so the backend's
@@ -204,15 +252,21 @@ class LenientChatAdapter(dspy.ChatAdapter):
         self, lm: Any, lm_kwargs: dict[str, Any], signature: Any, demos: list[Any], inputs: dict[str, Any]
     ) -> list[dict[str, Any]]:
         if self._constrained(lm, signature):
-            return self._schema_adapter(lm, lm_kwargs, signature, demos, inputs)
-        return super().__call__(lm, lm_kwargs, signature, demos, inputs)
+            outputs = self._schema_adapter(lm, lm_kwargs, signature, demos, inputs)
+        else:
+            outputs = super().__call__(lm, lm_kwargs, signature, demos, inputs)
+        _end_repeated_calls(signature, inputs, outputs)
+        return outputs
 
     async def acall(
         self, lm: Any, lm_kwargs: dict[str, Any], signature: Any, demos: list[Any], inputs: dict[str, Any]
     ) -> list[dict[str, Any]]:
         if self._constrained(lm, signature):
-            return await self._schema_adapter.acall(lm, lm_kwargs, signature, demos, inputs)
-        return await super().acall(lm, lm_kwargs, signature, demos, inputs)
+            outputs = await self._schema_adapter.acall(lm, lm_kwargs, signature, demos, inputs)
+        else:
+            outputs = await super().acall(lm, lm_kwargs, signature, demos, inputs)
+        _end_repeated_calls(signature, inputs, outputs)
+        return outputs
 
     def parse(self, signature: Any, completion: str) -> dict[str, Any]:
         stripped = completion.strip()

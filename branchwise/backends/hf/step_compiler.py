@@ -431,14 +431,7 @@ class _Worker:
             str(WORKER_IDLE_S),
         ]
         nice = shutil.which("nice")  # POSIX; elsewhere the worker runs at the usual priority
-        self._proc = subprocess.Popen(
-            [nice, "-n", str(WORKER_NICENESS), *command] if nice else command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-            start_new_session=True,  # a Ctrl-C at the terminal is this process's to handle
-        )
+        self._proc = spawn([nice, "-n", str(WORKER_NICENESS), *command] if nice else command, self._log, env)
         self._jobs: dict[str, Callable[[str, dict[str, Any]], None]] = {}
         self._lock = threading.Lock()
         self.paused_s = 0.0
@@ -522,6 +515,22 @@ class _Worker:
             self._proc.wait()
         self._log.close()
         _LIVE.discard(self)
+
+
+def spawn(command: list[str], log: IO[bytes], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start the compile worker: piped stdin and stdout, stderr to `log`, in a process group of its
+    own within this process's session.
+
+    Why its own group: a Ctrl-C at the terminal (SIGINT to the foreground group) is this process's
+    to handle, not the worker's. Why not a session of its own: the worker is held stopped (SIGSTOP)
+    while this process computes, and a stopped process reads no end of its stdin, so if this
+    process died then (SIGKILL, a crash) a worker in its own session stayed stopped for good,
+    holding its memory. In this session its group is orphaned when this process dies, and the
+    kernel sends a stopped orphaned group SIGHUP, then SIGCONT (POSIX): the worker ends, or, where
+    SIGHUP is ignored, runs on to find its stdin closed and exits."""
+    return subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, process_group=0
+    )
 
 
 _LIVE: weakref.WeakSet[_Worker] = weakref.WeakSet()

@@ -338,3 +338,42 @@ def test_the_compiled_step_recorded_as_cuda_does(tiny_llama_dir, monkeypatch: py
         assert span == min(capacity - 1, -(-needed // SPAN) * SPAN) >= needed
     assert rerun.replays == stats["decode_steps_captured"] >= params[0].max_tokens - 1 - 2 * rerun.records
     assert stats.get("decode_steps_compiled", 0) >= params[0].max_tokens - 1
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="process groups and SIGSTOP are POSIX; checked on Linux")
+def test_a_stopped_worker_ends_when_its_process_is_killed(tmp_path: Path) -> None:
+    """The worker is held stopped while its process computes; that process killed then (SIGKILL)
+    must not leave it stopped for good. A child process spawns a worker-like process as the engine
+    does (`step_compiler.spawn`), stops it, and is killed: the worker ends within seconds."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from branchwise.backends.hf.step_compiler import spawn\n"
+        f"log = open({str(tmp_path / 'worker.log')!r}, 'ab')\n"
+        "worker = spawn([sys.executable, '-c', 'import sys; sys.stdin.read()'], log, dict(os.environ))\n"
+        "os.kill(worker.pid, signal.SIGSTOP)\n"
+        "print(worker.pid, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    parent = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert parent.returncode == -signal.SIGKILL, parent.stderr[-2000:]
+    pid = int(parent.stdout.split()[0])
+
+    def ended() -> bool:
+        try:
+            state = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return True
+        return "\nState:\tZ" in state  # a zombie has ended; its reaper may be slow to reap it
+
+    deadline = time.monotonic() + 20
+    while not ended() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not ended():
+        os.kill(pid, signal.SIGKILL)  # leave nothing behind, then fail
+        pytest.fail("the worker was left stopped after its process was killed")

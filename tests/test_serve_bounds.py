@@ -83,6 +83,22 @@ def test_a_prompt_over_the_context_is_400(served: str) -> None:
     assert "3000 tokens" in message and "2048" in message
 
 
+def test_over_the_context_carries_openais_code_which_dspy_acts_on(served: str) -> None:
+    """OpenAI's ``context_length_exceeded`` code on both kinds of overflow: clients act on the code
+    (DSPy raises `ContextWindowExceededError`, and `dspy.ReAct` then drops its oldest steps and goes
+    on; a code-less 400 stopped the agent at its context's end)."""
+    over_prompt = httpx.post(f"{served}/v1/completions", json={"prompt": [5] * 3000, "max_tokens": 1})
+    over_budget = chat(served, max_tokens=5000)
+    for r in (over_prompt, over_budget):
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    dspy = pytest.importorskip("dspy")
+    lm = dspy.LM(
+        "openai/tiny", api_base=f"{served}/v1", api_key="unused", max_tokens=5000, cache=False, num_retries=0
+    )
+    with pytest.raises(dspy.ContextWindowExceededError):
+        lm("What is 12 + 7?")
+
+
 def test_a_two_megabyte_prompt_is_a_json_400(served: str) -> None:
     messages = [{"role": "user", "content": "twelve plus seven " * 120_000}]  # ~2.2 MB
     r = httpx.post(f"{served}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}, timeout=120)

@@ -35,7 +35,7 @@ from branchwise.serve.replies import (
     tools_of,
     usage,
 )
-from branchwise.serve.server import Server
+from branchwise.serve.server import CONTEXT_LENGTH_EXCEEDED, Server
 from branchwise.serve.streaming import chunks, sse
 from branchwise.serve.translate import Completion
 
@@ -73,7 +73,10 @@ async def _strategy(server: Server, c: Completion, request: Request, head: dict[
     context = getattr(server.backend, "max_context", None)
     if context is not None and len(c.prompt) >= context:
         raise RequestError(
-            400, f"{c.field}: the prompt is {len(c.prompt)} tokens, the model's context {context}", c.field
+            400,
+            f"{c.field}: the prompt is {len(c.prompt)} tokens, the model's context {context}",
+            c.field,
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     strategy = c.req.branchwise.strategy if c.req.branchwise is not None else None
     name = strategy if isinstance(strategy, str) else "given inline"

@@ -33,6 +33,12 @@ __all__ = ["Server", "handle", "vocab_size"]
 log = logging.getLogger("branchwise.serve")
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's error code for a request over the model's context. Clients act on the code, not the
+words: DSPy maps it to `ContextWindowExceededError`, on which `dspy.ReAct` drops its oldest steps and
+goes on (with a code-less 400 the agent stopped at its context's end)."""
+
+
 def _tokens(out: OutputFloor) -> str:
     return f"{out.tokens} tokens" if out.exact else f"at least {out.tokens} tokens"
 
@@ -96,6 +102,7 @@ class Server:
                 f"{field}: the prompt is {len(prompt)} tokens; the model's context of {context} tokens "
                 "leaves no room for a reply",
                 field,
+                code=CONTEXT_LENGTH_EXCEEDED,
             )
         if not req.budget_set():
             return min(wanted, context - len(prompt))
@@ -106,6 +113,7 @@ class Server:
                 f"{name}: the prompt ({len(prompt)} tokens) + {name} ({wanted}) = {len(prompt) + wanted} "
                 f"exceeds the model's context of {context} tokens",
                 name,
+                code=CONTEXT_LENGTH_EXCEEDED,
             )
         return wanted
 

@@ -87,7 +87,7 @@ async def _strategy(server: Server, c: Completion, request: Request, head: dict[
         progress.end("cancelled (the client went away)", 0)
         raise
     except RequestError as err:
-        progress.end(f"answered {err.status}", 0)
+        progress.end(f"answered {err.status} ({err.message[:120]})", 0)
         raise
     text, finish, extra, used = strategy_reply(result)
     progress.end(f"answered ({finish})", used)

@@ -69,6 +69,21 @@ def test_a_streamed_request_logs_its_end_too(app: tuple[str, Any], caplog: pytes
     assert len(last) == 1 and "(streamed)" in last[0] and "8 completion tokens over 2 branches" in last[0]
 
 
+def test_a_strategy_run_logs_its_end_with_the_tokens_its_branches_decoded(
+    app: tuple[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    url, _ = app
+    caplog.set_level(logging.INFO, logger="branchwise.serve")
+    body = {
+        "messages": [{"role": "user", "content": "What is 12 + 7?"}],
+        "branchwise": {"strategy": "self-consistency", "branches": 2, "tokens": 4},
+    }
+    reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    (last,) = [line for line in _lines(caplog, reply["id"]) if "answered" in line]
+    assert "(strategy self-consistency)" in last
+    assert f"{reply['usage']['completion_tokens']} completion tokens (" in last
+
+
 def test_a_cancelled_or_failed_job_says_so(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="branchwise.serve")
 

@@ -82,16 +82,11 @@ def check_layout(layout: str) -> KVLayout:
 
 
 def default_layout(device: torch.device) -> KVLayout:
-    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else pages on a CPU where the
-    paged kernel can be built, tails elsewhere.
-
-    Why pages on a CPU: they decode at the tails' speed for rows of equal length, faster and in fewer
-    bytes for rows of mixed lengths, are admitted under a KV budget by what rows hold (4x the rows
-    at once, 1.2-2.9x the tails' tokens/s: `benchmarks/kv_admission.py`), and stay within a budget
-    that binds them (a preempted request takes its prompt with it, ended rows' KV goes first). Why
-    tails where the kernel cannot be built (no C++ compiler or ninja: `paged_kernels.missing`) and
-    on CUDA: pages would be read as a gathered copy there (no FlashInfer wiring yet), which costs
-    more than the tails save; each step that reads a copy says so (`pages_copied`)."""
+    """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else pages on a CPU that can
+    build the paged kernel, tails elsewhere. Why: on a CPU pages decode at the tails' speed or
+    faster, admit 4x the rows under a budget and stay within it (`benchmarks/kv_admission.py`);
+    without the kernel (`paged_kernels.missing`) or on CUDA (no FlashInfer wiring yet) they would be
+    read as a gathered copy, slower than the tails (each such step says so: `pages_copied`)."""
     chosen = os.environ.get(LAYOUT_ENV)
     if chosen:
         return check_layout(chosen)

@@ -38,6 +38,7 @@ import pydantic
 from dspy.utils.exceptions import AdapterParseError
 
 from branchwise.reasoners.answers import extract_answer
+from branchwise.toolcalls import canonical_json
 
 __all__ = ["LenientChatAdapter", "signature_schema"]
 
@@ -163,7 +164,9 @@ _TRAJECTORY_CALL = re.compile(
 
 
 def _canonical(args: Any) -> str:
-    """Tool arguments as one comparable string (a dict, or its JSON or Python text)."""
+    """Tool arguments as one comparable string (a dict, or its JSON or Python text), as the
+    project compares calls everywhere (`canonical_json`: sorted keys, 2.0 written as 2); a value
+    JSON cannot write (a Python set read from the text) by its repr."""
     if isinstance(args, str):
         for read in (json.loads, ast.literal_eval):
             try:
@@ -171,7 +174,10 @@ def _canonical(args: Any) -> str:
                 break
             except (ValueError, SyntaxError):
                 continue
-    return json.dumps(args, sort_keys=True, default=str)
+    try:
+        return canonical_json(args)
+    except TypeError:
+        return repr(args)
 
 
 def _end_repeated_calls(signature: Any, inputs: dict[str, Any], outputs: list[dict[str, Any]]) -> None:

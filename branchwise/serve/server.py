@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from branchwise.backends.base import Backend, Generation, ShareMode
+from branchwise.backends.base import Backend, DecodeStep, Generation, ShareMode
 from branchwise.backends.scheduler import Job, Scheduler
 from branchwise.schema_budget import OutputFloor
 from branchwise.serve.errors import ClientGone, RequestError, draining
@@ -181,12 +181,13 @@ class Server:
         fit_of = getattr(self.backend, "fit_constraint", None)
         if fields is None or fit_of is None:
             return None
-        fit = await asyncio.to_thread(fit_of, fields.constraint(), max_tokens)
+        constraint = fields.constraint()
+        fit = await asyncio.to_thread(fit_of, constraint, max_tokens)
         context = getattr(self.backend, "max_context", None)
         room = max_tokens if context is None else min(max_tokens, context - len(prompt))
         if fit.floor_tokens is None or fit.floor_tokens > room:
             return None
-        req.constrain(fields.constraint(), "messages")
+        req.constrain(constraint, "messages")
         return fields
 
     def check_ids(self, ids: Sequence[int], field: str) -> None:
@@ -207,15 +208,26 @@ class Server:
             raise RequestError(400, f"{field} holds ids outside [0, {vocab}): {bad[:5]}", field)
 
     # ------------------------------------------------------------------ plain completions
-    def _job(
-        self, req: ChatRequest | CompletionRequest, prompt: list[int], max_tokens: int, label: str
-    ) -> tuple[Job, Progress]:
+    def _submit(
+        self,
+        req: ChatRequest | CompletionRequest,
+        prompt: list[int],
+        max_tokens: int,
+        label: str,
+        listener: Callable[[DecodeStep], None] | None = None,
+    ) -> tuple[Job, asyncio.Future[list[Generation]]]:
+        """Queue the request's job, its steps counted and its end logged under `label` (`Progress`,
+        which hands each step on to `listener`); the job and the future of its generations."""
         if self.draining:
             raise draining()
         opts = req.branchwise or BranchwiseOptions()
         share = opts.share or self.share
+        progress = Progress(label, len(prompt), req.n, self.progress_every_s, listener)
         job = Job(prompt=prompt, n=req.n, params=req.decode_params(max_tokens), share=share)
-        return job, Progress(label, len(prompt), req.n, self.progress_every_s)
+        job.on_step = progress.on_step
+        work = asyncio.ensure_future(self.scheduler.submit_async(job))
+        work.add_done_callback(progress.ended)
+        return job, work
 
     async def decode(
         self,
@@ -227,10 +239,7 @@ class Server:
     ) -> list[Generation]:
         """Queue the request's ``n`` samples and wait for them, or for the client to go away
         (`rid`: the reply's id, which its log lines name)."""
-        job, progress = self._job(req, prompt, max_tokens, f"{request.url.path} {rid}")
-        job.on_step = progress.on_step
-        work = asyncio.ensure_future(self.scheduler.submit_async(job))
-        work.add_done_callback(progress.ended)
+        _, work = self._submit(req, prompt, max_tokens, f"{request.url.path} {rid}")
         await until(work, request, self.drop)
         return outcome(work, req.constraint_field)
 
@@ -247,13 +256,9 @@ class Server:
         Waiting for them before answering keeps errors found on the way (a full queue, a prompt the
         backend refuses) proper HTTP errors instead of failures inside a 200 stream.
         """
-        job, progress = self._job(req, prompt, max_tokens, f"{request.url.path} {rid} (streamed)")
         feed = StepFeed(asyncio.get_running_loop())
-        progress.listener = feed.push
-        job.on_step = progress.on_step
-        work = asyncio.ensure_future(self.scheduler.submit_async(job))
+        job, work = self._submit(req, prompt, max_tokens, f"{request.url.path} {rid} (streamed)", feed.push)
         work.add_done_callback(lambda _: feed.wake())
-        work.add_done_callback(progress.ended)
         ready = asyncio.ensure_future(feed.wait())
         try:
             await until(ready, request, self.drop, cancel=work)

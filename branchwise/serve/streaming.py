@@ -31,7 +31,7 @@ from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFu
 from branchwise.backends.text import TextStream
 from branchwise.constraints import ConstraintError
 from branchwise.serve.errors import ClientGone, RequestError, draining
-from branchwise.serve.replies import Chunks, usage
+from branchwise.serve.replies import Chunks, reply_notes, usage
 
 __all__ = ["StepFeed", "Stream", "chunks", "outcome", "sse", "until", "watch"]
 
@@ -238,7 +238,10 @@ async def chunks(
     prompt_tokens: int,
     include_usage: bool,
 ) -> AsyncIterator[dict[str, Any]]:
-    """OpenAI's chunks of a streamed reply (chat or text: `readers` say which), then the usage."""
+    """OpenAI's chunks of a streamed reply (chat or text: `readers` say which), then the usage.
+
+    The chunk that ends the last choice carries the reply's notes (``branchwise.notes``, as a whole
+    reply does: decode steps that left the fast step), so a streaming caller is told too."""
 
     def chunk(i: int, payload: dict[str, Any]) -> dict[str, Any]:
         return {**base, "choices": [{"index": i, **payload}]}
@@ -246,14 +249,18 @@ async def chunks(
     for i, reader in enumerate(readers):
         for payload in reader.start():
             yield chunk(i, payload)
-    used = 0
+    ended: list[Generation] = []
     async for i, text, g in stream.choices(backend):
         cut = g is not None and g.finish_reason == "length"
         for payload in readers[i].push(text, end=g is not None, cut=cut):
             yield chunk(i, payload)
         if g is not None:
-            used += len(g.token_ids)
-            yield chunk(i, readers[i].finish(g))
+            ended.append(g)
+            last = chunk(i, readers[i].finish(g))
+            if len(ended) == len(readers) and (notes := reply_notes(ended)):
+                last["branchwise"] = {"notes": notes}
+            yield last
+    used = sum(len(g.token_ids) for g in ended)
     if include_usage:
         yield {**base, "choices": [], "usage": usage(prompt_tokens, used)}
 

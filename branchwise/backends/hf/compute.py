@@ -10,11 +10,19 @@ and leave at step boundaries) and capture the rows' KV back into their nodes.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from branchwise.backends.base import Admit, DecodeParams, Generation, KVBudgetExceeded, KVStats, StepListener
+from branchwise.backends.base import (
+    Admit,
+    DecodeParams,
+    DecodeStep,
+    Generation,
+    KVBudgetExceeded,
+    KVStats,
+    StepListener,
+)
 from branchwise.backends.compute_thread import COMPUTE
 from branchwise.backends.hf.batch import Batch, Row
 from branchwise.backends.hf.decode import DecodeRun, decode
@@ -281,11 +289,27 @@ class Computation:
             self._batch(segs, None, observers)
             return []
         before = dict(self.stats.extra)
+        if on_step is not None:
+            on_step = self._noting(on_step, before)
         gens, waits = self._decode(segs, params, observers, on_step, admit, constraints, row_params)
         notes = step_notes(off_fast_delta(before, self.stats.extra)) + waits
         for g in gens:  # said once per reply, on every front (`Generation.notes`)
             g.notes = list(notes)
         return gens
+
+    def _noting(self, on_step: StepListener, before: dict[str, float]) -> StepListener:
+        """`on_step`, with each row that ends given the notes of the steps so far (the call's
+        whole notes replace them when it returns): a streamed reply ends before its decode call
+        does, and its last chunk says what a whole reply would."""
+
+        def told(step: DecodeStep) -> Collection[int] | None:
+            if step.finished:
+                notes = step_notes(off_fast_delta(before, self.stats.extra))
+                for g in step.finished.values():
+                    g.notes = list(notes)
+            return on_step(step)
+
+        return told
 
     def _decode(
         self,

@@ -174,9 +174,26 @@ def missing() -> str | None:
         return f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)"
     from torch.utils import cpp_extension
 
+    _put_packaged_ninja_on_path()
     if not cpp_extension.is_ninja_available():
         return "torch builds extensions with ninja, which is not installed"
     return None
+
+
+def _put_packaged_ninja_on_path() -> None:
+    """Append the `ninja` package's binary folder to this process's PATH when no ninja is on it.
+
+    Why: torch runs `ninja` from PATH, and the package (a dependency) installs it beside the
+    environment's Python, which is not on PATH when a script is run by the environment's full path
+    without activating it; without this such a machine would keep its KV in tails."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    if ninja.BIN_DIR:
+        os.environ["PATH"] = os.pathsep.join(filter(None, [os.environ.get("PATH", ""), ninja.BIN_DIR]))
 
 
 def _build() -> BuildInfo:

@@ -10,7 +10,9 @@ counters must account for every step that was not the fast one.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -165,8 +167,20 @@ def test_each_fallback_reason_is_counted_and_said(backend: HFBackend) -> None:
     _said(stats, gens, Accel())
 
 
+def _streamed_notes(events: str) -> dict[str, Any]:
+    """The one chunk of a streamed reply that carries ``branchwise`` (an empty dict if none does),
+    after checking that no other chunk does."""
+    chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+    said = [c for c in chunks if "branchwise" in c]
+    assert len(said) <= 1 and all("error" not in c for c in chunks), chunks
+    if said:
+        assert said[0]["choices"][0]["finish_reason"] is not None, said  # on the last choice's end
+    return said[0] if said else {}
+
+
 def test_every_front_says_it_once(backend: HFBackend) -> None:
-    """Plain `/v1/chat/completions` and `/v1/completions` replies (`branchwise.notes`), LangChain's
+    """Plain `/v1/chat/completions` and `/v1/completions` replies, whole and streamed (`branchwise.notes`;
+    streamed, on the chunk that ends the last choice), LangChain's
     response metadata and DSPy's history carry the note of steps that left the fast step (here:
     the layer loop's baseline), once; a reply whose steps were all fast carries none."""
     httpx = pytest.importorskip("httpx")
@@ -188,7 +202,14 @@ def test_every_front_says_it_once(backend: HFBackend) -> None:
                     f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "n": 2}
                 )
                 text = httpx.post(f"{url}/v1/completions", json={"prompt": "12 + 7 =", "max_tokens": 6})
-                for reply in (chat.json(), text.json()):
+                streamed = [
+                    httpx.post(f"{url}{route}", json={**body, "max_tokens": 6, "n": 2, "stream": True})
+                    for route, body in (
+                        ("/v1/chat/completions", {"messages": msgs}),
+                        ("/v1/completions", {"prompt": "12 + 7 ="}),
+                    )
+                ]
+                for reply in (chat.json(), text.json(), *(_streamed_notes(r.text) for r in streamed)):
                     notes = reply.get("branchwise", {}).get("notes", [])
                     assert said(notes) if mode == "layers" else notes == [], reply
         backend.decode_step = "layers"

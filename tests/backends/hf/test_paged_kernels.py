@@ -10,6 +10,7 @@ build is cached under `$BRANCHWISE_CACHE_DIR/extensions`, so only a machine's fi
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,21 @@ def test_no_compiler_gives_a_reason(fresh: pytest.MonkeyPatch) -> None:
     q, k_pool, v_pool, table, lens = make_case([4])
     with pytest.raises(PagedKernelUnavailable, match="no C\\+\\+ compiler"):
         paged_decode(q, k_pool, v_pool, table, lens, 0.125)
+
+
+def test_ninja_from_the_package_when_none_is_on_path(fresh: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A process whose PATH has a compiler but no ninja (an environment run without activating it)
+    finds the ninja the `ninja` dependency installed, so its KV can still live in pages."""
+    ninja = pytest.importorskip("ninja")
+    compiler = shutil.which(paged_kernels._compiler())
+    if compiler is None:
+        pytest.skip("no C++ compiler on this machine")
+    (tmp_path / "c++").symlink_to(compiler)
+    fresh.setenv("CXX", "c++")
+    fresh.setenv("PATH", str(tmp_path))
+    assert shutil.which("ninja") is None
+    assert paged_kernels.missing() is None
+    assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
 
 
 def test_a_failed_build_gives_its_error_as_the_reason(fresh: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -26,9 +26,12 @@ Arms (`share="none"` for dense, "exact" for the others):
   acceleration the composition rules (`Accel`'s exclusions) let run with SkipKV (loose): River,
   ASKS and CGEE (the last two have nothing to act on in this workload and say so in `notes`).
 
-Every arm decodes on the layer loop by default (`--decode-step`): the accelerations cannot take the
-fixed-shape step, so giving it to dense and exact only would time two decode paths, not the methods;
-likewise every arm prefills whole prompts (`--prefill-chunk 0`), as accelerated runs always do.
+Every arm decodes on the step a user of it gets (`--decode-step auto`: the fixed-shape step, where
+every acceleration now runs; `layers` puts every arm on the layer loop, the baseline, and the
+counters' `decode_steps_layer_loop` / `decode_steps_off_fast` say where each arm's steps ran); every
+arm prefills whole prompts (`--prefill-chunk 0`), as accelerated runs always do. Every arm keeps its
+rows' KV in tails, the layout RSBCM and ReasonCache need (`kv_admission.py` compares layouts), so
+the arms differ by their methods only.
 
 Protocol: one warm-up per arm outside the timings (plug-in builds: River's quantized layers); then
 `--repeats` rounds, each running every arm once, in an order rotated per round (so no arm always
@@ -449,10 +452,8 @@ def add_arm_options(
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every arm, order rotated per round")
     add_decode_step_option(
         parser,
-        default="layers",
-        why=". Accelerated arms run the layer loop whatever this is, so the default puts dense and exact on "
-        "it too and the ratios compare the methods, not two decode paths; 'auto' times what a user of each "
-        "arm gets",
+        why=". Every acceleration decodes on the fixed-shape step; 'layers' puts every arm on the layer loop "
+        "(the baseline it replaced)",
     )
 
 

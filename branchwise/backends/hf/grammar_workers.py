@@ -190,6 +190,12 @@ class Lane:
             try:
                 job()  # jobs settle their own futures and never raise (`Grammars` wraps them)
             finally:
+                # what the job holds (its closure's tensors) goes now, before exit may stop waiting
+                # for it: kept until the next `get`, it was freed on this daemon thread while the
+                # interpreter finalised, and torch's tensor destructor, unable to take the
+                # interpreter lock there, aborted the process ("terminate called without an
+                # active exception")
+                del job
                 with self._lock:
                     self._busy.discard(me)
                     abandoned = me in self._stuck

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -339,6 +340,28 @@ def test_exit_waits_for_a_job_that_another_lanes_job_queued() -> None:
     assert finished.is_set()
     first.close()
     second.close()
+
+
+def test_exit_stops_waiting_only_once_a_job_and_what_it_holds_are_gone() -> None:
+    """What a job's closure holds (tensors: a grammar's bitmask) is freed before exit stops waiting
+    for the job: a lane thread that kept its last job until its next `get` freed it while the
+    interpreter finalised, and torch's destructor aborted the process there (exit status 134)."""
+
+    class Held:
+        """Stands for what a job captures."""
+
+    lane = Lane("exit-release", 1)
+    held = Held()
+    released = weakref.ref(held)
+
+    def job(held: Held = held) -> None:
+        assert isinstance(held, Held)
+
+    lane.submit(job)
+    del job, held
+    assert grammar_workers._PENDING.wait_none(time.monotonic() + 30)
+    assert released() is None, "exit would stop waiting while the lane's thread still holds the job"
+    lane.close()
 
 
 def test_a_thread_a_closed_lane_starts_ends_after_its_job() -> None:

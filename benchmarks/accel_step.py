@@ -21,8 +21,8 @@ arm):
 Each workload runs `--repeats` rounds, plain then accelerated in odd rounds and the other way in
 even ones, the same seed in both arms of a round. Per arm: generated tokens per second of wall time
 (the median of the rounds, and each round's), its ratio to plain, where its decode steps ran, the
-acceleration's own counters, agreement with plain (River: its greedy tokens, position by position;
-the others: the answer), and the run's notes.
+acceleration's own counters, agreement of its answers with plain's, and the run's notes; for River
+also its next-token agreement with the backbone (an untimed run with its audit on).
 """
 
 from __future__ import annotations
@@ -117,15 +117,22 @@ def arm_row(
         row["answer_agreement"] = round(
             statistics.fmean(float(r.answer == p.answer) for (_, r), p in zip(runs, plain, strict=True)), 3
         )
-        if name == "river":
-            pairs = [
-                (a, b)
-                for (_, r), p in zip(runs, plain, strict=True)
-                for a, b in zip(generated(r), generated(p), strict=True)
-            ]
-            same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=False))
-            row["token_agreement"] = round(same / max(1, sum(len(b) for _, b in pairs)), 3)
     return row
+
+
+def river_audit(bench: Bench, strategy: Strategy, question: str) -> dict[str, Any]:
+    """River's next-token agreement (its paper's measure), from an untimed run with its audit on:
+    each exited token's river logits against the backbone's own on the same prefix. (Whole greedy
+    sequences drift apart after one flipped token, so position-by-position agreement of two runs
+    says little about the exit.)"""
+    _, result = run_once(bench, strategy, Accel(river=RiverConfig(audit=True)), question)
+    stats = result.kv_stats
+    rows = stats.get("river_audit_rows", 0.0)
+    return {
+        "exited_tokens": int(rows),
+        "next_token_match": round(stats["river_audit_matches"] / rows, 4) if rows else None,
+        "kl": round(stats["river_audit_kl_sum"] / rows, 5) if rows else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
             if rows["plain"]["tokens_per_s"]
             else None
         )
+        if name == "river":
+            rows[name]["audit"] = river_audit(bench, strategy_of(args.seed), question)
         results[name] = {
             **rows,
             "speedup_vs_plain": round(ratio, 3) if ratio is not None else None,

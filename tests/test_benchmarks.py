@@ -368,6 +368,32 @@ def test_dspy_serve_quick() -> None:
     assert row["seconds"]["median"] == row["seconds"]["values"][0] > 0
 
 
+@pytest.mark.slow
+def test_accel_step_quick() -> None:
+    """Each acceleration runs its workload beside the plain fast step: no decode step of either arm
+    leaves the fixed-shape step, each ratio is the quotient of the arms' medians, and each
+    acceleration's counters show it acted (River exits, SkipKV evicts at its budget)."""
+    out = run_quick(
+        "accel_step.py", "--long-tokens", "24", "--branch-tokens", "24", "--n", "2", "--skipkv-budget", "8",
+        "--skipkv-interval", "4", "--width", "2", "--step-tokens", "8",
+    )  # fmt: skip
+    assert set(out["workloads"]) == {"river", "skipkv", "rsbcm", "reasoncache"}
+    for name, work in out["workloads"].items():
+        plain, accel = work["plain"], work[name]
+        for row in (plain, accel):
+            assert row["tokens_per_s"] == statistics.median(row["rounds"]) > 0
+            assert row["steps"]["decode_steps_fixed"] > 0 and row["off_fast_by"] == {}
+            assert "decode_steps_layer_loop" not in row["steps"]
+        assert work["layer_loop_steps"] == 0 and out["goals"]["no step on the layer loop"][name]
+        assert work["speedup_vs_plain"] == ratio(accel["tokens_per_s"], plain["tokens_per_s"])
+        assert out["goals"]["every acceleration >= 1.0x plain"][name] == (work["speedup_vs_plain"] >= 1.0)
+        assert 0.0 <= accel["answer_agreement"] <= 1.0
+    assert out["workloads"]["river"]["river"]["counters"]["river_forwards"] > 0
+    audit = out["workloads"]["river"]["river"]["audit"]
+    assert audit["exited_tokens"] == 0 or 0.0 <= audit["next_token_match"] <= 1.0
+    assert out["workloads"]["skipkv"]["skipkv"]["counters"]["skipkv_evicted_tokens"] > 0
+
+
 def test_kv_admission_quick() -> None:
     """Both layouts run each workload under one budget and stay within it; every ratio is the
     quotient of the two layouts' medians; the branches' lengths and the rows at once are read."""

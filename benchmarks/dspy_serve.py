@@ -5,6 +5,9 @@ What a user does: ``dspy.LM("openai/<served name>", api_base=<serve>/v1, max_tok
 `dspy.ReAct("question -> answer", tools=[add])`, with DSPy's defaults (its `ChatAdapter`, falling
 back to its `JSONAdapter`; ReAct's 20 iterations). The server runs in this process on the backend
 (`serve_in_thread`), with its DSPy field format on, or off with `--no-dspy-fields` (the before).
+`--adapter lenient` changes one line of the program's setup, ``dspy.configure(adapter=
+LenientChatAdapter())`` (branchwise's adapter, which works with any LM): it ends a ReAct loop at a
+repeated identical tool call, which the server cannot see (it answers single requests).
 
 Per program: `parsed` (runs that returned a prediction) of `runs`, the seconds of each run and
 their median, the error of each run that raised, and for ReAct the tool calls each run made.
@@ -51,6 +54,12 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=256, help="dspy.LM's max_tokens")
     parser.add_argument("--no-dspy-fields", action="store_true", help="serve with its DSPy field format off")
+    parser.add_argument(
+        "--adapter",
+        choices=["default", "lenient"],
+        default="default",
+        help="DSPy's default adapter, or branchwise's LenientChatAdapter (dspy.configure(adapter=...))",
+    )
     args = parser.parse_args()
     if not 1 <= args.runs <= len(QUESTIONS):
         parser.error(f"--runs={args.runs}: between 1 and {len(QUESTIONS)}")
@@ -63,6 +72,11 @@ def main() -> None:
     bench = start("dspy_serve", args, cache_bytes=DEFAULT_CACHE_BYTES)  # a server's default
     app = create_app(bench.backend, model_name="served", dspy_fields=not args.no_dspy_fields)
     results: dict[str, Any] = {}
+    adapter = None
+    if args.adapter == "lenient":
+        from branchwise.integrations.dspy import LenientChatAdapter
+
+        adapter = LenientChatAdapter()
     with serve_in_thread(app) as url:
         lm = dspy.LM(
             "openai/served", api_base=f"{url}/v1", api_key="unused", max_tokens=args.max_tokens,
@@ -79,7 +93,7 @@ def main() -> None:
                 bench.log(f"{name}: {question}")
                 t = time.perf_counter()
                 try:
-                    with dspy.context(lm=lm):
+                    with dspy.context(lm=lm, adapter=adapter):
                         prediction = program(question=question)
                     errors.append(None)
                     if name == "ReAct":

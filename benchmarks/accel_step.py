@@ -32,7 +32,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from _common import Bench, BenchParser, add_decode_step_option, load_problems, start, step_description, sync
+from _common import (
+    Bench,
+    BenchParser,
+    add_decode_step_option,
+    load_problems,
+    settle,
+    start,
+    step_description,
+    sync,
+)
 
 from branchwise.backends.accel import Accel, ReasonCacheConfig, RiverConfig, RSBCMConfig, SkipKVConfig
 from branchwise.reasoners import Reasoner, ReasoningResult
@@ -63,7 +72,7 @@ def workloads(args: Any) -> dict[str, tuple[Callable[[int], Strategy], Accel]]:
     return {
         "river": (
             lambda seed: self_consistency(n=1, temperature=0.0, max_tokens=args.long_tokens, seed=seed),
-            Accel(river=RiverConfig()),
+            Accel(river=RiverConfig(threshold=args.river_threshold)),
         ),
         "skipkv": (sc, Accel(skipkv=SkipKVConfig(budget=args.skipkv_budget, interval=args.skipkv_interval))),
         "rsbcm": (sc, Accel(rsbcm=RSBCMConfig())),
@@ -120,12 +129,12 @@ def arm_row(
     return row
 
 
-def river_audit(bench: Bench, strategy: Strategy, question: str) -> dict[str, Any]:
+def river_audit(bench: Bench, strategy: Strategy, river: RiverConfig, question: str) -> dict[str, Any]:
     """River's next-token agreement (its paper's measure), from an untimed run with its audit on:
     each exited token's river logits against the backbone's own on the same prefix. (Whole greedy
     sequences drift apart after one flipped token, so position-by-position agreement of two runs
     says little about the exit.)"""
-    _, result = run_once(bench, strategy, Accel(river=RiverConfig(audit=True)), question)
+    _, result = run_once(bench, strategy, Accel(river=river.model_copy(update={"audit": True})), question)
     stats = result.kv_stats
     rows = stats.get("river_audit_rows", 0.0)
     return {
@@ -144,6 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", default="basic_arithmetic", help="the reasoning-gym task of the question")
     parser.add_argument("--seed", type=int, default=0, help="the question's and the first round's seed")
     parser.add_argument("--long-tokens", type=int, default=256, help="River's greedy answer, tokens at most")
+    parser.add_argument(
+        "--river-threshold",
+        type=float,
+        default=RiverConfig().threshold,
+        help="River's exit threshold (-1: every token exits at the entry layer, River's best case: what "
+        "random weights, whose similarities mean nothing, can show)",
+    )
     parser.add_argument("--n", type=int, default=8, help="self-consistency branches (SkipKV, RSBCM)")
     parser.add_argument("--branch-tokens", type=int, default=256, help="tokens per branch at most")
     parser.add_argument(
@@ -172,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         warm = {"plain": Accel(), name: accel}
         for arm in warm.values():  # warm-up outside the timings: plug-in builds, first-call work
             run_once(bench, strategy_of(args.seed), arm, question)
+        settle(bench.backend)  # where steps compile, the timed ones are compiled
         runs: dict[str, list[tuple[float, ReasoningResult]]] = {arm: [] for arm in warm}
         for rnd in range(args.repeats):
             order = list(warm) if rnd % 2 == 0 else list(reversed(warm))
@@ -186,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
             else None
         )
         if name == "river":
-            rows[name]["audit"] = river_audit(bench, strategy_of(args.seed), question)
+            assert accel.river is not None
+            rows[name]["audit"] = river_audit(bench, strategy_of(args.seed), accel.river, question)
         results[name] = {
             **rows,
             "speedup_vs_plain": round(ratio, 3) if ratio is not None else None,

@@ -30,6 +30,10 @@
 #                   width 16, 3 steps of 32 tokens) at 0.4 of one step's rows under exact sharing, every
 #                   arm once (dense's leaves go over the budget: it decodes a row at a time); about 4-5
 #                   minutes, on its own too: --stages checkpoints,kv_budget_search
+#   accel_step      accel_step.py on the 1.2B Llama: River (its exits forced: threshold -1, since random
+#                   weights give no meaningful similarity), SkipKV, RSBCM and ReasonCache each against
+#                   the plain step compiled and captured, where every decode step ran; not timed on a
+#                   GPU yet, so on its own: --stages checkpoints,accel_step
 # The benchmarks come first: they are what the check is for, and what a cut-short run should keep.
 # Results: OUT_DIR/results.jsonl (one line per benchmark run, run_all.py's format), OUT_DIR/summary.md
 # (the headline table and each stage's status and seconds). Measured on an H100: checkpoints 18 s,
@@ -64,7 +68,7 @@ usage() {
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
-ALL_STAGES="checkpoints,decode,prefix_sharing,paged_attention,gpu_tests,cuda_suite,kv_budget,kv_budget_search"
+ALL_STAGES="checkpoints,decode,prefix_sharing,paged_attention,gpu_tests,cuda_suite,kv_budget,kv_budget_search,accel_step"
 DEFAULT_STAGES="checkpoints,decode,prefix_sharing,paged_attention,gpu_tests,cuda_suite"  # the KV-budget stages: on their own
 OUT="" SOURCE="" WHEELS="" STAGES="$DEFAULT_STAGES" DRY_RUN=0 BUDGET=570
 while (($#)); do
@@ -121,6 +125,7 @@ PLAN=(
     "cuda_suite|180|$PY -m pytest tests/backends tests/test_reasoner.py tests/test_search.py -m 'not slow' --backend-device cuda -q -p no:cacheprovider$XDIST"
     "kv_budget|420|$BENCH --only kv_budget-gpu"
     "kv_budget_search|300|$BENCH --only kv_budget_search-gpu"
+    "accel_step|360|$BENCH --only accel_step-gpu"
 )
 
 selected() { [[ ",$STAGES," == *",$1,"* ]]; }

@@ -24,7 +24,8 @@ and by FlexAttention); hours on a CPU. `gpu-check`: the runs of `gpu_check.sh` (
 cache; `kv_budget-gpu`, throughput of every KV-saving arm at a budget of a quarter of what exact
 sharing needs; `kv_budget_search-gpu`, the same arms on a beam search; `paged_attention-gpu`, the
 decode attention over the step's tails against a paged pool, gathered or read by FlashInfer, without
-the FlexAttention arm, whose compilation per batch size the stage's minute cannot afford), sized to finish in minutes
+the FlexAttention arm, whose compilation per batch size the stage's minute cannot afford;
+`accel_step-gpu`, each acceleration against the plain captured step, River's exits forced), sized to finish in minutes
 on one H100/H200 with `--model` the random ~1.2B Llama of `random_checkpoint.py`.
 """
 
@@ -78,6 +79,7 @@ SCRIPTS = [
     "kv_layout",
     "kv_admission",
     "compile_ahead",
+    "accel_step",
 ]
 
 PROFILES: dict[str, list[Run]] = {
@@ -114,6 +116,7 @@ PROFILES: dict[str, list[Run]] = {
         Run("kv_layout-ragged", "kv_layout", ["--ragged", "on", "--batch", "8", "32"]),
         Run("kv_admission", "kv_admission"),
         Run("compile_ahead", "compile_ahead"),
+        Run("accel_step", "accel_step"),
     ],
     "gpu-check": [
         Run(
@@ -129,6 +132,10 @@ PROFILES: dict[str, list[Run]] = {
         ),
         Run("kv_budget-gpu", "kv_budget", ["--max-tokens", "96", "--repeats", "2"]),
         Run("kv_budget_search-gpu", "kv_budget_search", ["--questions", "4", "--repeats", "1"]),
+        # random weights: River's exits forced (threshold -1: every token leaves at its entry layer,
+        # River's best case), ReasonCache finds nothing similar; each acceleration's cost on the
+        # captured step is what this measures
+        Run("accel_step-gpu", "accel_step", ["--river-threshold", "-1", "--repeats", "1"]),
         Run(
             "paged_attention-gpu",
             "paged_attention",
@@ -251,6 +258,12 @@ HEADLINES: dict[str, list[str]] = {
         "*.rows.*.compiled_vs_eager",
         "*.preload_s",
         "*.ready_s",
+    ],
+    "accel_step": [
+        "workloads.*.speedup_vs_plain",
+        "workloads.*.layer_loop_steps",
+        "workloads.river.river.audit.next_token_match",
+        "decode_step",
     ],
     "paged_admission": [
         "workloads.*.*.paged_vs_tails.tokens_per_step",

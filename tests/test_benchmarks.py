@@ -809,7 +809,9 @@ def test_run_all_table_and_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 
 def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """`gpu-check` runs decode at B = 1/8/64, the self-consistency prefix shape at 8 and 64
-    branches, the KV-budget arms (self-consistency and beam search) and the paged-pool attention, each given the `--model` that `gpu_check.sh` builds."""
+    branches, the KV-budget arms (self-consistency and beam search), each acceleration against the
+    plain step (River's exits forced) and the paged-pool attention, each given the `--model` that
+    `gpu_check.sh` builds."""
     run_all = _script(monkeypatch, "run_all")
     calls: list[list[str]] = []
 
@@ -826,8 +828,10 @@ def test_run_all_gpu_check_profile_passes_the_model(monkeypatch: pytest.MonkeyPa
         "prefix_sharing.py",
         "kv_budget.py",
         "kv_budget_search.py",
+        "accel_step.py",
         "paged_attention.py",
     ]
+    assert calls[5][2:6] == ["--river-threshold", "-1", "--repeats", "1"]
     assert calls[2][2:10] == ["--prefix", "1024", "--tokens", "64", "--branches", "64", "--repeats", "2"]
     assert all(c[-2:] == ["--model", "/m 1b"] for c in calls)
     assert calls[0][2:8] == ["--batches", "1", "8", "64", "--tokens", "64"]
@@ -861,6 +865,9 @@ def test_gpu_check_script_plans_its_stages_and_refuses_without_cuda(tmp_path: Pa
     search = _gpu_check(str(tmp_path / "out"), "--dry-run", "--stages", "kv_budget_search", cwd=tmp_path)
     assert [line.split()[0] for line in search.stdout.splitlines()[1:]] == ["kv_budget_search"]
     assert "--only kv_budget_search-gpu" in search.stdout
+    accel = _gpu_check(str(tmp_path / "out"), "--dry-run", "--stages", "accel_step", cwd=tmp_path)
+    assert [line.split()[0] for line in accel.stdout.splitlines()[1:]] == ["accel_step"]
+    assert "--only accel_step-gpu" in accel.stdout
     assert all("(timeout " in line for line in lines[1:])
     assert "random_checkpoint.py build --llama-1b" in plan.stdout and "out\\ dir" in plan.stdout
     assert "--profile gpu-check --device cuda --dtype bfloat16" in plan.stdout

@@ -151,8 +151,25 @@ def build_ahead() -> None:
     with _builder_lock:
         if _tried or _builder is not None:
             return
-        _builder = threading.Thread(target=build, name="branchwise-paged-build")
+        # daemon=False said outright: a thread inherits its starter's flag, and the starter is often
+        # the (daemon) compute thread, whose builder was then cut off at exit every time, so that
+        # on a fresh machine each short run built the kernel anew and read a copy meanwhile
+        _builder = threading.Thread(target=build, name="branchwise-paged-build", daemon=False)
         _builder.start()
+        # said before the interpreter waits for it (the hook runs before non-daemon threads are
+        # joined): a process that ends mid-build otherwise sits silent for seconds at exit
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(_say_exit_wait)
+
+
+def _say_exit_wait() -> None:
+    """At exit, while the build still runs: say that the process waits for it, and why."""
+    if _builder is not None and _builder.is_alive():
+        log.warning(
+            "finishing the paged decode kernel's build before exiting (once per machine, then cached: "
+            "the next process reads pages in place)"
+        )
 
 
 def ready_now() -> str | None:

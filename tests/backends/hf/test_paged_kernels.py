@@ -11,6 +11,7 @@ build is cached under `$BRANCHWISE_CACHE_DIR/extensions`, so only a machine's fi
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -196,6 +197,30 @@ def test_no_compiler_gives_a_reason(fresh: pytest.MonkeyPatch) -> None:
     q, k_pool, v_pool, table, lens = make_case([4])
     with pytest.raises(PagedKernelUnavailable, match="no C\\+\\+ compiler"):
         paged_decode(q, k_pool, v_pool, table, lens, 0.125)
+
+
+def test_the_build_outlives_a_daemon_starter_and_says_so_at_exit(
+    fresh: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The builder is started from the (daemon) compute thread, and a thread inherits its starter's
+    flag: it must be no daemon all the same, or exit cuts the build short every time (each short
+    run on a fresh machine built anew and read a copy). While it runs at exit, the wait is said."""
+    release = threading.Event()
+    fresh.setattr(paged_kernels, "_builder", None)
+    fresh.setattr(paged_kernels, "build", lambda: release.wait(30))
+    starter = threading.Thread(target=paged_kernels.build_ahead, daemon=True)
+    starter.start()
+    starter.join(10)
+    builder = paged_kernels._builder
+    assert builder is not None and builder.is_alive() and not builder.daemon
+    with caplog.at_level("WARNING", logger=paged_kernels.__name__):
+        paged_kernels._say_exit_wait()
+    assert "finishing the paged decode kernel's build before exiting" in caplog.text
+    release.set()
+    builder.join(10)
+    caplog.clear()
+    paged_kernels._say_exit_wait()
+    assert not caplog.text  # once built, exit says nothing
 
 
 def test_ninja_from_the_package_when_none_is_on_path(fresh: pytest.MonkeyPatch, tmp_path: Path) -> None:

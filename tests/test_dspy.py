@@ -172,7 +172,7 @@ class FakeBackend(testkit.FakeBackend):
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(map(str, ids))
 
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
         with self.lock:
             self.extends.append(len(nodes))
             self.params.append(params)
@@ -603,7 +603,7 @@ class ScriptedBackend(FakeBackend):
         kids = [self.prefill([key]) for _ in range(n)]
         return kids
 
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
         with self.lock:
             self.extends.append(len(nodes))
             self.params.append(params)

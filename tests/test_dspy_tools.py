@@ -97,7 +97,7 @@ class ScriptedBackend(FakeBackend):
     def decode(self, ids: Sequence[int]) -> str:
         return " ".join(map(str, ids))
 
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
         with self.lock:
             self.params.append(params)
         return [Generation(n, [7, 8], self.text, [0.9] * 2, [-0.1] * 2, "eos") for n in nodes]

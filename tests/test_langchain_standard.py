@@ -108,7 +108,7 @@ class EchoBackend(FakeBackend):
     ) -> list[int]:
         return [ord(c) for c in messages[-1]["content"]][:32] or [32]
 
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
         return [self.generation(n, self.decode(self.prompts[n][: params.max_tokens])) for n in nodes]
 
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from testkit import FakeBackend
 
-from branchwise.backends.base import DecodeParams, DecodeStep, Generation
+from branchwise.backends.base import DecodeParams, DecodeStep, Generation, SupportsAdmission
 from branchwise.backends.scheduler import Cancelled, InvalidPrompt, Job, QueueFull, Scheduler
 
 GREEDY = DecodeParams(max_tokens=4)
@@ -37,7 +38,7 @@ class RecordingBackend(FakeBackend):
     def reply(self, prompt: list[int]) -> str:
         return str(len(prompt))
 
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
         self.in_extend.set()
         assert self.gate.wait(30)
         return super().extend(nodes, params)
@@ -217,6 +218,23 @@ def test_a_request_queued_mid_decode_joins_it_and_decodes_as_it_would_alone(tiny
     assert late[0].batch_requests == 2 and late[0].batch_rows == 4
 
 
+def test_continuous_batching_is_declared_not_read_from_a_signature(tiny_backend) -> None:
+    """A backend says whether its decode takes rows in (`SupportsAdmission.admits_rows`): the
+    local backend does, a backend that never says does not whatever its `extend` takes, and a run's
+    view through another scheduler (which forwards every other attribute, the declaration
+    included, but not `admit`) says it does not, so a scheduler over it decodes without `admit`."""
+    assert isinstance(tiny_backend, SupportsAdmission) and tiny_backend.admits_rows
+    assert not isinstance(RecordingBackend(), SupportsAdmission)
+    outer = Scheduler(tiny_backend, window_s=0.0)
+    view = outer.view(tiny_backend)
+    inner = Scheduler(view, window_s=0.0)
+    assert outer.admits and not inner.admits
+    gens = inner.enqueue(Job(tiny_backend.encode("What is 12 + 7?"), 2, DecodeParams(max_tokens=3))).result()
+    assert len(gens) == 2 and all(g.token_ids for g in gens)
+    inner.close(5)
+    outer.close(5)
+
+
 def test_continuous_false_waits_for_the_batch_to_end(tiny_backend) -> None:
     assert Scheduler(tiny_backend).admits and not Scheduler(RecordingBackend()).admits  # no `admit`
     sched = Scheduler(tiny_backend, window_s=0.0, continuous=False)
@@ -253,11 +271,12 @@ class ReleaseLog:
         params: DecodeParams,
         on_step: object = None,
         admit: object = None,
+        row_params: object = None,
     ) -> list[Generation]:
         self.first = self.first or list(nodes)
         self.decoding = True
         try:
-            return self.inner.extend(nodes, params, on_step, admit)
+            return self.inner.extend(nodes, params, on_step, admit, row_params=row_params)
         finally:
             self.decoding = False
 

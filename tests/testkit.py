@@ -124,7 +124,7 @@ class FakeBackend:
         """The text a row whose prompt is `prompt` decodes (default: the prompt, echoed)."""
         return self.decode(prompt)
 
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
         with self.lock:
             self.extends.append(len(nodes))
             self.params.append(params)
@@ -152,7 +152,7 @@ class GatedBackend(FakeBackend):
     def reply(self, prompt: list[int]) -> str:
         return "A"
 
-    def extend(self, nodes: Sequence[int], params: DecodeParams) -> list[Generation]:
+    def extend(self, nodes: Sequence[int], params: DecodeParams, on_step: Any = None) -> list[Generation]:
         self.in_extend.set()
         assert self.gate.wait(30), "the test never opened the gate"
         return super().extend(nodes, params)

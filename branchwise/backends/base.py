@@ -354,6 +354,28 @@ class SupportsVerifySkip(Protocol):
 
 
 @runtime_checkable
+class SupportsAdmission(Protocol):
+    """A backend whose decode takes rows in while it runs (continuous batching): its `extend` also
+    takes `admit` (called between steps; the nodes it returns join the batch) and `row_params`
+    (each row's own decoding parameters, so requests that asked for different ones share a decode).
+
+    Declared, not read from a signature: `admits_rows` is True on a backend that does this (a
+    wrapper that forwards attributes but not these arguments says False), and a `Scheduler` batches
+    continuously only over one that says so."""
+
+    admits_rows: bool
+
+    def extend(
+        self,
+        nodes: Sequence[NodeId],
+        params: DecodeParams,
+        on_step: StepListener | None = None,
+        admit: Admit | None = None,
+        row_params: Sequence[DecodeParams | None] | None = None,
+    ) -> list[Generation]: ...
+
+
+@runtime_checkable
 class SupportsKVBudget(Protocol):
     """A backend whose KV memory has a budget that a scheduler admits requests within."""
 

@@ -113,6 +113,7 @@ class RemoteBackend:
     """
 
     name = "remote"
+    admits_rows = True  # `SupportsAdmission`: admitted rows go out as streamed requests at once
     max_context: int | None = None
     """Unknown here: the server checks its own context and answers 400 for what does not fit."""
     seeds_per_request = True

@@ -61,7 +61,6 @@ inside one shared decode pass (rows made, steps routed, jobs admitted and answer
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 import time
@@ -80,6 +79,7 @@ from branchwise.backends.base import (
     KVBudgetExceeded,
     KVStats,
     NodeId,
+    SupportsAdmission,
 )
 from branchwise.backends.scheduler_jobs import BatchStats, InvalidPrompt, Job, QueueFull
 from branchwise.backends.scheduler_router import Router, prompt_share
@@ -145,17 +145,18 @@ class Scheduler:
         self._signal = WorkerSignal()
         # the worker is told when this scheduler is freed (it holds no strong reference to it)
         weakref.finalize(self, stop_worker, self._cv, self._signal)
-        self._listens = _extend_takes(backend, "on_step")
-        self._admits = continuous and self._listens and _extend_takes(backend, "admit")
-        self._mixes = self._admits and _extend_takes(backend, "row_params")
-        """Requests with different decoding parameters share a decode (the backend takes each
-        row's own): a long prompt then prefills beside others' decoding, whatever they asked."""
+        self._admitting = (
+            backend if continuous and isinstance(backend, SupportsAdmission) and backend.admits_rows else None
+        )
+        """The backend, where its decode takes rows in while it runs (it says so: `SupportsAdmission`);
+        requests with different decoding parameters then share a decode too (the backend takes
+        each row's own): a long prompt prefills beside others' decoding, whatever they asked."""
 
     @property
     def admits(self) -> bool:
         """Whether requests join a running decode: `continuous` and the backend's `extend` takes
         ``admit`` (a remote backend does not; its batches run one at a time)."""
-        return self._admits
+        return self._admitting is not None
 
     # ------------------------------------------------------------------ callers
     def enqueue(self, job: Job) -> Job:
@@ -395,7 +396,7 @@ class Scheduler:
         try:
             groups: dict[tuple[Any, ...], list[Job]] = {}
             for job in batch:
-                groups.setdefault(job.group_key(self.batch_seeded, self._mixes), []).append(job)
+                groups.setdefault(job.group_key(self.batch_seeded, self.admits), []).append(job)
             for jobs in groups.values():
                 self._run_group(jobs)
         finally:
@@ -415,9 +416,9 @@ class Scheduler:
         router = Router(
             backend,
             self.stats,
-            jobs[0].group_key(self.batch_seeded, self._mixes),
+            jobs[0].group_key(self.batch_seeded, self.admits),
             max_rows=self.max_rows,
-            mixes=self._mixes,
+            mixes=self.admits,
             queued_rows=self.queued_rows,
             take=self._admit,
         )
@@ -429,21 +430,14 @@ class Scheduler:
             if not router.jobs:
                 return
             self.stats.extend_calls += 1
-            params = jobs[0].params  # the call's; with `_mixes` each row also brings its job's own
-            # `Backend.extend` names neither `admit` nor `row_params`: `_extend_takes` checked this one's
-            if self._mixes:
+            params = jobs[0].params  # the call's; admitting, each row also brings its job's own
+            if self._admitting is not None:
                 own = [job.params for job, (a, b) in router.jobs.items() for _ in range(a, b)]
-                gens = backend.extend(  # type: ignore[call-arg]
+                gens = self._admitting.extend(
                     list(router.children), params, on_step=router, admit=router.admit, row_params=own
                 )
-            elif self._admits:
-                gens = backend.extend(  # type: ignore[call-arg]
-                    list(router.children), params, on_step=router, admit=router.admit
-                )
-            elif self._listens:
-                gens = backend.extend(list(router.children), params, on_step=router)
             else:
-                gens = backend.extend(list(router.children), params)
+                gens = backend.extend(list(router.children), params, on_step=router)
             for job, (a, b) in router.jobs.items():
                 if not job.done.is_set():
                     job.generations = gens[a:b]
@@ -478,7 +472,7 @@ class Scheduler:
         with self._cv:
             while self._queue and len(taken) < self.max_requests:
                 job = self._queue[0]
-                if job.n > room or job.group_key(self.batch_seeded, self._mixes) != key:
+                if job.n > room or job.group_key(self.batch_seeded, self.admits) != key:
                     break
                 if kv is not None:
                     cost = self._kv_cost(job)
@@ -490,18 +484,6 @@ class Scheduler:
         return taken
 
 
-def _extend_takes(backend: Backend, name: str) -> bool:
-    """Whether the backend's `extend` takes the argument `name`: ``on_step`` (older backends do not;
-    ``**kwargs`` counts) or ``admit`` (named explicitly: only a backend that admits rows says so)."""
-    try:
-        params = inspect.signature(backend.extend).parameters
-    except (TypeError, ValueError):
-        return False
-    if name in params:
-        return True
-    return name == "on_step" and any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
 MEMORY_POLL_S = 0.05
 """How often a request waiting for KV memory held outside the scheduler looks again."""
 
@@ -509,6 +491,8 @@ MEMORY_POLL_S = 0.05
 class _Through:
     """A run's backend whose `extend` goes through a scheduler (`Scheduler.view`); everything else
     is the run's own. Its `kv_stats` adds the jobs' shares of the batched calls' work."""
+
+    admits_rows = False  # its `extend` takes no `admit` (the run's own backend's may)
 
     def __init__(self, scheduler: Scheduler, backend: Backend) -> None:
         self._scheduler = scheduler

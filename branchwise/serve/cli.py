@@ -16,12 +16,16 @@ import ipaddress
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
 from branchwise.backends.base import check_share
 from branchwise.cli_params import DeviceOption, DtypeOption, EndpointOption, ModelOption, ranged
+
+if TYPE_CHECKING:
+    from branchwise.backends.hf.backend import HFBackend
+    from branchwise.backends.hf.step import StepMode
 
 
 def serve_command(
@@ -214,24 +218,22 @@ def serve_command(
         def build(starting: Starting) -> Any:
             """The real app, stage by stage (`starting.Starting` answers 503 meanwhile)."""
             starting.begin("connecting to the endpoint" if endpoint else "loading the model")
+            local = None  # the local model, whose settings the options set (the servers own theirs)
             if endpoint:
                 backend: Any = cli_backend.remote_backend(endpoint, model)
             else:
-                backend = cli_backend.load_backend(model, device, dtype)
-            if kv_budget is not None and kv_budget != "auto":
-                _set_kv_budget(backend, kv_budget)
-            if hasattr(backend, "grammar_timeout"):
-                backend.grammar_timeout = grammar_timeout
-            if hasattr(backend, "prefill_chunk"):
-                backend.prefill_chunk = prefill_chunk
-                backend.prefill_share = prefill_share
-            if hasattr(backend, "decode_step"):
+                backend = local = cli_backend.load_backend(model, device, dtype)
+                if kv_budget is not None and kv_budget != "auto":
+                    _set_kv_budget(local, kv_budget)
+                local.grammar_timeout = grammar_timeout
+                local.prefill_chunk, local.prefill_share = prefill_chunk, prefill_share
                 try:  # a server lives long: compiled steps pay back their (background) compilation
-                    backend.decode_step = "compiled" if decode_step == "auto" else decode_step
+                    mode = "compiled" if decode_step == "auto" else decode_step
+                    local.decode_step = cast("StepMode", mode)  # the setter checks it
                 except ValueError as err:
                     raise typer.BadParameter(str(err), param_hint="--decode-step") from None
-            if kv_layout is not None and hasattr(backend, "kv_layout"):
-                backend.kv_layout = kv_layout
+                if kv_layout is not None:
+                    local.kv_layout = check_layout(kv_layout)  # (checked before listening: it passes)
             app = create_app(
                 backend,
                 model_name=served_model_name or model,
@@ -253,9 +255,9 @@ def serve_command(
                 strategy_timeout_s=strategy_timeout,
                 dspy_fields=dspy_fields,
             )
-            if hasattr(backend, "warm_up"):  # starts compiling the first kinds of batch, without waiting
+            if local is not None:  # starts compiling the first kinds of batch, without waiting
                 starting.begin("preparing the decode steps (loading compiled ones, warming up)")
-                warmed = backend.warm_up()
+                warmed = local.warm_up()
                 if warmed["compiling"]:
                     logging.getLogger("branchwise.serve").info(
                         "compiling the decode step for %d kinds of batch in a worker process; steps "
@@ -321,10 +323,8 @@ def _host_names(host: str) -> list[str]:
     return []
 
 
-def _set_kv_budget(backend: object, value: str) -> None:
+def _set_kv_budget(backend: HFBackend, value: str) -> None:
     """Hand --kv-budget to the backend, which parses and checks it (bytes, a fraction or 'auto')."""
-    if not hasattr(backend, "kv_budget"):
-        raise typer.BadParameter("this backend has no KV budget to set", param_hint="--kv-budget")
     try:
         backend.kv_budget = value
     except ValueError as err:

@@ -132,7 +132,7 @@ class HFBackend:
     stay its own.
     """
 
-    name = "hf"
+    name, admits_rows = "hf", True  # `SupportsAdmission`: rows join a running decode
 
     @on_compute_thread  # the weights load and are packed where every computation runs
     def __init__(

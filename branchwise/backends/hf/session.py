@@ -60,6 +60,7 @@ class Session:
     """
 
     name = "hf"
+    admits_rows = True  # `SupportsAdmission`: rows join a running decode
 
     @on_compute_thread  # the plug-ins' builds run torch (River's quantized layers, ...)
     def __init__(

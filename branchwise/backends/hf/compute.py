@@ -346,7 +346,7 @@ class Computation:
             policy=policy_of(self.plugins),
             pace=self.engine.pace,
         )
-        run.admit, run.pressure, run.preempt = intake.admit, intake.pressure, intake.preempt
+        run.boundary = intake
         segs = intake.start(segs)
         try:
             while True:

@@ -14,14 +14,17 @@ Streaming: an optional `on_step` listener is handed each step's new tokens and t
 (their final `Generation`), and may name rows to stop (their consumer left). It is one `if` per
 step when absent; the listener does the detokenizing for its own consumers, off this thread.
 
-Continuous batching: an optional `admit` callback (`AdmitNodes`) is asked at each step boundary for new
-nodes to decode in the same call. When it hands some in, this loop stops there as if the batch had
+At each step boundary the loop asks the call's `Boundary` (the session's intake, `intake.Intake`),
+one object with three questions, the same each step.
+
+Continuous batching: `Boundary.admit` is asked for new nodes to decode in the same call. When it hands some in, this loop stops there as if the batch had
 ended for now (rows' KV captured into their nodes, their sampled-but-unfed token left pending) and
 the run's `Computation` assembles one batch of the rows still decoding and the new ones; `DecodeRun` carries
 each row's tokens, stop state and index across those batches, so a row's result does not depend
 on when others joined (beyond the batch composition every batched decode already has).
 
-The KV budget: an optional `pressure` callback names rows to preempt at a step boundary; they leave
+The KV budget: `Boundary.pressure` names rows to preempt at a step boundary (`Boundary.preempt` is told
+each one while its KV is still in the batch); they leave
 the batch at once, uncaptured (their KV is dropped by the `Computation` and recomputed when they rejoin,
 through the same re-assembly as admitted rows), and keep their tokens in `DecodeRun.carried`.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -57,9 +60,25 @@ __all__ = ["DecodeRun", "StopCheck", "TextTail", "decode", "finish_text"]
 
 ForwardFn = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 CaptureFn = Callable[[int, Row], None]
-AdmitNodes = Callable[[int], Sequence[NodeId]]
-"""`DecodeRun.admit`: given the rows still decoding, the nodes that join now (the session's intake
-numbers the scheduler's `Admitted` rows and hands in their nodes)."""
+
+
+class Boundary(Protocol):
+    """What the decode loop asks at each step boundary; `intake.Intake` answers (the KV budget,
+    chunked prefill, the scheduler's newcomers), so the loop knows nothing of either."""
+
+    def pressure(self, alive: list[Row]) -> list[Row]:
+        """Of the rows still decoding, those to preempt now (they leave the batch; the loop does
+        not capture their KV)."""
+        ...
+
+    def preempt(self, pos: int, row: Row) -> None:
+        """A preempted row at batch position `pos`, while its KV is still in the batch."""
+        ...
+
+    def admit(self, alive: int) -> Sequence[NodeId]:
+        """Given how many rows still decode, the nodes that join now (the loop then stops at this
+        boundary so the batch is re-assembled with them)."""
+        ...
 
 
 class StopCheck:
@@ -140,7 +159,9 @@ class DecodeRun:
     stops: StopCheck
     generator: torch.Generator | None
     on_step: StepListener | None = None
-    admit: AdmitNodes | None = None
+    boundary: Boundary | None = None
+    """Asked at each step boundary (the session's intake, set once it is built; None when the call
+    has ended)."""
     rows: dict[int, int] = field(default_factory=dict)
     carried: dict[int, Row] = field(default_factory=dict)
     results: dict[int, Generation] = field(default_factory=dict)
@@ -148,12 +169,6 @@ class DecodeRun:
     """Decode steps so far, over every batch of the call (what step hooks are told)."""
     grammar: RowGrammars | None = None
     """The constrained rows' matchers (`grammar.py`); None when the call has no constraint at all."""
-    pressure: Callable[[list[Row]], list[Row]] | None = None
-    """Asked at each step boundary with the rows still decoding: those to preempt now (the KV
-    budget, `intake.Intake.pressure`). They leave the batch; this loop does not capture their KV."""
-    preempt: Callable[[int, Row], None] | None = None
-    """Told each preempted row with its batch position, while its KV is still in the batch (the
-    intake swaps it out or drops it at once, `intake.Intake.preempt`)."""
     stopped: set[int] = field(default_factory=set)
     """Segments of preempted rows that `on_step` stopped while they waited outside the batch (a
     cancelled request): they ended as cancelled, and the intake lets them go instead of back in."""
@@ -171,7 +186,6 @@ class DecodeRun:
         detokenize: Detokenize,
         device: torch.device,
         on_step: StepListener | None = None,
-        admit: AdmitNodes | None = None,
         grammars: Grammars | None = None,
         constraints: Sequence[Constraint | None] | None = None,
         row_params: Sequence[DecodeParams | None] | None = None,
@@ -182,7 +196,7 @@ class DecodeRun:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device).manual_seed(params.seed)
-        run = cls(params, StopCheck(params, eos_ids, detokenize), gen, on_step, admit)
+        run = cls(params, StopCheck(params, eos_ids, detokenize), gen, on_step)
         if grammars is not None:
             run.grammar = RowGrammars(grammars)
         elif params.constraint is not None or (constraints and any(c is not None for c in constraints)):
@@ -262,7 +276,7 @@ def decode(
 ) -> list[NodeId]:
     """Decode the rows of `batch` from `logits` (the distribution after each row's last token).
 
-    Returns the nodes `run.admit` handed in (continuous batching): the loop then stops at that step
+    Returns the nodes `run.boundary` admitted (continuous batching): the loop then stops at that step
     boundary with every row's KV captured, rows still decoding in `run.carried`, and the caller
     assembles a new batch of those rows and the new nodes. Returns [] once every row has ended
     (each row's `Generation` is in `run.results`).
@@ -361,17 +375,15 @@ def decode(
                     capture(pos, rows[ri])
                     ctx.kv.release(pos)
         evict = False
-        if run.pressure is not None:
-            for r in run.pressure([rows[ri] for ri in alive]):
+        if (boundary := run.boundary) is not None:
+            for r in boundary.pressure([rows[ri] for ri in alive]):
                 r.preempted = evict = True
             if evict:
-                if run.preempt is not None:
-                    for pos, ri in enumerate(present):
-                        if rows[ri].preempted:
-                            run.preempt(pos, rows[ri])
+                for pos, ri in enumerate(present):
+                    if rows[ri].preempted:
+                        boundary.preempt(pos, rows[ri])
                 alive = [ri for ri in alive if not rows[ri].preempted]
-        if run.admit is not None:
-            admitted = list(run.admit(len(alive)))
+            admitted = list(boundary.admit(len(alive)))
             if admitted:
                 break
         dead = len(present) - len(alive)

@@ -5,7 +5,7 @@ Why here and not in the scheduler: the scheduler (`backends/scheduler.py`) is ge
 `Backend` and decides *which* requests may join (first come, first served, equal decoding
 parameters, a row bound and the worst-case KV the backend says they need). Only the local backend
 can decide *how* they join without stalling the batch, so the decode loop (`Computation.run`) asks this
-object at each step boundary (`DecodeRun.admit` and `DecodeRun.pressure`):
+object at each step boundary (it is the call's `decode.Boundary`):
 
 - **Chunked prefill.** A newcomer whose prompt has more than `chunk` tokens to compute does not
   join at once (its whole prefill would run before the next decode step, stalling every row of the
@@ -263,7 +263,7 @@ class Intake:
         return self._pop_ready()
 
     def preempt(self, pos: int, row: Row) -> None:
-        """`DecodeRun.preempt`: row `row` (at batch position `pos`) leaves the batch now. Its KV
+        """`Boundary.preempt`: row `row` (at batch position `pos`) leaves the batch now. Its KV
         leaves the budget at once, before the rows that stay take their next step: swapped out
         (copied into its node first, `capture`), or dropped and its tokens made pending. It waits
         in `preempted`, and may rejoin from the next step boundary on (not at this one: the room
@@ -294,11 +294,11 @@ class Intake:
         self.swap.close()
         self.pool.reserved = 0
         self.batch = self.capture = None
-        self.run.admit = self.run.pressure = self.run.preempt = None
+        self.run.boundary = None
 
     # ------------------------------------------------------------------ decode-loop callbacks
     def pressure(self, alive: list[Row]) -> list[Row]:
-        """`DecodeRun.pressure`: record what the call may still need (`pool.reserved`, what admission
+        """`Boundary.pressure`: record what the call may still need (`pool.reserved`, what admission
         may not promise to newcomers), and name the rows to preempt if the next step would not fit
         the budget.
 
@@ -382,7 +382,7 @@ class Intake:
         self._reserve()
 
     def admit(self, alive: int) -> list[NodeId]:
-        """`DecodeRun.admit`: one chunk of prefill, then rows that may join now (preempted rows
+        """`Boundary.admit`: one chunk of prefill, then rows that may join now (preempted rows
         first; the scheduler's newcomers only once none of those wait)."""
         self._let_go_stopped()
         self.pace.boundary()

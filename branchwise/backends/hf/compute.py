@@ -137,13 +137,20 @@ class Computation:
             self.run(ready, None)
 
     def assemble(
-        self, segs: Sequence[Segment], extra: int, lend: bool = False, refuse: bool = False
+        self,
+        segs: Sequence[Segment],
+        extra: int,
+        lend: bool = False,
+        refuse: bool = False,
+        caps: Sequence[int] | None = None,
     ) -> Batch:
         """The batch of `segs` with `extra` free slots per row; with `lend`, the rows' nodes lend
         their own KV to its tails once copied (`KVTree.lend`: a decode batch, which captures every
         row back), so the tails' reservation counts those bytes as moving, not added. Storage
         that does not fit the budget is refused (`BatchRefused`) when it has free slots ahead,
-        or with `refuse`; else let through and counted (`KVPool.reserve_tails`)."""
+        or with `refuse`; else let through and counted (`KVPool.reserve_tails`). `caps` (a decode
+        batch's: the most KV each row may hold) bound how its tails grow, set before the plug-ins
+        see the batch (`on_batch`), so they know what it may come to."""
         engine = self.engine
         # many short ancestors (many requests' prompts) are copied into the rows' tails
         # (`Batch.assemble`); with an acceleration on, every ancestor stays a shared segment, the
@@ -159,7 +166,7 @@ class Computation:
             self.device,
             engine.broadcast,
             copy_tokens,
-            layout="tails" if any(p.keeps_tails for p in self.plugins) else engine.kv_layout,
+            layout="tails" if any(p.tails_for(segs, caps or ()) for p in self.plugins) else engine.kv_layout,
             # free slots ahead are refused where they would not fit (`KVPool.reserve_tails`)
             reserve=functools.partial(
                 engine.pool.reserve_tails,
@@ -172,6 +179,15 @@ class Computation:
                 if seg.keys is not None or not seg.n_computed:
                     self.tree.lend(seg)
         engine.pool.track(batch.ctx)
+        if caps is not None:
+            # the tails grow for every row at once: by no more than a row may hold at once, and not
+            # past what the longest may need (128 slots for each of 166 SkipKV rows capped at 16
+            # once asked 1 GB of a 0.75 GB budget)
+            batch.ctx.grow_min = max(extra, 1)
+            batch.ctx.grow_limit = max(
+                r.tail_start + r.kv_len + len(f) + cap + 1
+                for r, f, cap in zip(batch.rows, batch.feeds, caps, strict=True)
+            )
         try:
             for plugin in overrides(self.plugins, "on_batch"):
                 plugin.on_batch(batch)
@@ -437,20 +453,12 @@ class Computation:
         # accelerations keeps it in the node, where their hooks may read it
         lend = params is not None or not self.plugins
         try:
-            batch = self.assemble(segs, extra, lend, refuse)
+            batch = self.assemble(segs, extra, lend, refuse, caps if params is not None else None)
         except KVBudgetExceeded:
             if refuse or not extra:
                 raise
-            batch = self.assemble(segs, 0, lend)  # no free slots ahead: the tails grow as rows do
-        if params is not None:
-            # the tails grow for every row at once: by no more than a row may hold at once, and not
-            # past what the longest may need (128 slots for each of 166 SkipKV rows capped at 16
-            # once asked 1 GB of a 0.75 GB budget)
-            batch.ctx.grow_min = max(extra, 1)
-            batch.ctx.grow_limit = max(
-                r.tail_start + r.kv_len + len(f) + cap + 1
-                for r, f, cap in zip(batch.rows, batch.feeds, caps, strict=True)
-            )
+            # no free slots ahead: the tails grow as rows do
+            batch = self.assemble(segs, 0, lend, caps=caps if params is not None else None)
         try:
             return self._first_forward(batch, params, observers)
         except BaseException:

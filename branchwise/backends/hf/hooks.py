@@ -308,9 +308,10 @@ class Acceleration:
     runs (prefills, the `decode_step="layers"` baseline) and keep no decode step there."""
     keeps_tails: str | None = None
     """Why its batches keep their rows' own KV in tails, not pages (None: pages serve it;
-    `Computation.assemble`): RSBCM's attention-mass tap scores each step's keys as a rectangle,
-    which pages would gather into a copy at every step (until the paged kernel returns each slot's
-    score); ReasonCache reads and re-points a finished branch's last blocks in the batch after the
+    `Computation.assemble`; read per batch, so a plug-in may set it once it needs it): RSBCM's
+    attention-mass tap, once it tracks mass, scores each step's keys as a rectangle, which pages
+    would gather into a copy at every step (until the paged kernel returns each slot's score);
+    ReasonCache reads and re-points a finished branch's last blocks in the batch after the
     branch ended, when pages have given them back (until its blocks are page references)."""
     kv_from_tokens: bool = False
     """Whether the KV a run holds under this plug-in is what computing its tokens again gives (it
@@ -319,6 +320,12 @@ class Acceleration:
     run says so, else swapped out and back, which keeps KV and per-row state exact. False, the safe
     default, costs a copy; True on a plug-in that does change KV would change a preempted row's
     tokens."""
+
+    def tails_for(self, segs: Sequence[Segment], caps: Sequence[int]) -> str | None:
+        """Why the batch about to be assembled from `segs` (each row decoding up to its entry of
+        `caps` more tokens; none for a prefill) must keep its rows' KV in tails (None: pages serve
+        it): `keeps_tails` unless a plug-in decides per batch (RSBCM, once it tracks mass)."""
+        return self.keeps_tails
 
     def layer_loop_reasons(self) -> list[str]:
         """Why this plug-in's decode steps need the layer loop (empty: they need not): the reasons

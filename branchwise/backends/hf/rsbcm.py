@@ -156,6 +156,10 @@ class MassTap(AttentionTap):
         self.own[pos, start : start + int(index.numel())] = self.own[pos, index]
 
 
+MASS_TAP_TAILS = "its attention-mass tap scores each step's keys as a rectangle"
+"""Why a tracking RSBCM's batches keep their rows' KV in tails (`Acceleration.keeps_tails`)."""
+
+
 class RSBCM(Acceleration):
     """Block eviction as a plug-in: tracks attention mass while a batch runs, folds it into each
     segment's running total, and after each decode batch evicts the lowest-ω blocks above capacity.
@@ -168,7 +172,6 @@ class RSBCM(Acceleration):
     name = "rsbcm"
     config = RSBCMConfig
     needs_cascade = True  # block masses are kept per shared segment
-    keeps_tails = "its attention-mass tap scores each step's keys as a rectangle"
 
     def __init__(self, cfg: RSBCMConfig, host: Host) -> None:
         self.cfg = cfg
@@ -176,6 +179,8 @@ class RSBCM(Acceleration):
         self.mass: dict[int, torch.Tensor] = {}
         self.score: dict[int, float] = {}
         self._taps: dict[int, MassTap] = {}
+        self.tracking = False
+        """Whether attention mass is tracked (from the first batch near capacity on: `tails_for`)."""
 
     @classmethod
     def build(cls, cfg: RSBCMConfig, setup: Setup) -> RSBCM:
@@ -190,9 +195,11 @@ class RSBCM(Acceleration):
             raise ValueError("RSBCM needs broadcast='cascade' (block masses are kept per shared segment)")
         ancestors = {a.id: a for r in batch.rows for a in r.seg.kv_ancestors()}
         tracked = {s.key for s in batch.ctx.shared if self._evictable(ancestors[s.key])}
-        # only when something here can be evicted: tracking forces the explicit-softmax path
-        if not (tracked or any(self._evictable(r.seg) for r in batch.rows)):
+        # only when something here can be evicted, and once capacity comes near: the tap costs a
+        # pass over every key of every layer at every step (0.85x on the embedded model's CPU step)
+        if not self.tracking or not (tracked or any(self._evictable(r.seg) for r in batch.rows)):
             return
+        self.host.stats.bump("rsbcm_tracked_batches")
         ctx = batch.ctx
         own = torch.zeros(ctx.batch, ctx.capacity, device=ctx.lens.device)
         for i, r in enumerate(batch.rows):
@@ -202,6 +209,27 @@ class RSBCM(Acceleration):
         tap = MassTap(own, tracked)
         ctx.taps.append(tap)
         self._taps[id(batch)] = tap
+
+    def tails_for(self, segs: Sequence[Segment], caps: Sequence[int]) -> str | None:
+        """Tails once mass is tracked (its tap scores the keys as a rectangle); pages before.
+
+        Mass is tracked from the batch on which the run's evictable blocks, with all this batch's
+        rows may add (their pending tokens and `caps`), reach `track_from` of the capacity, and from
+        then on. Below it no eviction can follow this batch, and RSBCM's paper calls it dormant
+        there; a block's mass is the attention it got since tracking began (a block nothing read
+        since weighs 0: evidence, over that window, that nothing attends to it)."""
+        cfg = self.cfg
+        if not self.tracking:
+            per = cfg.block_tokens
+            held = sum(
+                -(-seg.kv_tokens // per)
+                for seg in self.host.tree.segments(self.host.ledger)
+                if seg.kv_tokens and self._evictable(seg)
+            )
+            more = [*caps, *[0] * (len(segs) - len(caps))]  # (a prefill batch has no caps)
+            growth = sum(-(-(len(seg.pending) + cap) // per) for seg, cap in zip(segs, more, strict=True))
+            self.tracking = held + growth >= cfg.track_from * cfg.capacity_blocks
+        return MASS_TAP_TAILS if self.tracking else None
 
     def on_capture(self, batch: Batch, pos: int, row: Row) -> None:
         tap = self._taps.get(id(batch))

@@ -34,6 +34,10 @@ def test_notes_from_statistics_alone() -> None:
     rsbcm = RSBCMConfig(capacity_blocks=8, block_tokens=4)
     assert rsbcm.notes({}) == [
         "rsbcm: the run never held more than 8 evictable blocks of 4 tokens after a decode; "
+        "nothing was evicted (attention mass was never tracked)"
+    ]
+    assert rsbcm.notes({"rsbcm_tracked_batches": 2}) == [
+        "rsbcm: the run never held more than 8 evictable blocks of 4 tokens after a decode; "
         "nothing was evicted"
     ]
     assert rsbcm.notes({"rsbcm_evictions": 1}) == []

@@ -121,7 +121,9 @@ def _masses_and_tokens(backend: HFBackend, mode: str, capacity: int) -> tuple[li
     decode steps in `mode`: each node's attention mass after the first decode, every branch's
     tokens, and the statistics."""
     backend.decode_step = mode
-    backend.accel = Accel(rsbcm=RSBCMConfig(capacity_blocks=capacity, block_tokens=4, pin_prompt=False))
+    backend.accel = Accel(
+        rsbcm=RSBCMConfig(capacity_blocks=capacity, block_tokens=4, pin_prompt=False, track_from=0.0)
+    )
     backend.reset_stats()
     root = backend.prefill(backend.encode("A shared problem statement about apples and pears."))
     kids = backend.fork(root, 3)
@@ -151,3 +153,37 @@ def test_the_fast_step_accumulates_the_layer_loops_mass(tiny_llama_dir, capacity
     assert stats.get("rsbcm_evictions", 0) == loop[2].get("rsbcm_evictions", 0)
     assert (stats.get("rsbcm_evictions", 0) > 0) is (capacity < 1000)
     assert "decode_steps_layer_loop" not in stats and stats["decode_steps_fixed"] >= 15
+
+
+def test_mass_is_tracked_only_near_capacity(tiny_llama_dir) -> None:
+    """Far below capacity RSBCM is dormant, as its paper says, and costs nothing: no tap, no mass,
+    the plain step's tokens, and the note says mass was never tracked. A run that comes within
+    `track_from` of capacity tracks from that batch on (and then evicts by the mass it saw)."""
+    backend = HFBackend(tiny_llama_dir)
+    prompt = backend.encode("A shared problem statement about apples and pears.")
+    params = DecodeParams(max_tokens=12, min_tokens=12)
+
+    def run(cfg: RSBCMConfig | None) -> tuple[list[list[int]], dict[str, float], rsbcm.RSBCM | None, int]:
+        backend.accel = Accel(rsbcm=cfg)
+        backend.reset_stats()
+        root = backend.prefill(prompt)
+        kids = backend.fork(root, 3)
+        backend.extend(kids, params)
+        tokens = [backend.tokens(k) for k in kids]
+        stats, plugin = backend.kv_stats().as_dict(), backend.acceleration(rsbcm.RSBCM)
+        masses = 0 if plugin is None else len(plugin.mass)  # (released with the nodes)
+        backend.release([root, *kids])
+        return tokens, stats, plugin, masses
+
+    plain, _, _, _ = run(None)
+    far = RSBCMConfig(capacity_blocks=1000, block_tokens=4, pin_prompt=False)
+    tokens, stats, plugin, masses = run(far)
+    assert plugin is not None and not plugin.tracking and masses == 0
+    assert tokens == plain and "rsbcm_tracked_batches" not in stats
+    assert any("attention mass was never tracked" in n for n in Accel(rsbcm=far).notes(stats))
+    near = far.model_copy(
+        update={"capacity_blocks": 24}
+    )  # 3 rows of up to 12 tokens: 9 blocks, and the prompt's
+    _, stats, plugin, masses = run(near)
+    assert plugin is not None and plugin.tracking and masses > 0
+    assert stats["rsbcm_tracked_batches"] >= 1

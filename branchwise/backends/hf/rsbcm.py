@@ -157,7 +157,7 @@ class MassTap(AttentionTap):
 
 
 MASS_TAP_TAILS = "its attention-mass tap scores each step's keys as a rectangle"
-"""Why a tracking RSBCM's batches keep their rows' KV in tails (`Acceleration.keeps_tails`)."""
+"""Why a tracking RSBCM's batches keep their rows' KV in tails (`RSBCM.tails_for`)."""
 
 
 class RSBCM(Acceleration):

@@ -180,7 +180,7 @@ def _streamed_notes(events: str) -> dict[str, Any]:
 
 def test_every_front_says_it_once(backend: HFBackend) -> None:
     """Plain `/v1/chat/completions` and `/v1/completions` replies, whole and streamed (`branchwise.notes`;
-    streamed, on the chunk that ends the last choice), LangChain's
+    streamed, on the chunk that ends the last choice), LangChain's (invoked and streamed)
     response metadata and DSPy's history carry the note of steps that left the fast step (here:
     the layer loop's baseline), once; a reply whose steps were all fast carries none."""
     httpx = pytest.importorskip("httpx")
@@ -213,8 +213,11 @@ def test_every_front_says_it_once(backend: HFBackend) -> None:
                     notes = reply.get("branchwise", {}).get("notes", [])
                     assert said(notes) if mode == "layers" else notes == [], reply
         backend.decode_step = "layers"
-        meta = ChatBranchwise(backend=backend, max_tokens=6).invoke("What is 12 + 7?").response_metadata
+        chat = ChatBranchwise(backend=backend, max_tokens=6)
+        meta = chat.invoke("What is 12 + 7?").response_metadata
         assert said(meta["branchwise"]["notes"]), meta
+        last = list(chat.stream("What is 12 + 7?"))[-1].response_metadata  # the closing chunk's
+        assert said(last["branchwise"]["notes"]), last
         lm = BranchwiseLM(backend=backend, cache=False, max_tokens=6)
         lm(messages=msgs)
         assert said(lm.history[-1]["response"]["branchwise"]["notes"])

@@ -276,8 +276,7 @@ class RSBCMConfig(AccelConfig):
     capacity_blocks: int = Field(2000, ge=1, le=10_000_000, description="KV blocks held before eviction")
     block_tokens: int = Field(16, ge=1, le=65536, description="KV tokens per block")
     pin_prompt: bool = Field(True, description="never evict depth-0 segments (the prompt all branches share)")
-    track_from: float = Field(0.5, ge=0.0, le=1.0, description="track attention mass once the run's evictable "
-        "blocks, with what a batch may add, reach this share of capacity_blocks (0: always); below, no cost")  # fmt: skip
+    track_from: float = Field(0.5, ge=0.0, le=1.0, description="share of capacity that starts mass tracking")
 
     def notes(self, stats: Mapping[str, float]) -> list[str]:
         if stats.get("rsbcm_evictions"):

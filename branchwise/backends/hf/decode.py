@@ -17,16 +17,17 @@ step when absent; the listener does the detokenizing for its own consumers, off 
 At each step boundary the loop asks the call's `Boundary` (the session's intake, `intake.Intake`),
 one object with three questions, the same each step.
 
-Continuous batching: `Boundary.admit` is asked for new nodes to decode in the same call. When it hands some in, this loop stops there as if the batch had
-ended for now (rows' KV captured into their nodes, their sampled-but-unfed token left pending) and
-the run's `Computation` assembles one batch of the rows still decoding and the new ones; `DecodeRun` carries
-each row's tokens, stop state and index across those batches, so a row's result does not depend
-on when others joined (beyond the batch composition every batched decode already has).
+Continuous batching: `Boundary.admit` is asked for new nodes to decode in the same call. When it
+hands some in, this loop stops there as if the batch had ended for now (rows' KV captured into their
+nodes, their sampled-but-unfed token left pending) and the run's `Computation` assembles one batch
+of the rows still decoding and the new ones; `DecodeRun` carries each row's tokens, stop state and
+index across those batches, so a row's result does not depend on when others joined (beyond the
+batch composition every batched decode already has).
 
-The KV budget: `Boundary.pressure` names rows to preempt at a step boundary (`Boundary.preempt` is told
-each one while its KV is still in the batch); they leave
-the batch at once, uncaptured (their KV is dropped by the `Computation` and recomputed when they rejoin,
-through the same re-assembly as admitted rows), and keep their tokens in `DecodeRun.carried`.
+The KV budget: `Boundary.pressure` names rows to preempt at a step boundary (`Boundary.preempt` is
+told each one while its KV is still in the batch); they leave the batch at once, uncaptured (their
+KV is dropped by the `Computation` and recomputed when they rejoin, through the same re-assembly as
+admitted rows), and keep their tokens in `DecodeRun.carried`.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from kv_budget_search import search_of
 
 from branchwise.backends.accel import Accel
 from branchwise.backends.base import DecodeParams
-from branchwise.backends.hf import paged_kernels
+from branchwise.backends.hf import cpu_kernels
 from branchwise.strategies import beam_search
 
 LAYOUTS = ("tails", "pages")
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         if not 0.0 < getattr(args, name) <= 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
     bench = start("kv_admission", args, kv_budget=None, prefill_chunk=0)
-    kernel = paged_kernels.build() if bench.backend.device.type == "cpu" else "not a CPU"
+    kernel = cpu_kernels.build() if bench.backend.device.type == "cpu" else "not a CPU"
     if kernel is not None:
         bench.log(f"the paged kernel is not used ({kernel}): pages read a copy, said in the notes")
     results = {}

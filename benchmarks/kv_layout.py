@@ -26,7 +26,7 @@ from typing import Any
 from _common import BenchParser, settle, start
 
 from branchwise.backends.base import DecodeParams
-from branchwise.backends.hf import HFBackend, paged_kernels
+from branchwise.backends.hf import HFBackend, cpu_kernels
 from branchwise.backends.step_notes import off_fast_counts
 
 LAYOUTS = ("tails", "pages")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     bench = start("kv_layout", args, decode_step=args.decode_step)
     backend = bench.backend
     bench.log("the paged kernel: built or loaded before timing, as a backend in pages starts it at load")
-    kernel = paged_kernels.build()
+    kernel = cpu_kernels.build()
     load_before = os.getloadavg()[0]
     results: dict[str, Any] = {}
     for b in args.batch:

@@ -11,7 +11,7 @@ read as a pool would really be read, on the model's attention shapes, with no we
   runs today): write each row's new K/V at its length, SDPA over the tails under a length mask;
 * ``paged_inplace``: the same KV in a pool of `--block`-token blocks (`[N, H_kv, block, D]`), each
   row's blocks shuffled through the pool as after a long run of allocations and frees; the new K/V
-  written into each row's last block, then `paged_kernels.paged_decode` (a C++ kernel of ours)
+  written into each row's last block, then `cpu_kernels.paged_decode` (a C++ kernel of ours)
   reads every row's blocks where they lie through its block table;
 * ``paged_flex`` (`--flex on`): PyTorch's FlexAttention, compiled, over the same blocks in its own
   paged layout (`torch.nn.attention.experimental._paged_attention`: a `[1, H_kv, N x block, D]`
@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from _common import BenchParser, emit, set_threads
 from random_checkpoint import RANDOM_CONFIGS
 
-from branchwise.backends.hf import paged_kernels
+from branchwise.backends.hf import cpu_kernels
 from branchwise.backends.hf.attention import SharedSegment, fused_attention
 from branchwise.backends.hf.backend import resolve_device, resolve_dtype
 from branchwise.backends.hf.batch import BatchContext
@@ -236,8 +236,8 @@ def tails_step(rows: Rows, cascade: bool) -> Step:
 def require_kernel(rows: Rows) -> None:
     """Raise, saying why, where the paged kernel cannot run (the arm is then reported skipped)."""
     if rows.lens.device.type != "cpu":
-        raise RuntimeError("paged_kernels.paged_decode is a CPU kernel")
-    reason = paged_kernels.build()
+        raise RuntimeError("cpu_kernels.paged_decode is a CPU kernel")
+    reason = cpu_kernels.build()
     if reason is not None:
         raise RuntimeError(f"the paged kernel is unavailable: {reason}")
 
@@ -251,7 +251,7 @@ def inplace_step(rows: Rows) -> Step:
         out = query
         for layer in range(rows.shapes.layers):
             rows.write_paged(layer)
-            out, _ = paged_kernels.paged_decode(
+            out, _ = cpu_kernels.paged_decode(
                 query, rows.pool_k[layer], rows.pool_v[layer], rows.table, rows.kv_lens, rows.scaling
             )
         return out
@@ -287,11 +287,11 @@ def cascade_inplace_step(rows: Rows, pooled_prefix: bool) -> Step:
         out = query
         for layer in range(rows.shapes.layers):
             rows.write_paged(layer)
-            o, lse = paged_kernels.paged_decode(
+            o, lse = cpu_kernels.paged_decode(
                 query, rows.pool_k[layer], rows.pool_v[layer], rows.table, rows.kv_lens, rows.scaling
             )
             if pooled_prefix:
-                os_, ls = paged_kernels.paged_decode(
+                os_, ls = cpu_kernels.paged_decode(
                     stacked.view(1, h * b * g, d),
                     rows.pool_k[layer],
                     rows.pool_v[layer],
@@ -514,11 +514,11 @@ def main(argv: list[str] | None = None) -> None:
     dtype = resolve_dtype(args.dtype, device)
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     build: dict[str, Any] = {
-        "reason_unavailable": paged_kernels.build()
+        "reason_unavailable": cpu_kernels.build()
         if device.type == "cpu"
         else "a CPU kernel: not built for a CUDA run"
     }
-    info = paged_kernels.build_info()
+    info = cpu_kernels.build_info()
     if info is not None:
         build |= {"seconds": round(info.seconds, 2), "cached": info.cached}
     results = []

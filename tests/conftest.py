@@ -60,9 +60,9 @@ def paged_kernel_built() -> None:
     pages starts this build in the background, and until it is done its steps read a copy and say
     so (`pages_copied`), a note no test should meet by the order it runs in. The tests of that
     window make it themselves (`test_own_kv.py`)."""
-    from branchwise.backends.hf import paged_kernels
+    from branchwise.backends.hf import cpu_kernels
 
-    paged_kernels.build()
+    cpu_kernels.build()
 
 
 @pytest.fixture(scope="session", autouse=True)

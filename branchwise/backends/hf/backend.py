@@ -46,7 +46,7 @@ from branchwise.backends.base import (
     check_share,
 )
 from branchwise.backends.compute_thread import on_compute_thread
-from branchwise.backends.hf import paged_kernels
+from branchwise.backends.hf import cpu_kernels
 from branchwise.backends.hf.arch import check_config, decoder_parts, kv_bytes_per_token
 from branchwise.backends.hf.attention import ATTN_NAME, register
 from branchwise.backends.hf.batch import Broadcast
@@ -432,7 +432,7 @@ class HFBackend:
             self.engine.pool.price_by(BLOCK if layout == "pages" else None)
             self.engine.kv_layout = layout
         if layout == "pages" and self.device.type == "cpu":
-            paged_kernels.build_ahead()  # from now on, in the background: no step waits for it
+            cpu_kernels.build_ahead()  # from now on, in the background: no step waits for it
 
     def acceleration(self, kind: type[A]) -> A | None:
         """The default session's instance of an acceleration (its state, its build), or None."""

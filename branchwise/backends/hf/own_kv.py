@@ -13,7 +13,7 @@ the engine never asks which one it has.
   SGLang and FlashInfer) and a block table per row (`table` `[B, M]` int32 on the device). A row
   holds the pages its own length needs; growing adds pages to a row (nothing copied), a row that
   ends or an eviction puts pages back on the free list at once, where any row of the batch takes
-  them. The decode step reads the pages in place (`paged_kernels.paged_decode`); what needs a
+  them. The decode step reads the pages in place (`cpu_kernels.paged_decode`); what needs a
   rectangle (a prefill chunk's causal attention, a tap, a soft-capped or windowed layer) reads a
   gathered copy (`read`).
 """
@@ -30,7 +30,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from branchwise.backends.hf import paged_kernels
+from branchwise.backends.hf import cpu_kernels
 
 Where = tuple[torch.Tensor, torch.Tensor]
 """Where a forward's new K/V go (`OwnKV.locate`): two index tensors, the layout's own."""
@@ -42,7 +42,7 @@ LAYOUT_ENV = "BRANCHWISE_KV_LAYOUT"
 GROW_SLOTS = 128
 """Fewest slots per row the storage grows by (`BatchContext.grow_min`'s default, as the tails grow)."""
 BLOCK = 16
-"""Tokens per page: the page size `paged_kernels.paged_decode` was measured best at on a CPU
+"""Tokens per page: the page size `cpu_kernels.paged_decode` was measured best at on a CPU
 (`benchmarks/paged_attention.py`), and what a row wastes at most (one partly filled page)."""
 
 LEAST = 2
@@ -85,14 +85,14 @@ def default_layout(device: torch.device) -> KVLayout:
     """The layout of a backend given none: `$BRANCHWISE_KV_LAYOUT`, else pages on a CPU that can
     build the paged kernel, tails elsewhere. Why: on a CPU pages decode at the tails' speed or
     faster, admit 4x the rows under a budget and stay within it (`benchmarks/kv_admission.py`);
-    without the kernel (`paged_kernels.missing`) or on CUDA (no FlashInfer wiring yet) they would be
+    without the kernel (`cpu_kernels.missing`) or on CUDA (no FlashInfer wiring yet) they would be
     read as a gathered copy, slower than the tails (each such step says so: `pages_copied`)."""
     chosen = os.environ.get(LAYOUT_ENV)
     if chosen:
         return check_layout(chosen)
     if device.type != "cpu":
         return "tails"
-    return "tails" if paged_kernels.missing() is not None else "pages"
+    return "tails" if cpu_kernels.missing() is not None else "pages"
 
 
 class OwnKV(Protocol):

@@ -31,6 +31,8 @@ between batch sizes of the BLAS call.
 from __future__ import annotations
 
 import copy
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -45,10 +47,14 @@ __all__ = [
     "FusedLinear",
     "PackedLinear",
     "Prepacked",
+    "SharedProduct",
+    "SiblingSlice",
     "packed_product",
     "plain",
     "prepack",
     "prepack_support",
+    "sibling_groups",
+    "stacked",
 ]
 
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -140,25 +146,27 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-class _Siblings:
-    """The packed product of sibling layers (`FusedLinear`)."""
+_PENDING: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+"""Each sibling group's last input, its product and how many siblings have yet to take their part,
+by the group's id: one dict for the process, empty between forwards, rather than state on each
+group, which a compiled step would re-write attribute by attribute after every call (measured:
+5 ms a step for 60 groups). A forward that raised between siblings leaves its entry (two
+activations, never the group and its weights) until the group's next input replaces it."""
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
-        with torch.no_grad():
-            weight = torch.cat([linear.weight.detach() for linear in linears])
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            biases = [linear.bias for linear in linears]
-            self.bias = (
-                None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
-            )
-        self.in_features = linears[0].in_features
-        self.out_features = int(weight.shape[0])
-        self.count = len(linears)
+
+class SharedProduct:
+    """The product of sibling layers fed the same input, computed once per input by `compute`.
+
+    The siblings read the same tensor object one after another (`self.q_proj(h)`, `self.k_proj(h)`,
+    ...): the first computes the whole product and each later one takes it; any other call computes
+    it anew, so a sibling called alone is never wrong."""
+
+    def __init__(self, count: int, compute: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.count = count
+        self.compute = compute
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole product for `x`: computed once per input, whichever sibling asks first. The
-        siblings read the same tensor object one after another (`self.q_proj(h)`, `self.k_proj(h)`,
-        ...); any other call computes it anew, so a sibling called alone is never wrong."""
+        """The whole product for `x`, computed once per input, whichever sibling asks first."""
         key = id(self)
         held = _PENDING.get(key)
         if held is not None and held[0] is x:
@@ -167,17 +175,25 @@ class _Siblings:
             else:
                 _PENDING[key] = (x, held[1], held[2] - 1)
             return held[1]
-        out = _apply(x, self.packed, self.bias, self.in_features, self.out_features)
+        out = self.compute(x)
         _PENDING[key] = (x, out, self.count - 1)
         return out
 
 
-_PENDING: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-"""Each sibling group's last input, its product and how many siblings have yet to take their part,
-by the group's id: one dict for the process, empty between forwards, rather than state on each
-group, which a compiled step would re-write attribute by attribute after every call (measured:
-5 ms a step for 60 groups). A forward that raised between siblings leaves its entry (two
-activations, never the group and its weights) until the group's next input replaces it."""
+class _Siblings(SharedProduct):
+    """The packed product of sibling layers (`FusedLinear`)."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        whole = stacked(linears)
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(whole.weight, None)
+        self.bias = None if whole.bias is None else whole.bias.detach()
+        self.in_features = whole.in_features
+        self.out_features = whole.out_features
+        super().__init__(len(linears), self._packed_product)
+
+    def _packed_product(self, x: torch.Tensor) -> torch.Tensor:
+        return _apply(x, self.packed, self.bias, self.in_features, self.out_features)
 
 
 class FusedLinear(PackedLinear):
@@ -220,23 +236,66 @@ class FusedLinear(PackedLinear):
         return super().extra_repr() + f", fused with {self.siblings.count - 1} siblings"
 
 
-def _fuse_siblings(parent: nn.Module) -> int:
-    """Replace each complete group of `SIBLINGS` among `parent`'s plain linear children (same input
-    width, dtype and bias presence) by `FusedLinear`s; returns how many layers were replaced."""
-    replaced = 0
+class SiblingSlice(nn.Module):
+    """One sibling's columns of the product its group computes once per input, where one module
+    (`whole`: a quantized copy of the group's stacked weights, say) computes the whole product."""
+
+    def __init__(self, whole: nn.Module, shared: SharedProduct, start: int, linear: nn.Linear) -> None:
+        super().__init__()
+        self.whole = whole  # a submodule of every slice: `modules()` yields it once
+        self.shared = shared
+        self.start = start
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+
+    @classmethod
+    def group(cls, whole: nn.Module, linears: list[nn.Linear]) -> list[SiblingSlice]:
+        """The slices of `whole`, a module computing `linears`' stacked product, one per linear."""
+        shared = SharedProduct(len(linears), whole)
+        starts = itertools.accumulate((m.out_features for m in linears[:-1]), initial=0)
+        return [cls(whole, shared, start, m) for start, m in zip(starts, linears, strict=True)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.product(x)[..., self.start : self.start + self.out_features]
+
+
+def stacked(linears: list[nn.Linear]) -> nn.Linear:
+    """One `nn.Linear` whose weight (and bias) are `linears`' stacked along the outputs: the whole
+    product of siblings, for a kernel or quantizer that should see it as one matrix."""
+    first = linears[0]
+    out = sum(m.out_features for m in linears)
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears])
+        linear = nn.Linear(first.in_features, out, bias=first.bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if first.bias is not None:
+            bias = torch.cat([cast(torch.Tensor, m.bias).detach() for m in linears])
+            linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
+def sibling_groups(parent: nn.Module) -> Iterator[tuple[tuple[str, ...], list[nn.Linear]]]:
+    """Each complete group of `SIBLINGS` among `parent`'s plain linear children that can be one
+    product (the same input width, dtype and bias presence): its names and its layers."""
     for names in SIBLINGS:
         linears = [getattr(parent, name, None) for name in names]
         if not all(type(m) is nn.Linear for m in linears):
             continue
         group = cast("list[nn.Linear]", linears)
         first = group[0]
-        if any(
-            m.in_features != first.in_features
-            or m.weight.dtype != first.weight.dtype
-            or (m.bias is None) != (first.bias is None)
+        if all(
+            m.in_features == first.in_features
+            and m.weight.dtype == first.weight.dtype
+            and (m.bias is None) == (first.bias is None)
             for m in group
         ):
-            continue
+            yield names, group
+
+
+def _fuse_siblings(parent: nn.Module) -> int:
+    """Replace each group of `sibling_groups` by `FusedLinear`s; returns how many layers were replaced."""
+    replaced = 0
+    for names, group in list(sibling_groups(parent)):
         siblings = _Siblings(group)
         start = 0
         for name, linear in zip(names, group, strict=True):

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from branchwise.backends.hf.prepack import plain
+from branchwise.backends.hf import cpu_kernels
+from branchwise.backends.hf.prepack import SiblingSlice, plain, sibling_groups, stacked
 
 KERNELS = ("auto", "dynamic_int8", "weight_only", "torchao")
 
@@ -139,6 +140,7 @@ class WeightOnlyLinear(nn.Module):
     scale: Tensor
     offset: Tensor | None
     scale_zeros: Tensor
+    scale_f32: Tensor
 
     def __init__(
         self,
@@ -231,6 +233,8 @@ class WeightOnlyLinear(nn.Module):
         self.qweight.copy_(codes)
         self.scale = scale.contiguous()
         self.fused = fused
+        if fused:  # the same values in float32, for branchwise's own kernel (`cpu_kernels.int8_linear`)
+            self.register_buffer("scale_f32", scale.view(-1).float(), persistent=False)
 
     def _quantize_int4(self, weight: Tensor, fused: bool) -> None:
         """Group-wise asymmetric 4-bit codes, in torch's int4 pack layout when `fused`."""
@@ -314,6 +318,10 @@ class WeightOnlyLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         bias: Tensor | None = self.bias
         if self.fused:
+            if self.bits == 8 and x.dtype == torch.float32 and cpu_kernels.ready_now() is None:
+                y = cpu_kernels.int8_linear(x.reshape(-1, self.in_features), self.qweight, self.scale_f32)
+                y = y.view(*x.shape[:-1], self.out_features)
+                return y if bias is None else y + bias
             flat = _bf16_rows(x, self.in_features)
             if self.bits == 8:
                 y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scale.view(-1))
@@ -410,11 +418,17 @@ def quantize_layer(
             spec = {nn.Linear: torch.ao.quantization.per_channel_dynamic_qconfig}
             torch.ao.quantization.quantize_dynamic(river, spec, dtype=torch.qint8, inplace=True)
         return river
-    replacements = {
-        id(mod): WeightOnlyLinear.from_linear(mod, bits, group_size)
-        for mod in layer.modules()
-        if isinstance(mod, nn.Linear)
-    }
+    # Siblings fed one input (q/k/v, gate/up) become one quantized product, as the backbone's are
+    # one packed product: one kernel call and one cast to and from bf16 per group, not per layer
+    # (one row per output, so the codes and scales are the separate layers' own).
+    replacements: dict[int, nn.Module] = {}
+    for parent in layer.modules():
+        for _, group in sibling_groups(parent):
+            whole = WeightOnlyLinear.from_linear(stacked(group), bits, group_size)
+            replacements.update(zip(map(id, group), SiblingSlice.group(whole, group), strict=True))
+    for mod in layer.modules():
+        if isinstance(mod, nn.Linear) and id(mod) not in replacements:
+            replacements[id(mod)] = WeightOnlyLinear.from_linear(mod, bits, group_size)
     # Seeding deepcopy's memo with the quantized modules makes the copy use them in place of the
     # Linears, so the full-precision weights are never duplicated (a throwaway fp copy of a layer
     # would be ~0.4 GB of GPU memory for a bf16 8B model).

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import torch
 
-from branchwise.backends.hf import paged_kernels
+from branchwise.backends.hf import cpu_kernels
 from branchwise.backends.hf.arch import DecoderParts
 from branchwise.backends.hf.attention import (
     AttentionContext,
@@ -290,7 +290,7 @@ def from_skeleton(batch: dict[str, Any], parts: DecoderParts, device: torch.devi
     own = batch["own"]
     table = made(own.get("table"))
     if table is not None:  # a compiler's or a warm-up's batch, never a request's: it may wait for the kernel
-        paged_kernels.build()
+        cpu_kernels.build()
     kv: OwnKV = (
         Tails(tensors(own["keys"]), tensors(own["values"]))
         if table is None

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from branchwise.backends.hf import paged_kernels
+from branchwise.backends.hf import cpu_kernels
 from branchwise.backends.hf.attention import Window, exact_attention, fused_cascade, merge_shared
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.own_kv import Pages
@@ -25,7 +25,7 @@ def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
     """Why a step of this batch cannot read its rows' pages in place (None: it can, or the batch
     keeps tails): the paged kernel reads float32 and bfloat16 on a CPU, one query per row, nothing
     for a tap to see (what a tap reads is a rectangle of keys), and once it is built: a step never
-    waits for its build (`paged_kernels.ready_now`)."""
+    waits for its build (`cpu_kernels.ready_now`)."""
     kv = ctx.kv
     if not isinstance(kv, Pages):
         return None
@@ -36,7 +36,7 @@ def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
         return f"the paged decode kernel reads float32 and bfloat16, not {like.dtype}"
     if taps:
         return "an acceleration's attention tap reads the keys as a rectangle"
-    return paged_kernels.ready_now()
+    return cpu_kernels.ready_now()
 
 
 class StaticAttention:
@@ -64,7 +64,7 @@ class StaticAttention:
         self.copied = pages_copied(ctx, any(tap.reads_keys for tap in self.taps))
         """Why this step reads a gathered copy of its rows' pages (None: tails, or pages in place)."""
         self.in_place = isinstance(ctx.kv, Pages) and self.copied is None
-        """Whether each layer reads the rows' pages where they lie (`paged_kernels.paged_decode`)."""
+        """Whether each layer reads the rows' pages where they lie (`cpu_kernels.paged_decode`)."""
         self.grouped = ctx.n_groups > 1
         """Whether query heads share K/V heads (a bool here, outside any compilation, where sizes
         are symbolic and SDPA's `enable_gqa` takes no symbolic bool)."""
@@ -152,7 +152,7 @@ class StaticAttention:
         kv = self.ctx.kv
         assert isinstance(kv, Pages)
         b, h, _, d = query.shape
-        out, lse = paged_kernels.paged_decode(
+        out, lse = cpu_kernels.paged_decode(
             query[:, :, 0], kv.keys[layer], kv.values[layer], kv.table, self.reach, scaling
         )
         if self.shared:

@@ -108,7 +108,7 @@ class ModelSpec:
 
 STEP_SOURCES = (
     "step.py", "step_attention.py", "step_inputs.py", "step_replay.py", "attention.py", "batch.py", "block_pool.py",
-    "arch.py", "prepack.py", "step_worker.py", "own_kv.py", "paged_kernels.py",
+    "arch.py", "prepack.py", "step_worker.py", "own_kv.py", "cpu_kernels.py",
 )  # fmt: skip
 """The modules whose code a compiled step was traced from: a compiled step never outlives an edit."""
 

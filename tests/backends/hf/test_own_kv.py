@@ -157,13 +157,13 @@ def test_the_default_is_pages_on_a_cpu_that_can_build_their_kernel(monkeypatch: 
     """Pages on a CPU with a compiler; tails where the kernel cannot be built (steps would read a
     copy of the pages, slower than the tails) and on CUDA (no paged kernel wired there yet);
     `$BRANCHWISE_KV_LAYOUT` wins over both, and a bad value there names the field."""
-    from branchwise.backends.hf import own_kv, paged_kernels
+    from branchwise.backends.hf import cpu_kernels, own_kv
 
     monkeypatch.delenv(own_kv.LAYOUT_ENV, raising=False)
-    monkeypatch.setattr(paged_kernels, "missing", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "missing", lambda: None)
     assert own_kv.default_layout(torch.device("cpu")) == "pages"
     assert own_kv.default_layout(torch.device("cuda")) == "tails"
-    monkeypatch.setattr(paged_kernels, "missing", lambda: "no C++ compiler")
+    monkeypatch.setattr(cpu_kernels, "missing", lambda: "no C++ compiler")
     assert own_kv.default_layout(torch.device("cpu")) == "tails"
     monkeypatch.setenv(own_kv.LAYOUT_ENV, "pages")
     assert own_kv.default_layout(torch.device("cuda")) == "pages"
@@ -196,9 +196,9 @@ def test_pages_give_the_tails_tokens_and_are_read_in_place(backend: HFBackend) -
     first pages: the tokens of the tails and of the layer loop; each step read the pages in place
     (no step counted as reading a copy, once the kernel is built: `build_ahead` starts it at the
     layout's choice, and this waits for it)."""
-    from branchwise.backends.hf import paged_kernels
+    from branchwise.backends.hf import cpu_kernels
 
-    assert paged_kernels.build() is None
+    assert cpu_kernels.build() is None
     layers = _decode(backend, "tails", "layers")
     tails = _decode(backend, "tails")
     pages = _decode(backend, "pages")
@@ -222,19 +222,17 @@ def test_a_paged_step_that_reads_a_copy_says_why(tiny_model_dir) -> None:
     assert backend.extend([root2], DecodeParams(max_tokens=6, min_tokens=6))[0].token_ids == gen.token_ids
 
 
-def test_no_step_waits_for_the_paged_kernels_build(
-    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_no_step_waits_for_the_cpu_kernels_build(backend: HFBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """While the paged kernel is still being built (the first time on a machine, in the background
     from the backend's load), the steps read a copy of their pages instead of waiting for the
     compiler, say so, and give the same tokens."""
-    from branchwise.backends.hf import paged_kernels
+    from branchwise.backends.hf import cpu_kernels
 
     tails = _decode(backend, "tails")
     started: list[bool] = []
-    monkeypatch.setattr(paged_kernels, "_done", False)  # as while the build thread runs
-    monkeypatch.setattr(paged_kernels, "build_ahead", lambda: started.append(True))
+    monkeypatch.setattr(cpu_kernels, "_done", False)  # as while the build thread runs
+    monkeypatch.setattr(cpu_kernels, "build_ahead", lambda: started.append(True))
     pages = _decode(backend, "pages")
     stats = backend.kv_stats().as_dict()
     assert pages == tails and started
-    assert stats.get(f"{OFF_FAST_BY}{OffFast.PAGES_COPIED.value}: {paged_kernels.BUILDING}", 0) >= 59
+    assert stats.get(f"{OFF_FAST_BY}{OffFast.PAGES_COPIED.value}: {cpu_kernels.BUILDING}", 0) >= 59

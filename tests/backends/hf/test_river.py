@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from branchwise.backends.hf import cpu_kernels
+from branchwise.backends.hf.prepack import SiblingSlice
 from branchwise.backends.hf.river import exit_fidelity, transition_similarity
 from branchwise.backends.hf.river_quant import (
     RefinedHead,
@@ -156,13 +158,17 @@ def test_fused_int8_is_chosen_at_build_time_and_stores_plain_int8() -> None:
 
 @needs_int8_kernel
 @pytest.mark.parametrize("shape", [(4, 128), (2, 3, 128), (1, 1, 128), (0, 128)])
-def test_fused_int8_equals_linear_on_its_dequantized_weight(shape: tuple[int, ...]) -> None:
-    """Tight: the fused kernel computes exactly F.linear(bf16(x), q·scale), up to its bf16 output.
+def test_fused_int8_equals_linear_on_its_dequantized_weight(
+    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tight: torch's fused kernel computes exactly F.linear(bf16(x), q·scale), up to its bf16 output.
 
     Both sides see the same bf16-rounded activations and the same dequantized weight (exact in fp32)
     and accumulate in fp32; the kernel then rounds to bf16, so they agree to one bf16 ulp (2^-8
     relative; rtol 2^-7 leaves room for a different fp32 summation order flipping a rounding).
+    branchwise's own kernel is kept off here (it is what a layer uses once built: the next test).
     """
+    monkeypatch.setattr(cpu_kernels, "ready_now", lambda: "kept off by the test")
     lin = _linear(128, 64)
     q = WeightOnlyLinear.from_linear(lin, 8, 32)
     x = torch.randn(*shape)
@@ -172,6 +178,33 @@ def test_fused_int8_equals_linear_on_its_dequantized_weight(shape: tuple[int, ..
     out = q(x)
     assert out.shape == (*shape[:-1], 64) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-5)
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize("shape", [(4, 128), (2, 3, 128), (1, 1, 128), (0, 128), (9, 144)])
+def test_own_int8_kernel_equals_linear_in_float32(shape: tuple[int, ...]) -> None:
+    """Once built, a fused 8-bit layer runs branchwise's kernel on float32 activations: F.linear(x,
+    q·scale) in float32 (the same products, another summation order), with no bf16 rounding. The
+    op itself takes any width (13: a tail past its vectors of 8) and says what does not match."""
+    if (reason := cpu_kernels.build()) is not None:
+        pytest.skip(f"the CPU kernels cannot be built here: {reason}")
+    lin = _linear(shape[-1], 64)
+    q = WeightOnlyLinear.from_linear(lin, 8, 32)
+    x = torch.randn(*shape)
+    ref = nn.functional.linear(x, q.dequantized_weight()) + lin.bias
+    out = q(x)
+    assert out.shape == (*shape[:-1], 64) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="x has 7 columns"):
+        cpu_kernels.int8_linear(torch.randn(2, 7), q.qweight, q.scale_f32)
+    codes = torch.randint(-127, 128, (5, 13), dtype=torch.int8)
+    scale, x13 = torch.rand(5), torch.randn(6, 13)
+    torch.testing.assert_close(
+        cpu_kernels.int8_linear(x13, codes, scale),
+        x13 @ (codes.float() * scale[:, None]).T,
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @needs_int8_kernel
@@ -354,6 +387,35 @@ def test_quantize_layer_replaces_linears_and_keeps_the_original(
     with torch.inference_mode():
         ref, out = layer.mlp(x), river.mlp(x)
     assert ((out - ref).norm() / ref.norm()) < 0.15
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_siblings_are_one_product_with_the_separate_layers_codes(
+    tiny_arch_dir: Path, bits: int
+) -> None:
+    """q/k/v and gate/up of a river layer are slices of one quantized product (one kernel call per
+    group): each slice gives what its own layer, quantized alone, gives (one scale per output row
+    or group, so stacking the rows changes no code), and the shared product is counted once."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch_dir, dtype=torch.float32).eval()
+    layer = _decoder_layers(model)[1]
+    river = quantize_layer(layer, bits, 32, "weight_only", CPU)
+    attn, mlp = river.self_attn, river.mlp
+    assert all(isinstance(getattr(attn, n), SiblingSlice) for n in ("q_proj", "k_proj", "v_proj"))
+    assert attn.q_proj.whole is attn.v_proj.whole and mlp.gate_proj.whole is mlp.up_proj.whole
+    assert isinstance(attn.o_proj, WeightOnlyLinear) and isinstance(mlp.down_proj, WeightOnlyLinear)
+    x = torch.randn(2, 3, model.config.hidden_size)
+    with torch.inference_mode():
+        for module, name in ((layer.self_attn, "k_proj"), (layer.mlp, "up_proj")):
+            alone = WeightOnlyLinear.from_linear(getattr(module, name), bits, 32)
+            sliced = getattr(attn if name == "k_proj" else mlp, name)
+            torch.testing.assert_close(sliced(x), alone(x), rtol=1e-4, atol=1e-5)
+    wholes = [m for m in river.modules() if isinstance(m, WeightOnlyLinear)]  # each module once
+    assert len(wholes) == 4  # q/k/v, o, gate/up, down
+    if bits == 8:  # one code per weight of the layer, none counted twice
+        linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+        assert sum(m.qweight.numel() for m in wholes) == sum(m.weight.numel() for m in linears)
 
 
 def test_dynamic_int8_on_cuda_is_a_clear_error(tiny_llama: Tiny) -> None:

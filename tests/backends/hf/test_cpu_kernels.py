@@ -1,4 +1,4 @@
-"""The paged decode kernel (`paged_kernels.py`, `csrc/paged_decode.cpp`) against its plain-torch
+"""The paged decode kernel (`cpu_kernels.py`, `csrc/paged_decode.cpp`) against its plain-torch
 reference: output and log-sum-exp over pools whose blocks are shuffled, grouped heads, lengths that
 are not multiples of the block (one token, one block, none), rows split across threads and merged,
 bfloat16; the op inside `torch.compile(fullgraph=True)`; and a missing compiler reported as a
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from branchwise.backends.hf import paged_kernels
-from branchwise.backends.hf.paged_kernels import (
+from branchwise.backends.hf import cpu_kernels
+from branchwise.backends.hf.cpu_kernels import (
     PagedKernelUnavailable,
     paged_decode,
     paged_decode_reference,
@@ -28,7 +28,7 @@ from branchwise.backends.hf.paged_kernels import (
 @pytest.fixture(scope="module")
 def kernel() -> None:
     """Skip unless the extension builds (or is in the cache) here."""
-    reason = paged_kernels.build()
+    reason = cpu_kernels.build()
     if reason is not None:
         pytest.skip(f"the paged decode kernel cannot be built here: {reason}")
 
@@ -183,17 +183,17 @@ def test_inside_torch_compile_fullgraph() -> None:
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """The module as if no build had been tried in this process (restored after the test)."""
-    monkeypatch.setattr(paged_kernels, "_tried", False)
-    monkeypatch.setattr(paged_kernels, "_reason", None)
-    monkeypatch.setattr(paged_kernels, "_info", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_reason", None)
+    monkeypatch.setattr(cpu_kernels, "_info", None)
     return monkeypatch
 
 
 def test_no_compiler_gives_a_reason(fresh: pytest.MonkeyPatch) -> None:
     fresh.setenv("CXX", "no-such-compiler-here")
-    reason = paged_kernels.build()
+    reason = cpu_kernels.build()
     assert reason is not None and "no C++ compiler" in reason and "no-such-compiler-here" in reason
-    assert paged_kernels.unavailable_reason() == reason and paged_kernels.build_info() is None
+    assert cpu_kernels.unavailable_reason() == reason and cpu_kernels.build_info() is None
     q, k_pool, v_pool, table, lens = make_case([4])
     with pytest.raises(PagedKernelUnavailable, match="no C\\+\\+ compiler"):
         paged_decode(q, k_pool, v_pool, table, lens, 0.125)
@@ -206,20 +206,20 @@ def test_the_build_outlives_a_daemon_starter_and_says_so_at_exit(
     flag: it must be no daemon all the same, or exit cuts the build short every time (each short
     run on a fresh machine built anew and read a copy). While it runs at exit, the wait is said."""
     release = threading.Event()
-    fresh.setattr(paged_kernels, "_builder", None)
-    fresh.setattr(paged_kernels, "build", lambda: release.wait(30))
-    starter = threading.Thread(target=paged_kernels.build_ahead, daemon=True)
+    fresh.setattr(cpu_kernels, "_builder", None)
+    fresh.setattr(cpu_kernels, "build", lambda: release.wait(30))
+    starter = threading.Thread(target=cpu_kernels.build_ahead, daemon=True)
     starter.start()
     starter.join(10)
-    builder = paged_kernels._builder
+    builder = cpu_kernels._builder
     assert builder is not None and builder.is_alive() and not builder.daemon
-    with caplog.at_level("WARNING", logger=paged_kernels.__name__):
-        paged_kernels._say_exit_wait()
+    with caplog.at_level("WARNING", logger=cpu_kernels.__name__):
+        cpu_kernels._say_exit_wait()
     assert "finishing the paged decode kernel's build before exiting" in caplog.text
     release.set()
     builder.join(10)
     caplog.clear()
-    paged_kernels._say_exit_wait()
+    cpu_kernels._say_exit_wait()
     assert not caplog.text  # once built, exit says nothing
 
 
@@ -227,14 +227,14 @@ def test_ninja_from_the_package_when_none_is_on_path(fresh: pytest.MonkeyPatch, 
     """A process whose PATH has a compiler but no ninja (an environment run without activating it)
     finds the ninja the `ninja` dependency installed, so its KV can still live in pages."""
     ninja = pytest.importorskip("ninja")
-    compiler = shutil.which(paged_kernels._compiler())
+    compiler = shutil.which(cpu_kernels._compiler())
     if compiler is None:
         pytest.skip("no C++ compiler on this machine")
     (tmp_path / "c++").symlink_to(compiler)
     fresh.setenv("CXX", "c++")
     fresh.setenv("PATH", str(tmp_path))
     assert shutil.which("ninja") is None
-    assert paged_kernels.missing() is None
+    assert cpu_kernels.missing() is None
     assert shutil.which("ninja") == str(Path(ninja.BIN_DIR) / "ninja")
 
 
@@ -246,10 +246,10 @@ def test_a_failed_build_gives_its_error_as_the_reason(fresh: pytest.MonkeyPatch,
 
     fresh.setattr(cpp_extension, "is_ninja_available", lambda: True)
     fresh.setattr(cpp_extension, "load", broken)
-    fresh.setattr(paged_kernels, "build_dir", lambda: tmp_path)
-    reason = paged_kernels.build()
+    fresh.setattr(cpu_kernels, "build_dir", lambda: tmp_path)
+    reason = cpu_kernels.build()
     assert reason is not None and "Error building extension" in reason
-    assert paged_kernels.build() == reason  # tried once per process, the answer kept
+    assert cpu_kernels.build() == reason  # tried once per process, the answer kept
 
 
 @pytest.mark.usefixtures("kernel")
@@ -259,13 +259,13 @@ def test_a_lock_left_by_a_builder_that_died_is_taken_over() -> None:
     import subprocess
     import sys
 
-    info = paged_kernels.build_info()
+    info = cpu_kernels.build_info()
     assert info is not None
     stale = info.path.parent / "lock"
     stale.touch()  # what a builder killed mid-build leaves
     try:
         done = subprocess.run(
-            [sys.executable, "-c", "from branchwise.backends.hf import paged_kernels as p; print(p.build())"],
+            [sys.executable, "-c", "from branchwise.backends.hf import cpu_kernels as p; print(p.build())"],
             capture_output=True,
             text=True,
             timeout=300,

@@ -1,18 +1,24 @@
-"""Decode attention over a paged KV pool read in place, with its log-sum-exp: a CPU kernel of our own.
+"""The CPU kernels of our own, one C++ extension: decode attention over a paged KV pool read in
+place (`paged_decode`), and a weight-only int8 product for a few rows (`int8_linear`).
 
-Why: a pool of fixed-size KV blocks (a block table per row, as vLLM and SGLang keep KV) holds
-each row at its own length instead of the longest row's, but on a CPU it pays only if attention
-reads each row's blocks where they lie: gathering them into a padded copy for SDPA first cost 2-5x
-the attention itself (`benchmarks/paged_attention.py`). PyTorch has no such reader on the CPU
-(FlexAttention's paged block mask compiles there, but ran at 0.5-0.9x the tails and cannot return
-the log-sum-exp under compilation, which the cascade merges by), so `csrc/paged_decode.cpp` is one:
-a `torch.library` op, `torch.ops.branchwise.paged_decode`, parallel over (row, KV head, chunk of
-blocks) on torch's threads, an online softmax per tile of tokens in fp32, vectorized with torch's
-own `at::vec` for the instruction set torch itself dispatches to on this CPU.
+Why `paged_decode`: a pool of fixed-size KV blocks (a block table per row, as vLLM and SGLang keep
+KV) holds each row at its own length instead of the longest row's, but on a CPU it pays only if
+attention reads each row's blocks where they lie: gathering them into a padded copy for SDPA first
+cost 2-5x the attention itself (`benchmarks/paged_attention.py`). PyTorch has no such reader on the
+CPU (FlexAttention's paged block mask compiles there, but ran at 0.5-0.9x the tails and cannot
+return the log-sum-exp under compilation, which the cascade merges by), so `csrc/paged_decode.cpp`
+is one: a `torch.library` op, `torch.ops.branchwise.paged_decode`, parallel over (row, KV head,
+chunk of blocks) on torch's threads, an online softmax per tile of tokens in fp32, vectorized with
+torch's own `at::vec` for the instruction set torch itself dispatches to on this CPU.
 
-It is compiled on first use (`build`, 20-50 s on 2 cores; then loaded from
-`$BRANCHWISE_CACHE_DIR/extensions`, well under a second) with torch's `cpp_extension`, and carries
-a fake kernel so it sits inside `torch.compile(fullgraph=True)` as one opaque operation. Where no
+Why `int8_linear` (`csrc/int8_linear.cpp`): River's quantized layers read a quarter of the bytes of
+the float32 ones, but torch's CPU kernel for them takes bf16 activations and, without native bf16
+(AVX2), streamed its weights at about half oneDNN's float32 speed; this one widens the codes to
+float32 as it streams them (`river_quant.WeightOnlyLinear` uses it where it is built).
+
+Both are compiled on first use (`build`, 20-50 s on 2 cores; then loaded from
+`$BRANCHWISE_CACHE_DIR/extensions`, well under a second) with torch's `cpp_extension`, and carry
+fake kernels so they sit inside `torch.compile(fullgraph=True)` as opaque operations. Where no
 compiler is found or the build fails, `build()` returns the reason instead of raising, so a caller
 falls back and says why; `paged_decode` raises `PagedKernelUnavailable` with that reason.
 
@@ -40,8 +46,10 @@ from branchwise.backends.hf.embedded import branchwise_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
-"""The kernel's source, shipped as package data (pyproject's `package-data`)."""
+SOURCES = tuple(
+    Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode.cpp", "int8_linear.cpp")
+)
+"""The kernels' sources, shipped as package data (pyproject's `package-data`)."""
 
 OP_NAME = "branchwise::paged_decode"
 
@@ -109,8 +117,8 @@ def _extension_name(cflags: list[str]) -> str:
     build file names another source path)."""
     key = "\n".join(
         [
-            SOURCE.read_text(encoding="utf-8"),
-            str(SOURCE),
+            *(source.read_text(encoding="utf-8") for source in SOURCES),
+            *map(str, SOURCES),
             *cflags,
             torch.__version__,
             platform.machine(),
@@ -184,8 +192,8 @@ def ready_now() -> str | None:
 def missing() -> str | None:
     """What this machine lacks to build the kernel (its source, a C++ compiler, ninja), without
     building it; None when nothing is missing (the build itself may still fail: `build`)."""
-    if not SOURCE.is_file():
-        return f"the kernel's source is not installed ({SOURCE})"
+    if absent := [str(source) for source in SOURCES if not source.is_file()]:
+        return f"the kernels' sources are not installed ({', '.join(absent)})"
     compiler = _compiler()
     if shutil.which(compiler) is None:
         return f"no C++ compiler: {compiler!r} is not on PATH (set CXX to one)"
@@ -228,7 +236,7 @@ def _build() -> BuildInfo:
         cached = library.is_file()
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=list(map(str, SOURCES)),
             extra_cflags=cflags,
             extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [],
             build_directory=str(directory),
@@ -285,6 +293,10 @@ def _register_fake() -> None:
         lse = q.new_empty(q.shape[:2], dtype=torch.float32)
         return out, lse
 
+    @torch.library.register_fake("branchwise::int8_linear")
+    def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], w.shape[0])
+
 
 def build_info() -> BuildInfo | None:
     """How this process got the kernel (None before a successful `build()`)."""
@@ -322,6 +334,13 @@ def paged_decode(
             raise PagedKernelUnavailable(reason)
     out, lse = torch.ops.branchwise.paged_decode(q, k_pool, v_pool, block_table, lens, scale, chunk_blocks)
     return out, lse
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x @ (w * scale[:, None]).T` for float32 `x` `[M, K]`, int8 `w` `[N, K]` (contiguous) and
+    float32 `scale` `[N]`, accumulated in float32, streaming `w` once for all rows. Only where
+    `ready_now()` says the extension is built (its caller keeps another kernel meanwhile)."""
+    return torch.ops.branchwise.int8_linear(x, w, scale)
 
 
 def paged_decode_reference(

@@ -436,12 +436,9 @@ class SkipKV(Acceleration):
             shared = scores[0, 0]
         else:
             scale = self.parts.head_dim**-0.5
-            importance = torch.stack(
-                [
-                    token_importance(window.of_row(layer, pos), k, scale, cfg.pool_kernel)
-                    for layer, k in enumerate(keys)
-                ]
-            )
+            # every layer in one product (a step's worth of small ones cost more than the scores)
+            queries = torch.stack([window.of_row(layer, pos) for layer in range(len(keys))])
+            importance = token_importance(queries, torch.stack(keys), scale, cfg.pool_kernel)
             redundancy = torch.stack([key_redundancy(k) for k in keys]) if cfg.redundancy else None
             scores = eviction_scores(importance, redundancy, penalty, cfg.sigma, per_head=True)
             shared = eviction_scores(importance, redundancy, penalty, cfg.sigma)

@@ -34,9 +34,11 @@ def token_importance(
     pool_kernel: int,
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Eq. 4: attention the last α queries pay each key, per KV head → [H_kv, N] (float32, sums to 1).
+    """Eq. 4: attention the last α queries pay each key, per KV head → [..., H_kv, N] (float32, sums
+    to 1).
 
-    `queries` [H_q, α, D] and `keys` [H_kv, N, D] are one row's post-RoPE states at one layer. Query
+    `queries` [..., H_q, α, D] and `keys` [..., H_kv, N, D] are one row's post-RoPE states at one
+    layer (or at every layer, stacked along the leading dims: one product for all of them). Query
     head i belongs to KV head i // (H_q / H_kv), the `repeat_kv` layout of transformers; the query
     heads are viewed in groups rather than the keys repeated, so memory stays O(H_q·α·N).
     Attention is averaged over the α queries, maxed over a group's query heads, max-pooled along the
@@ -48,8 +50,8 @@ def token_importance(
     `valid` masks keys (False = padding / not a key of this row): [N], or [α, N] per query — pass
     the latter for causality when the keys include the observation window itself. Masked keys get 0.
     """
-    h_q, alpha, d = queries.shape
-    h_kv, n, d_k = keys.shape
+    *lead, h_q, alpha, d = queries.shape
+    *_, h_kv, n, d_k = keys.shape
     if d != d_k or h_q % h_kv:
         raise ValueError(
             f"queries [H_q={h_q}, α, D={d}] and keys [H_kv={h_kv}, N, D={d_k}]: need equal D and H_q % H_kv == 0"
@@ -57,8 +59,8 @@ def token_importance(
     if pool_kernel < 1 or pool_kernel % 2 == 0:
         raise ValueError(f"pool_kernel={pool_kernel} must be odd and >= 1")
     group = h_q // h_kv
-    q = queries.float().reshape(h_kv, group * alpha, d)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scaling).view(h_kv, group, alpha, n)
+    q = queries.float().reshape(*lead, h_kv, group * alpha, d)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scaling).view(*lead, h_kv, group, alpha, n)
     key_ok: torch.Tensor | None = None
     if valid is not None:
         mask = valid.to(device=logits.device, dtype=torch.bool)
@@ -67,9 +69,10 @@ def token_importance(
         logits = logits.masked_fill(~mask, float("-inf"))
         key_ok = mask if mask.dim() == 1 else mask.any(0)
     attn = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a query with no valid key → 0
-    scores = attn.mean(dim=2).amax(dim=1)  # [H_kv, N]
+    scores = attn.mean(dim=-2).amax(dim=-2)  # [..., H_kv, N]
     if pool_kernel > 1:
-        scores = F.max_pool1d(scores.unsqueeze(1), pool_kernel, stride=1, padding=pool_kernel // 2).squeeze(1)
+        pooled = F.max_pool1d(scores.reshape(-1, 1, n), pool_kernel, stride=1, padding=pool_kernel // 2)
+        scores = pooled.view(scores.shape)
     if key_ok is not None:
         scores = scores.masked_fill(~key_ok, 0.0)  # pooling must not spill onto padding
     return scores / scores.sum(dim=-1, keepdim=True).clamp_min(_EPS)

@@ -226,6 +226,20 @@ def test_importance_masks_keys_and_accepts_low_precision() -> None:
         token_importance(torch.randn(3, 2, 8), keys, scaling=1.0, pool_kernel=1)
 
 
+@pytest.mark.parametrize("pool_kernel", [1, 3])
+def test_importance_of_stacked_layers_is_each_layers_own(pool_kernel: int) -> None:
+    """Layers stacked along a leading dim (one product for a row's every layer, as SkipKV scores
+    them) give each layer what it gets alone, masks included."""
+    torch.manual_seed(1)
+    queries, keys = torch.randn(5, 4, 3, 8), torch.randn(5, 2, 7, 8)  # 5 layers
+    valid = torch.tensor([True, True, False, True, True, True, True])
+    stacked = token_importance(queries, keys, scaling=8**-0.5, pool_kernel=pool_kernel, valid=valid)
+    assert stacked.shape == (5, 2, 7)
+    for layer in range(5):
+        alone = token_importance(queries[layer], keys[layer], 8**-0.5, pool_kernel, valid=valid)
+        torch.testing.assert_close(stacked[layer], alone)
+
+
 def test_duplicated_keys_are_more_redundant_than_a_unique_one() -> None:
     keys = torch.eye(6)[[0, 0, 0, 1, 2, 3]].unsqueeze(0) * 3.0
     keys = torch.cat([keys, torch.eye(6)[[4, 5, 1, 1, 2, 3]].unsqueeze(0)])  # head 1: its own duplicates

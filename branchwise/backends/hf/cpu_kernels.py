@@ -336,10 +336,17 @@ def paged_decode(
     return out, lse
 
 
+def int8_linear_ready() -> bool:
+    """Whether `int8_linear` runs here now, vectorized: the extension is built (never waited for)
+    and torch dispatches to AVX2 or AVX-512 on this CPU (elsewhere the op is a scalar loop, slower
+    than torch's own kernel for the same layer)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and ready_now() is None
+
+
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x @ (w * scale[:, None]).T` for float32 `x` `[M, K]`, int8 `w` `[N, K]` (contiguous) and
     float32 `scale` `[N]`, accumulated in float32, streaming `w` once for all rows. Only where
-    `ready_now()` says the extension is built (its caller keeps another kernel meanwhile)."""
+    `int8_linear_ready()` says so (its caller keeps another kernel meanwhile)."""
     return torch.ops.branchwise.int8_linear(x, w, scale)
 
 

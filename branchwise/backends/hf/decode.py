@@ -4,7 +4,10 @@ Why its own module: this is where a token gets sampled (`sampling.pick_tokens`) 
 ends (EOS, a stop string, the step delimiter, max_tokens, a tool call repeating one the row made
 already, or an acceleration's `stop_reason`). It owns no KV: `forward` (the runner, bound to the
 run's `Computation`) and `capture` (copy a row's KV back into its node) are passed in, so this loop
-reads as what it is.
+reads as what it is. A step is five named parts, in order: `_pick` (sampling, with the grammar's
+mask and each row's own parameters), `_append` (each row takes its token and is checked for its
+stops), `_ask_stoppers` (accelerations that may end the batch), `_at_boundary` (the intake's
+preemptions and admissions) and `_compact` (ended rows leave the batch); then the forward.
 
 Stop checks are incremental: each row keeps a running detokenization (`TextTail`) that decodes only
 the last few tokens per step, instead of re-decoding the row's whole output every step (quadratic
@@ -285,13 +288,11 @@ def decode(
     `run.on_step` (see `StepListener`) is told each step's tokens and finished rows; rows it returns
     stop at once. Without it, the loop does no per-step work for it.
     """
-    params, stops = run.params, run.stops
     rows = batch.rows
     for r in rows:
         old = run.carried.pop(r.seg.id, None)
         if old is not None:
             r.out, r.top1, r.logprobs = old.out, old.top1, old.logprobs
-    ctx = batch.ctx
     stoppers = overrides(hooks, "stop_reason")
     before_step = overrides(hooks, "before_step")
     after_step = overrides(hooks, "after_step")
@@ -301,102 +302,26 @@ def decode(
     present = list(range(len(rows)))  # batch position -> row index
     stepping = present  # rows that append a token this step
     admitted: list[NodeId] = []
-    grammar = run.grammar
     while True:
         COMPUTE.check()  # a caller interrupted while it waits stops the decode here
-        early = [pos for pos, ri in enumerate(present) if len(rows[ri].out) < stops.of(rows[ri]).min_tokens]
-        if early and eos.numel():
-            logits = logits.clone()
-            logits[torch.tensor(early, device=device).unsqueeze(1), eos] = float("-inf")
-        allowed, stuck = logits, set[int]()
-        if grammar:  # the sampling-stage mask; statistics stay the model's own distribution
-            allowed, stuck = grammar.mask(logits, [rows[ri].seg.id for ri in present])
-        temperature: float | torch.Tensor = params.temperature
-        top_p: float | torch.Tensor = params.top_p
-        if run.mixed:  # rows with their own sampling parameters
-            own = [stops.of(rows[ri]) for ri in present]
-            temperature = torch.tensor([p.temperature for p in own], device=logits.device)
-            top_p = torch.tensor([p.top_p for p in own], device=logits.device)
-        tokens, top1, chosen = pick_tokens(logits, temperature, top_p, run.generator, allowed)
-        tok_list, top1_list, lp_list = tokens.tolist(), top1.tolist(), chosen.tolist()
-        for pos, ri in enumerate(present):
-            r = rows[ri]
-            if r.finish is not None:
-                continue
-            if pos in stuck:  # its grammar admits no token: it ends without one
-                r.finish = "grammar"
-                stops.settle(r)
-                continue
-            tok = tok_list[pos]
-            if grammar and tok != (
-                kept := grammar.within_budget(r.seg.id, tok, stops.of(r).max_tokens - len(r.out))
-            ):
-                # the budget closes the constrained output instead (`grammar_close`)
-                tok, lp_list[pos] = kept, float(torch.log_softmax(logits[pos].float(), -1)[kept])
-            r.out.append(tok)
-            r.seg.tokens.append(tok)
-            r.top1.append(top1_list[pos])
-            r.logprobs.append(lp_list[pos])
-            r.finish = stops.check(r)
-            if grammar and not grammar.accept(r.seg.id, tok) and r.finish is None:
-                r.finish = "grammar"
-                stops.settle(r)
-            if r.finish == "length" and grammar and grammar.ends_here(r.seg.id):
-                # the last token completed a constrained output that only the end of sequence may
-                # follow: it ended as the model's next token would have ended it (not cut)
-                r.finish = "eos"
-            elif r.finish == "eos" and grammar and grammar.forced(r.seg.id):
-                r.finish = "length"  # the budget closed it: cut short, and said so
-        alive = [ri for ri in present if rows[ri].finish is None]
-        if grammar:
-            for ri in present:
-                if rows[ri].finish is not None:
-                    grammar.drop(rows[ri].seg.id)
-        if alive and (not grammar or grammar.complete([rows[ri].seg.id for ri in alive])):
-            for hook in stoppers:
-                reason = hook.stop_reason(rows, run.step)
-                if reason is not None:
-                    for ri in alive:
-                        rows[ri].finish = reason
-                        stops.settle(rows[ri])
-                    alive = []
-                    break
+        picked = _pick(logits, run, rows, present, eos)
+        _append(run, rows, present, picked)
+        alive = _ask_stoppers(run, rows, present, stoppers)
         if run.on_step is not None:
-            if stuck:  # a row that ended without a token reports none this step
-                ended = {present[pos] for pos in stuck}
+            if picked.stuck:  # a row that ended without a token reports none this step
+                ended = {present[pos] for pos in picked.stuck}
                 stepping = [ri for ri in stepping if ri not in ended]
             alive = _report(run, rows, stepping, alive)
         step = run.step
         run.step += 1
         if not alive:
             break
-        if ctx.kv.frees_rows:  # an ended row's pages go back now, for the rows still decoding
-            for pos, ri in enumerate(present):  # (before the budget is asked: its capture adds bytes)
-                if rows[ri].finish is not None and not rows[ri].captured:
-                    capture(pos, rows[ri])
-                    ctx.kv.release(pos)
-        evict = False
-        if (boundary := run.boundary) is not None:
-            for r in boundary.pressure([rows[ri] for ri in alive]):
-                r.preempted = evict = True
-            if evict:
-                for pos, ri in enumerate(present):
-                    if rows[ri].preempted:
-                        boundary.preempt(pos, rows[ri])
-                alive = [ri for ri in alive if not rows[ri].preempted]
-            admitted = list(boundary.admit(len(alive)))
-            if admitted:
-                break
+        alive, evict, admitted = _at_boundary(run, batch, present, alive, capture)
+        if admitted:
+            break
         dead = len(present) - len(alive)
         if evict or (dead and dead * 4 >= len(present)):  # compact: ended rows leave the batch
-            for pos, ri in enumerate(present):
-                if rows[ri].finish is not None and not rows[ri].captured:
-                    capture(pos, rows[ri])
-            keep = [
-                pos for pos, ri in enumerate(present) if rows[ri].finish is None and not rows[ri].preempted
-            ]
-            ctx.select_rows(torch.tensor(keep, device=device), {old: new for new, old in enumerate(keep)})
-            present = alive
+            present = _compact(batch, present, alive, capture, device)
         feeds = [[rows[ri].out[-1]] if rows[ri].finish is None else [] for ri in present]
         for hook in before_step:
             hook.before_step(batch, [rows[ri] for ri in present])
@@ -418,6 +343,138 @@ def decode(
         else:
             run.results.setdefault(run.rows[r.seg.id], _generation(r))
     return admitted
+
+
+@dataclass(frozen=True)
+class _Picked:
+    """One step's sampled tokens by batch position, and the positions whose grammar admits none."""
+
+    logits: torch.Tensor
+    """What they were sampled from (end of sequence held back for rows below `min_tokens`)."""
+    tokens: list[int]
+    top1: list[float]
+    logprobs: list[float]
+    stuck: set[int]
+
+
+def _pick(
+    logits: torch.Tensor, run: DecodeRun, rows: Sequence[Row], present: list[int], eos: torch.Tensor
+) -> _Picked:
+    """Sample a token per row: end of sequence held back below a row's `min_tokens`, the grammar's
+    mask at the sampling stage (the statistics stay the model's own distribution), each row's own
+    temperature and top-p where rows have their own parameters."""
+    stops = run.stops
+    early = [pos for pos, ri in enumerate(present) if len(rows[ri].out) < stops.of(rows[ri]).min_tokens]
+    if early and eos.numel():
+        logits = logits.clone()
+        logits[torch.tensor(early, device=logits.device).unsqueeze(1), eos] = float("-inf")
+    allowed, stuck = logits, set[int]()
+    if run.grammar:
+        allowed, stuck = run.grammar.mask(logits, [rows[ri].seg.id for ri in present])
+    temperature: float | torch.Tensor = run.params.temperature
+    top_p: float | torch.Tensor = run.params.top_p
+    if run.mixed:  # rows with their own sampling parameters
+        own = [stops.of(rows[ri]) for ri in present]
+        temperature = torch.tensor([p.temperature for p in own], device=logits.device)
+        top_p = torch.tensor([p.top_p for p in own], device=logits.device)
+    tokens, top1, chosen = pick_tokens(logits, temperature, top_p, run.generator, allowed)
+    return _Picked(logits, tokens.tolist(), top1.tolist(), chosen.tolist(), stuck)
+
+
+def _append(run: DecodeRun, rows: Sequence[Row], present: list[int], picked: _Picked) -> None:
+    """Each decoding row takes its token and is checked for its stops (the grammar's among them:
+    its budget closing a constrained output, a token it rejects, an output only EOS may follow)."""
+    stops, grammar = run.stops, run.grammar
+    for pos, ri in enumerate(present):
+        r = rows[ri]
+        if r.finish is not None:
+            continue
+        if pos in picked.stuck:  # its grammar admits no token: it ends without one
+            r.finish = "grammar"
+            stops.settle(r)
+            continue
+        tok = picked.tokens[pos]
+        if grammar and tok != (
+            kept := grammar.within_budget(r.seg.id, tok, stops.of(r).max_tokens - len(r.out))
+        ):
+            # the budget closes the constrained output instead (`grammar_close`)
+            tok, picked.logprobs[pos] = kept, float(torch.log_softmax(picked.logits[pos].float(), -1)[kept])
+        r.out.append(tok)
+        r.seg.tokens.append(tok)
+        r.top1.append(picked.top1[pos])
+        r.logprobs.append(picked.logprobs[pos])
+        r.finish = stops.check(r)
+        if grammar and not grammar.accept(r.seg.id, tok) and r.finish is None:
+            r.finish = "grammar"
+            stops.settle(r)
+        if r.finish == "length" and grammar and grammar.ends_here(r.seg.id):
+            # the last token completed a constrained output that only the end of sequence may
+            # follow: it ended as the model's next token would have ended it (not cut)
+            r.finish = "eos"
+        elif r.finish == "eos" and grammar and grammar.forced(r.seg.id):
+            r.finish = "length"  # the budget closed it: cut short, and said so
+
+
+def _ask_stoppers(
+    run: DecodeRun, rows: Sequence[Row], present: list[int], stoppers: Sequence[Acceleration]
+) -> list[int]:
+    """The rows still decoding after this step, once the accelerations that may end a batch
+    (`stop_reason`) were asked; ended rows' grammars are let go."""
+    alive = [ri for ri in present if rows[ri].finish is None]
+    grammar = run.grammar
+    if grammar:
+        for ri in present:
+            if rows[ri].finish is not None:
+                grammar.drop(rows[ri].seg.id)
+    if alive and (not grammar or grammar.complete([rows[ri].seg.id for ri in alive])):
+        for hook in stoppers:
+            reason = hook.stop_reason(rows, run.step)
+            if reason is not None:
+                for ri in alive:
+                    rows[ri].finish = reason
+                    run.stops.settle(rows[ri])
+                return []
+    return alive
+
+
+def _at_boundary(
+    run: DecodeRun, batch: Batch, present: list[int], alive: list[int], capture: CaptureFn
+) -> tuple[list[int], bool, list[NodeId]]:
+    """The step boundary: ended rows' pages go back, then the intake (`run.boundary`) names rows to
+    preempt (told each while its KV is in the batch) and nodes that join now. Returns the rows that
+    go on decoding, whether any was preempted, and the nodes admitted."""
+    rows, kv = batch.rows, batch.ctx.kv
+    if kv.frees_rows:  # an ended row's pages go back now, for the rows still decoding
+        for pos, ri in enumerate(present):  # (before the budget is asked: its capture adds bytes)
+            if rows[ri].finish is not None and not rows[ri].captured:
+                capture(pos, rows[ri])
+                kv.release(pos)
+    boundary = run.boundary
+    if boundary is None:
+        return alive, False, []
+    evict = False
+    for r in boundary.pressure([rows[ri] for ri in alive]):
+        r.preempted = evict = True
+    if evict:
+        for pos, ri in enumerate(present):
+            if rows[ri].preempted:
+                boundary.preempt(pos, rows[ri])
+        alive = [ri for ri in alive if not rows[ri].preempted]
+    return alive, evict, list(boundary.admit(len(alive)))
+
+
+def _compact(
+    batch: Batch, present: list[int], alive: list[int], capture: CaptureFn, device: torch.device
+) -> list[int]:
+    """Ended and preempted rows leave the batch (an ended row's KV captured into its node first);
+    returns the new batch positions' rows."""
+    rows = batch.rows
+    for pos, ri in enumerate(present):
+        if rows[ri].finish is not None and not rows[ri].captured:
+            capture(pos, rows[ri])
+    keep = [pos for pos, ri in enumerate(present) if rows[ri].finish is None and not rows[ri].preempted]
+    batch.ctx.select_rows(torch.tensor(keep, device=device), {old: new for new, old in enumerate(keep)})
+    return alive
 
 
 def _generation(r: Row) -> Generation:

@@ -7,7 +7,10 @@ backbone layer's `self_attn.layer_idx`, so its K/V lands in the backbone's cache
 Kernels (see `WeightOnlyLinear`; their speed is measured by `benchmarks/river.py`, not stated here):
 - `weight_only` (what `auto` picks): weight-only quantization with bf16 activations, the paper's
   W8A16/W4A16. 8 bits = int8 with one scale per output row, 4 bits = group-wise asymmetric codes. On
-  CPU both run on torch's fused kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which
+  CPU 8 bits runs on branchwise's own kernel once it is built (`cpu_kernels.int8_linear`: float32
+  activations, the codes widened as they stream; torch's bf16 one streamed them at half oneDNN's
+  float32 speed on a CPU without native bf16), and both run on torch's fused kernels
+  (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) otherwise, which
   beat the fp32 Linear at decode batch sizes (a few rows per call) and fall behind it on many rows
   (long prefills); where those cannot run (CUDA, odd shapes) the weight is dequantized per call and
   F.linear'd, which saves memory but costs time (an extra pass over the weight).
@@ -318,7 +321,7 @@ class WeightOnlyLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         bias: Tensor | None = self.bias
         if self.fused:
-            if self.bits == 8 and x.dtype == torch.float32 and cpu_kernels.ready_now() is None:
+            if self.bits == 8 and x.dtype == torch.float32 and cpu_kernels.int8_linear_ready():
                 y = cpu_kernels.int8_linear(x.reshape(-1, self.in_features), self.qweight, self.scale_f32)
                 y = y.view(*x.shape[:-1], self.out_features)
                 return y if bias is None else y + bias

@@ -437,9 +437,12 @@ class SkipKV(Acceleration):
         else:
             scale = self.parts.head_dim**-0.5
             # every layer in one product (a step's worth of small ones cost more than the scores)
-            queries = torch.stack([window.of_row(layer, pos) for layer in range(len(keys))])
-            importance = token_importance(queries, torch.stack(keys), scale, cfg.pool_kernel)
-            redundancy = torch.stack([key_redundancy(k) for k in keys]) if cfg.redundancy else None
+            queries, stacked = (
+                torch.stack([window.of_row(layer, pos) for layer in range(len(keys))]),
+                torch.stack(keys),
+            )
+            importance = token_importance(queries, stacked, scale, cfg.pool_kernel)
+            redundancy = key_redundancy(stacked) if cfg.redundancy else None
             scores = eviction_scores(importance, redundancy, penalty, cfg.sigma, per_head=True)
             shared = eviction_scores(importance, redundancy, penalty, cfg.sigma)
         keep = select_keep(shared, cfg.budget, evictable=evictable, protected=protected)

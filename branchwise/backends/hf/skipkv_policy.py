@@ -79,19 +79,21 @@ def token_importance(
 
 
 @torch.no_grad()
-def key_redundancy(keys: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Eq. 5 (R-KV): how much each key is duplicated by the row's other keys → [H_kv, N] float32.
+def key_redundancy(
+    keys: torch.Tensor, valid: torch.Tensor | None = None, max_bytes: int = 64 << 20
+) -> torch.Tensor:
+    """Eq. 5 (R-KV): how much each key is duplicated by the row's other keys → [..., H_kv, N] float32.
 
     Per KV head: unit keys K̄, similarities K̄K̄ᵀ with the diagonal excluded, a softmax over each
     row, then the mean over rows — key j scores high when many other keys are most similar to it.
     Invalid (padding) keys are neither candidates in the softmax nor rows in the mean, and score 0.
-    `keys` is one row's: R-KV's public code took batch row 0's similarities for every row, which
-    scores one branch's tokens by another's keys. Heads run one at a time, so the N×N temporary is
-    one head's.
+    `keys` is one row's, `[H_kv, N, D]` or every layer's stacked `[L, H_kv, N, D]`: R-KV's public
+    code took batch row 0's similarities for every row, which scores one branch's tokens by another's
+    keys. As many heads run at once as keep the N×N temporaries within `max_bytes` (at least one).
     """
-    h_kv, n, _ = keys.shape
+    *lead, h_kv, n, d = keys.shape
     k = keys.float()
-    k = k / (k.norm(dim=-1, keepdim=True) + _EPS)
+    k = (k / (k.norm(dim=-1, keepdim=True) + _EPS)).reshape(-1, n, d)
     mask = torch.ones(n, dtype=torch.bool, device=k.device)
     if valid is not None:
         if valid.shape != (n,):
@@ -99,12 +101,14 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor | None = None) -> tor
         mask = valid.to(device=k.device, dtype=torch.bool)
     exclude = ~mask.unsqueeze(0) | torch.eye(n, dtype=torch.bool, device=k.device)
     rows = mask.sum().clamp_min(1).float()
-    out = torch.empty(h_kv, n, device=k.device)
-    for h in range(h_kv):
-        sim = (k[h] @ k[h].T).masked_fill_(exclude, float("-inf"))
+    out = torch.empty(k.shape[0], n, device=k.device)
+    per = max(1, max_bytes // max(n * n * 4, 1))
+    for i in range(0, k.shape[0], per):
+        part = k[i : i + per]
+        sim = (part @ part.transpose(-1, -2)).masked_fill_(exclude, float("-inf"))
         probs = torch.nan_to_num(torch.softmax(sim, dim=-1), nan=0.0)  # a lone valid key has no others
-        out[h] = probs[mask].sum(dim=0) / rows
-    return out.masked_fill_(~mask, 0.0)
+        out[i : i + per] = probs[:, mask].sum(dim=1) / rows
+    return out.view(*lead, h_kv, n).masked_fill_(~mask, 0.0)
 
 
 @torch.no_grad()

@@ -168,7 +168,7 @@ def test_fused_int8_equals_linear_on_its_dequantized_weight(
     relative; rtol 2^-7 leaves room for a different fp32 summation order flipping a rounding).
     branchwise's own kernel is kept off here (it is what a layer uses once built: the next test).
     """
-    monkeypatch.setattr(cpu_kernels, "ready_now", lambda: "kept off by the test")
+    monkeypatch.setattr(cpu_kernels, "int8_linear_ready", lambda: False)
     lin = _linear(128, 64)
     q = WeightOnlyLinear.from_linear(lin, 8, 32)
     x = torch.randn(*shape)
@@ -188,6 +188,8 @@ def test_own_int8_kernel_equals_linear_in_float32(shape: tuple[int, ...]) -> Non
     op itself takes any width (13: a tail past its vectors of 8) and says what does not match."""
     if (reason := cpu_kernels.build()) is not None:
         pytest.skip(f"the CPU kernels cannot be built here: {reason}")
+    if not cpu_kernels.int8_linear_ready():
+        pytest.skip("the int8 kernel is vectorized for AVX2 and AVX-512 only")
     lin = _linear(shape[-1], 64)
     q = WeightOnlyLinear.from_linear(lin, 8, 32)
     x = torch.randn(*shape)

@@ -240,6 +240,19 @@ def test_importance_of_stacked_layers_is_each_layers_own(pool_kernel: int) -> No
         torch.testing.assert_close(stacked[layer], alone)
 
 
+@pytest.mark.parametrize("max_bytes", [1, 64 << 20])
+def test_redundancy_of_stacked_layers_is_each_layers_own(max_bytes: int) -> None:
+    """Layers stacked along a leading dim give each layer's own scores, whether the heads run one
+    at a time (a 1-byte bound) or all at once."""
+    torch.manual_seed(2)
+    keys = torch.randn(4, 3, 9, 8)
+    valid = torch.tensor([True] * 6 + [False] + [True] * 2)
+    stacked = key_redundancy(keys, valid, max_bytes=max_bytes)
+    assert stacked.shape == (4, 3, 9)
+    for layer in range(4):
+        torch.testing.assert_close(stacked[layer], key_redundancy(keys[layer], valid))
+
+
 def test_duplicated_keys_are_more_redundant_than_a_unique_one() -> None:
     keys = torch.eye(6)[[0, 0, 0, 1, 2, 3]].unsqueeze(0) * 3.0
     keys = torch.cat([keys, torch.eye(6)[[4, 5, 1, 1, 2, 3]].unsqueeze(0)])  # head 1: its own duplicates

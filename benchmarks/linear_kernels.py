@@ -14,7 +14,12 @@ step, not from cache), at M input rows (`--rows`: 1 = one request, 8 = eight bra
 * ``dense``: `torch.nn.functional.linear` over the row-major weight (MKL's GEMM);
 * ``read``: a plain sum over the same bytes, the memory roofline no product can beat;
 * ``vllm`` (with `--vllm-python`): vLLM's CPU matmul over a oneDNN handle it builds once per
-  weight (`create_onednn_mm` / `onednn_mm`), what vLLM's server runs for these layers.
+  weight (`create_onednn_mm` / `onednn_mm`), what vLLM's server runs for these layers;
+* ``int8_torch`` and ``int8_ours`` (float32, not in vLLM's Python): the same fused weights as int8
+  codes with one scale per row, what River's quantized layers read: torch's weight-only kernel
+  (`_weight_int8pack_mm`, bf16 activations, the casts included as a layer pays them) and
+  branchwise's (`cpu_kernels.int8_linear`, float32 activations). Their GB/s count their own bytes
+  (a quarter of the float32 weights'); ``vs_packed`` is still time against time.
 
 The kernels are interleaved repeat by repeat in ONE process (with `--vllm-python` that process is
 vLLM's Python, which has the same torch build), so their ratios compare like with like. Prints
@@ -102,12 +107,36 @@ def kernels(
         "dense": lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
         "read": lambda xs: [w.sum() for w in weights],
     }
+    if not with_vllm and weights[0].dtype == torch.float32:
+        found.update(int8_kernels(fused(named, siblings)))
     if with_vllm:
         from vllm import _custom_ops as ops  # only in vLLM's Python
 
         handles = [ops.create_onednn_mm(w.t(), 32) for w in weights]
         found["vllm"] = lambda xs: [
             ops.onednn_mm(h, xs[w.shape[1]], None) for w, h in zip(weights, handles, strict=True)
+        ]
+    return found
+
+
+def int8_kernels(weights: list[torch.Tensor]) -> dict[str, Pass]:
+    """River's int8 layers over `weights`: torch's kernel, and branchwise's where it is built here."""
+    from branchwise.backends.hf import cpu_kernels
+
+    scales = [w.abs().amax(1).clamp_min(1e-12) / 127 for w in weights]
+    codes = [
+        (w / s[:, None]).round().clamp(-127, 127).to(torch.int8) for w, s in zip(weights, scales, strict=True)
+    ]
+    bf16 = [s.bfloat16() for s in scales]
+    found: dict[str, Pass] = {
+        "int8_torch": lambda xs: [
+            torch.ops.aten._weight_int8pack_mm(xs[q.shape[1]].bfloat16(), q, s).float()
+            for q, s in zip(codes, bf16, strict=True)
+        ]
+    }
+    if cpu_kernels.build() is None and cpu_kernels.int8_linear_ready():
+        found["int8_ours"] = lambda xs: [
+            cpu_kernels.int8_linear(xs[q.shape[1]], q, s) for q, s in zip(codes, scales, strict=True)
         ]
     return found
 
@@ -141,7 +170,8 @@ def measure(
             row: dict[str, Any] = {}
             for name, got in times.items():
                 t = statistics.median(got)
-                row[name] = {"ms": round(t * 1e3, 2), "gb_per_s": round(nbytes / t / 1e9, 2)}
+                read = nbytes // weights[0].element_size() if name.startswith("int8") else nbytes
+                row[name] = {"ms": round(t * 1e3, 2), "gb_per_s": round(read / t / 1e9, 2)}
             for name in row:
                 row[name]["vs_packed"] = round(row["packed"]["ms"] / row[name]["ms"], 3)
             out[f"m{m}"] = row

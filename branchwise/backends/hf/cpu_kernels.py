@@ -28,6 +28,7 @@ what the tests and the benchmark compare the kernel against, never a fallback on
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -340,7 +341,13 @@ def int8_linear_ready() -> bool:
     """Whether `int8_linear` runs here now, vectorized: the extension is built (never waited for)
     and torch dispatches to AVX2 or AVX-512 on this CPU (elsewhere the op is a scalar loop, slower
     than torch's own kernel for the same layer)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and ready_now() is None
+    return _vectorized() and ready_now() is None
+
+
+@functools.cache
+def _vectorized() -> bool:
+    """Whether torch dispatches to AVX2 or AVX-512 here: asked once, not on every product."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -393,16 +393,16 @@ def _append(run: DecodeRun, rows: Sequence[Row], present: list[int], picked: _Pi
             r.finish = "grammar"
             stops.settle(r)
             continue
-        tok = picked.tokens[pos]
+        tok, logprob = picked.tokens[pos], picked.logprobs[pos]
         if grammar and tok != (
             kept := grammar.within_budget(r.seg.id, tok, stops.of(r).max_tokens - len(r.out))
         ):
             # the budget closes the constrained output instead (`grammar_close`)
-            tok, picked.logprobs[pos] = kept, float(torch.log_softmax(picked.logits[pos].float(), -1)[kept])
+            tok, logprob = kept, float(torch.log_softmax(picked.logits[pos].float(), -1)[kept])
         r.out.append(tok)
         r.seg.tokens.append(tok)
         r.top1.append(picked.top1[pos])
-        r.logprobs.append(picked.logprobs[pos])
+        r.logprobs.append(logprob)
         r.finish = stops.check(r)
         if grammar and not grammar.accept(r.seg.id, tok) and r.finish is None:
             r.finish = "grammar"
@@ -445,10 +445,8 @@ def _at_boundary(
     go on decoding, whether any was preempted, and the nodes admitted."""
     rows, kv = batch.rows, batch.ctx.kv
     if kv.frees_rows:  # an ended row's pages go back now, for the rows still decoding
-        for pos, ri in enumerate(present):  # (before the budget is asked: its capture adds bytes)
-            if rows[ri].finish is not None and not rows[ri].captured:
-                capture(pos, rows[ri])
-                kv.release(pos)
+        # (before the budget is asked: its capture adds bytes)
+        _capture_ended(rows, present, capture, then=kv.release)
     boundary = run.boundary
     if boundary is None:
         return alive, False, []
@@ -469,12 +467,22 @@ def _compact(
     """Ended and preempted rows leave the batch (an ended row's KV captured into its node first);
     returns the new batch positions' rows."""
     rows = batch.rows
-    for pos, ri in enumerate(present):
-        if rows[ri].finish is not None and not rows[ri].captured:
-            capture(pos, rows[ri])
+    _capture_ended(rows, present, capture)
     keep = [pos for pos, ri in enumerate(present) if rows[ri].finish is None and not rows[ri].preempted]
     batch.ctx.select_rows(torch.tensor(keep, device=device), {old: new for new, old in enumerate(keep)})
     return alive
+
+
+def _capture_ended(
+    rows: Sequence[Row], present: list[int], capture: CaptureFn, then: Callable[[int], None] | None = None
+) -> None:
+    """Copy each ended row's KV not yet captured into its node (and hand its batch position to
+    `then` before the next row's copy)."""
+    for pos, ri in enumerate(present):
+        if rows[ri].finish is not None and not rows[ri].captured:
+            capture(pos, rows[ri])
+            if then is not None:
+                then(pos)
 
 
 def _generation(r: Row) -> Generation:

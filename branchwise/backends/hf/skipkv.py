@@ -113,9 +113,12 @@ class SkipState:
 
 
 class QueryWindow(AttentionTap):
-    """Per layer, each row's last `size` post-RoPE decode queries `[B, H, size, D]`, newest last
-    (Eq. 4's observation window); `filled[b]` of them are real, the rest zeros before them.
+    """Per layer, each row's last `size` post-RoPE decode queries `[B, H, size, D]`; `filled[b]` of
+    them are real (Eq. 4's observation window).
 
+    A ring: every row of a batch steps together, so one write slot (`slot`, a tensor the step
+    reads, advanced on the host between steps) serves them all, and a step writes one query per
+    layer where shifting the whole window cost a cat and a copy of it in every layer of every step.
     Why per row and fixed: a row's window is its own history, carried across the batches it joins
     (a batch re-assembled for a newcomer or after a preemption, `SkipKV.on_capture`), so where a
     batch starts does not change which tokens the row evicts."""
@@ -124,13 +127,16 @@ class QueryWindow(AttentionTap):
         self.windows = [like.new_zeros(shape) for _ in range(n_layers)]
         self.size = shape[2]
         self.filled = [0] * shape[0]
+        self.head = 0
+        """The slot the next step writes (host copy of `slot`)."""
+        self.slot = torch.zeros(1, dtype=torch.long, device=like.device)
 
     in_step = True
 
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         if q_len == 1:  # decode steps only
             self._record(layer, query)
-            if layer == 0:
+            if layer == len(self.windows) - 1:
                 self.count_step()
 
     reads_keys = False
@@ -139,33 +145,41 @@ class QueryWindow(AttentionTap):
         self._record(layer, query)
 
     def _record(self, layer: int, query: torch.Tensor) -> None:
-        """Shift the window by one query, in place: the buffer keeps its address (a captured step
-        replays the write); the buffers may be inference tensors (made inside a forward)."""
-        window = self.windows[layer]
+        """Write the step's query into the ring's slot, in place: the buffer keeps its address and
+        the slot is a tensor (a captured step replays the write); the buffers may be inference
+        tensors (made inside a forward)."""
         with torch.inference_mode():
-            window.copy_(torch.cat([window[:, :, 1:], query], dim=2))
+            self.windows[layer].index_copy_(2, self.slot, query)
 
     def count_step(self) -> None:
         self.filled = [min(f + 1, self.size) for f in self.filled]
+        self.head = (self.head + 1) % self.size
+        with torch.inference_mode():
+            self.slot.fill_(self.head)
 
     def select_rows(self, keep: torch.Tensor) -> None:
         self.windows = [w.index_select(0, keep) for w in self.windows]
         self.filled = [self.filled[i] for i in keep.tolist()]
 
+    def _slots(self, n: int) -> torch.Tensor:
+        """The ring's last `n` written slots, oldest first."""
+        return (torch.arange(self.head - n, self.head) % self.size).to(self.slot.device)
+
     def of_row(self, layer: int, pos: int) -> torch.Tensor:
-        """Row `pos`'s real queries at `layer`, `[H, filled, D]`."""
-        return self.windows[layer][pos, :, self.size - self.filled[pos] :]
+        """Row `pos`'s real queries at `layer`, `[H, filled, D]`, oldest first."""
+        return self.windows[layer][pos].index_select(1, self._slots(self.filled[pos]))
 
     def save(self, pos: int) -> list[torch.Tensor]:
         """Row `pos`'s window, per layer (to carry it into the row's next batch)."""
-        return [self.of_row(layer, pos).clone() for layer in range(len(self.windows))]
+        return [self.of_row(layer, pos) for layer in range(len(self.windows))]
 
     def restore(self, pos: int, saved: list[torch.Tensor]) -> None:
         """Start row `pos` from a window `save` returned."""
         n = min(int(saved[0].shape[1]), self.size)
+        slots = self._slots(n)
         with torch.inference_mode():  # the buffers may have been made inside a forward
             for w, s in zip(self.windows, saved, strict=True):
-                w[pos, :, self.size - n :] = s[:, -n:] if n else s[:, :0]
+                w[pos].index_copy_(1, slots, s[:, s.shape[1] - n :])
         self.filled[pos] = n
 
 

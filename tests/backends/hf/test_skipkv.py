@@ -10,7 +10,7 @@ from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RSBCMConfig, SkipKVConfig, SteeringConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.batch import Batch, Row
-from branchwise.backends.hf.skipkv import SkipKV
+from branchwise.backends.hf.skipkv import QueryWindow, SkipKV
 from branchwise.backends.hf.skipkv_steering import SteeringVector
 from branchwise.backends.hf.step_inputs import Steer
 from branchwise.reasoners import Reasoner
@@ -338,3 +338,32 @@ def test_skipkv_decodes_on_the_fast_step_with_the_layer_loops_tokens(tiny_llama_
     assert stats["skipkv_compressions"] >= 3 and stats["decode_steps_fixed"] >= 20
     assert "decode_steps_layer_loop" not in stats and "decode_steps_off_fast" not in stats
     assert loop_stats["decode_steps_layer_loop"] >= 20
+
+
+def test_query_window_ring_keeps_each_rows_newest_queries_in_order() -> None:
+    """The ring writes one slot per step; a row read back (or carried into a batch whose ring
+    starts elsewhere) gets its newest queries oldest first, as a shifted window would."""
+    layers, size = 2, 3
+    ring = QueryWindow(torch.zeros(1), (2, 1, size, 1), layers)
+    seen: list[float] = []
+    for step in range(5):
+        seen.append(float(step))
+        for layer in range(layers):
+            ring.on_step(layer, torch.full((2, 1, 1, 1), step + 10.0 * layer), None)
+        ring.count_step()
+        assert ring.of_row(1, 0).flatten().tolist() == [v + 10.0 for v in seen[-size:]]
+    assert ring.filled == [size, size]
+    carried = ring.save(1)
+    fresh = QueryWindow(torch.zeros(1), (1, 1, size, 1), layers)
+    fresh.on_step(0, torch.full((1, 1, 1, 1), -1.0), None)  # its ring starts one slot on
+    fresh.on_step(1, torch.full((1, 1, 1, 1), -1.0), None)
+    fresh.count_step()
+    fresh.restore(0, [c[:, 1:] for c in carried])  # two of the three
+    assert fresh.filled == [2]
+    assert fresh.of_row(0, 0).flatten().tolist() == [3.0, 4.0]
+    fresh.on_step(0, torch.full((1, 1, 1, 1), 5.0), None)
+    fresh.on_step(1, torch.full((1, 1, 1, 1), 15.0), None)
+    fresh.count_step()
+    assert fresh.of_row(0, 0).flatten().tolist() == [3.0, 4.0, 5.0]
+    ring.select_rows(torch.tensor([1]))
+    assert ring.filled == [size] and ring.of_row(0, 0).flatten().tolist() == [2.0, 3.0, 4.0]

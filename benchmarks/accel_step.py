@@ -14,8 +14,9 @@ arm):
 - river: a long greedy answer (n = 1, `--long-tokens`), River at its default threshold;
 - skipkv: self-consistency, `--n` branches x `--branch-tokens`, SkipKV at a per-branch budget that
   evicts (`--skipkv-budget`, compressing every `--skipkv-interval` steps);
-- rsbcm: the same self-consistency, RSBCM tracking attention mass (it evicts between decodes, so
-  inside one decode this is its tracking cost);
+- rsbcm: the same self-consistency under RSBCM (it evicts between decodes, so inside one decode
+  what shows is its tracking cost: dormant far below its capacity at its default `track_from`,
+  tracking attention mass from the first batch with `--rsbcm-track-from 0`);
 - reasoncache: a beam search (`--width` x `--depth` steps of `--step-tokens`), ReasonCache's
   defaults.
 Each workload runs `--repeats` rounds, plain then accelerated in odd rounds and the other way in
@@ -75,7 +76,7 @@ def workloads(args: Any) -> dict[str, tuple[Callable[[int], Strategy], Accel]]:
             Accel(river=RiverConfig(threshold=args.river_threshold)),
         ),
         "skipkv": (sc, Accel(skipkv=SkipKVConfig(budget=args.skipkv_budget, interval=args.skipkv_interval))),
-        "rsbcm": (sc, Accel(rsbcm=RSBCMConfig())),
+        "rsbcm": (sc, Accel(rsbcm=RSBCMConfig(track_from=args.rsbcm_track_from))),
         "reasoncache": (
             lambda seed: beam_search(
                 width=args.width,
@@ -166,6 +167,13 @@ def main(argv: list[str] | None = None) -> None:
         "--skipkv-budget", type=int, default=64, help="SkipKV's per-branch KV budget (tokens)"
     )
     parser.add_argument("--skipkv-interval", type=int, default=16, help="decode steps between compressions")
+    parser.add_argument(
+        "--rsbcm-track-from",
+        type=float,
+        default=RSBCMConfig().track_from,
+        help="share of RSBCM's capacity from which it tracks attention mass (0: from the first batch, "
+        "its tracking's whole cost; the default leaves it dormant on this workload)",
+    )
     parser.add_argument("--width", type=int, default=8, help="ReasonCache's beam search: width")
     parser.add_argument("--depth", type=int, default=4, help="ReasonCache's beam search: steps")
     parser.add_argument("--step-tokens", type=int, default=48, help="tokens per search step at most")
@@ -179,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
                    "step_tokens", "repeats"):  # fmt: skip
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1, got {getattr(args, option)}")
+    if not 0.0 <= args.rsbcm_track_from <= 1.0:
+        parser.error(f"--rsbcm-track-from must be within 0..1, got {args.rsbcm_track_from}")
     bench = start("accel_step", args, decode_step=args.decode_step)
     question = load_problems(args.task, 1, args.seed)[0][0]
     results: dict[str, Any] = {}

@@ -78,6 +78,10 @@ class AttentionTap:
     """Whether `on_step` reads the keys (`StepKeys`): a batch in pages then reads a gathered copy
     of them at each step (`step_attention.pages_copied`); a tap that reads only the queries is
     given None there, and the pages are read in place."""
+    reads_scores: bool = False
+    """Whether what `on_step` needs of its rows' own keys is their scores (`StepKeys.scores`): a
+    batch in pages then reads them in place, the paged kernel returning each slot's score beside
+    its output (`cpu_kernels.paged_decode_scored`), and such a tap says `reads_keys = False`."""
 
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         """Post-RoPE queries `[B, H, q, D]` of layer `layer`, before attention."""
@@ -194,8 +198,8 @@ class BatchContext:
         capacity = self.next_capacity(total) if grown else self.capacity
         self.kv.fit(lens, q_len, capacity)
         if grown:
-            for tap in self.taps:
-                tap.grow(capacity)
+            for tap in self.taps:  # what the storage holds now (pages round up to whole pages)
+                tap.grow(self.capacity)
         return total
 
     def grow_by(self) -> int:
@@ -354,6 +358,9 @@ class Batch:
     feeds: list[list[int]]
     """Each row's pending tokens when the batch was assembled (what its first forward feeds)."""
     broadcast: Broadcast = "cascade"
+    caps: list[int] = field(default_factory=list)
+    """A decode batch's: the most tokens each row may decode in it (empty for a prefill), set
+    before the plug-ins see the batch (`on_batch`), so they know what it may come to."""
 
     @classmethod
     def assemble(

@@ -166,7 +166,7 @@ class Computation:
             self.device,
             engine.broadcast,
             copy_tokens,
-            layout="tails" if any(p.tails_for(segs, caps or ()) for p in self.plugins) else engine.kv_layout,
+            layout=engine.kv_layout,
             # free slots ahead are refused where they would not fit (`KVPool.reserve_tails`)
             reserve=functools.partial(
                 engine.pool.reserve_tails,
@@ -183,6 +183,7 @@ class Computation:
             # the tails grow for every row at once: by no more than a row may hold at once, and not
             # past what the longest may need (128 slots for each of 166 SkipKV rows capped at 16
             # once asked 1 GB of a 0.75 GB budget)
+            batch.caps = list(caps)
             batch.ctx.grow_min = max(extra, 1)
             batch.ctx.grow_limit = max(
                 r.tail_start + r.kv_len + len(f) + cap + 1

@@ -10,6 +10,9 @@ return the log-sum-exp under compilation, which the cascade merges by), so `csrc
 is one: a `torch.library` op, `torch.ops.branchwise.paged_decode`, parallel over (row, KV head,
 chunk of blocks) on torch's threads, an online softmax per tile of tokens in fp32, vectorized with
 torch's own `at::vec` for the instruction set torch itself dispatches to on this CPU.
+`paged_decode_scored` is the same op returning every score it computed too: RSBCM's attention mass
+is each slot's `exp(score - lse)`, and a tap that scored the keys itself read every key twice and
+made the step read a gathered copy of the pages.
 
 Why `int8_linear` (`csrc/int8_linear.cpp`): River's quantized layers read a quarter of the bytes of
 the float32 ones, but torch's CPU kernel for them takes bf16 activations and, without native bf16
@@ -294,6 +297,22 @@ def _register_fake() -> None:
         lse = q.new_empty(q.shape[:2], dtype=torch.float32)
         return out, lse
 
+    @torch.library.register_fake("branchwise::paged_decode_scored")
+    def _(
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_table: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        chunk_blocks: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, lse = torch.ops.branchwise.paged_decode(
+            q, k_pool, v_pool, block_table, lens, scale, chunk_blocks
+        )
+        slots = block_table.shape[1] * k_pool.shape[2]
+        return out, lse, q.new_empty((*q.shape[:2], slots), dtype=torch.float32)
+
     @torch.library.register_fake("branchwise::int8_linear")
     def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], w.shape[0])
@@ -329,12 +348,37 @@ def paged_decode(
     merge (0: chosen from the rows and threads). Raises `PagedKernelUnavailable` when the kernel
     cannot be built here (`unavailable_reason()` says why beforehand). Inside `torch.compile` the
     op is traced through its fake kernel: build it before compiling."""
+    _ensure_built()
+    out, lse = torch.ops.branchwise.paged_decode(q, k_pool, v_pool, block_table, lens, scale, chunk_blocks)
+    return out, lse
+
+
+def paged_decode_scored(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    chunk_blocks: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`paged_decode`, and every score it computed: `[B, Hq, M * BS]` float32, `scale * q.k` at
+    each of a row's slots (slot j of a row: its table's block j // BS, offset j % BS), -inf past
+    its length. What an attention-mass tap reads (a slot's mass is `exp(score - lse)` against the
+    log-sum-exp of all the query read) without scoring the keys a second time."""
+    _ensure_built()
+    out, lse, scores = torch.ops.branchwise.paged_decode_scored(
+        q, k_pool, v_pool, block_table, lens, scale, chunk_blocks
+    )
+    return out, lse, scores
+
+
+def _ensure_built() -> None:
+    """Build the extension on a call outside compilation (`PagedKernelUnavailable` if it cannot)."""
     if not torch.compiler.is_compiling() and (not _done or _reason is not None):
         reason = build()
         if reason is not None:
             raise PagedKernelUnavailable(reason)
-    out, lse = torch.ops.branchwise.paged_decode(q, k_pool, v_pool, block_table, lens, scale, chunk_blocks)
-    return out, lse
 
 
 def int8_linear_ready() -> bool:

@@ -330,8 +330,6 @@ def decode(
         for hook in after_step:
             hook.after_step(batch, [rows[ri] for ri in present], feeds, step)
         stepping = alive
-    for hook in overrides(hooks, "end_decode"):
-        hook.end_decode(batch, [rows[ri] for ri in present])
     for pos, ri in enumerate(present):
         if not rows[ri].captured and not rows[ri].preempted:
             capture(pos, rows[ri])

@@ -19,8 +19,7 @@ The moments, in the order one `extend` meets them:
 | `after_forward` | the forward produced logits | River accounting |
 | `after_pending` | a batch computed its pending (prompt/appended) tokens | SkipKV |
 | `begin_decode` / `before_step` / `stop_reason` / `after_step` | the decode loop | SkipKV, CGEE decode gate, ReasonCache |
-| `end_decode` | the loop ended, the last rows are not yet copied back | ReasonCache |
-| `on_capture` / `after_batch` | a row's KV went back to its node / the batch ended | RSBCM |
+| `on_capture` / `after_batch` | a row's KV went back to its node / the batch ended | RSBCM, SkipKV, ReasonCache |
 | `on_split` / `on_release` / `on_scores` | tree events | RSBCM, SkipKV |
 | `verify_observer` / `skip_verify` | the verify pass | CGEE |
 
@@ -178,6 +177,11 @@ class KVEdits:
         """Replace a running row's own slots `slot .. slot + block.tokens` by a reference to `block`."""
         batch.point_at(self.tree, pos, row, slot, logical, block)
 
+    def point_at(self, seg: Segment, slot: int, logical: int, block: Block) -> None:
+        """`point_row_at` for a segment held in the tree: a branch that ended, whose KV its node
+        holds again (a batch in pages captures an ended row at once, for its pages to go back)."""
+        self.tree.point_own(seg, slot, logical, block)
+
 
 class Host(Protocol):
     """What an acceleration may use of the session it runs in (its public API)."""
@@ -306,13 +310,6 @@ class Acceleration:
     """Whether its decode steps' work reaches the fixed-shape step as inputs it sets on the batch
     (`step_inputs.py`: River's exits): its forward hooks then serve only the forwards the layer loop
     runs (prefills, the `decode_step="layers"` baseline) and keep no decode step there."""
-    keeps_tails: str | None = None
-    """Why its batches keep their rows' own KV in tails, not pages (None: pages serve it;
-    `Computation.assemble`; read per batch, so a plug-in may set it once it needs it): RSBCM's
-    attention-mass tap, once it tracks mass, scores each step's keys as a rectangle, which pages
-    would gather into a copy at every step (until the paged kernel returns each slot's score);
-    ReasonCache reads and re-points a finished branch's last blocks in the batch after the
-    branch ended, when pages have given them back (until its blocks are page references)."""
     kv_from_tokens: bool = False
     """Whether the KV a run holds under this plug-in is what computing its tokens again gives (it
     changes no KV: it only reads, stops or skips). It decides how a row preempted under the KV
@@ -320,12 +317,6 @@ class Acceleration:
     run says so, else swapped out and back, which keeps KV and per-row state exact. False, the safe
     default, costs a copy; True on a plug-in that does change KV would change a preempted row's
     tokens."""
-
-    def tails_for(self, segs: Sequence[Segment], caps: Sequence[int]) -> str | None:
-        """Why the batch about to be assembled from `segs` (each row decoding up to its entry of
-        `caps` more tokens; none for a prefill) must keep its rows' KV in tails (None: pages serve
-        it): `keeps_tails` unless a plug-in decides per batch (RSBCM, once it tracks mass)."""
-        return self.keeps_tails
 
     def layer_loop_reasons(self) -> list[str]:
         """Why this plug-in's decode steps need the layer loop (empty: they need not): the reasons
@@ -404,9 +395,6 @@ class Acceleration:
         self, batch: Batch, rows: Sequence[Row], feeds: Sequence[Sequence[int]], step: int
     ) -> None:
         """A decode step fed `feeds` for the present `rows`."""
-
-    def end_decode(self, batch: Batch, rows: Sequence[Row]) -> None:
-        """The decode loop ended; `rows` (the present rows) are about to be copied into their nodes."""
 
     # -- verify pass
     def verify_observer(

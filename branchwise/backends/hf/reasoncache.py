@@ -140,7 +140,8 @@ class Branch:
 
 @dataclass
 class StepEnd:
-    """Where a step closed: the batch, its present rows by node, and the row whose step it was."""
+    """Where a step closed: the batch, its rows whose KV it holds by node (`present`), and the row
+    whose step it was (captured, its KV back in its node, when it closes its last step: `on_capture`)."""
 
     batch: Batch
     present: dict[int, tuple[int, Row]]
@@ -160,7 +161,6 @@ class ReasonCache(Acceleration):
 
     name = "reasoncache"
     config = ReasonCacheConfig
-    keeps_tails = "it reads and re-points a finished branch's last blocks in the batch"
 
     def __init__(
         self,
@@ -211,36 +211,44 @@ class ReasonCache(Acceleration):
     def after_step(
         self, batch: Batch, rows: Sequence[Row], feeds: Sequence[Sequence[int]], step: int
     ) -> None:
-        ends: list[int | None] = []
-        for r, fed in zip(rows, feeds, strict=True):
+        """Close the steps the rows' new tokens ended. `rows` are the batch's, in batch order; one
+        that ended may have been captured already (pages give an ended row's slots back at once),
+        its node holding its KV, as a node outside the decode does."""
+        present = {r.seg.id: (pos, r) for pos, r in enumerate(rows) if not r.captured}
+        closing = []
+        for pos, (r, fed) in enumerate(zip(rows, feeds, strict=True)):
             branch = self.branches.get(r.seg.id)
-            end = None
             if branch is not None and fed:
                 end = self.boundaries.step_end(r.seg.tokens, r.computed - 1, branch.step_start)
-            elif r.finish is not None:
-                end = r.computed  # a finished branch's last step
-            ends.append(end)
-        self._close_steps(batch, rows, ends)
+                if end is not None:
+                    closing.append((pos, r, end))
+        self._close_steps(batch, present, closing)
 
-    def end_decode(self, batch: Batch, rows: Sequence[Row]) -> None:
-        """Close the last, open step of every branch that ended (the loop ended before another step
-        could). A branch still decoding (the batch is re-assembled around a newcomer or a row that
-        rejoins after a preemption) keeps its step open into its next batch, as one batch would."""
-        self._close_steps(batch, rows, [None if r.finish is None else r.computed for r in rows])
+    def on_capture(self, batch: Batch, pos: int, row: Row) -> None:
+        """A branch that ended closes its last, open step when its KV goes back to its node, whenever
+        that is (at once under pages, at a compaction or the batch's end under tails), so no branch
+        leaves a step unclosed. The KV it shares from there is its node's, and it shares what
+        nodes outside the batch and shared blocks hold (a row still decoding lends its node its
+        KV only at its own capture). A branch still decoding (its batch re-assembled around a
+        newcomer or a row back from a preemption) keeps its step open into its next batch."""
+        if row.finish is not None:
+            self._close_steps(batch, {}, [(pos, row, row.computed)])
 
-    def _close_steps(self, batch: Batch, rows: Sequence[Row], ends: Sequence[int | None]) -> None:
-        """Close the steps ending at `ends` (one per present row; None = still open), timed."""
-        closing = []
-        for pos, (r, end) in enumerate(zip(rows, ends, strict=True)):
-            branch = self.branches.get(r.seg.id)
-            if branch is not None and end is not None and end > branch.step_start:
-                closing.append((pos, r, branch, end))
+    def _close_steps(
+        self, batch: Batch, present: dict[int, tuple[int, Row]], closing: Sequence[tuple[int, Row, int]]
+    ) -> None:
+        """Close each step (batch position, row, end), timed; `present`: the rows whose KV the batch
+        holds, by node."""
+        closing = [
+            (pos, r, end)
+            for pos, r, end in closing
+            if (branch := self.branches.get(r.seg.id)) is not None and end > branch.step_start
+        ]
         if not closing:
             return
         start = time.perf_counter()
-        present = {r.seg.id: (p, r) for p, r in enumerate(rows)}
-        for pos, r, branch, end in closing:
-            self._close_step(StepEnd(batch, present, pos, r, branch), end)
+        for pos, r, end in closing:
+            self._close_step(StepEnd(batch, present, pos, r, self.branches[r.seg.id]), end)
         self.stats.bump("reasoncache_filter_s", time.perf_counter() - start)
 
     def after_batch(self, batch: Batch, decoded: bool) -> None:
@@ -412,7 +420,10 @@ class ReasonCache(Acceleration):
                 block = self.kv.seal(seg, slot, src_start, self.cfg.block_tokens)
             source.shared[src_start] = block
             source.sealed_tokens += block.tokens
-        self.kv.point_row_at(batch, at.pos, at.row, branch.slot(block_start), block_start, block)
+        if at.row.captured:  # it ended and its node holds its KV again (`on_capture`)
+            self.kv.point_at(at.row.seg, branch.slot(block_start), block_start, block)
+        else:
+            self.kv.point_row_at(batch, at.pos, at.row, branch.slot(block_start), block_start, block)
         branch.shared[block_start] = block
         self._norms.get(branch.node, {}).pop(block_start, None)  # it reads the source's KV now
         self.stats.bump("reasoncache_blocks_reused")

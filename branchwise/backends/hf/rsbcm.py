@@ -77,13 +77,17 @@ class MassTap(AttentionTap):
     (`own`, [B, cap]) and each tracked shared segment (`segments`, key → [T]).
 
     On the layer loop it reads the explicit softmax's statistics (`on_weights`). On the fixed-shape
-    step (`on_step`) it makes a small pass of its own over the step's queries and keys: the
-    log-sum-exp of every part's scores (own tail, each shared segment) merged into the total, then
-    each key's mass `exp(score − lse_total)`, added in place to buffers that keep their address,
-    so the step stays fused (its attention never materialises weights) and captured."""
+    step (`on_step`) it takes each own slot's score from the paged kernel where the step reads
+    pages in place (`StepKeys.scores`: no key read twice), else scores the tail's keys in a small
+    pass of its own, and the shared segments' keys always: the log-sum-exp of every part's scores
+    merged into the total, then each key's mass `exp(score − lse_total)`, added in place to
+    buffers that keep their address, so the step stays fused (its attention never materialises
+    weights) and captured."""
 
     wants_weights = True
     in_step = True
+    reads_keys = False  # the own slots' scores are enough (`reads_scores`); tails give keys anyway
+    reads_scores = True
 
     def __init__(self, own: torch.Tensor, tracked: set[int]) -> None:
         self.own = own
@@ -111,16 +115,23 @@ class MassTap(AttentionTap):
                 self.segments[seg.key] = total
 
     def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys | None) -> None:
-        assert keys is not None, "the attention mass is the queries against the keys (`reads_keys`)"
+        assert keys is not None, "the attention mass is the queries against the keys (`reads_scores`)"
         b, h, _, d = query.shape
-        h_kv = keys.own.shape[1]
+        # the own slots' scores [B, H_kv, G, span]: the paged kernel's (-inf past each row's length),
+        # or scored here over the tails
+        given = keys.scores
+        h_kv = int(keys.own.shape[1] if keys.own is not None else given.shape[1] if given is not None else h)
         qg = query.reshape(b, h_kv, h // h_kv, d).float()  # query head j*G.. reads KV head j
 
         def scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
             sc = torch.matmul(q, k.float().transpose(-1, -2)) * keys.scaling
             return sc if visible is None else sc.masked_fill(~visible[:, None, None, :], float("-inf"))
 
-        own = scores(qg, keys.own, keys.visible)  # [B, H_kv, G, span]
+        if keys.own is not None:
+            own = scores(qg, keys.own, keys.visible)
+        else:
+            assert given is not None, "pages read in place hand the tap their scores (`reads_scores`)"
+            own = given
         lse = torch.logsumexp(own, -1)
         parts = []
         for seg in keys.shared:
@@ -156,10 +167,6 @@ class MassTap(AttentionTap):
         self.own[pos, start : start + int(index.numel())] = self.own[pos, index]
 
 
-MASS_TAP_TAILS = "its attention-mass tap scores each step's keys as a rectangle"
-"""Why a tracking RSBCM's batches keep their rows' KV in tails (`RSBCM.tails_for`)."""
-
-
 class RSBCM(Acceleration):
     """Block eviction as a plug-in: tracks attention mass while a batch runs, folds it into each
     segment's running total, and after each decode batch evicts the lowest-ω blocks above capacity.
@@ -180,7 +187,7 @@ class RSBCM(Acceleration):
         self.score: dict[int, float] = {}
         self._taps: dict[int, MassTap] = {}
         self.tracking = False
-        """Whether attention mass is tracked (from the first batch near capacity on: `tails_for`)."""
+        """Whether attention mass is tracked (from the first batch near capacity on: `on_batch`)."""
 
     @classmethod
     def build(cls, cfg: RSBCMConfig, setup: Setup) -> RSBCM:
@@ -195,6 +202,7 @@ class RSBCM(Acceleration):
             raise ValueError("RSBCM needs broadcast='cascade' (block masses are kept per shared segment)")
         ancestors = {a.id: a for r in batch.rows for a in r.seg.kv_ancestors()}
         tracked = {s.key for s in batch.ctx.shared if self._evictable(ancestors[s.key])}
+        self.tracking = self.tracking or self._near_capacity(batch)
         # only when something here can be evicted, and once capacity comes near: the tap costs a
         # pass over every key of every layer at every step (0.85x on the embedded model's CPU step)
         if not self.tracking or not (tracked or any(self._evictable(r.seg) for r in batch.rows)):
@@ -210,26 +218,27 @@ class RSBCM(Acceleration):
         ctx.taps.append(tap)
         self._taps[id(batch)] = tap
 
-    def tails_for(self, segs: Sequence[Segment], caps: Sequence[int]) -> str | None:
-        """Tails once mass is tracked (its tap scores the keys as a rectangle); pages before.
-
-        Mass is tracked from the batch on which the run's evictable blocks, with all this batch's
-        rows may add (their pending tokens and `caps`), reach `track_from` of the capacity, and from
-        then on. Below it no eviction can follow this batch, and RSBCM's paper calls it dormant
-        there; a block's mass is the attention it got since tracking began (a block nothing read
-        since weighs 0: evidence, over that window, that nothing attends to it)."""
-        cfg = self.cfg
-        if not self.tracking:
-            per = cfg.block_tokens
-            held = sum(
-                -(-seg.kv_tokens // per)
-                for seg in self.host.tree.segments(self.host.ledger)
-                if seg.kv_tokens and self._evictable(seg)
-            )
-            more = [*caps, *[0] * (len(segs) - len(caps))]  # (a prefill batch has no caps)
-            growth = sum(-(-(len(seg.pending) + cap) // per) for seg, cap in zip(segs, more, strict=True))
-            self.tracking = held + growth >= cfg.track_from * cfg.capacity_blocks
-        return MASS_TAP_TAILS if self.tracking else None
+    def _near_capacity(self, batch: Batch) -> bool:
+        """Whether the run's evictable blocks, with all this batch's rows may come to (what they
+        hold, their pending tokens and `Batch.caps`), reach `track_from` of the capacity: mass is
+        tracked from that batch on. Below it no eviction can follow this batch, and RSBCM's paper
+        calls it dormant there; a block's mass is the attention it got since tracking began (a
+        block nothing read since weighs 0: evidence, over that window, that nothing attends to
+        it)."""
+        cfg, per = self.cfg, self.cfg.block_tokens
+        rows = {r.seg.id for r in batch.rows}
+        held = sum(
+            -(-seg.kv_tokens // per)
+            for seg in self.host.tree.segments(self.host.ledger)
+            if seg.kv_tokens and seg.id not in rows and self._evictable(seg)
+        )
+        caps = [*batch.caps, *[0] * (len(batch.rows) - len(batch.caps))]  # (a prefill's: none)
+        growth = sum(
+            -(-(r.kv_len + len(fed) + cap) // per)
+            for r, fed, cap in zip(batch.rows, batch.feeds, caps, strict=True)
+            if self._evictable(r.seg)
+        )
+        return held + growth >= cfg.track_from * cfg.capacity_blocks
 
     def on_capture(self, batch: Batch, pos: int, row: Row) -> None:
         tap = self._taps.get(id(batch))

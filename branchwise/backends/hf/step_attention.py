@@ -63,6 +63,8 @@ class StaticAttention:
         """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
         self.copied = pages_copied(ctx, any(tap.reads_keys for tap in self.taps))
         """Why this step reads a gathered copy of its rows' pages (None: tails, or pages in place)."""
+        self.scored = any(tap.reads_scores for tap in self.taps)
+        """Whether the paged kernel returns each own slot's score too (a tap reads them)."""
         self.in_place = isinstance(ctx.kv, Pages) and self.copied is None
         """Whether each layer reads the rows' pages where they lie (`cpu_kernels.paged_decode`)."""
         self.grouped = ctx.n_groups > 1
@@ -120,9 +122,12 @@ class StaticAttention:
         ctx.kv.write(layer, key, value, self.where)  # each row's new K/V at its length
         windowed = window is not None and self.windowed
         if self.in_place and softcap is None and not windowed:
-            for tap in self.taps:  # none reads the keys (`pages_copied`)
-                tap.on_step(layer, query, None)
-            return self._paged(layer, query, scaling)
+            out, scores = self._paged(layer, query, scaling)
+            # no tap reads the keys (`pages_copied`); some may read their scores
+            keys = None if scores is None else StepKeys(None, self.visible, self.shared, scaling, scores)
+            for tap in self.taps:
+                tap.on_step(layer, query, keys)
+            return out
         span = self.slots.shape[0]
         k_own, v_own = ctx.kv.read(layer, span)
         if self.taps:
@@ -146,18 +151,25 @@ class StaticAttention:
         assert self.bias is not None, "attend() before prepare()"
         return fused_cascade(query, k_own, v_own, self.bias, self.shared, layer, scaling)
 
-    def _paged(self, layer: int, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def _paged(
+        self, layer: int, query: torch.Tensor, scaling: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention over the rows' pages read in place (output and log-sum-exp per query), merged
-        with the shared segments' by log-sum-exp: `[B, 1, H, D]`."""
+        with the shared segments' by log-sum-exp: `[B, 1, H, D]`, and each own slot's score
+        `[B, H_kv, G, slots]` where a tap reads them (`scored`, else None)."""
         kv = self.ctx.kv
         assert isinstance(kv, Pages)
         b, h, _, d = query.shape
-        out, lse = cpu_kernels.paged_decode(
-            query[:, :, 0], kv.keys[layer], kv.values[layer], kv.table, self.reach, scaling
-        )
+        h_kv = kv.keys[layer].shape[1]
+        g = h // h_kv
+        args = (query[:, :, 0], kv.keys[layer], kv.values[layer], kv.table, self.reach, scaling)
+        scores = None
+        if self.scored:
+            out, lse, flat = cpu_kernels.paged_decode_scored(*args)
+            scores = flat.view(b, h_kv, g, -1)
+        else:
+            out, lse = cpu_kernels.paged_decode(*args)
         if self.shared:
-            h_kv = kv.keys[layer].shape[1]
-            g = h // h_kv
             merged, _ = merge_shared(
                 query.reshape(b, h_kv, g, d),
                 out.view(b, h_kv, g, d),
@@ -167,7 +179,7 @@ class StaticAttention:
                 scaling,
             )
             out = merged.reshape(b, h, d)
-        return out[:, None]
+        return out[:, None], scores
 
 
 @dataclass

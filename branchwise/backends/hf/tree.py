@@ -374,15 +374,28 @@ class KVTree:
         a sharing source: its bytes move from the node to the block, under the same owner, so
         nothing is held twice; what its readers attend to is unchanged, now read through the block.
         """
+        keys, values = self._cut_own(seg, slot, n)
+        block = self.blocks.seal(keys, values, seg.owner)
+        self.blocks.ref(seg, logical, block)
+        return block
+
+    def point_own(self, seg: Segment, slot: int, logical: int, block: Block) -> None:
+        """Replace a held node's own KV slots `slot .. slot + block.tokens` by a reference to
+        `block` (its tokens `logical ..`): how a branch that ended, its KV back in its node, reads
+        a similar block instead of its own copy. Its readers would read the block from their next
+        assembly on; a branch that ended has none."""
+        self._cut_own(seg, slot, block.tokens)
+        self.blocks.ref(seg, logical, block)
+
+    def _cut_own(self, seg: Segment, slot: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Take a held node's own KV slots `slot .. slot + n` out of it; returns them (copies)."""
         assert seg.keys is not None and seg.values is not None
         keys = [t[:, slot : slot + n].clone() for t in seg.keys]
         values = [t[:, slot : slot + n].clone() for t in seg.values]
         rest_k = [torch.cat([t[:, :slot], t[:, slot + n :]], dim=1) for t in seg.keys]
         rest_v = [torch.cat([t[:, :slot], t[:, slot + n :]], dim=1) for t in seg.values]
         self.set_kv(seg, rest_k, rest_v)
-        block = self.blocks.seal(keys, values, seg.owner)
-        self.blocks.ref(seg, logical, block)
-        return block
+        return keys, values
 
     # ------------------------------------------------------------------ internals
     def _free(self, seg: Segment) -> None:

@@ -22,6 +22,7 @@ from branchwise.backends.hf.cpu_kernels import (
     PagedKernelUnavailable,
     paged_decode,
     paged_decode_reference,
+    paged_decode_scored,
 )
 
 
@@ -98,6 +99,33 @@ def test_equals_the_reference(lens: list[int], heads: int, kv_heads: int, dim: i
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 1000])
 def test_rows_split_into_chunks_merge_to_the_same_result(chunk_blocks: int) -> None:
     check(make_case([1, 40, 257, 600], seed=1), chunk_blocks=chunk_blocks)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize(
+    ("chunk_blocks", "dtype"), [(0, torch.float32), (1, torch.float32), (0, torch.bfloat16)]
+)
+def test_scored_returns_each_slots_score_beside_the_same_output(
+    chunk_blocks: int, dtype: torch.dtype
+) -> None:
+    """Every slot a row reads gets `scale * q.k` at its place in the row (block j // BS, offset
+    j % BS), -inf past the row's length; the output and LSE are `paged_decode`'s, split or not."""
+    q, k_pool, v_pool, table, lens = make_case([0, 5, 16, 37, 300], heads=4, kv_heads=2, dim=64, block=16)
+    q, k_pool, v_pool = q.to(dtype), k_pool.to(dtype), v_pool.to(dtype)
+    scale = 0.125
+    out, lse, scores = paged_decode_scored(q, k_pool, v_pool, table, lens, scale, chunk_blocks)
+    want_out, want_lse = paged_decode(q, k_pool, v_pool, table, lens, scale, chunk_blocks)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert scores.shape == (5, 4, table.shape[1] * 16) and scores.dtype == torch.float32
+    for row, n in enumerate(lens.tolist()):
+        blocks = table[row, : -(-n // 16)].long()
+        keys = k_pool[blocks].float().transpose(0, 1).reshape(2, -1, 64)[:, :n]  # [H_kv, n, D]
+        want = (q[row].float().view(2, 2, 64) @ keys.transpose(1, 2) * scale).reshape(4, n)
+        torch.testing.assert_close(scores[row, :, :n], want, rtol=0, atol=1e-4)
+        assert torch.isneginf(scores[row, :, n:]).all()
+    # the scores and the LSE agree: a row's slots' masses sum to one per query head
+    mass = torch.exp(scores - lse[..., None]).sum(-1)
+    torch.testing.assert_close(mass[1:], torch.ones(4, 4), rtol=0, atol=1e-4)
 
 
 @pytest.mark.usefixtures("kernel")

@@ -4,6 +4,7 @@ filter's formulas on hand-made inputs, lossless forced reuse, and composition.""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -207,6 +208,19 @@ def _every_token_ends_a_step(session, backend: HFBackend) -> ReasonCache:
     return plugin
 
 
+@pytest.fixture(params=["pages", "tails"])
+def layout(request: pytest.FixtureRequest, backend: HFBackend) -> Iterator[str]:
+    """The backend with its rows' own KV in pages (an ended row is captured at once and its last
+    step closed in its node: `KVEdits.point_at`) or in tails (captured at compaction)."""
+    before = backend.kv_layout
+    backend.kv_layout = request.param
+    try:
+        yield request.param
+    finally:
+        backend.kv_layout = before
+
+
+@pytest.mark.usefixtures("layout")
 def test_forced_reuse_of_identical_blocks_keeps_greedy_logits(backend: HFBackend) -> None:
     """Two greedy siblings hold identical KV; with p=0 only distance-0 blocks are admitted, so the
     second sibling reads the first one's blocks: its tokens and logits stay the dense ones."""
@@ -230,6 +244,40 @@ def test_forced_reuse_of_identical_blocks_keeps_greedy_logits(backend: HFBackend
     got_next = session.score_next(kids, probe, [1, 2, 3])
     torch.testing.assert_close(torch.tensor(got_next), torch.tensor(d_next), atol=1e-5, rtol=1e-5)
     assert 0 < stats["reasoncache_amsr"] < 1
+    dense.release([*d_kids, d_root])
+    session.release([*kids, root])
+    assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks.live == 0
+
+
+@pytest.mark.usefixtures("layout")
+def test_branches_that_ended_share_their_last_step_in_their_nodes(backend: HFBackend) -> None:
+    """Three greedy siblings, two ending at 16 tokens while the third goes on: their one step each
+    (nothing closes a step before a branch ends) closes after they ended, when pages have already
+    captured them into their nodes. The second reads the first's blocks there (sealed out of a
+    node, pointed at in a node: `KVEdits.seal`, `KVEdits.point_at`); every branch's next-token
+    logits stay the dense ones."""
+    prompt = backend.encode("Compute 12 + 7 step by step.")
+    params = DecodeParams(max_tokens=24, min_tokens=24, temperature=0.0)
+    short = DecodeParams(max_tokens=16, min_tokens=16, temperature=0.0)
+    probe = backend.encode(" so")
+    dense = backend.session(share="exact")
+    d_root = dense.prefill(prompt)
+    d_kids = dense.fork(d_root, 3)
+    dense.extend(d_kids, params, row_params=[short, short, None])
+    cfg = ReasonCacheConfig(block_tokens=4, percentile=0.0, warmup_blocks=1, structural=False)
+    session = backend.session(share="exact", accel=Accel(reasoncache=cfg))
+    plugin = session.plugin(ReasonCache)
+    assert plugin is not None
+    plugin.boundaries = StepBoundaries(closes=frozenset(), sentence_end=frozenset(), space_start=frozenset())
+    root = session.prefill(prompt)
+    kids = session.fork(root, 3)
+    session.extend(kids, params, row_params=[short, short, None])
+    assert session.kv_stats().extra["reasoncache_blocks_reused"] >= 3
+    second = backend.tree.find(kids[1])  # every whole block of its 15 computed tokens, read from the first's
+    assert second is not None and len(second.blocks) == 3
+    assert second.kv_tokens + 4 * len(second.blocks) == second.n_computed == 15
+    got = session.score_next(kids, probe, [1, 2, 3])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(dense.score_next(d_kids, probe, [1, 2, 3])))
     dense.release([*d_kids, d_root])
     session.release([*kids, root])
     assert backend.kv_stats().bytes_held == 0 and backend.tree.blocks.live == 0
@@ -300,6 +348,7 @@ def test_a_run_that_shared_nothing_says_so(backend: HFBackend) -> None:
     assert any(note.startswith("reasoncache: no block was shared") for note in result.notes), result.notes
 
 
+@pytest.mark.usefixtures("layout")
 def test_block_reads_on_the_fast_step_match_the_layer_loop(backend: HFBackend) -> None:
     """ReasonCache's rows read their blocks on the fixed-shape step (the pool as one more shared
     segment, masked per row; a changed pool is a new layout): every block reused (random mode,

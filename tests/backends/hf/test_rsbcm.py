@@ -9,6 +9,7 @@ from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RSBCMConfig
 from branchwise.backends.hf import HFBackend, rsbcm
 from branchwise.backends.hf.rsbcm import Block, plan_evictions
+from branchwise.backends.step_notes import OFF_FAST_BY
 
 
 def test_plan_evictions_lowest_omega_first() -> None:
@@ -139,11 +140,17 @@ def _masses_and_tokens(backend: HFBackend, mode: str, capacity: int) -> tuple[li
 
 
 @pytest.mark.parametrize("capacity", [1000, 6])
-def test_the_fast_step_accumulates_the_layer_loops_mass(tiny_llama_dir, capacity: int) -> None:
-    """RSBCM on the fixed-shape step (its mass from a pass of its own over the step's scores, by
-    log-sum-exp): every node's mass equals the layer loop's (fp32), and so do the tokens, evictions
-    and all; no step on the layer loop."""
-    backend = HFBackend(tiny_llama_dir)
+@pytest.mark.parametrize("layout", ["pages", "tails"])
+def test_the_fast_step_accumulates_the_layer_loops_mass(tiny_llama_dir, capacity: int, layout: str) -> None:
+    """RSBCM on the fixed-shape step (its mass by log-sum-exp from the paged kernel's scores where
+    pages are read in place, from a pass of its own over the tails' keys otherwise): every node's
+    mass equals the layer loop's (fp32), and so do the tokens, evictions and all; no step on the
+    layer loop, and pages read where they lie (no step read a copy)."""
+    from branchwise.backends.hf import cpu_kernels
+
+    if layout == "pages" and (reason := cpu_kernels.build()) is not None:
+        pytest.skip(reason)
+    backend = HFBackend(tiny_llama_dir, kv_layout=layout)
     loop = _masses_and_tokens(backend, "layers", capacity)
     fast = _masses_and_tokens(backend, "eager", capacity)
     for a, b in zip(fast[0], loop[0], strict=True):
@@ -153,6 +160,7 @@ def test_the_fast_step_accumulates_the_layer_loops_mass(tiny_llama_dir, capacity
     assert stats.get("rsbcm_evictions", 0) == loop[2].get("rsbcm_evictions", 0)
     assert (stats.get("rsbcm_evictions", 0) > 0) is (capacity < 1000)
     assert "decode_steps_layer_loop" not in stats and stats["decode_steps_fixed"] >= 15
+    assert not [k for k in stats if k.startswith(OFF_FAST_BY)]
 
 
 def test_mass_is_tracked_only_near_capacity(tiny_llama_dir) -> None:

@@ -12,6 +12,10 @@
 // its keys once); block_table `[B, M]` int32, lens `[B]` int32 (a row's tokens are its first
 // ceil(len / BS) blocks' first `len` slots). Out `[B, Hq, D]` in q's dtype, lse `[B, Hq]` float32
 // (natural log of the sum of exp(scale * q.k)); a row of length 0 gives zeros and -inf.
+// `paged_decode_scored` also returns every score it computed, `[B, Hq, M * BS]` float32 (scale * q.k
+// at each of a row's slots, -inf past its length): what an attention-mass tap needs (each slot's
+// mass is exp(score - lse of everything the query read)), for the price of one store per score,
+// where a tap scoring the keys itself would read every key a second time.
 //
 // Work: each (row, KV head) is cut into chunks of whole blocks; chunks run on torch's threads,
 // pulled longest first from a shared counter (rows of unequal length balance themselves), each
@@ -176,7 +180,7 @@ template <typename scalar_t, int kD>
 void run_chunk(const Chunk& c, const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
                const int32_t* table, int64_t table_stride, int64_t len, int64_t sN, int64_t sH,
                int64_t sT, int64_t q_stride_b, int64_t G, int64_t D, int64_t BS, float scale,
-               float* ws, const float** ptrs, float* out, float* lse) {
+               float* ws, const float** ptrs, float* out, float* lse, float* scored, int64_t S) {
   const int64_t tile_blocks = tile_blocks_of(BS), tile_cap = tile_tokens_of(BS);
   float* qf = ws;                        // G x D, scaled
   float* acc = qf + G * D;               // G x D
@@ -208,6 +212,7 @@ void run_chunk(const Chunk& c, const scalar_t* q, const scalar_t* k_pool, const 
     for (int64_t g = 0; g < G; ++g) {
       float* s = scores + g * tile_cap;
       score_rows<kD>(qf + g * D, krows, n, s, D);
+      if (scored != nullptr) std::copy(s, s + n, scored + g * S + t0 * BS);  // this chunk's heads' rows
       // the softmax update: new max, what came before rescaled, the tile exponentiated
       const float tile_max =
           at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
@@ -229,7 +234,7 @@ void run_chunk(const Chunk& c, const scalar_t* q, const scalar_t* k_pool, const 
 template <typename scalar_t>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                        const at::Tensor& block_table, const at::Tensor& lens, double scale,
-                       int64_t chunk_blocks, at::Tensor& out, at::Tensor& lse) {
+                       int64_t chunk_blocks, at::Tensor& out, at::Tensor& lse, float* scores_p) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t H = k_pool.size(1), BS = k_pool.size(2);
   const int64_t G = Hq / H;
@@ -278,6 +283,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
   TORCH_CHECK(v_pool.stride(0) == sN && v_pool.stride(1) == sH && v_pool.stride(2) == sT,
               "paged_decode: k_pool and v_pool must have the same strides");
   const float fscale = static_cast<float>(scale);
+  const int64_t S = block_table.size(1) * BS;  // slots per row in `scores_p`
 
   // the head size as a compile-time constant where it is a common one (the loops then keep q and
   // the accumulator in registers)
@@ -295,8 +301,9 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
         const Chunk& c = chunks[i];
         float* o_dst = c.slot >= 0 ? po + c.slot * G * D : o.data();
         float* l_dst = c.slot >= 0 ? pl + c.slot * G : l.data();
+        float* scored = scores_p == nullptr ? nullptr : scores_p + (c.row * Hq + c.head * G) * S;
         run(c, q_p, k_p, v_p, table, table_stride, len_of[c.row], sN, sH, sT, q.stride(0), G, D, BS,
-            fscale, ws.data(), ptrs.data(), o_dst, l_dst);
+            fscale, ws.data(), ptrs.data(), o_dst, l_dst, scored, S);
         if (c.slot < 0) {  // a whole row: its result is final
           for (int64_t g = 0; g < G; ++g) {
             const int64_t qh = c.head * G + g;
@@ -342,11 +349,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q_in, const at::Tensor& k_pool,
-                                                const at::Tensor& v_pool,
-                                                const at::Tensor& block_table,
-                                                const at::Tensor& lens, double scale,
-                                                int64_t chunk_blocks) {
+// Checks the inputs, then runs the kernel; `scores`, where given, takes every score (-inf filled).
+std::tuple<at::Tensor, at::Tensor> run_checked(const at::Tensor& q_in, const at::Tensor& k_pool,
+                                               const at::Tensor& v_pool, const at::Tensor& block_table,
+                                               const at::Tensor& lens, double scale, int64_t chunk_blocks,
+                                               at::Tensor* scores) {
   TORCH_CHECK(q_in.dim() == 3, "paged_decode: q must be [B, Hq, D]");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "paged_decode: pools must be [N, H_kv, BS, D]");
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "paged_decode: k_pool and v_pool differ in shape");
@@ -379,13 +386,35 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q_in, const at
   }
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
+  float* scores_p = nullptr;
+  if (scores != nullptr) {
+    *scores = at::full({B, Hq, M * BS}, kNegInf, q.options().dtype(at::kFloat));
+    scores_p = scores->data_ptr<float>();
+  }
   if (B == 0) return {out, lse};
   if (q.scalar_type() == at::kFloat) {
-    paged_decode_impl<float>(q, k_pool, v_pool, block_table, lens_c, scale, chunk_blocks, out, lse);
+    paged_decode_impl<float>(q, k_pool, v_pool, block_table, lens_c, scale, chunk_blocks, out, lse, scores_p);
   } else {
-    paged_decode_impl<at::BFloat16>(q, k_pool, v_pool, block_table, lens_c, scale, chunk_blocks, out, lse);
+    paged_decode_impl<at::BFloat16>(q, k_pool, v_pool, block_table, lens_c, scale, chunk_blocks, out, lse,
+                                    scores_p);
   }
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
+                                                const at::Tensor& v_pool, const at::Tensor& block_table,
+                                                const at::Tensor& lens, double scale, int64_t chunk_blocks) {
+  return run_checked(q, k_pool, v_pool, block_table, lens, scale, chunk_blocks, nullptr);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_scored(const at::Tensor& q, const at::Tensor& k_pool,
+                                                                   const at::Tensor& v_pool,
+                                                                   const at::Tensor& block_table,
+                                                                   const at::Tensor& lens, double scale,
+                                                                   int64_t chunk_blocks) {
+  at::Tensor scores;
+  auto [out, lse] = run_checked(q, k_pool, v_pool, block_table, lens, scale, chunk_blocks, &scores);
+  return {out, lse, scores};
 }
 
 }  // namespace
@@ -394,6 +423,12 @@ TORCH_LIBRARY_FRAGMENT(branchwise, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor lens, "
       "float scale, int chunk_blocks=0) -> (Tensor out, Tensor lse)");
+  m.def(
+      "paged_decode_scored(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor lens, "
+      "float scale, int chunk_blocks=0) -> (Tensor out, Tensor lse, Tensor scores)");
 }
 
-TORCH_LIBRARY_IMPL(branchwise, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(branchwise, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode_scored", &paged_decode_scored);
+}

@@ -77,12 +77,12 @@ class MassTap(AttentionTap):
     (`own`, [B, cap]) and each tracked shared segment (`segments`, key → [T]).
 
     On the layer loop it reads the explicit softmax's statistics (`on_weights`). On the fixed-shape
-    step (`on_step`) it takes each own slot's score from the paged kernel where the step reads
-    pages in place (`StepKeys.scores`: no key read twice), else scores the tail's keys in a small
-    pass of its own, and the shared segments' keys always: the log-sum-exp of every part's scores
-    merged into the total, then each key's mass `exp(score − lse_total)`, added in place to
-    buffers that keep their address, so the step stays fused (its attention never materialises
-    weights) and captured."""
+    step (`on_step`), each key's mass is `exp(score − lse_total)`, added in place to buffers that
+    keep their address, so the step stays fused (its attention never materialises weights) and
+    captured. Where the step reads pages in place it hands over each own slot's score (the paged
+    kernel's) and the total log-sum-exp (its cascade's merge), so the tap scores only the shared
+    segments it tracks; over tails it scores the tail's keys and every shared segment's in a
+    small pass of its own and merges their log-sum-exps into the total."""
 
     wants_weights = True
     in_step = True
@@ -117,10 +117,17 @@ class MassTap(AttentionTap):
     def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys | None) -> None:
         assert keys is not None, "the attention mass is the queries against the keys (`reads_scores`)"
         b, h, _, d = query.shape
-        # the own slots' scores [B, H_kv, G, span]: the paged kernel's (-inf past each row's length),
-        # or scored here over the tails
-        given = keys.scores
-        h_kv = int(keys.own.shape[1] if keys.own is not None else given.shape[1] if given is not None else h)
+        # the own slots' scores [B, H_kv, G, span] and the log-sum-exp of all a query read
+        # [B, H_kv, G]: pages read in place hand over both (the paged kernel's scores, -inf past
+        # each row's length, and the step's merged total); over tails they are computed here
+        own, lse = keys.scores, keys.lse
+        known = keys.own is None
+        if known:
+            assert own is not None and lse is not None, "pages in place hand over scores (`reads_scores`)"
+            h_kv = int(own.shape[1])
+        else:
+            assert keys.own is not None
+            h_kv = int(keys.own.shape[1])
         qg = query.reshape(b, h_kv, h // h_kv, d).float()  # query head j*G.. reads KV head j
 
         def scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
@@ -129,20 +136,22 @@ class MassTap(AttentionTap):
 
         if keys.own is not None:
             own = scores(qg, keys.own, keys.visible)
-        else:
-            assert given is not None, "pages read in place hand the tap their scores (`reads_scores`)"
-            own = given
-        lse = torch.logsumexp(own, -1)
+            lse = torch.logsumexp(own, -1)
+        assert own is not None and lse is not None
         parts = []
         for seg in keys.shared:
+            if known and seg.key not in self.tracked:
+                continue  # the total is known: an untracked segment needs no scores
             q_rows = qg if seg.rows is None else qg.index_select(0, seg.rows)
             sc = scores(q_rows, seg.keys[layer][None], seg.mask)  # [r, H_kv, G, T]
+            parts.append((seg, sc))
+            if known:
+                continue
             part = torch.logsumexp(sc, -1)
             if seg.rows is None:
                 lse = torch.logaddexp(lse, part)
             else:
                 lse = lse.index_copy(0, seg.rows, torch.logaddexp(lse.index_select(0, seg.rows), part))
-            parts.append((seg, sc))
         span = own.shape[-1]
         self.own[:, :span] += torch.exp(own - lse[..., None]).sum(dim=(1, 2))
         for seg, sc in parts:

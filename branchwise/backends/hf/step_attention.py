@@ -122,9 +122,9 @@ class StaticAttention:
         ctx.kv.write(layer, key, value, self.where)  # each row's new K/V at its length
         windowed = window is not None and self.windowed
         if self.in_place and softcap is None and not windowed:
-            out, scores = self._paged(layer, query, scaling)
+            out, scores, lse = self._paged(layer, query, scaling)
             # no tap reads the keys (`pages_copied`); some may read their scores
-            keys = None if scores is None else StepKeys(None, self.visible, self.shared, scaling, scores)
+            keys = None if scores is None else StepKeys(None, self.visible, self.shared, scaling, scores, lse)
             for tap in self.taps:
                 tap.on_step(layer, query, keys)
             return out
@@ -153,10 +153,11 @@ class StaticAttention:
 
     def _paged(
         self, layer: int, query: torch.Tensor, scaling: float
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Attention over the rows' pages read in place (output and log-sum-exp per query), merged
-        with the shared segments' by log-sum-exp: `[B, 1, H, D]`, and each own slot's score
-        `[B, H_kv, G, slots]` where a tap reads them (`scored`, else None)."""
+        with the shared segments' by log-sum-exp: `[B, 1, H, D]`, each own slot's score
+        `[B, H_kv, G, slots]` where a tap reads them (`scored`, else None), and the merged
+        log-sum-exp `[B, H_kv, G]`."""
         kv = self.ctx.kv
         assert isinstance(kv, Pages)
         b, h, _, d = query.shape
@@ -169,17 +170,13 @@ class StaticAttention:
             scores = flat.view(b, h_kv, g, -1)
         else:
             out, lse = cpu_kernels.paged_decode(*args)
+        total = lse.view(b, h_kv, g)
         if self.shared:
-            merged, _ = merge_shared(
-                query.reshape(b, h_kv, g, d),
-                out.view(b, h_kv, g, d),
-                lse.view(b, h_kv, g),
-                self.shared,
-                layer,
-                scaling,
+            merged, total = merge_shared(
+                query.reshape(b, h_kv, g, d), out.view(b, h_kv, g, d), total, self.shared, layer, scaling
             )
             out = merged.reshape(b, h, d)
-        return out[:, None], scores
+        return out[:, None], scores, total
 
 
 @dataclass

@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -298,18 +299,10 @@ def _register_fake() -> None:
         return out, lse
 
     @torch.library.register_fake("branchwise::paged_decode_scored")
-    def _(
-        q: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        block_table: torch.Tensor,
-        lens: torch.Tensor,
-        scale: float,
-        chunk_blocks: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out, lse = torch.ops.branchwise.paged_decode(
-            q, k_pool, v_pool, block_table, lens, scale, chunk_blocks
-        )
+    def _(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`paged_decode`'s shapes (the same arguments), and the scores `[B, Hq, M * BS]`."""
+        q, k_pool, block_table = args[0], args[1], args[3]
+        out, lse = torch.ops.branchwise.paged_decode(*args)
         slots = block_table.shape[1] * k_pool.shape[2]
         return out, lse, q.new_empty((*q.shape[:2], slots), dtype=torch.float32)
 

@@ -192,20 +192,25 @@ def test_bad_inputs_are_refused() -> None:
 
 
 @pytest.mark.usefixtures("kernel")
-def test_inside_torch_compile_fullgraph() -> None:
-    """The fake kernel gives inductor the op's shapes: a compiled function around it is one graph,
-    and computes what the eager op computes."""
+@pytest.mark.parametrize("scored", [False, True])
+def test_inside_torch_compile_fullgraph(scored: bool) -> None:
+    """The fake kernels give inductor the ops' shapes: a compiled function around either is one
+    graph, and computes what the eager op computes."""
     q, k_pool, v_pool, table, lens = make_case([9, 64, 100], seed=4)
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if scored:
+            out, lse, scores = paged_decode_scored(q * 2.0, k, v, table, lens, 0.125)
+            return out.sum(-1) + 1.0, lse.exp(), scores.clamp(min=-1e4) * 2.0
         out, lse = paged_decode(q * 2.0, k, v, table, lens, 0.125)
         return out.sum(-1) + 1.0, lse.exp()
 
     compiled = torch.compile(attend, fullgraph=True)
     got = compiled(q, k_pool, v_pool)
     want = attend(q, k_pool, v_pool)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert len(got) == len(want) == 2 + scored
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture

@@ -239,16 +239,16 @@ class ReasonCache(Acceleration):
     ) -> None:
         """Close each step (batch position, row, end), timed; `present`: the rows whose KV the batch
         holds, by node."""
-        closing = [
-            (pos, r, end)
+        ends = [
+            (StepEnd(batch, present, pos, r, branch), end)
             for pos, r, end in closing
             if (branch := self.branches.get(r.seg.id)) is not None and end > branch.step_start
         ]
-        if not closing:
+        if not ends:
             return
         start = time.perf_counter()
-        for pos, r, end in closing:
-            self._close_step(StepEnd(batch, present, pos, r, self.branches[r.seg.id]), end)
+        for at, end in ends:
+            self._close_step(at, end)
         self.stats.bump("reasoncache_filter_s", time.perf_counter() - start)
 
     def after_batch(self, batch: Batch, decoded: bool) -> None:

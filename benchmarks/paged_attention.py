@@ -25,9 +25,10 @@ read as a pool would really be read, on the model's attention shapes, with no we
 With `--shared N` (0: off) a second group, ``cascade``, gives every row a shared N-token prefix
 read once per step for all rows (`SharedSegment`), its output merged with the row's own by
 log-sum-exp: ``tails`` as the step runs it (`attention.fused_cascade`), ``paged_inplace`` with the
-own KV read by the kernel (output and LSE) and the prefix by the same SDPA call as the tails', and
-``paged_pooled`` with the prefix's blocks in the pool too, read once by the kernel for all rows
-(their queries stacked on the prefix's KV heads, as the cascade stacks them).
+own KV read by the kernel (output and LSE) and the prefix by the same SDPA call as the tails',
+merged after, and ``paged_fused`` with the prefix handed to the kernel beside the pages (one call
+per layer: the prefix read once for all rows, their queries stacked on its KV heads, and each
+row's own blocks in the same softmax, as the decode step reads a tree's ancestors).
 
 Each arm runs every layer of one decode step (`--layers` of the model's by default); the arms are
 interleaved repeat by repeat in alternating order, medians reported. Per batch size: milliseconds
@@ -115,10 +116,7 @@ class Rows:
         # the pool: a row owns ceil((len + 1) / block) blocks (room for this step's token); the
         # prefix's blocks after the rows'
         owned = [-(-(n + 1) // block) for n in lens]
-        prefix_blocks = -(-shared // block)
-        used, n_blocks = shuffled_tables([*owned, prefix_blocks] if shared else owned, gen)
-        self.prefix_table = torch.tensor([used[-1]] if shared else [[0]], dtype=torch.int32, device=device)
-        used = used[:b]
+        used, n_blocks = shuffled_tables(owned, gen)
         self.width = max(owned)
         table = torch.zeros(b, self.width, dtype=torch.int32)
         for i, blocks in enumerate(used):
@@ -156,8 +154,6 @@ class Rows:
                 pv = torch.randn(h, shared, d, generator=gen)
                 self.prefix_k.append(pk.to(dtype=dtype, device=device))
                 self.prefix_v.append(pv.to(dtype=dtype, device=device))
-                pieces.append((self.prefix_table[0].tolist(), shared))
-                kvs.append((pk, pv))
             for (blocks, n), (k, v) in zip(pieces, kvs, strict=True):
                 where = torch.tensor(blocks, device=device)
                 for pool, kv in ((self.pool_k[layer], k), (self.pool_v[layer], v)):
@@ -265,17 +261,17 @@ def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
     return o1 * torch.exp(l1 - lse)[..., None].to(o1.dtype) + o2 * torch.exp(l2 - lse)[..., None].to(o2.dtype)
 
 
-def cascade_inplace_step(rows: Rows, pooled_prefix: bool) -> Step:
+def cascade_inplace_step(rows: Rows, fused: bool) -> Step:
     """Own KV by the kernel; the prefix once for all rows, by SDPA over the segment (as the tails'
-    cascade reads it) or, `pooled_prefix`, by the kernel over the prefix's blocks in the pool."""
+    cascade reads it) merged after or, `fused`, handed to the kernel in the same call."""
     require_kernel(rows)
     b, hq, d = rows.query.shape[0], rows.shapes.heads, rows.shapes.head_dim
     h = rows.shapes.kv_heads
     g = hq // h
     query = rows.query[:, :, 0].contiguous()
-    # all rows' queries stacked per KV head: [1, H, B*G, D] for SDPA, [1, H*B*G, D] for the kernel
+    # all rows' queries stacked per KV head: [1, H, B*G, D] for SDPA
     stacked = query.view(b, h, g, d).transpose(0, 1).reshape(1, h, b * g, d).contiguous()
-    prefix_len = torch.tensor([rows.shared], dtype=torch.int32, device=query.device)
+    every_row = torch.arange(b, dtype=torch.int32, device=query.device)
 
     def unstack(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -287,22 +283,15 @@ def cascade_inplace_step(rows: Rows, pooled_prefix: bool) -> Step:
         out = query
         for layer in range(rows.shapes.layers):
             rows.write_paged(layer)
-            o, lse = cpu_kernels.paged_decode(
-                query, rows.pool_k[layer], rows.pool_v[layer], rows.table, rows.kv_lens, rows.scaling
+            args = (query, rows.pool_k[layer], rows.pool_v[layer], rows.table, rows.kv_lens, rows.scaling)
+            if fused:
+                prefix = cpu_kernels.Segments([rows.prefix_k[layer]], [rows.prefix_v[layer]], [every_row])
+                out, _ = cpu_kernels.paged_decode(*args, 0, prefix)
+                continue
+            o, lse = cpu_kernels.paged_decode(*args)
+            os_, ls = fused_attention(
+                stacked, rows.prefix_k[layer][None], rows.prefix_v[layer][None], rows.scaling
             )
-            if pooled_prefix:
-                os_, ls = cpu_kernels.paged_decode(
-                    stacked.view(1, h * b * g, d),
-                    rows.pool_k[layer],
-                    rows.pool_v[layer],
-                    rows.prefix_table,
-                    prefix_len,
-                    rows.scaling,
-                )
-            else:
-                os_, ls = fused_attention(
-                    stacked, rows.prefix_k[layer][None], rows.prefix_v[layer][None], rows.scaling
-                )
             out = merge(o, lse, *unstack(os_, ls))
         return out
 
@@ -550,8 +539,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.shared:
                 cascade: dict[str, Callable[[], Step]] = {
                     "tails": lambda rows=rows: tails_step(rows, cascade=True),
-                    "paged_inplace": lambda rows=rows: cascade_inplace_step(rows, pooled_prefix=False),
-                    "paged_pooled": lambda rows=rows: cascade_inplace_step(rows, pooled_prefix=True),
+                    "paged_inplace": lambda rows=rows: cascade_inplace_step(rows, fused=False),
+                    "paged_fused": lambda rows=rows: cascade_inplace_step(rows, fused=True),
                 }
                 entry["cascade"] = measure(
                     cascade,

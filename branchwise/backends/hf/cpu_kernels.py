@@ -10,7 +10,11 @@ return the log-sum-exp under compilation, which the cascade merges by), so `csrc
 is one: a `torch.library` op, `torch.ops.branchwise.paged_decode`, parallel over (row, KV head,
 chunk of blocks) on torch's threads, an online softmax per tile of tokens in fp32, vectorized with
 torch's own `at::vec` for the instruction set torch itself dispatches to on this CPU.
-`paged_decode_scored` is the same op returning every score it computed too: RSBCM's attention mass
+The shared segments a tree's rows read (their ancestors) go to the same call: each is read once
+for all its rows, in the same softmax as each row's own blocks, where merging each segment's
+attention by log-sum-exp in Python cost a dozen small operations per segment per layer (30 % of a
+beam search's step on 2 cores). `paged_decode_scored` is the same op returning every score it
+computed too: RSBCM's attention mass
 is each slot's `exp(score - lse)`, and a tap that scored the keys itself read every key twice and
 made the step read a gathered copy of the pages.
 
@@ -39,7 +43,7 @@ import platform
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,6 +294,9 @@ def _register_fake() -> None:
         v_pool: torch.Tensor,
         block_table: torch.Tensor,
         lens: torch.Tensor,
+        seg_keys: list[torch.Tensor],
+        seg_values: list[torch.Tensor],
+        seg_rows: list[torch.Tensor],
         scale: float,
         chunk_blocks: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,6 +328,20 @@ def unavailable_reason() -> str | None:
     return build()
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Shared segments the kernel reads beside each row's own blocks: per segment its keys and
+    values `[H_kv, T, D]` (one layer's, the pool's dtype, head dim contiguous) and the rows that
+    read it (`rows`, int32 `[r]`)."""
+
+    keys: Sequence[torch.Tensor] = ()
+    values: Sequence[torch.Tensor] = ()
+    rows: Sequence[torch.Tensor] = ()
+
+
+NO_SEGMENTS = Segments()
+
+
 def paged_decode(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -329,20 +350,27 @@ def paged_decode(
     lens: torch.Tensor,
     scale: float,
     chunk_blocks: int = 0,
+    segments: Segments = NO_SEGMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode token per row attending to its KV in a paged pool, read in place.
+    """One decode token per row attending to its KV in a paged pool, read in place, and to the
+    shared segments it reads.
 
     `q` `[B, Hq, D]`; `k_pool`, `v_pool` `[N_blocks, H_kv, BS, D]` (head dim contiguous), Hq a
     multiple of H_kv; `block_table` `[B, M]` int32 (row b's i-th block); `lens` `[B]` int32 (row
-    b's tokens: its first ceil(len / BS) blocks). float32 or bfloat16, accumulated in float32.
-    Returns (out `[B, Hq, D]` in q's dtype, lse `[B, Hq]` float32: the natural log of each query's
-    softmax denominator over `scale * q.k`); a row of length 0 gives zeros and -inf, which a
-    log-sum-exp merge ignores. `chunk_blocks` > 0 fixes how many blocks one thread reads before a
-    merge (0: chosen from the rows and threads). Raises `PagedKernelUnavailable` when the kernel
-    cannot be built here (`unavailable_reason()` says why beforehand). Inside `torch.compile` the
-    op is traced through its fake kernel: build it before compiling."""
+    b's tokens: its first ceil(len / BS) blocks); `segments`: a tree's ancestors, each read once
+    for all its rows, in the same softmax as their own blocks (no merge left to the caller).
+    float32 or bfloat16, accumulated in float32. Returns (out `[B, Hq, D]` in q's dtype, lse
+    `[B, Hq]` float32: the natural log of each query's softmax denominator over `scale * q.k`, all
+    it read); a row that reads nothing gives zeros and -inf, which a log-sum-exp merge ignores.
+    `chunk_blocks` > 0 fixes how many blocks one thread reads before a merge (0: chosen from the
+    rows and threads). Raises `PagedKernelUnavailable` when the kernel cannot be built here
+    (`unavailable_reason()` says why beforehand). Inside `torch.compile` the op is traced through
+    its fake kernel: build it before compiling."""
     _ensure_built()
-    out, lse = torch.ops.branchwise.paged_decode(q, k_pool, v_pool, block_table, lens, scale, chunk_blocks)
+    s = segments
+    out, lse = torch.ops.branchwise.paged_decode(
+        q, k_pool, v_pool, block_table, lens, list(s.keys), list(s.values), list(s.rows), scale, chunk_blocks
+    )
     return out, lse
 
 
@@ -354,14 +382,17 @@ def paged_decode_scored(
     lens: torch.Tensor,
     scale: float,
     chunk_blocks: int = 0,
+    segments: Segments = NO_SEGMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`paged_decode`, and every score it computed: `[B, Hq, M * BS]` float32, `scale * q.k` at
-    each of a row's slots (slot j of a row: its table's block j // BS, offset j % BS), -inf past
-    its length. What an attention-mass tap reads (a slot's mass is `exp(score - lse)` against the
-    log-sum-exp of all the query read) without scoring the keys a second time."""
+    """`paged_decode`, and every score it computed over the rows' own blocks: `[B, Hq, M * BS]`
+    float32, `scale * q.k` at each of a row's slots (slot j of a row: its table's block j // BS,
+    offset j % BS), -inf past its length. What an attention-mass tap reads (a slot's mass is
+    `exp(score - lse)` against the log-sum-exp of all the query read) without scoring the keys a
+    second time."""
     _ensure_built()
+    s = segments
     out, lse, scores = torch.ops.branchwise.paged_decode_scored(
-        q, k_pool, v_pool, block_table, lens, scale, chunk_blocks
+        q, k_pool, v_pool, block_table, lens, list(s.keys), list(s.values), list(s.rows), scale, chunk_blocks
     )
     return out, lse, scores
 
@@ -401,22 +432,30 @@ def paged_decode_reference(
     block_table: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    segments: Segments = NO_SEGMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`paged_decode` in plain torch, row by row: gather the row's blocks, an explicit softmax in
-    float32 (float64 inputs stay float64). What the kernel is checked against; slow by design."""
+    """`paged_decode` in plain torch, row by row: gather the row's blocks and the segments it reads,
+    an explicit softmax in float32 (float64 inputs stay float64). What the kernel is checked
+    against; slow by design."""
     b, hq, d = q.shape
     h, bs = k_pool.shape[1], k_pool.shape[2]
     g = hq // h
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(b, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.full((b, hq), float("-inf"), dtype=work, device=q.device)
+    readers = [set(rows.tolist()) for rows in segments.rows]
     for row in range(b):
         n = int(lens[row])
-        if n == 0:
-            continue
         blocks = block_table[row, : -(-n // bs)].long()
-        k = k_pool[blocks].to(work).transpose(0, 1).reshape(h, -1, d)[:, :n]  # [H, n, D]
-        v = v_pool[blocks].to(work).transpose(0, 1).reshape(h, -1, d)[:, :n]
+        ks = [k_pool[blocks].to(work).transpose(0, 1).reshape(h, -1, d)[:, :n]]  # [H, n, D]
+        vs = [v_pool[blocks].to(work).transpose(0, 1).reshape(h, -1, d)[:, :n]]
+        for keys, values, rows in zip(segments.keys, segments.values, readers, strict=True):
+            if row in rows:
+                ks.append(keys.to(work))
+                vs.append(values.to(work))
+        k, v = torch.cat(ks, 1), torch.cat(vs, 1)
+        if k.shape[1] == 0:
+            continue
         scores = q[row].to(work).view(h, g, d) @ k.transpose(1, 2) * scale  # [H, G, n]
         lse[row] = torch.logsumexp(scores, -1).reshape(hq)
         out[row] = (torch.softmax(scores, -1) @ v).reshape(hq, d).to(q.dtype)

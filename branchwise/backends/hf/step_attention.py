@@ -59,6 +59,15 @@ class StaticAttention:
         self.shared = ctx.read_segments()
         """What the rows read besides their tails: their ancestors, and the blocks they point at
         (ReasonCache's pool, read as one more segment masked per row: `batch.BlockPool`)."""
+        self.handed = [seg for seg in self.shared if seg.mask is None]
+        """The segments the paged kernel reads with the rows' pages, in one softmax (read in place):
+        every one but a masked pool of blocks, which `merge_shared` merges after."""
+        self.merged = [seg for seg in self.shared if seg.mask is not None]
+        every_row = torch.arange(ctx.batch, dtype=torch.int32, device=lens.device)
+        self.handed_rows = [
+            every_row if seg.rows is None else seg.rows.to(torch.int32) for seg in self.handed
+        ]
+        """Each handed segment's readers as the kernel takes them (int32; None = every row)."""
         self.taps = [tap for tap in ctx.taps if tap.in_step]
         """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
         self.copied = pages_copied(ctx, any(tap.reads_keys for tap in self.taps))
@@ -154,8 +163,8 @@ class StaticAttention:
     def _paged(
         self, layer: int, query: torch.Tensor, scaling: float
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Attention over the rows' pages read in place (output and log-sum-exp per query), merged
-        with the shared segments' by log-sum-exp: `[B, 1, H, D]`, each own slot's score
+        """Attention over the rows' pages read in place and the segments handed to the kernel with
+        them (output and log-sum-exp per query), a masked pool merged after by log-sum-exp: `[B, 1, H, D]`, each own slot's score
         `[B, H_kv, G, slots]` where a tap reads them (`scored`, else None), and the merged
         log-sum-exp `[B, H_kv, G]`."""
         kv = self.ctx.kv
@@ -163,7 +172,12 @@ class StaticAttention:
         b, h, _, d = query.shape
         h_kv = kv.keys[layer].shape[1]
         g = h // h_kv
-        args = (query[:, :, 0], kv.keys[layer], kv.values[layer], kv.table, self.reach, scaling)
+        segments = cpu_kernels.Segments(
+            [seg.keys[layer] for seg in self.handed],
+            [seg.values[layer] for seg in self.handed],
+            self.handed_rows,
+        )
+        args = (query[:, :, 0], kv.keys[layer], kv.values[layer], kv.table, self.reach, scaling, 0, segments)
         scores = None
         if self.scored:
             out, lse, flat = cpu_kernels.paged_decode_scored(*args)
@@ -171,9 +185,9 @@ class StaticAttention:
         else:
             out, lse = cpu_kernels.paged_decode(*args)
         total = lse.view(b, h_kv, g)
-        if self.shared:
+        if self.merged:
             merged, total = merge_shared(
-                query.reshape(b, h_kv, g, d), out.view(b, h_kv, g, d), total, self.shared, layer, scaling
+                query.reshape(b, h_kv, g, d), out.view(b, h_kv, g, d), total, self.merged, layer, scaling
             )
             out = merged.reshape(b, h, d)
         return out[:, None], scores, total

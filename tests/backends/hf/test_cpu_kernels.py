@@ -1,7 +1,7 @@
 """The paged decode kernel (`cpu_kernels.py`, `csrc/paged_decode.cpp`) against its plain-torch
 reference: output and log-sum-exp over pools whose blocks are shuffled, grouped heads, lengths that
 are not multiples of the block (one token, one block, none), rows split across threads and merged,
-bfloat16; the op inside `torch.compile(fullgraph=True)`; and a missing compiler reported as a
+shared segments read in the same softmax by the rows under them, bfloat16; the op inside `torch.compile(fullgraph=True)`; and a missing compiler reported as a
 reason instead of an exception.
 
 Tests that need the built extension skip, saying why, where it cannot be built (no compiler); the
@@ -20,6 +20,7 @@ import torch
 from branchwise.backends.hf import cpu_kernels
 from branchwise.backends.hf.cpu_kernels import (
     PagedKernelUnavailable,
+    Segments,
     paged_decode,
     paged_decode_reference,
     paged_decode_scored,
@@ -177,6 +178,68 @@ def test_partial_results_merge_by_lse_into_attention_over_both() -> None:
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
 
 
+def make_segments(
+    rows: list[list[int]],
+    tokens: list[int],
+    kv_heads: int = 3,
+    dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+) -> Segments:
+    """Shared segments of `tokens[i]` keys read by `rows[i]`, each a strided view (one layer of a
+    `[layers, H_kv, T, D]` buffer, as a node keeps its KV), not a fresh contiguous tensor."""
+    gen = torch.Generator().manual_seed(7)
+    keys, values = [], []
+    for n in tokens:
+        keys.append(torch.randn(2, kv_heads, n + 3, dim, generator=gen).to(dtype)[1, :, 3:])
+        values.append(torch.randn(2, kv_heads, n + 3, dim, generator=gen).to(dtype)[1, :, 3:])
+    return Segments(keys, values, [torch.tensor(r, dtype=torch.int32) for r in rows])
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("chunk_blocks", [0, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_segments_read_in_the_same_softmax_as_each_rows_blocks(
+    chunk_blocks: int, dtype: torch.dtype
+) -> None:
+    """A tree's ancestors handed to the kernel: each row's output and LSE are attention over its own
+    blocks and every segment it reads, as if concatenated. Rows under no segment, a row with no
+    own tokens, segments of one token and of several tiles, and all rows under one segment."""
+    lens = [50, 0, 17, 130, 1]
+    q, k_pool, v_pool, table, lens_t = make_case(lens, dtype=dtype, seed=5)
+    segments = make_segments([[0, 1, 2, 3, 4], [0, 3], [1], [3]], [100, 33, 1, 200], dtype=dtype)
+    scale = 0.125
+    out, lse = paged_decode(q, k_pool, v_pool, table, lens_t, scale, chunk_blocks, segments)
+    want_out, want_lse = paged_decode_reference(
+        q.double(),
+        k_pool.double(),
+        v_pool.double(),
+        table,
+        lens_t,
+        scale,
+        Segments([k.double() for k in segments.keys], [v.double() for v in segments.values], segments.rows),
+    )
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-4)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_scored_with_segments_scores_own_slots_against_the_total() -> None:
+    """With segments the scores stay each own slot's, and the LSE is the total over everything the
+    query read: the own slots' masses sum to what the segments leave."""
+    q, k_pool, v_pool, table, lens = make_case([40, 70], seed=6)
+    segments = make_segments([[0, 1], [1]], [64, 20])
+    out, lse, scores = paged_decode_scored(q, k_pool, v_pool, table, lens, 0.125, 0, segments)
+    want_out, want_lse = paged_decode(q, k_pool, v_pool, table, lens, 0.125, 0, segments)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    _, own_lse, own_scores = paged_decode_scored(q, k_pool, v_pool, table, lens, 0.125)
+    torch.testing.assert_close(scores, own_scores, rtol=0, atol=1e-6)
+    own_mass = torch.exp(scores - lse[..., None]).sum(-1)
+    torch.testing.assert_close(own_mass, torch.exp(own_lse - lse), rtol=0, atol=1e-5)
+    assert bool((own_mass < 0.999).all())  # the segments took some of every query's mass
+
+
 @pytest.mark.usefixtures("kernel")
 def test_bad_inputs_are_refused() -> None:
     q, k_pool, v_pool, table, lens = make_case([20, 40])
@@ -189,6 +252,14 @@ def test_bad_inputs_are_refused() -> None:
         paged_decode(q[:, :8], k_pool, v_pool, table, lens, 0.125)
     with pytest.raises(RuntimeError, match="int32"):
         paged_decode(q, k_pool, v_pool, table.long(), lens, 0.125)
+    with pytest.raises(RuntimeError, match=r"names row 2, outside 0\.\.1"):
+        paged_decode(q, k_pool, v_pool, table, lens, 0.125, 0, make_segments([[2]], [8]))
+    with pytest.raises(RuntimeError, match=r"segment 0 keys and values must be \[H_kv=3"):
+        paged_decode(q, k_pool, v_pool, table, lens, 0.125, 0, make_segments([[0]], [8], kv_heads=1))
+    with pytest.raises(RuntimeError, match="segment 0 must have the pool's dtype"):
+        paged_decode(
+            q, k_pool, v_pool, table, lens, 0.125, 0, make_segments([[0]], [8], dtype=torch.bfloat16)
+        )
 
 
 @pytest.mark.usefixtures("kernel")
@@ -197,12 +268,13 @@ def test_inside_torch_compile_fullgraph(scored: bool) -> None:
     """The fake kernels give inductor the ops' shapes: a compiled function around either is one
     graph, and computes what the eager op computes."""
     q, k_pool, v_pool, table, lens = make_case([9, 64, 100], seed=4)
+    segments = make_segments([[0, 2]], [30])
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if scored:
-            out, lse, scores = paged_decode_scored(q * 2.0, k, v, table, lens, 0.125)
+            out, lse, scores = paged_decode_scored(q * 2.0, k, v, table, lens, 0.125, 0, segments)
             return out.sum(-1) + 1.0, lse.exp(), scores.clamp(min=-1e4) * 2.0
-        out, lse = paged_decode(q * 2.0, k, v, table, lens, 0.125)
+        out, lse = paged_decode(q * 2.0, k, v, table, lens, 0.125, 0, segments)
         return out.sum(-1) + 1.0, lse.exp()
 
     compiled = torch.compile(attend, fullgraph=True)

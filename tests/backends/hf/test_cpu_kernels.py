@@ -203,10 +203,13 @@ def test_shared_segments_read_in_the_same_softmax_as_each_rows_blocks(
 ) -> None:
     """A tree's ancestors handed to the kernel: each row's output and LSE are attention over its own
     blocks and every segment it reads, as if concatenated. Rows under no segment, a row with no
-    own tokens, segments of one token and of several tiles, and all rows under one segment."""
-    lens = [50, 0, 17, 130, 1]
+    own tokens, segments of one token and of several tiles, and many rows under one segment."""
+    lens = [50, 0, 17, 130, 1, 9, 40, 3, 64, 65, 2, 31]
     q, k_pool, v_pool, table, lens_t = make_case(lens, dtype=dtype, seed=5)
-    segments = make_segments([[0, 1, 2, 3, 4], [0, 3], [1], [3]], [100, 33, 1, 200], dtype=dtype)
+    # row 2 reads no segment; the first segment's 33 queries a KV head are read by one matrix
+    # product, the others' by the kernel's tiles
+    under_first = [row for row in range(12) if row != 2]
+    segments = make_segments([under_first, [0, 3], [1], [3]], [100, 33, 1, 200], dtype=dtype)
     scale = 0.125
     out, lse = paged_decode(q, k_pool, v_pool, table, lens_t, scale, chunk_blocks, segments)
     want_out, want_lse = paged_decode_reference(

@@ -26,9 +26,9 @@
 // Work: each (row, KV head)'s own blocks and each (segment, KV head)'s tokens are cut into chunks;
 // chunks run on torch's threads, pulled costliest first from a shared counter (rows of unequal
 // length balance themselves), each an online softmax over tiles of tokens in fp32 (a segment's
-// chunk for all its rows' queries at once, its keys read once); a row read in several chunks (one
-// long row on many cores: flash-decoding; a row under shared segments) has them merged by
-// log-sum-exp at the end.
+// chunk for all its rows' queries at once, its keys read once; a segment under many rows is one
+// matrix product instead, `kProductFrom`); a row read in several parts (one long row on many
+// cores: flash-decoding; a row under shared segments) has them merged by log-sum-exp at the end.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -179,10 +179,23 @@ inline int64_t workspace_floats(int64_t nq, int64_t D, int64_t BS) {
 // A shared segment: keys and values `[H_kv, T, D]` (any strides but the last), read by `rows`.
 template <typename scalar_t>
 struct Segment {
+  at::Tensor keys, values;
   const scalar_t* k;
   const scalar_t* v;
   int64_t tokens, ksH, ksT, vsH, vsT;
   std::vector<int64_t> rows;
+};
+
+// A segment read by this many queries a KV head or more (rows x query heads a KV head) is read by
+// one matrix product for all of them (PyTorch's flash kernel, which returns the log-sum-exp too),
+// not by tiles of this kernel: its per-query dot products lost to the product from there on
+// (2 AVX2 cores, 9 query heads on 3 KV heads: even at 8 rows under a 1,024-token segment, 45 %
+// slower at 64), where for a few rows one call beat a product and a merge per segment.
+constexpr int64_t kProductFrom = 32;
+
+// A segment read by a product: its partial results go to slots [slot, slot + H * rows), head-major.
+struct Product {
+  int64_t seg, slot;
 };
 
 // The tiles of a row's own blocks [first, last) of its table, for one KV head.
@@ -302,8 +315,11 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
   }
   int64_t most_queries = G;
   for (const auto& seg : segments) {
-    total += (seg.tokens + BS - 1) / BS * H;
-    most_queries = std::max<int64_t>(most_queries, static_cast<int64_t>(seg.rows.size()) * G);
+    const int64_t queries = static_cast<int64_t>(seg.rows.size()) * G;
+    if (queries < kProductFrom) {
+      total += (seg.tokens + BS - 1) / BS * H;
+      most_queries = std::max<int64_t>(most_queries, queries);
+    }
     for (int64_t b : seg.rows) reads_segment[b] = true;
   }
   const int64_t threads = at::get_num_threads();
@@ -325,10 +341,16 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
     }
   }
   const int64_t chunk_tokens = chunk_blocks * BS;
+  std::vector<Product> products;
   for (int64_t i = 0; i < static_cast<int64_t>(segments.size()); ++i) {
     const auto& seg = segments[i];
     const int64_t r = static_cast<int64_t>(seg.rows.size());
     if (r == 0) continue;
+    if (r * G >= kProductFrom) {
+      products.push_back({i, slots});
+      slots += H * r;
+      continue;
+    }
     for (int64_t h = 0; h < H; ++h) {
       for (int64_t first = 0; first < seg.tokens; first += chunk_tokens) {
         const int64_t last = std::min(seg.tokens, first + chunk_tokens);
@@ -365,6 +387,18 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
   if (D == 128 && D % kVecLen == 0) {
     own = &online_softmax<128, BlockTiles<scalar_t>>;
     shared = &online_softmax<128, SegmentTiles<scalar_t>>;
+  }
+
+  // segments read by many rows: one product each for all their queries, into their slots
+  for (const Product& p : products) {
+    const auto& seg = segments[p.seg];
+    const int64_t r = static_cast<int64_t>(seg.rows.size());
+    const at::Tensor rows = at::tensor(seg.rows, q.options().dtype(at::kLong));
+    const at::Tensor queries = q.index_select(0, rows).view({r, H, G, D}).transpose(0, 1).reshape({1, H, r * G, D});
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(
+        queries, seg.keys.unsqueeze(0), seg.values.unsqueeze(0), 0.0, false, std::nullopt, scale);
+    part_o.narrow(0, p.slot, H * r).copy_(o.reshape({H * r, G, D}));
+    part_l.narrow(0, p.slot, H * r).copy_(l.reshape({H * r, G}));
   }
 
   std::atomic<int64_t> next{0};
@@ -427,6 +461,13 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
   // rows read in parts (split into chunks, or a shared segment besides their own blocks): merge
   // each (row, head)'s partial results by log-sum-exp
   std::vector<std::vector<int64_t>> parts(B * H);
+  for (const Product& p : products) {
+    const auto& rows = segments[p.seg].rows;
+    const int64_t r = static_cast<int64_t>(rows.size());
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t j = 0; j < r; ++j) parts[rows[j] * H + h].push_back(p.slot + h * r + j);
+    }
+  }
   for (const Chunk& c : chunks) {
     if (c.slot < 0) continue;
     if (c.seg < 0) {
@@ -480,7 +521,7 @@ std::vector<Segment<scalar_t>> segments_of(const at::TensorList seg_keys, const 
     TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "paged_decode: segment ", i, " head dim must be contiguous");
     const at::Tensor rows = seg_rows[i].contiguous();
     TORCH_CHECK(rows.scalar_type() == at::kInt && rows.dim() == 1, "paged_decode: seg_rows[", i, "] must be int32 [r]");
-    Segment<scalar_t> seg{k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(1), k.stride(0), k.stride(1),
+    Segment<scalar_t> seg{k, v, k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.size(1), k.stride(0), k.stride(1),
                           v.stride(0), v.stride(1), {}};
     const int32_t* r = rows.data_ptr<int32_t>();
     for (int64_t j = 0; j < rows.numel(); ++j) {

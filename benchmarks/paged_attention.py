@@ -24,11 +24,13 @@ read as a pool would really be read, on the model's attention shapes, with no we
 
 With `--shared N` (0: off) a second group, ``cascade``, gives every row a shared N-token prefix
 read once per step for all rows (`SharedSegment`), its output merged with the row's own by
-log-sum-exp: ``tails`` as the step runs it (`attention.fused_cascade`), ``paged_inplace`` with the
+log-sum-exp (with `--levels L` > 1 the prefix is a tree as a beam search leaves it: L levels of
+N / L tokens, level l split into 2^l segments each read by its own group of rows): ``tails`` as the step runs it (`attention.fused_cascade`), ``paged_inplace`` with the
 own KV read by the kernel (output and LSE) and the prefix by the same SDPA call as the tails',
-merged after, and ``paged_fused`` with the prefix handed to the kernel beside the pages (one call
-per layer: the prefix read once for all rows, their queries stacked on its KV heads, and each
-row's own blocks in the same softmax, as the decode step reads a tree's ancestors).
+each segment merged after (`attention.merge_shared`, how the step read them before), and
+``paged_fused`` with the segments handed to the kernel beside the pages (one call per layer: each
+segment read once for all its rows, their queries stacked on its KV heads, and each row's own
+blocks in the same softmax, as the decode step reads a tree's ancestors).
 
 Each arm runs every layer of one decode step (`--layers` of the model's by default); the arms are
 interleaved repeat by repeat in alternating order, medians reported. Per batch size: milliseconds
@@ -57,7 +59,7 @@ from _common import BenchParser, emit, set_threads
 from random_checkpoint import RANDOM_CONFIGS
 
 from branchwise.backends.hf import cpu_kernels
-from branchwise.backends.hf.attention import SharedSegment, fused_attention
+from branchwise.backends.hf.attention import SharedSegment, merge_shared
 from branchwise.backends.hf.backend import resolve_device, resolve_dtype
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.own_kv import Tails
@@ -105,6 +107,7 @@ class Rows:
         shared: int,
         dtype: torch.dtype,
         device: torch.device,
+        levels: int = 1,
     ) -> None:
         gen = torch.Generator().manual_seed(0)
         b, h, d, layers = len(lens), shapes.kv_heads, shapes.head_dim, shapes.layers
@@ -141,19 +144,26 @@ class Rows:
         self.tail_v = [torch.zeros(shape_tail, dtype=dtype, device=device) for _ in range(layers)]
         self.pool_k = [torch.zeros(n_blocks, h, block, d, dtype=dtype, device=device) for _ in range(layers)]
         self.pool_v = [torch.zeros(n_blocks, h, block, d, dtype=dtype, device=device) for _ in range(layers)]
-        self.prefix_k: list[torch.Tensor] = []
-        self.prefix_v: list[torch.Tensor] = []
+        # the prefix's segments: who reads each (None: every row), then its keys and values per layer
+        tree = tree_readers(b, levels, device) if shared else []
+        spans = [
+            shared // levels + (shared % levels if level == levels - 1 else 0) for level in range(levels)
+        ]
+        self.readers = [rows for _, rows in tree]
+        self.seg_tokens = [spans[level] for level, _ in tree]
+        self.seg_k: list[list[torch.Tensor]] = [[] for _ in self.seg_tokens]
+        self.seg_v: list[list[torch.Tensor]] = [[] for _ in self.seg_tokens]
         for layer in range(layers):
             pieces = [(used[i], n) for i, n in enumerate(lens)]
             kvs = [(torch.randn(h, n, d, generator=gen), torch.randn(h, n, d, generator=gen)) for n in lens]
             for i, (k, v) in enumerate(kvs):
                 self.tail_k[layer][i, :, : lens[i]] = k.to(dtype)
                 self.tail_v[layer][i, :, : lens[i]] = v.to(dtype)
-            if shared:
-                pk = torch.randn(h, shared, d, generator=gen)
-                pv = torch.randn(h, shared, d, generator=gen)
-                self.prefix_k.append(pk.to(dtype=dtype, device=device))
-                self.prefix_v.append(pv.to(dtype=dtype, device=device))
+            for i, n in enumerate(self.seg_tokens):
+                pk = torch.randn(h, n, d, generator=gen)
+                pv = torch.randn(h, n, d, generator=gen)
+                self.seg_k[i].append(pk.to(dtype=dtype, device=device))
+                self.seg_v[i].append(pv.to(dtype=dtype, device=device))
             for (blocks, n), (k, v) in zip(pieces, kvs, strict=True):
                 where = torch.tensor(blocks, device=device)
                 for pool, kv in ((self.pool_k[layer], k), (self.pool_v[layer], v)):
@@ -182,6 +192,10 @@ class Rows:
             "tokens": (sum(self.lens_list) + len(self.lens_list)) * per_slot,
         }
 
+    def segments(self) -> list[SharedSegment]:
+        """The prefix's segments as the step reads them."""
+        return [SharedSegment(self.seg_k[j], self.seg_v[j], rows) for j, rows in enumerate(self.readers)]
+
     def reference(self, layer: int, cascade: bool) -> torch.Tensor:
         """The layer's attention in float64 from the tails (and the prefix): `[B, Hq, D]`, after the
         step's token is written (an arm run first writes it)."""
@@ -192,12 +206,26 @@ class Rows:
             k = self.tail_k[layer][i, :, : n + 1].double()
             v = self.tail_v[layer][i, :, : n + 1].double()
             if cascade:
-                k = torch.cat([self.prefix_k[layer].double(), k], 1)
-                v = torch.cat([self.prefix_v[layer].double(), v], 1)
+                mine = [j for j, rows in enumerate(self.readers) if rows is None or i in rows.tolist()]
+                k = torch.cat([*(self.seg_k[j][layer].double() for j in mine), k], 1)
+                v = torch.cat([*(self.seg_v[j][layer].double() for j in mine), v], 1)
             q = self.query[i, :, 0].double().view(h, g, d)
             p = torch.softmax(q @ k.transpose(1, 2) * self.scaling, -1)
             out.append((p @ v).reshape(h * g, d))
         return torch.stack(out)
+
+
+def tree_readers(b: int, levels: int, device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
+    """Each segment of a `levels`-deep tree over `b` rows, as (its level, who reads it): level 0
+    every row (None), level l up to 2^l segments, segment j read by the rows i with
+    i * 2^l // b == j (a segment no row would read is left out)."""
+    readers: list[tuple[int, torch.Tensor | None]] = [(0, None)]
+    for level in range(1, levels):
+        for j in range(2**level):
+            rows = [i for i in range(b) if i * 2**level // b == j]
+            if rows:
+                readers.append((level, torch.tensor(rows, dtype=torch.long, device=device)))
+    return readers
 
 
 Step = Callable[[], torch.Tensor]
@@ -205,9 +233,7 @@ Step = Callable[[], torch.Tensor]
 
 
 def tails_step(rows: Rows, cascade: bool) -> Step:
-    shared = (
-        [SharedSegment(rows.prefix_k, rows.prefix_v, None)] if cascade else []
-    )  # one segment every row reads
+    shared = rows.segments() if cascade else []
     ctx = BatchContext(
         kv=Tails(rows.tail_k, rows.tail_v),
         lens=rows.lens,
@@ -255,29 +281,17 @@ def inplace_step(rows: Rows) -> Step:
     return step
 
 
-def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
-    """Two normalised partial attentions `[B, Hq, D]` with their LSEs `[B, Hq]` as one."""
-    lse = torch.logaddexp(l1, l2)
-    return o1 * torch.exp(l1 - lse)[..., None].to(o1.dtype) + o2 * torch.exp(l2 - lse)[..., None].to(o2.dtype)
-
-
 def cascade_inplace_step(rows: Rows, fused: bool) -> Step:
-    """Own KV by the kernel; the prefix once for all rows, by SDPA over the segment (as the tails'
-    cascade reads it) merged after or, `fused`, handed to the kernel in the same call."""
+    """Own KV by the kernel; each segment once for all its rows, by SDPA merged after (as the step
+    read them before, `attention.merge_shared`) or, `fused`, handed to the kernel in the same call."""
     require_kernel(rows)
     b, hq, d = rows.query.shape[0], rows.shapes.heads, rows.shapes.head_dim
     h = rows.shapes.kv_heads
     g = hq // h
     query = rows.query[:, :, 0].contiguous()
-    # all rows' queries stacked per KV head: [1, H, B*G, D] for SDPA
-    stacked = query.view(b, h, g, d).transpose(0, 1).reshape(1, h, b * g, d).contiguous()
+    segments = rows.segments()
     every_row = torch.arange(b, dtype=torch.int32, device=query.device)
-
-    def unstack(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            o.reshape(h, b, g, d).transpose(0, 1).reshape(b, hq, d),
-            lse.reshape(h, b, g).transpose(0, 1).reshape(b, hq),
-        )
+    readers = [every_row if seg.rows is None else seg.rows.to(torch.int32) for seg in segments]
 
     def step() -> torch.Tensor:
         out = query
@@ -285,14 +299,16 @@ def cascade_inplace_step(rows: Rows, fused: bool) -> Step:
             rows.write_paged(layer)
             args = (query, rows.pool_k[layer], rows.pool_v[layer], rows.table, rows.kv_lens, rows.scaling)
             if fused:
-                prefix = cpu_kernels.Segments([rows.prefix_k[layer]], [rows.prefix_v[layer]], [every_row])
-                out, _ = cpu_kernels.paged_decode(*args, 0, prefix)
+                handed = cpu_kernels.Segments(
+                    [seg.keys[layer] for seg in segments], [seg.values[layer] for seg in segments], readers
+                )
+                out, _ = cpu_kernels.paged_decode(*args, 0, handed)
                 continue
             o, lse = cpu_kernels.paged_decode(*args)
-            os_, ls = fused_attention(
-                stacked, rows.prefix_k[layer][None], rows.prefix_v[layer][None], rows.scaling
+            merged, _ = merge_shared(
+                query.view(b, h, g, d), o.view(b, h, g, d), lse.view(b, h, g), segments, layer, rows.scaling
             )
-            out = merge(o, lse, *unstack(os_, ls))
+            out = merged.reshape(b, hq, d)
         return out
 
     return step
@@ -462,6 +478,12 @@ def main(argv: list[str] | None = None) -> None:
         help="tokens of a prefix every row shares (the cascade group; 0: off)",
     )
     parser.add_argument(
+        "--levels",
+        type=int,
+        default=1,
+        help="the prefix as a tree of this many levels (level l: 2^l segments, each its group of rows)",
+    )
+    parser.add_argument(
         "--flex",
         choices=["on", "off"],
         default="on",
@@ -483,6 +505,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--layers must be at least 1 (got {args.layers})")
     if args.shared < 0:
         parser.error(f"--shared must be at least 0 (got {args.shared})")
+    if not 1 <= args.levels <= 8 or args.levels > max(args.shared, 1):
+        parser.error(f"--levels must be 1..8 and at most --shared tokens (got {args.levels})")
     set_threads(args.threads)
     started = time.perf_counter()
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -520,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.shared,
                 dtype,
                 device,
+                args.levels,
             )
             held = rows.bytes_held()
             entry: dict[str, Any] = {"batch": b, "lens": [min(rows.lens_list), max(rows.lens_list)]}

@@ -376,17 +376,17 @@ def test_kv_layout_quick(quick_run: dict[str, Any]) -> None:
         assert all(n > 0 for n in row["off_fast"]["pages"].values())
 
 
-@quick("paged_attention.py")
+@quick("paged_attention.py", "--levels", "2")
 def test_paged_attention_quick(quick_run: dict[str, Any]) -> None:
     """Every layout computes the same attention as the float64 reference, alone and in the cascade
-    (a shared prefix merged by LSE); each ratio is the tails' time over the arm's own; the pool holds
+    (a shared prefix as a two-level tree: merged by LSE, or read by the kernel with the pages); each ratio is the tails' time over the arm's own; the pool holds
     fewer bytes than the tails for rows of unequal length; the kernel's build is reported (an arm
     that cannot run says why instead of a time), FlashInfer is said to be skipped on a CPU, and the
     quick run leaves FlexAttention (compiled per batch size) out."""
     out = quick_run
     assert [row["batch"] for row in out["batches"]] == out["config"]["batches"] == [1, 4]
     kernel = out["kernel_build"]["reason_unavailable"] is None
-    assert out["config"]["flex"] == "off" and out["config"]["shared"] == 64
+    assert out["config"]["flex"] == "off" and out["config"]["shared"] == 64 and out["config"]["levels"] == 2
     assert len(out["load_average"]["before"]) == len(out["load_average"]["after"]) == 3
 
     def check_arms(group: dict[str, Any], arms: tuple[str, ...]) -> None:
@@ -398,7 +398,7 @@ def test_paged_attention_quick(quick_run: dict[str, Any]) -> None:
 
     for row in out["batches"]:
         check_arms(row, ("tails", "paged_inplace", "paged_gather") if kernel else ("tails", "paged_gather"))
-        check_arms(row["cascade"], ("tails", "paged_inplace", "paged_pooled") if kernel else ("tails",))
+        check_arms(row["cascade"], ("tails", "paged_inplace", "paged_fused") if kernel else ("tails",))
         if not kernel:
             assert "unavailable" in row["paged_inplace"]["skipped"]
         assert "CUDA" in row["flashinfer"]["skipped"] and "paged_flex" not in row

@@ -64,7 +64,7 @@ from branchwise.backends.hf.backend import resolve_device, resolve_dtype
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.own_kv import Tails
 from branchwise.backends.hf.step import SPAN
-from branchwise.backends.hf.step_attention import StaticAttention
+from branchwise.backends.hf.step_attention import KernelSegments, StaticAttention
 
 QUICK = {"batches": [1, 4], "context": 96, "layers": 2, "repeats": 2, "shared": 64, "flex": "off"}
 
@@ -290,8 +290,7 @@ def cascade_inplace_step(rows: Rows, fused: bool) -> Step:
     g = hq // h
     query = rows.query[:, :, 0].contiguous()
     segments = rows.segments()
-    every_row = torch.arange(b, dtype=torch.int32, device=query.device)
-    readers = [every_row if seg.rows is None else seg.rows.to(torch.int32) for seg in segments]
+    handed = KernelSegments(segments, b, query.device)
 
     def step() -> torch.Tensor:
         out = query
@@ -299,10 +298,7 @@ def cascade_inplace_step(rows: Rows, fused: bool) -> Step:
             rows.write_paged(layer)
             args = (query, rows.pool_k[layer], rows.pool_v[layer], rows.table, rows.kv_lens, rows.scaling)
             if fused:
-                handed = cpu_kernels.Segments(
-                    [seg.keys[layer] for seg in segments], [seg.values[layer] for seg in segments], readers
-                )
-                out, _ = cpu_kernels.paged_decode(*args, 0, handed)
+                out, _ = cpu_kernels.paged_decode(*args, 0, handed.at(layer))
                 continue
             o, lse = cpu_kernels.paged_decode(*args)
             merged, _ = merge_shared(

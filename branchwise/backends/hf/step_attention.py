@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from branchwise.backends.hf import cpu_kernels
-from branchwise.backends.hf.attention import Window, exact_attention, fused_cascade, merge_shared
+from branchwise.backends.hf.attention import (
+    SharedSegment,
+    Window,
+    exact_attention,
+    fused_cascade,
+    merge_shared,
+)
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.own_kv import Pages
 from branchwise.backends.hf.step_inputs import StepKeys
@@ -39,6 +45,25 @@ def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
     return cpu_kernels.ready_now()
 
 
+class KernelSegments:
+    """Shared segments as the paged kernel reads them beside the rows' pages: each one's readers
+    made once (int32, every row where a segment names none), each layer's keys and values handed
+    with them (`at`)."""
+
+    def __init__(self, segments: Sequence[SharedSegment], batch: int, device: torch.device) -> None:
+        self.segments = list(segments)
+        every_row = torch.arange(batch, dtype=torch.int32, device=device)
+        self.rows = [every_row if seg.rows is None else seg.rows.to(torch.int32) for seg in self.segments]
+
+    def at(self, layer: int) -> cpu_kernels.Segments:
+        """The segments' keys and values of `layer`, with their readers."""
+        return cpu_kernels.Segments(
+            [seg.keys[layer] for seg in self.segments],
+            [seg.values[layer] for seg in self.segments],
+            self.rows,
+        )
+
+
 class StaticAttention:
     """The attention of one fixed-shape step (`attention.AttentionContext`): write each row's new
     K/V at its length, attend over the tail's first `span` slots under a mask from the lengths, plus
@@ -59,15 +84,10 @@ class StaticAttention:
         self.shared = ctx.read_segments()
         """What the rows read besides their tails: their ancestors, and the blocks they point at
         (ReasonCache's pool, read as one more segment masked per row: `batch.BlockPool`)."""
-        self.handed = [seg for seg in self.shared if seg.mask is None]
+        self.handed = KernelSegments([seg for seg in self.shared if seg.mask is None], ctx.batch, lens.device)
         """The segments the paged kernel reads with the rows' pages, in one softmax (read in place):
         every one but a masked pool of blocks, which `merge_shared` merges after."""
         self.merged = [seg for seg in self.shared if seg.mask is not None]
-        every_row = torch.arange(ctx.batch, dtype=torch.int32, device=lens.device)
-        self.handed_rows = [
-            every_row if seg.rows is None else seg.rows.to(torch.int32) for seg in self.handed
-        ]
-        """Each handed segment's readers as the kernel takes them (int32; None = every row)."""
         self.taps = [tap for tap in ctx.taps if tap.in_step]
         """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
         self.copied = pages_copied(ctx, any(tap.reads_keys for tap in self.taps))
@@ -172,12 +192,16 @@ class StaticAttention:
         b, h, _, d = query.shape
         h_kv = kv.keys[layer].shape[1]
         g = h // h_kv
-        segments = cpu_kernels.Segments(
-            [seg.keys[layer] for seg in self.handed],
-            [seg.values[layer] for seg in self.handed],
-            self.handed_rows,
+        args = (
+            query[:, :, 0],
+            kv.keys[layer],
+            kv.values[layer],
+            kv.table,
+            self.reach,
+            scaling,
+            0,
+            self.handed.at(layer),
         )
-        args = (query[:, :, 0], kv.keys[layer], kv.values[layer], kv.table, self.reach, scaling, 0, segments)
         scores = None
         if self.scored:
             out, lse, flat = cpu_kernels.paged_decode_scored(*args)

@@ -137,7 +137,7 @@ def mark_sizes(graph: Any) -> None:
         for extra in (seg.rows, seg.mask):
             if extra is not None:
                 mark(extra, 0)
-    for readers in graph.attention.handed_rows:  # the same readers as the paged kernel takes them
+    for readers in graph.attention.handed.rows:  # the same readers as the paged kernel takes them
         mark(readers, 0)
 
 

@@ -332,7 +332,8 @@ def unavailable_reason() -> str | None:
 class Segments:
     """Shared segments the kernel reads beside each row's own blocks: per segment its keys and
     values `[H_kv, T, D]` (one layer's, the pool's dtype, head dim contiguous) and the rows that
-    read it (`rows`, int32 `[r]`)."""
+    read it (`rows`, int32 `[r]`; a negative entry names no row: padding, as a segment no row reads
+    is, which a compiled step uses to keep to a few counts of segments and readers)."""
 
     keys: Sequence[torch.Tensor] = ()
     values: Sequence[torch.Tensor] = ()

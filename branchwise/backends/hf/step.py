@@ -26,9 +26,10 @@ of it has ended.
 
 Compiled (`decode_step="compiled"`): the same step function through `torch.compile` (inductor),
 with batch size, tail capacity (pages: their count and the table's width) and span symbolic, so one
-compilation serves every layout of the same kind (a batch of one row, each count of shared segments
-up to `step_compiler.SEGMENTS`, and each own-KV layout are kinds of their own; deeper batches run
-uncompiled). What it buys is fusion: the eager step is ~40 kernels a layer (norms, rotary, residual adds one
+compilation serves every layout of the same kind (a batch of one row, each own-KV layout, and each
+count of shared segments are kinds of their own: in tails up to `step_compiler.SEGMENTS`, deeper
+batches running uncompiled; read in place by the paged kernel, each power of two up to
+`step_attention.HANDED_MOST`, the segments padded to it). What it buys is fusion: the eager step is ~40 kernels a layer (norms, rotary, residual adds one
 elementwise kernel each), which on a GPU sets the replayed graph's length and on a CPU its
 per-operation overhead; inductor fuses each run of elementwise work into one kernel. On CUDA the
 compiled step is then recorded as CUDA graphs like the eager one. A compilation costs tens of

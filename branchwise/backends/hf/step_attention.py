@@ -45,22 +45,72 @@ def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
     return cpu_kernels.ready_now()
 
 
+HANDED_MOST = 32
+"""The most shared segments one compiled step hands the paged kernel (`KernelSegments`): a tree
+search deeper than this runs uncompiled and says so (`step_compiler.StepCompiler`)."""
+READERS_LEAST = 2
+"""The fewest entries of a segment's readers as handed (padded with -1): a compiler specialises a
+dimension of size 1, so a segment under one row would be a kind of batch of its own."""
+
+
+def handed_count(segments: int) -> int:
+    """How many segments a step hands the kernel for `segments` real ones: the next power of two
+    (0 stays 0). Why: the count of the kernel's list arguments is a constant of a compiled step, so
+    each count would compile anew as a tree search deepens; padded, depths 3-4 share one kind,
+    5-8 another, and so on (a padding segment no row reads costs the kernel nothing)."""
+    return 0 if segments <= 0 else 1 << (segments - 1).bit_length()
+
+
 class KernelSegments:
     """Shared segments as the paged kernel reads them beside the rows' pages: each one's readers
-    made once (int32, every row where a segment names none), each layer's keys and values handed
-    with them (`at`)."""
+    made once (int32, every row where a segment names none, a tensor of its own per segment, at
+    least `READERS_LEAST` entries), each layer's keys and values handed with them (`at`), padded to
+    `handed_count` segments by segments of two zero tokens that no row reads (-1 readers).
+
+    Why the padding and the tensors of their own: a compiled step is specialised on the count of
+    segments, on any size 1, and on which of its inputs are the same tensor; padded so, every batch
+    whose real segments pad to the same count is one kind of batch (`step_compiler.kind_of`), the
+    real segments' lengths and readers symbolic sizes."""
 
     def __init__(self, segments: Sequence[SharedSegment], batch: int, device: torch.device) -> None:
-        self.segments = list(segments)
-        every_row = torch.arange(batch, dtype=torch.int32, device=device)
-        self.rows = [every_row if seg.rows is None else seg.rows.to(torch.int32) for seg in self.segments]
+        real = list(segments)
+        self.real = len(real)
+        """How many of the handed segments are real (the rest pad)."""
+        self.keys: list[list[torch.Tensor]] = [list(seg.keys) for seg in real]
+        """Per handed segment, its keys per layer `[H_kv, T, D]`."""
+        self.values: list[list[torch.Tensor]] = [list(seg.values) for seg in real]
+        # what is made here is plain whatever mode the step is built in (a compiled step's guards
+        # compare inference flags, and the worker builds its sample batch outside inference mode)
+        with torch.inference_mode(False):
+            self.rows = [self._readers(seg.rows, batch, device) for seg in real]
+            for _ in range(handed_count(len(real)) - len(real)):
+                self.keys.append(
+                    [
+                        torch.zeros(k.shape[0], 2, k.shape[2], dtype=k.dtype, device=device)
+                        for k in real[0].keys
+                    ]
+                )
+                self.values.append(
+                    [
+                        torch.zeros(v.shape[0], 2, v.shape[2], dtype=v.dtype, device=device)
+                        for v in real[0].values
+                    ]
+                )
+                self.rows.append(torch.full((READERS_LEAST,), -1, dtype=torch.int32, device=device))
+
+    @staticmethod
+    def _readers(rows: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
+        """A segment's readers as the kernel takes them (every row where `rows` is None)."""
+        readers = torch.arange(batch, device=device) if rows is None else rows
+        short = READERS_LEAST - readers.numel()
+        if short > 0:
+            readers = torch.cat([readers, readers.new_full((short,), -1)])
+        return readers.to(torch.int32, copy=True)  # of its own, even where `rows` is int32
 
     def at(self, layer: int) -> cpu_kernels.Segments:
         """The segments' keys and values of `layer`, with their readers."""
         return cpu_kernels.Segments(
-            [seg.keys[layer] for seg in self.segments],
-            [seg.values[layer] for seg in self.segments],
-            self.rows,
+            [keys[layer] for keys in self.keys], [values[layer] for values in self.values], self.rows
         )
 
 

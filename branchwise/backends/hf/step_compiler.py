@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -51,15 +52,19 @@ import transformers
 from branchwise.backends.compute_thread import COMPUTE
 from branchwise.backends.hf.embedded import branchwise_cache_dir
 from branchwise.backends.hf.own_kv import Tails
+from branchwise.backends.hf.step_attention import HANDED_MOST
 
 log = logging.getLogger(__name__)
 
 SEGMENTS = 2
-"""Shared segments a compiled step reads at most. Each count of segments (and each pattern of the
-rows that read them) is a kind of batch of its own, compiled anew: a tree search whose rows descend
-from ever more ancestors, or a prefix cache that splits prompts at every common lead-in, would
+"""Shared segments a compiled step reads at most where the rows' own KV is not read in place by the
+paged kernel (tails, or pages read as a copy): there each count of segments (and each pattern of
+the rows that read them) is a kind of batch of its own, compiled anew, so a tree search would
 compile at every new depth. One or two segments are the shapes that recur (a prompt shared by its
-branches, under a cached lead-in); deeper batches run uncompiled and say so."""
+branches, under a cached lead-in); deeper batches run uncompiled and say so. Where the kernel reads
+the pages in place it takes the segments too, padded to a power of two
+(`step_attention.KernelSegments`): up to `step_attention.HANDED_MOST` of them compile, one kind per
+padded count."""
 
 SKELETON_CAPACITY, SKELETON_SPAN, SKELETON_SEGMENT, SKELETON_PAGES = 48, 32, 24, 5
 """Sizes of the small batch a kind is compiled on (tail capacity, span read, shared segment length).
@@ -137,26 +142,51 @@ def mark_sizes(graph: Any) -> None:
         for extra in (seg.rows, seg.mask):
             if extra is not None:
                 mark(extra, 0)
-    for readers in graph.attention.handed.rows:  # the same readers as the paged kernel takes them
+    handed = graph.attention.handed  # as the paged kernel takes them: the padding segments too
+    for t in (*itertools.chain(*handed.keys), *itertools.chain(*handed.values)):
+        mark(t, 1)
+    for readers in handed.rows:
         mark(readers, 0)
 
 
 def kind_of(graph: Any) -> str:
-    """A kind of batch: what the compiler specialises on besides the symbolic sizes (one row or
-    several; per shared segment, whether it is read by all rows, by one, and through a mask)."""
-    segs = [
-        (
-            s.rows is None,
-            s.rows is not None and s.rows.numel() == 1,
-            s.mask is not None,
-            s.keys[0].shape[1] == 1,
-        )
-        for s in graph.ctx.shared
-    ]
+    """A kind of batch: what the compiler specialises on besides the symbolic sizes: one row or
+    several, the layout, and the shared segments. Read in place by the paged kernel, those are the
+    padded count it is handed and which of them hold one token (`step_attention.KernelSegments`);
+    otherwise, per segment, whether it is read by all rows, by one, and through a mask."""
+    attention = graph.attention
+    if attention.in_place:
+        segs: list[Any] = [
+            len(attention.handed.rows),
+            [keys[0].shape[1] == 1 for keys in attention.handed.keys],
+        ]
+    else:
+        segs = [
+            (
+                s.rows is None,
+                s.rows is not None and s.rows.numel() == 1,
+                s.mask is not None,
+                s.keys[0].shape[1] == 1,
+            )
+            for s in graph.ctx.shared
+        ]
     layout = type(graph.ctx.kv).__name__
     return hashlib.sha256(
         repr((graph.ctx.batch == 1, graph.ctx.n_groups, segs, layout)).encode()
     ).hexdigest()[:16]
+
+
+def too_deep(graph: Any) -> str | None:
+    """Why `graph`'s batch reads more shared segments than a compiled step takes (None: it does not)."""
+    if graph.attention.in_place:
+        if graph.attention.handed.real > HANDED_MOST:
+            return (
+                f"more than {HANDED_MOST} shared segments (the most one compiled step hands the paged kernel)"
+            )
+        return None
+    if len(graph.ctx.shared) > SEGMENTS:
+        return f"more than {SEGMENTS} shared segments (each count would compile anew)"
+    return None
 
 
 def skeleton(graph: Any) -> dict[str, Any]:
@@ -303,8 +333,8 @@ class StepCompiler:
         self.unused = self.failed
         if self.failed is not None:
             return None
-        if len(graph.ctx.shared) > SEGMENTS:
-            self.unused = f"more than {SEGMENTS} shared segments (each count would compile anew)"
+        if (why := too_deep(graph)) is not None:
+            self.unused = why
             return None
         span = graph.attention.span
         if graph.ahead is None or graph.ahead_span != span:

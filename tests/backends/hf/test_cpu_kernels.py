@@ -227,6 +227,30 @@ def test_shared_segments_read_in_the_same_softmax_as_each_rows_blocks(
 
 
 @pytest.mark.usefixtures("kernel")
+def test_padding_readers_and_unread_segments_change_nothing() -> None:
+    """What a compiled step pads with (`step_attention.KernelSegments`): -1 among a segment's
+    readers names no row, and a segment that only -1 reads is skipped, whatever its keys hold; the
+    output and LSE are exactly those of the real segments alone."""
+    q, k_pool, v_pool, table, lens = make_case([40, 70, 5], seed=8)
+    real = make_segments([[0, 1, 2], [1]], [64, 20])
+    noise = make_segments([[-1, -1], [-1, -1]], [2, 7])
+    padded = Segments(
+        [*real.keys, *noise.keys],
+        [*real.values, *noise.values],
+        [
+            torch.tensor([0, 1, 2, -1], dtype=torch.int32),
+            torch.tensor([1, -1], dtype=torch.int32),
+            *noise.rows,
+        ],
+    )
+    for run in (paged_decode, paged_decode_scored):
+        want = run(q, k_pool, v_pool, table, lens, 0.125, 0, real)
+        got = run(q, k_pool, v_pool, table, lens, 0.125, 0, padded)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("kernel")
 def test_scored_with_segments_scores_own_slots_against_the_total() -> None:
     """With segments the scores stay each own slot's, and the LSE is the total over everything the
     query read: the own slots' masses sum to what the segments leave."""

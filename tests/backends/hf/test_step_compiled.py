@@ -206,34 +206,59 @@ def test_the_compiled_step_writes_the_tails_in_place(tiny_llama_dir, tmp_path: P
     assert not [code for code in sources if "_scaled_dot_product_flash_attention_for_cpu" in code]
 
 
-def test_deeper_batches_run_uncompiled_and_say_so(tiny_llama_dir) -> None:
-    """Rows reading more than `SEGMENTS` shared ancestors (a tree three forks deep) are not compiled
-    (each count of segments would be a compilation of its own): those steps run uncompiled with the
-    layer loop's tokens, and the statistics and notes say why."""
-    backend = HFBackend(tiny_llama_dir)
+def _tree(backend: HFBackend, mode: str, fans: tuple[int, ...], params: DecodeParams) -> list[list[int]]:
+    """Greedy tokens of the leaves of a tree forked `len(fans)` times (`fans[i]` children a node at
+    level i, each with a few tokens of its own), decoded by `mode`; the tree released after. Its
+    batch reads every node above the leaves as a shared segment."""
+    backend.decode_step = mode  # type: ignore[assignment]
+    backend.reset_stats()
+    nodes = [backend.prefill(backend.encode(PROMPT))]
+    made = list(nodes)
+    for level, fan in enumerate(fans):
+        nodes = [kid for node in nodes for kid in backend.fork(node, fan)]
+        backend.append(nodes, [backend.encode(f" {level} {i}") for i in range(len(nodes))])
+        made += nodes
+    tokens = [g.token_ids for g in backend.extend(nodes, params)]
+    backend.release(made)
+    return tokens
+
+
+def test_deeper_batches_on_tails_run_uncompiled_and_say_so(tiny_llama_dir) -> None:
+    """Rows in tails reading more than `SEGMENTS` shared ancestors (a tree three forks deep) are not
+    compiled (each count of segments would be a compilation of its own): those steps run uncompiled
+    with the layer loop's tokens, and the statistics and notes say why."""
+    backend = HFBackend(tiny_llama_dir, kv_layout="tails")
     params = DecodeParams(max_tokens=6, min_tokens=6)
-
-    def tree(mode: str) -> list[list[int]]:
-        backend.decode_step = mode  # type: ignore[assignment]
-        backend.reset_stats()
-        nodes = [backend.prefill(backend.encode(PROMPT))]
-        made = list(nodes)
-        for depth in range(SEGMENTS + 1):
-            nodes = [kid for node in nodes for kid in backend.fork(node, 2)]
-            backend.append(nodes, [backend.encode(f" {depth} {i}") for i in range(len(nodes))])
-            made += nodes
-        tokens = [g.token_ids for g in backend.extend(nodes, params)]
-        backend.release(made)
-        return tokens
-
-    layers = tree("layers")
-    assert tree("compiled") == layers
+    fans = (2,) * (SEGMENTS + 1)
+    layers = _tree(backend, "layers", fans, params)
+    assert _tree(backend, "compiled", fans, params) == layers
     stats = backend.kv_stats().as_dict()
     # the first step's batch holds the leaves' ancestors in their tails (copied while they are
     # computed); every later one reads them as shared segments
     assert stats.get("decode_steps_uncompiled", 0) >= params.max_tokens - 2
     assert f"uncompiled_by more than {SEGMENTS} shared segments (each count would compile anew)" in stats
     assert any(f"more than {SEGMENTS} shared segments" in note for note in Accel().notes(stats))
+
+
+def test_trees_on_pages_compile_one_kind_per_padded_count(tiny_llama_dir) -> None:
+    """Read in place, a tree's ancestors go to the paged kernel padded to a power of two
+    (`KernelSegments`): trees whose batches read three and four shared segments (their roots
+    forked two and three ways, each child twice) are one kind of batch, compiled once; every later
+    step of both runs compiled with the layer loop's tokens."""
+    backend = HFBackend(tiny_llama_dir, kv_layout="pages", cache_bytes=0)
+    params = DecodeParams(max_tokens=6, min_tokens=6)
+    shapes = ((2, 2), (3, 2))
+    layers = {fans: _tree(backend, "layers", fans, params) for fans in shapes}
+    compiler = _compiler(backend)
+    _tree(backend, "compiled", shapes[0], params)
+    assert compiler.wait(WAIT_S), "the compile worker did not finish"
+    assert compiler.status()["uncompiled"] == []
+    made = compiler.compiles + compiler.loaded
+    for fans in shapes:
+        assert _tree(backend, "compiled", fans, params) == layers[fans]
+        stats = backend.kv_stats().as_dict()
+        assert stats.get("decode_steps_compiled", 0) >= params.max_tokens - 2, stats
+    assert compiler.compiles + compiler.loaded == made and compiler.pending == 0
 
 
 def test_warm_up_starts_the_first_kinds_and_can_wait(tiny_llama_dir) -> None:

@@ -18,7 +18,9 @@
 // where a tap scoring the keys itself would read every key a second time.
 //
 // Shared segments: `seg_keys[i]` / `seg_values[i]` `[H_kv, T_i, D]` (contiguous head dim), read by
-// the rows `seg_rows[i]` (int32): a tree's ancestors, each read once for all the rows under it. The
+// the rows `seg_rows[i]` (int32; a negative entry names no row, and a segment no row reads is
+// skipped: padding that keeps a compiled step's count of segments and readers at a few fixed sizes):
+// a tree's ancestors, each read once for all the rows under it. The
 // output is attention over each row's own blocks and every segment it reads, as one softmax: the
 // cascade's merge done here rather than by a dozen small operations per segment per layer (on a
 // CPU those, not the arithmetic, were 30 % of a beam search's step).
@@ -525,10 +527,11 @@ std::vector<Segment<scalar_t>> segments_of(const at::TensorList seg_keys, const 
                           v.stride(0), v.stride(1), {}};
     const int32_t* r = rows.data_ptr<int32_t>();
     for (int64_t j = 0; j < rows.numel(); ++j) {
-      TORCH_CHECK(r[j] >= 0 && r[j] < B, "paged_decode: seg_rows[", i, "] names row ", r[j], ", outside 0..", B - 1);
+      if (r[j] < 0) continue;  // padding (the header)
+      TORCH_CHECK(r[j] < B, "paged_decode: seg_rows[", i, "] names row ", r[j], ", outside 0..", B - 1);
       seg.rows.push_back(r[j]);
     }
-    if (seg.tokens > 0) segments.push_back(std::move(seg));
+    if (seg.tokens > 0 && !seg.rows.empty()) segments.push_back(std::move(seg));
   }
   return segments;
 }

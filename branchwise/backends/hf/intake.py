@@ -232,9 +232,9 @@ class Intake:
         own KV computed or swapped back in, its growth to its cap; less what its node holds now."""
         ancestors = 0
         for anc in seg.kv_ancestors():
-            if anc.pending and anc.id not in counted:
+            if (anc.pending or anc.id in self.swap.segs) and anc.id not in counted:
                 counted.add(anc.id)
-                ancestors += len(anc.pending)
+                ancestors += len(anc.pending) + self.swap.tokens.get(anc.id, 0)
         cap = self._cap(seg)
         now = seg.kv_tokens + self.swap.tokens.get(seg.id, 0) + len(seg.pending) + self._copies(seg, 0)
         return (ancestors + self.pool.row_slots(now, cap, cap) - seg.kv_tokens) * self.pool.token_bytes
@@ -272,7 +272,12 @@ class Intake:
         if self.policy == SWAP:
             assert self.capture is not None, "Intake.capture is set with its batch"
             self.capture(pos, row)
-            nbytes = self.swap.out(seg, self.host.tree)
+            tree = self.host.tree
+            nbytes = self.swap.out(seg, tree)
+            # its prompt goes too once every row reading it is out (`KVTree.idle_ancestors`)
+            for anc in tree.idle_ancestors(seg, tree.readers(), set(self.swap.segs)):
+                nbytes += self.swap.out(anc, tree)
+                self.host.stats.bump("swapped_prompts")
             self.host.stats.bump("swapped_rows")
             self.host.stats.bump("swapped_bytes", nbytes)
         elif prompts := self.host.tree.drop_row(seg):  # and its prompt, once no row reads it
@@ -343,12 +348,15 @@ class Intake:
         youngest = sorted(alive, key=lambda r: rows[r.seg.id], reverse=True)[:-1]
         victims = []
         capacity = self._tail_capacity(alive)
-        readers, leaving = self.host.tree.readers(), set[int]()
+        tree = self.host.tree
+        readers, leaving, swapped = tree.readers(), set[int](), set(self.swap.segs)
         for r in youngest:  # a request's rows are admitted together: its prompt goes with the last
             victims.append(r)
             over -= r.seg.kv_bytes + self._freed(r, capacity) * tb
             if self.policy == RECOMPUTE:
-                over -= sum(a.kv_bytes for a in self.host.tree.unread_ancestors(r.seg, readers, leaving))
+                over -= sum(a.kv_bytes for a in tree.unread_ancestors(r.seg, readers, leaving))
+            else:
+                over -= sum(a.kv_bytes for a in tree.idle_ancestors(r.seg, readers, swapped))
             if over <= 0:
                 break
         return victims
@@ -461,7 +469,7 @@ class Intake:
         (`DecodeRun.dropped`: the listener releases their nodes at once, `Router.admit`)."""
         run = self.run
         for seg in [s for s in self.preempted if s.id in run.stopped]:
-            self.swap.back(seg, self.host.tree)
+            self._swap_back(seg)
             self.preempted.remove(seg)
         if not run.dropped:
             return
@@ -489,12 +497,18 @@ class Intake:
                 room += self._free_ended(cost - room)
             if room is not None and cost > room and not (force and not back):
                 break
-            self.swap.back(seg, self.host.tree)
+            self._swap_back(seg)
             back.append(seg)
             self.preempted.remove(seg)
             if room is not None:
                 room -= cost
         return back
+
+    def _swap_back(self, seg: Segment) -> None:
+        """A swapped row's KV back into its node, its swapped ancestors' first (no-ops for any that
+        were not swapped)."""
+        for node in [*reversed(seg.kv_ancestors()), seg]:
+            self.swap.back(node, self.host.tree)
 
     def _pop_ready(self) -> list[Segment]:
         out, self.ready = self.ready, []

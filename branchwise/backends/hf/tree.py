@@ -343,6 +343,29 @@ class KVTree:
             out.append(anc)
         return out
 
+    def idle_ancestors(
+        self, seg: Segment, readers: dict[int, list[Segment]], leaving: set[int]
+    ) -> list[Segment]:
+        """The ancestors of `seg`, nearest first, that hold KV no node outside `leaving` reads (and
+        that are neither lent, cached nor a source of shared blocks), once `seg` left (all are
+        added to `leaving`): what a request's swapped rows take out of the budget with them.
+
+        Why: under the swap policy (`intake.SWAP`) a preempted row's prompt stayed in memory, so at a
+        budget that binds, the prompts of the requests waiting to come back took the room of the
+        rows still decoding, until one row was left decoding past the budget (`kv_overruns`: 286
+        steps of a run of `benchmarks/kv_budget.py` on pages). Unlike `unread_ancestors` a reader
+        not yet computed counts: swapped out, an ancestor is back only when its own rows return."""
+        leaving.add(seg.id)
+        out = []
+        for anc in seg.kv_ancestors():
+            if not anc.kv_bytes or anc.lent or anc.cached or anc.blocks:
+                break
+            if any(r.id not in leaving for r in readers.get(anc.id, ())):
+                break
+            leaving.add(anc.id)
+            out.append(anc)
+        return out
+
     def free_idle(self, nodes: list[int], over: int) -> list[int]:
         """Free up to `over` bytes of the KV of `nodes` (in order) that are `recomputable`, with the
         ancestors no other node reads then (`unread_ancestors`); the bytes of each node freed.

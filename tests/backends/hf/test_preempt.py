@@ -258,3 +258,49 @@ def test_a_request_preempted_whole_takes_its_prompt_with_it(
     assert got == want
     assert held == [len(backend.encode(t)) for t in (TEXT, second)]  # the second computed again
     assert backend.kv_stats().bytes_held == 0
+
+
+def test_a_request_swapped_whole_takes_its_prompt_with_it(
+    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above under an acceleration that changes KV (River: its rows are swapped, not
+    recomputed): once the second prompt's last row is swapped out, the prompt is swapped out with
+    it (its bytes leave the budget while its rows wait), comes back before they rejoin, and every
+    row ends with the tokens of the unpreempted run; the first prompt stays. Before this a swapped
+    request's prompt stayed, and at a binding budget the waiting requests' prompts left one row
+    decoding past the budget (`KVTree.idle_ancestors`)."""
+    second = "Question: What is seven times six? Answer:"
+    accel = acting(("river",))
+
+    def run() -> tuple[list[list[int]], KVStats]:
+        backend.accel = accel
+        backend.reset_stats()
+        roots = [backend.prefill(backend.encode(t)) for t in (TEXT, second)]
+        kids = [k for r in roots for k in backend.fork(r, 2)]
+        gens = backend.extend(kids, DecodeParams(max_tokens=TOKENS, min_tokens=TOKENS))
+        stats = backend.kv_stats()
+        backend.release([*kids, *roots])
+        return [g.token_ids for g in gens], stats
+
+    want, _ = run()
+    original = intake.Intake.pressure
+    out_at: list[tuple[bool, bool]] = []  # after the preemption: (first prompt held, second held)
+
+    def pressure(self: intake.Intake, alive: list[Row]) -> list[Row]:
+        if self.run.step == 4:
+            prompts = sorted({r.seg.kv_ancestors()[-1].id for r in alive} | set(self.swap.segs))
+            tree = self.host.tree
+            out_at.append(tuple(tree.get(p).keys is not None for p in prompts[:2]))  # type: ignore[arg-type]
+        victims = original(self, alive)
+        if not victims and self.run.step == 3:
+            younger = max(r.seg.kv_ancestors()[-1].id for r in alive)
+            victims = [r for r in alive if r.seg.kv_ancestors()[-1].id == younger]
+        return victims
+
+    monkeypatch.setattr(intake.Intake, "pressure", pressure)
+    got, stats = run()
+    assert intake.policy_of(backend.session(accel=accel).plugins) == intake.SWAP
+    assert stats.extra["swapped_rows"] == 2 and stats.extra["swapped_prompts"] == 1
+    assert out_at == [(True, False)]
+    assert got == want
+    assert backend.kv_stats().bytes_held == 0

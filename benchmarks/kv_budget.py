@@ -30,8 +30,10 @@ Every arm decodes on the step a user of it gets (`--decode-step auto`: the fixed
 every acceleration now runs; `layers` puts every arm on the layer loop, the baseline, and the
 counters' `decode_steps_layer_loop` / `decode_steps_off_fast` say where each arm's steps ran); every
 arm prefills whole prompts (`--prefill-chunk 0`), as accelerated runs always do. Every arm keeps its
-rows' KV in tails, the layout RSBCM and ReasonCache need (`kv_admission.py` compares layouts), so
-the arms differ by their methods only.
+rows' KV in one layout (`--kv-layout`): pages by default where the backend's default is pages, so an
+eviction's pages go back at once to any row and admission prices what rows hold, the layout the
+memory-saving papers' effects show on; `tails` prices every row at its worst case, as before pages
+(`kv_admission.py` compares layouts). The arms differ by their methods only.
 
 Protocol: one warm-up per arm outside the timings (plug-in builds: River's quantized layers); then
 `--repeats` rounds, each running every arm once, in an order rotated per round (so no arm always
@@ -79,6 +81,7 @@ from branchwise.backends.accel import (
 )
 from branchwise.backends.base import DecodeStep, Generation
 from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.own_kv import KV_LAYOUTS, default_layout
 from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.scheduler import Job, Scheduler
 from branchwise.evals.stats import bootstrap_ci
@@ -455,6 +458,13 @@ def add_arm_options(
         why=". Every acceleration decodes on the fixed-shape step; 'layers' puts every arm on the layer loop "
         "(the baseline it replaced)",
     )
+    parser.add_argument(
+        "--kv-layout",
+        choices=KV_LAYOUTS,
+        default=default_layout(torch.device("cpu")),
+        help="how every arm's rows keep their own KV: 'pages' (admission prices what rows hold, an eviction "
+        "frees pages at once) or 'tails' (every row priced at its worst case). Default: the backend's on a CPU",
+    )
 
 
 def check_arm_options(parser: BenchParser, args: argparse.Namespace, positive: Sequence[str]) -> None:
@@ -504,8 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     check_arm_options(parser, args, ("questions", "n", "max_tokens", "alloc_every"))
 
-    # tails: the worst-case admission its budgets are fractions of (`kv_admission.py` compares layouts)
-    bench = start("kv_budget", args, kv_budget=None, decode_step=args.decode_step, kv_layout="tails")
+    bench = start("kv_budget", args, kv_budget=None, decode_step=args.decode_step, kv_layout=args.kv_layout)
     backend = bench.backend
     pool = backend.engine.pool
     if args.prefill_chunk < 0:

@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     check_arm_options(parser, args, ("questions", "width", "depth", "step_tokens"))
 
-    # tails: the worst-case admission its budgets are fractions of (`kv_admission.py` compares layouts)
-    bench = start("kv_budget_search", args, kv_budget=None, decode_step=args.decode_step, kv_layout="tails")
+    bench = start(
+        "kv_budget_search", args, kv_budget=None, decode_step=args.decode_step, kv_layout=args.kv_layout
+    )
     backend = bench.backend
     pool = backend.engine.pool
     problems = load_problems(args.task, args.questions, args.seed, **TASKS.get(args.task, {}))

@@ -29,8 +29,8 @@ with batch size, tail capacity (pages: their count and the table's width) and sp
 compilation serves every layout of the same kind (a batch of one row, each own-KV layout, and each
 count of shared segments are kinds of their own: in tails up to `step_compiler.SEGMENTS`, deeper
 batches running uncompiled; read in place by the paged kernel, each power of two up to
-`step_attention.HANDED_MOST`, the segments padded to it). What it buys is fusion: the eager step is ~40 kernels a layer (norms, rotary, residual adds one
-elementwise kernel each), which on a GPU sets the replayed graph's length and on a CPU its
+`step_compiler.HANDED_MOST`, the segments padded to it). What it buys is fusion: the eager step is
+~40 kernels a layer (norms, rotary, residual adds one elementwise kernel each), which on a GPU sets the replayed graph's length and on a CPU its
 per-operation overhead; inductor fuses each run of elementwise work into one kernel. On CUDA the
 compiled step is then recorded as CUDA graphs like the eager one. A compilation costs tens of
 seconds per kind (minutes on a small CPU); it runs in a worker process, never inside a step: a

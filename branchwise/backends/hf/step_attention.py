@@ -45,9 +45,6 @@ def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
     return cpu_kernels.ready_now()
 
 
-HANDED_MOST = 32
-"""The most shared segments one compiled step hands the paged kernel (`KernelSegments`): a tree
-search deeper than this runs uncompiled and says so (`step_compiler.StepCompiler`)."""
 READERS_LEAST = 2
 """The fewest entries of a segment's readers as handed (padded with -1): a compiler specialises a
 dimension of size 1, so a segment under one row would be a kind of batch of its own."""

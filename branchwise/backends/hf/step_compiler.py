@@ -52,7 +52,6 @@ import transformers
 from branchwise.backends.compute_thread import COMPUTE
 from branchwise.backends.hf.embedded import branchwise_cache_dir
 from branchwise.backends.hf.own_kv import Tails
-from branchwise.backends.hf.step_attention import HANDED_MOST
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +62,11 @@ the rows that read them) is a kind of batch of its own, compiled anew, so a tree
 compile at every new depth. One or two segments are the shapes that recur (a prompt shared by its
 branches, under a cached lead-in); deeper batches run uncompiled and say so. Where the kernel reads
 the pages in place it takes the segments too, padded to a power of two
-(`step_attention.KernelSegments`): up to `step_attention.HANDED_MOST` of them compile, one kind per
-padded count."""
+(`step_attention.KernelSegments`): up to `HANDED_MOST` of them compile, one kind per padded count."""
+HANDED_MOST = 32
+"""The most shared segments a compiled step hands the paged kernel (`step_attention.KernelSegments`,
+padded to a power of two: one kind per padded count); a batch reading more runs uncompiled and says
+so (`not_compiled`)."""
 
 SKELETON_CAPACITY, SKELETON_SPAN, SKELETON_SEGMENT, SKELETON_PAGES = 48, 32, 24, 5
 """Sizes of the small batch a kind is compiled on (tail capacity, span read, shared segment length).
@@ -176,14 +178,21 @@ def kind_of(graph: Any) -> str:
     ).hexdigest()[:16]
 
 
-def too_deep(graph: Any) -> str | None:
-    """Why `graph`'s batch reads more shared segments than a compiled step takes (None: it does not)."""
-    if graph.attention.in_place:
-        if graph.attention.handed.real > HANDED_MOST:
+def not_compiled(graph: Any) -> str | None:
+    """Why `graph`'s batch runs uncompiled whatever is compiled (None: its kind may compile): it
+    reads more shared segments than a compiled step takes, or its pages are read as a copy. Why not
+    compile the copy: it is what a batch reads while the paged kernel is still being built (or
+    where it cannot be), a passing state whose kinds no later step would use (a second process
+    compiled again every kind the first had met only while its kernel was building)."""
+    attention = graph.attention
+    if attention.in_place:
+        if attention.handed.real > HANDED_MOST:
             return (
                 f"more than {HANDED_MOST} shared segments (the most one compiled step hands the paged kernel)"
             )
         return None
+    if attention.copied is not None:
+        return f"its pages are read as a copy ({attention.copied})"
     if len(graph.ctx.shared) > SEGMENTS:
         return f"more than {SEGMENTS} shared segments (each count would compile anew)"
     return None
@@ -333,7 +342,7 @@ class StepCompiler:
         self.unused = self.failed
         if self.failed is not None:
             return None
-        if (why := too_deep(graph)) is not None:
+        if (why := not_compiled(graph)) is not None:
             self.unused = why
             return None
         span = graph.attention.span

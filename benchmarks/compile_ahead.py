@@ -8,7 +8,8 @@ process. This script measures that path end to end, in two fresh processes shari
 folder (nothing else of branchwise's cache is used: the model is passed as a path):
 
 * ``cold``: the first process. `load_s` (the model ready: what a server needs before it listens;
-  then `kernel_build_s`, the paged kernel built into the fresh folder, and `preload_s`, loading what an earlier process compiled, none here),
+  then `kernel_build_s`, the paged kernel built into the fresh folder, and `preload_s`, loading
+  what an earlier process compiled, none here),
   then (after one untimed uncompiled request of each kind, the process's own first-call costs)
   requests at once while its kinds compile: a lone decode of `--tokens` tokens and a
   self-consistency request (`--samples` rows over a shared prompt), each timed, with how many of

@@ -231,10 +231,11 @@ class Intake:
         ancestors' pending tokens (once for rows that share them: `counted` collects their ids), its
         own KV computed or swapped back in, its growth to its cap; less what its node holds now."""
         ancestors = 0
-        for anc in seg.kv_ancestors():
-            if (anc.pending or anc.id in self.swap.segs) and anc.id not in counted:
+        for anc in seg.kv_ancestors():  # to compute, or to swap back in
+            coming = len(anc.pending) + self.swap.tokens.get(anc.id, 0)
+            if coming and anc.id not in counted:
                 counted.add(anc.id)
-                ancestors += len(anc.pending) + self.swap.tokens.get(anc.id, 0)
+                ancestors += coming
         cap = self._cap(seg)
         now = seg.kv_tokens + self.swap.tokens.get(seg.id, 0) + len(seg.pending) + self._copies(seg, 0)
         return (ancestors + self.pool.row_slots(now, cap, cap) - seg.kv_tokens) * self.pool.token_bytes

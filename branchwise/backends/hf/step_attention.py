@@ -81,19 +81,14 @@ class KernelSegments:
         with torch.inference_mode(False):
             self.rows = [self._readers(seg.rows, batch, device) for seg in real]
             for _ in range(handed_count(len(real)) - len(real)):
-                self.keys.append(
-                    [
-                        torch.zeros(k.shape[0], 2, k.shape[2], dtype=k.dtype, device=device)
-                        for k in real[0].keys
-                    ]
-                )
-                self.values.append(
-                    [
-                        torch.zeros(v.shape[0], 2, v.shape[2], dtype=v.dtype, device=device)
-                        for v in real[0].values
-                    ]
-                )
+                self.keys.append(self._padding(real[0].keys))
+                self.values.append(self._padding(real[0].values))
                 self.rows.append(torch.full((READERS_LEAST,), -1, dtype=torch.int32, device=device))
+
+    @staticmethod
+    def _padding(like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per layer, two zero tokens shaped as `like`'s (heads, head size, dtype, device)."""
+        return [t.new_zeros(t.shape[0], 2, t.shape[2]) for t in like]
 
     @staticmethod
     def _readers(rows: torch.Tensor | None, batch: int, device: torch.device) -> torch.Tensor:
@@ -131,9 +126,6 @@ class StaticAttention:
         self.shared = ctx.read_segments()
         """What the rows read besides their tails: their ancestors, and the blocks they point at
         (ReasonCache's pool, read as one more segment masked per row: `batch.BlockPool`)."""
-        self.handed = KernelSegments([seg for seg in self.shared if seg.mask is None], ctx.batch, lens.device)
-        """The segments the paged kernel reads with the rows' pages, in one softmax (read in place):
-        every one but a masked pool of blocks, which `merge_shared` merges after."""
         self.merged = [seg for seg in self.shared if seg.mask is not None]
         self.taps = [tap for tap in ctx.taps if tap.in_step]
         """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
@@ -143,6 +135,10 @@ class StaticAttention:
         """Whether the paged kernel returns each own slot's score too (a tap reads them)."""
         self.in_place = isinstance(ctx.kv, Pages) and self.copied is None
         """Whether each layer reads the rows' pages where they lie (`cpu_kernels.paged_decode`)."""
+        handed = [seg for seg in self.shared if seg.mask is None] if self.in_place else []
+        self.handed = KernelSegments(handed, ctx.batch, lens.device)
+        """The segments the paged kernel reads with the rows' pages, in one softmax (read in place;
+        none otherwise): every one but a masked pool of blocks, which `merge_shared` merges after."""
         self.grouped = ctx.n_groups > 1
         """Whether query heads share K/V heads (a bool here, outside any compilation, where sizes
         are symbolic and SDPA's `enable_gqa` takes no symbolic bool)."""

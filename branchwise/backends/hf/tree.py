@@ -334,14 +334,7 @@ class KVTree:
         one left their shared prompt held, and at a tight budget the held prompts of waiting
         requests took the room the running rows needed (the oldest row alone then grew past the
         budget, for dozens of steps)."""
-        leaving.add(seg.id)
-        out = []
-        for anc in seg.kv_ancestors():
-            if not self.recomputable(anc, readers, leaving):
-                break
-            leaving.add(anc.id)
-            out.append(anc)
-        return out
+        return self._leaving_with(seg, leaving, lambda anc: self.recomputable(anc, readers, leaving))
 
     def idle_ancestors(
         self, seg: Segment, readers: dict[int, list[Segment]], leaving: set[int]
@@ -355,12 +348,21 @@ class KVTree:
         rows still decoding, until one row was left decoding past the budget (`kv_overruns`: 286
         steps of a run of `benchmarks/kv_budget.py` on pages). Unlike `unread_ancestors` a reader
         not yet computed counts: swapped out, an ancestor is back only when its own rows return."""
+
+        def idle(anc: Segment) -> bool:
+            held = anc.kv_bytes and not (anc.lent or anc.cached or anc.blocks)
+            return bool(held) and all(r.id in leaving for r in readers.get(anc.id, ()))
+
+        return self._leaving_with(seg, leaving, idle)
+
+    @staticmethod
+    def _leaving_with(seg: Segment, leaving: set[int], goes: Callable[[Segment], bool]) -> list[Segment]:
+        """`seg`'s ancestors, nearest first, up to the first for which `goes` is false, each added to
+        `leaving` (with `seg`) before the next is asked: one going may let its parent go."""
         leaving.add(seg.id)
         out = []
         for anc in seg.kv_ancestors():
-            if not anc.kv_bytes or anc.lent or anc.cached or anc.blocks:
-                break
-            if any(r.id not in leaving for r in readers.get(anc.id, ())):
+            if not goes(anc):
                 break
             leaving.add(anc.id)
             out.append(anc)

@@ -25,7 +25,7 @@ from torch._inductor.utils import run_and_get_code
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel
-from branchwise.backends.hf import HFBackend, step_compiler
+from branchwise.backends.hf import HFBackend, step_attention, step_compiler
 from branchwise.backends.hf.step import COMPILED_SPAN, SPAN, StepGraph, from_skeleton
 from branchwise.backends.hf.step_compiler import SEGMENTS, StepCompiler, skeleton
 from branchwise.backends.hf.step_worker import aot_step, compile_kind
@@ -259,6 +259,27 @@ def test_trees_on_pages_compile_one_kind_per_padded_count(tiny_llama_dir) -> Non
         stats = backend.kv_stats().as_dict()
         assert stats.get("decode_steps_compiled", 0) >= params.max_tokens - 2, stats
     assert compiler.compiles + compiler.loaded == made and compiler.pending == 0
+
+
+def test_pages_read_as_a_copy_are_never_compiled_and_say_so(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the paged kernel is not there (still building, or unbuildable) a paged batch reads a
+    copy of its pages: its steps run uncompiled with the layer loop's tokens, no kind is started for
+    that passing state (`step_compiler.not_compiled`), and the statistics and notes say why."""
+    why = "the paged decode kernel is still being built"
+    monkeypatch.setattr(step_attention, "pages_copied", lambda ctx, taps: why)
+    backend = HFBackend(tiny_llama_dir, kv_layout="pages", cache_bytes=0)
+    params = [DecodeParams(max_tokens=6, min_tokens=6)]
+    hints = ["", " a b"]
+    layers = _branches(backend, "layers", params, hints)
+    compiler = _compiler(backend)
+    assert _branches(backend, "compiled", params, hints) == layers
+    stats = backend.kv_stats().as_dict()
+    assert compiler.pending == 0 and compiler.compiles == 0
+    assert stats.get("decode_steps_uncompiled", 0) >= params[0].max_tokens - 1
+    assert f"uncompiled_by its pages are read as a copy ({why})" in stats
+    assert any("its pages are read as a copy" in note for note in Accel().notes(stats))
 
 
 def test_warm_up_starts_the_first_kinds_and_can_wait(tiny_llama_dir) -> None:

@@ -47,7 +47,7 @@ from branchwise.constraints import Constraint, OutputError
 from branchwise.reasoners.answers import extract_answer, majority_vote
 from branchwise.reasoners.batching import BATCH_ROWS, DecodeProgress, run_threads
 from branchwise.reasoners.registry import check_names
-from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode
+from branchwise.reasoners.result import Branch, ReasoningResult, TreeNode, kv_budget_notes
 from branchwise.reasoners.search import kv_size_per_step
 from branchwise.reasoners.search.tree import search_select
 from branchwise.reasoners.state import Leaf, RunState
@@ -523,19 +523,7 @@ class Reasoner:
             # an acceleration that was on but never acted says so (each config words its notes), so a
             # result never implies a speed-up it did not get
             run.notes += run.backend.accel.notes(stats)
-        if stats.get("kv_overruns"):
-            # the budget could not bound this run: never a silent overrun
-            run.notes.append(
-                f"kv_budget: {stats['kv_overruns']:g} decode step(s) ran over the KV budget: what the run "
-                "held (its live branches, and the one row a decode always goes on with) did not fit it"
-            )
-        if stats.get("freed_ended_kv_nodes"):
-            # a cost the caller may pay later: said, like the overrun it avoided
-            run.notes.append(
-                f"kv_budget: the KV of {stats['freed_ended_kv_nodes']:g} ended branch(es) or their prompts "
-                "was freed to stay within the KV budget; their tokens are kept, and extending one "
-                "computes its KV again"
-            )
+        run.notes += kv_budget_notes(stats)
         key = run.typed.key if run.typed is not None else extract_answer
         value, calls = self._typed_answer(run)
         branches = [

@@ -102,3 +102,31 @@ class ReasoningResult(BaseModel):
     )
     kv_per_step: list[int] = Field(default_factory=list, description="the KV metric's per-step terms")
     search_steps: list[SearchStep] = Field(default_factory=list, description="one entry per search select")
+
+
+def kv_budget_notes(stats: dict[str, float]) -> list[str]:
+    """What a result says of what the KV budget cost its run: steps run over it (the budget could
+    not bound the run: never a silent overrun), ended branches' KV freed (a cost the caller may pay
+    later, computing it again), and branches swapped out and back (their KV, and a request's prompt
+    with its last one, moved to host memory or a file while the budget was short: time the run
+    waited on that copy)."""
+    notes = []
+    if stats.get("kv_overruns"):
+        notes.append(
+            f"kv_budget: {stats['kv_overruns']:g} decode step(s) ran over the KV budget: what the run "
+            "held (its live branches, and the one row a decode always goes on with) did not fit it"
+        )
+    if stats.get("freed_ended_kv_nodes"):
+        notes.append(
+            f"kv_budget: the KV of {stats['freed_ended_kv_nodes']:g} ended branch(es) or their prompts "
+            "was freed to stay within the KV budget; their tokens are kept, and extending one "
+            "computes its KV again"
+        )
+    if stats.get("swapped_rows"):
+        prompts = f" and {stats['swapped_prompts']:g} prompt(s)" if stats.get("swapped_prompts") else ""
+        notes.append(
+            f"kv_budget: {stats['swapped_rows']:g} branch(es){prompts} were swapped out of the KV budget "
+            f"and back ({stats.get('swapped_bytes', 0.0) / 2**20:.1f} MiB to host memory or a file), "
+            "their KV kept exact; the run waited on those copies"
+        )
+    return notes

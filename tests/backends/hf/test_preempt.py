@@ -21,6 +21,7 @@ from branchwise.backends.hf import HFBackend, intake
 from branchwise.backends.hf.batch import Row
 from branchwise.backends.hf.hooks import Acceleration
 from branchwise.backends.hf.kv_swap import KVSwap
+from branchwise.reasoners.result import kv_budget_notes
 
 TEXT = "Question: How many apples are left? Let's think step by step about the problem.\n"
 ROWS, TOKENS = 4, 24
@@ -301,6 +302,10 @@ def test_a_request_swapped_whole_takes_its_prompt_with_it(
     got, stats = run()
     assert intake.policy_of(backend.session(accel=accel).plugins) == intake.SWAP
     assert stats.extra["swapped_rows"] == 2 and stats.extra["swapped_prompts"] == 1
+    # a result says so: the run waited on those copies
+    (note,) = kv_budget_notes(stats.as_dict())
+    assert note.startswith("kv_budget: 2 branch(es) and 1 prompt(s) were swapped out of the KV budget")
+    assert f"({stats.extra['swapped_bytes'] / 2**20:.1f} MiB to host memory or a file)" in note
     assert out_at == [(True, False)]
     assert got == want
     assert backend.kv_stats().bytes_held == 0

@@ -107,9 +107,9 @@ class ReasoningResult(BaseModel):
 def kv_budget_notes(stats: dict[str, float]) -> list[str]:
     """What a result says of what the KV budget cost its run: steps run over it (the budget could
     not bound the run: never a silent overrun), ended branches' KV freed (a cost the caller may pay
-    later, computing it again), and branches swapped out and back (their KV, and a request's prompt
-    with its last one, moved to host memory or a file while the budget was short: time the run
-    waited on that copy)."""
+    later, computing it again), and branches swapped out and back (their KV, an ended branch's
+    too, and a request's prompt with its last one, moved to host memory or a file while the budget
+    was short: time the run waited on that copy)."""
     notes = []
     if stats.get("kv_overruns"):
         notes.append(
@@ -122,11 +122,19 @@ def kv_budget_notes(stats: dict[str, float]) -> list[str]:
             "was freed to stay within the KV budget; their tokens are kept, and extending one "
             "computes its KV again"
         )
-    if stats.get("swapped_rows"):
-        prompts = f" and {stats['swapped_prompts']:g} prompt(s)" if stats.get("swapped_prompts") else ""
+    moved = [
+        f"{stats[key]:g} {what}"
+        for key, what in (
+            ("swapped_rows", "decoding branch(es)"),
+            ("swapped_ended_rows", "ended branch(es)"),
+            ("swapped_prompts", "prompt(s)"),
+        )
+        if stats.get(key)
+    ]
+    if moved:
         notes.append(
-            f"kv_budget: {stats['swapped_rows']:g} branch(es){prompts} were swapped out of the KV budget "
-            f"and back ({stats.get('swapped_bytes', 0.0) / 2**20:.1f} MiB to host memory or a file), "
-            "their KV kept exact; the run waited on those copies"
+            f"kv_budget: {', '.join(moved)} were swapped out of the KV budget "
+            f"({stats.get('swapped_bytes', 0.0) / 2**20:.1f} MiB to host memory or a file) and back when "
+            "read again, their KV kept exact; the run waited on those copies"
         )
     return notes

@@ -273,14 +273,8 @@ class Intake:
         if self.policy == SWAP:
             assert self.capture is not None, "Intake.capture is set with its batch"
             self.capture(pos, row)
-            tree = self.host.tree
-            nbytes = self.swap.out(seg, tree)
-            # its prompt goes too once every row reading it is out (`KVTree.idle_ancestors`)
-            for anc in tree.idle_ancestors(seg, tree.readers(), set(self.swap.segs)):
-                nbytes += self.swap.out(anc, tree)
-                self.host.stats.bump("swapped_prompts")
+            self._swap_out(seg)
             self.host.stats.bump("swapped_rows")
-            self.host.stats.bump("swapped_bytes", nbytes)
         elif prompts := self.host.tree.drop_row(seg):  # and its prompt, once no row reads it
             self.host.stats.bump("preempted_prompts", prompts)
         seg.last_logits = None
@@ -295,6 +289,7 @@ class Intake:
         garbage collector, and the pool would go on counting the tails). A call cut short (an error,
         a cancelled request) may leave rows swapped out: their KV goes back into their nodes, so
         each node is whole and its bytes are counted until it is released."""
+        self._forget_released()
         for seg in list(self.swap.segs.values()):
             self.swap.back(seg, self.host.tree)
         self.swap.close()
@@ -316,6 +311,7 @@ class Intake:
         they themselves may (`_rejoin` adds it back to the room). Past the budget, the call's
         ended rows' KV goes before any running row (`_free_ended`)."""
         self._just.clear()
+        self._forget_released()
         pool, tb = self.pool, self.pool.token_bytes
         worst = held = 0
         for r in alive:
@@ -337,7 +333,7 @@ class Intake:
         if over > 0 and self.batch is not None and self.batch.ctx.kv.shrink():  # free pages go first
             need = len(alive) * tb + self._growth(alive)
             over = pool.over(need)
-        if over > 0 and self.policy == RECOMPUTE:  # ended rows' KV goes before any running row
+        if over > 0:  # ended rows' KV goes before any running row
             over -= self._free_ended(over)
         if over <= 0:
             return []
@@ -362,12 +358,52 @@ class Intake:
                 break
         return victims
 
+    def _swap_out(self, seg: Segment) -> int:
+        """Swap `seg`'s KV out of the budget, with the ancestors no row outside the swap reads then
+        (`KVTree.idle_ancestors`: a request's prompt goes with its last row); the bytes moved."""
+        tree = self.host.tree
+        nbytes = self.swap.out(seg, tree)
+        for anc in tree.idle_ancestors(seg, tree.readers(), set(self.swap.segs)):
+            nbytes += self.swap.out(anc, tree)
+            self.host.stats.bump("swapped_prompts")
+        self.host.stats.bump("swapped_bytes", nbytes)
+        return nbytes
+
     def _free_ended(self, over: int) -> int:
-        """Bytes freed of up to `over` of the call's ended rows' KV (`KVTree.free_idle`)."""
+        """Bytes taken out of the budget, up to `over`, from the call's ended rows' KV: freed, to be
+        computed again if ever extended (`RECOMPUTE`, `KVTree.free_idle`), or swapped out with the
+        prompts no running row reads then (`SWAP`: such KV is not what a recompute gives).
+
+        Why swapped too: under the swap policy an ended row's KV stayed in memory while its
+        request's other rows decoded, and its request's prompt with it; at a budget that binds the
+        last row left decoding ran past it (187-260 steps at 1.076x the budget in
+        `benchmarks/kv_budget.py`'s SkipKV, ReasonCache and RSBCM arms). A swapped ended row comes
+        back when the call ends, unless its node was released first (`_forget_released`)."""
         ended = [sid for sid, index in self.run.rows.items() if index in self.run.results]
-        if freed := self.host.tree.free_idle(ended, over):  # a run that freed none says nothing
-            self.host.stats.bump("freed_ended_kv_nodes", len(freed))
-        return sum(freed)
+        tree = self.host.tree
+        if self.policy == RECOMPUTE:
+            if freed := tree.free_idle(ended, over):  # a run that freed none says nothing
+                self.host.stats.bump("freed_ended_kv_nodes", len(freed))
+            return sum(freed)
+        moved = 0
+        readers = tree.readers()
+        for sid in ended:
+            seg = tree.find(sid)
+            if moved >= over:
+                break
+            if seg is None or sid in self.swap.segs or not tree.idle(seg, readers, set(self.swap.segs)):
+                continue
+            if nbytes := self._swap_out(seg):
+                moved += nbytes
+                self.host.stats.bump("swapped_ended_rows")
+        return moved
+
+    def _forget_released(self) -> None:
+        """Drop the swapped KV of nodes released since they were swapped out (a server's request
+        releases its nodes once its last row ends): nothing will read it, and its file goes now."""
+        tree = self.host.tree
+        for sid in [sid for sid in self.swap.segs if sid not in tree]:
+            self.swap.forget(sid)
 
     def _reserve(self) -> None:
         """Set `pool.reserved` to what the decoding rows and the rows waiting here may still need.
@@ -494,7 +530,7 @@ class Intake:
             if seg.id in self._just and not force:
                 continue
             cost = self._join_cost(seg, counted)
-            if room is not None and cost > room and self.policy == RECOMPUTE:  # ended rows' KV first
+            if room is not None and cost > room:  # ended rows' KV first
                 room += self._free_ended(cost - room)
             if room is not None and cost > room and not (force and not back):
                 break

@@ -72,6 +72,15 @@ class KVSwap:
         self.segs.pop(seg.id)
         self.nbytes -= self._sizes.pop(seg.id)
 
+    def forget(self, node: int) -> None:
+        """Drop a swapped node's KV unread (its node was released: nothing will read it)."""
+        held = self.held.pop(node)
+        if isinstance(held, Path):
+            held.unlink(missing_ok=True)
+        self.tokens.pop(node)
+        self.segs.pop(node)
+        self.nbytes -= self._sizes.pop(node)
+
     def close(self) -> None:
         """Remove the swap files (every row came back before: nothing is lost)."""
         if self._dir is not None:

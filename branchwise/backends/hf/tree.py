@@ -349,11 +349,14 @@ class KVTree:
         steps of a run of `benchmarks/kv_budget.py` on pages). Unlike `unread_ancestors` a reader
         not yet computed counts: swapped out, an ancestor is back only when its own rows return."""
 
-        def idle(anc: Segment) -> bool:
-            held = anc.kv_bytes and not (anc.lent or anc.cached or anc.blocks)
-            return bool(held) and all(r.id in leaving for r in readers.get(anc.id, ()))
+        return self._leaving_with(seg, leaving, lambda anc: self.idle(anc, readers, leaving))
 
-        return self._leaving_with(seg, leaving, idle)
+    @staticmethod
+    def idle(seg: Segment, readers: dict[int, list[Segment]], leaving: set[int]) -> bool:
+        """Whether `seg` holds KV that may leave the budget whole (neither lent to a batch, cached
+        nor a source of shared blocks) and that no node outside `leaving` reads."""
+        held = seg.kv_bytes and not (seg.lent or seg.cached or seg.blocks)
+        return bool(held) and all(r.id in leaving for r in readers.get(seg.id, ()))
 
     @staticmethod
     def _leaving_with(seg: Segment, leaving: set[int], goes: Callable[[Segment], bool]) -> list[Segment]:

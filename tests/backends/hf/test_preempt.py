@@ -304,8 +304,59 @@ def test_a_request_swapped_whole_takes_its_prompt_with_it(
     assert stats.extra["swapped_rows"] == 2 and stats.extra["swapped_prompts"] == 1
     # a result says so: the run waited on those copies
     (note,) = kv_budget_notes(stats.as_dict())
-    assert note.startswith("kv_budget: 2 branch(es) and 1 prompt(s) were swapped out of the KV budget")
+    assert note.startswith("kv_budget: 2 decoding branch(es), 1 prompt(s) were swapped out of the KV budget")
     assert f"({stats.extra['swapped_bytes'] / 2**20:.1f} MiB to host memory or a file)" in note
     assert out_at == [(True, False)]
     assert got == want
+    assert backend.kv_stats().bytes_held == 0
+
+
+def test_ended_rows_are_swapped_out_before_a_running_row_under_the_swap_policy(
+    backend: HFBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under an acceleration that changes KV (River: swap policy) the KV of a call's ended rows
+    leaves the budget before any running row is preempted, as the recompute policy frees it: two
+    rows end after 6 tokens (told to a listener, as a server's rows are), and when the budget is short their KV is swapped out (the running
+    rows' tokens unchanged). The call's end brings back an ended row whose node is still held (a
+    strategy may extend it), and forgets one released meanwhile (a server's finished request).
+    Before this an ended row's KV stayed in memory under the swap policy, and the last row of a
+    request left decoding ran past the budget (`kv_budget_notes`' overruns)."""
+    accel = acting(("river",))
+    short = DecodeParams(max_tokens=6, min_tokens=6)
+
+    def run(squeeze: bool) -> tuple[list[list[int]], KVStats, list[int]]:
+        backend.accel = accel
+        backend.reset_stats()
+        root = backend.prefill(backend.encode(TEXT))
+        kids = backend.fork(root, ROWS)
+        rows: list[DecodeParams | None] = [None, None, short, short]
+        params = DecodeParams(max_tokens=TOKENS, min_tokens=TOKENS)
+        gens = backend.extend(kids, params, on_step=lambda step: (), row_params=rows)  # a listener: as served
+        stats = backend.kv_stats()
+        held = [backend.engine.tree.get(k).kv_tokens for k in kids[:3]]
+        backend.release([*kids[:3], root] if squeeze else [*kids, root])
+        return [g.token_ids for g in gens], stats, held
+
+    want, _, whole = run(squeeze=False)
+    original = intake.Intake.pressure
+    seen: list[tuple[int, bool]] = []
+
+    def pressure(self: intake.Intake, alive: list[Row]) -> list[Row]:
+        if self.run.step == 10:  # both short rows ended: swap them out, release the last one's node
+            moved = self._free_ended(1 << 40)
+            ended = [s for s, i in self.run.rows.items() if i in self.run.results]
+            seen.append((moved, all(s in self.swap.segs for s in ended)))
+            self.host.tree.release(max(ended))
+        return original(self, alive)
+
+    monkeypatch.setattr(intake.Intake, "pressure", pressure)
+    got, stats, held = run(squeeze=True)
+    assert intake.policy_of(backend.session(accel=accel).plugins) == intake.SWAP
+    ((moved, swapped),) = seen
+    assert moved > 0 and swapped
+    assert stats.extra["swapped_ended_rows"] == 2 and not stats.extra.get("swapped_rows")
+    assert got == want
+    assert held == whole  # the ended row still held came back whole at the call's end
+    (note,) = kv_budget_notes(stats.as_dict())
+    assert note.startswith("kv_budget: 2 ended branch(es) were swapped out of the KV budget")
     assert backend.kv_stats().bytes_held == 0

@@ -66,6 +66,26 @@ def paged_kernel_built() -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def uncompiled_on_a_cpu(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Where backends run on a CPU, `decode_step="auto"` runs the step eagerly in this session
+    (`$BRANCHWISE_DECODE_STEP`, which subprocesses inherit). Why: `auto` compiles on a CPU, each
+    engine with a worker process of its own that compiles whenever its engine idles, and a suite
+    builds hundreds of engines and idles between tests; the compiled step is tested where a test
+    asks for it (`decode_step="compiled"`), and `auto`'s resolution in `test_step.py`."""
+    import torch
+
+    device = request.config.getoption("--backend-device")
+    if device not in (None, "cpu") or (device is None and torch.cuda.is_available()):
+        yield
+        return
+    from branchwise.backends.hf.step import AUTO_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(AUTO_ENV, "eager")
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def backend_defaults(request: pytest.FixtureRequest) -> Iterator[None]:
     """Apply `--backend-device` / `--backend-dtype` to every backend built with 'auto'."""
     device = request.config.getoption("--backend-device")

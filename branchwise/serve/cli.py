@@ -227,9 +227,8 @@ def serve_command(
                     _set_kv_budget(local, kv_budget)
                 local.grammar_timeout = grammar_timeout
                 local.prefill_chunk, local.prefill_share = prefill_chunk, prefill_share
-                try:  # a server lives long: compiled steps pay back their (background) compilation
-                    mode = "compiled" if decode_step == "auto" else decode_step
-                    local.decode_step = cast("StepMode", mode)  # the setter checks it
+                try:
+                    local.decode_step = cast("StepMode", decode_step)  # the setter checks it
                 except ValueError as err:
                     raise typer.BadParameter(str(err), param_hint="--decode-step") from None
                 if kv_layout is not None:

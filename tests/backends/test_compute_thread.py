@@ -171,10 +171,10 @@ def test_a_compile_worker_is_held_stopped_while_the_process_computes() -> None:
     while the compute thread is idle (SIGSTOP / SIGCONT), and says how long it was held."""
     import subprocess
 
-    from branchwise.backends.hf.step_compiler import _Worker
+    from branchwise.backends.hf.compile_worker import Worker
 
     proc = subprocess.Popen(["sleep", "60"])
-    worker = object.__new__(_Worker)  # the pacing alone, around a stand-in process
+    worker = object.__new__(Worker)  # the pacing alone, around a stand-in process
     worker._proc, worker.paused_s, worker._paused_at = proc, 0.0, None
     compute = ComputeThread(name="test-paced")
     try:

@@ -342,11 +342,11 @@ class HFBackend:
 
     @property
     def decode_step(self) -> StepMode:
-        """How decode steps run (`step.py`): ``auto`` (compiled and captured as CUDA graphs on a
-        GPU, the same fixed-shape step eagerly elsewhere), ``compiled`` (inductor; captured on
-        CUDA), ``graphs`` (captured, uncompiled), ``eager``, or ``layers`` (every step through the
-        layer loop: the baseline the fixed-shape step is measured against). A compiled step on a
-        CPU calls the same oneDNN products on the prepacked weights (`prepack.packed_product`)."""
+        """How decode steps run (`step.py`): ``auto`` (``compiled``, or `$BRANCHWISE_DECODE_STEP`:
+        `step.auto_mode`), ``compiled`` (by a worker process while the same steps run eagerly;
+        captured as CUDA graphs on CUDA), ``graphs`` (captured, uncompiled), ``eager``, or
+        ``layers`` (every step through the layer loop: the baseline the fixed-shape step is
+        measured against). On a CPU it calls oneDNN on the prepacked weights either way."""
         return self.engine.stepper.mode
 
     @decode_step.setter

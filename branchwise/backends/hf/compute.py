@@ -79,7 +79,7 @@ class Computation:
         own reads them all again). False where a step cannot carry it (steps through the layer
         loop): the caller computes it now (`compute_part`). A chunk no step took is computed by the
         next forward of another batch, or by `flush_part`."""
-        if self.engine.stepper.mode == "layers" or self.plugins:
+        if self.engine.stepper.runs == "layers" or self.plugins:
             return False
         self.flush_part()
         self._carried = self._part(seg, limit)

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from branchwise.backends.hf.arch import DecoderParts, kv_bytes_per_token
 from branchwise.backends.hf.batch import Broadcast
+from branchwise.backends.hf.compile_worker import ModelSpec
 from branchwise.backends.hf.embedded import branchwise_cache_dir
 from branchwise.backends.hf.grammar import Grammars
 from branchwise.backends.hf.hooks import Acceleration, Builds
@@ -27,7 +28,6 @@ from branchwise.backends.hf.pace import PrefillPace
 from branchwise.backends.hf.pool import KVPool
 from branchwise.backends.hf.runner import Runner
 from branchwise.backends.hf.step import Stepper
-from branchwise.backends.hf.step_compiler import ModelSpec
 from branchwise.backends.hf.tree import KVTree
 from branchwise.toolcalls import render_messages, template_has_tools
 

@@ -20,7 +20,8 @@ object at each step boundary (it is the call's `decode.Boundary`):
   (`PrefillPace.idle_size`: about a quarter of a second, from `chunk` to `ALONE_CHUNK` tokens).
   Without a scheduler nobody can arrive, and a prompt is computed in `ALONE_CHUNK`s.
 - **Preemption.** When the engine's KV would exceed its budget at the next step, the prefix cache
-  yields first (`KVPool.yield_cache`), then the KV of the call's ended rows (`_free_ended`); if
+  yields first (`KVPool.yield_cache`), then the KV of the call's ended rows (`_free_ended`: freed,
+  or swapped out under the swap policy below); if
   that is not enough, the youngest rows (the last to join the call) leave the batch at once
   (`preempt`) and wait in `preempted` with their tokens so far.
   They come back, before any newcomer, once their KV and growth fit again, so decoding resumes where

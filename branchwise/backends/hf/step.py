@@ -42,9 +42,10 @@ say why (`step_compiler.py`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -55,10 +56,11 @@ from branchwise.backends.hf.attention import (
     SharedSegment,
 )
 from branchwise.backends.hf.batch import BatchContext
+from branchwise.backends.hf.compile_worker import ModelSpec
 from branchwise.backends.hf.hooks import Acceleration, layer_loop_reasons, needs_layer_loop
 from branchwise.backends.hf.own_kv import OwnKV, Pages, Tails
 from branchwise.backends.hf.step_attention import Chunk, MixedAttention, StaticAttention
-from branchwise.backends.hf.step_compiler import ModelSpec, StepCompiler
+from branchwise.backends.hf.step_compiler import StepCompiler
 from branchwise.backends.hf.step_inputs import Steer
 from branchwise.backends.hf.step_replay import CudaGraphs, ExitSegments, Modules, Recorder, signature
 from branchwise.backends.step_notes import OffFast
@@ -67,9 +69,31 @@ StepMode = Literal["auto", "compiled", "graphs", "eager", "layers"]
 """How decode steps run: `compiled` runs the fixed-shape step compiled by inductor (and captures it
 as CUDA graphs on CUDA), `graphs` captures the uncompiled step as CUDA graphs (CUDA only), `eager`
 runs the uncompiled step without capture, `layers` runs every step through the layer loop (the
-baseline), `auto` is `compiled` on CUDA and `eager` elsewhere (where a compilation costs minutes
-of a small CPU's time before it pays)."""
+baseline), `auto` is `compiled` (`auto_mode`: `$BRANCHWISE_DECODE_STEP` may name another)."""
 STEP_MODES: tuple[StepMode, ...] = ("auto", "compiled", "graphs", "eager", "layers")
+AUTO_ENV = "BRANCHWISE_DECODE_STEP"
+"""Environment variable naming the mode `auto` resolves to (`auto_mode`)."""
+
+
+def auto_mode() -> StepMode:
+    """What `auto` runs as: `$BRANCHWISE_DECODE_STEP` where set, else `compiled`, on every device.
+
+    Why compiled on a CPU too: no step waits for its compiler (kinds run eagerly until a worker
+    process has compiled them, and on a CPU the worker is held stopped while this process computes:
+    `compile_worker.Worker`), and compiled steps persist across processes, so a one-off run loses
+    nothing to it and every later run, or the rest of a long one, decodes at the compiled speed
+    (1.14x one row, 1.5x eight, over the eager step on 2 cores: `benchmarks/compile_ahead.py`).
+    Where a worker's copy of the weights would not fit the memory left, kinds not compiled before
+    run eagerly and say why (`compile_worker.worker_room`). A test session names `eager` (a worker
+    per test backend would compile in the suite's idle moments)."""
+    chosen = os.environ.get(AUTO_ENV)
+    if not chosen:
+        return "compiled"
+    if chosen not in STEP_MODES or chosen == "auto":
+        modes = ", ".join(repr(m) for m in STEP_MODES if m != "auto")
+        raise ValueError(f"${AUTO_ENV}={chosen!r} is not one of {modes}")
+    return cast("StepMode", chosen)
+
 
 SPAN = 128
 """Recorded steps read the tails in multiples of this many slots (a new recording per multiple)."""
@@ -356,6 +380,8 @@ class Stepper:
         self.compiler: StepCompiler | None = None
         """What compiles the step (`decode_step="compiled"`; set with `mode`)."""
         self._compiler: StepCompiler | None = None  # kept across mode changes: its compilations stay
+        self.runs: StepMode = "eager"
+        """What `mode` runs as (`auto` resolved: `auto_mode`)."""
         self.mode = mode
         self._graph: StepGraph | None = None
         self.captures = 0
@@ -379,11 +405,14 @@ class Stepper:
             raise ValueError(f"decode_step={mode!r} is not one of {', '.join(map(repr, STEP_MODES))}")
         if mode == "graphs" and self.device.type != "cuda":
             raise ValueError(f"decode_step='graphs' needs a CUDA device; this backend runs on {self.device}")
-        self._mode = mode
+        runs = auto_mode() if mode == "auto" else mode
+        if runs == "graphs" and self.device.type != "cuda":
+            raise ValueError(f"${AUTO_ENV}='graphs' needs a CUDA device; this backend runs on {self.device}")
+        self._mode, self.runs = mode, runs
         self._graph = None
         cuda = self.device.type == "cuda"
-        compiled = mode == "compiled" or (mode == "auto" and cuda)
-        self.recorder = CudaGraphs() if mode == "graphs" or (compiled and cuda) else None
+        compiled = runs == "compiled"
+        self.recorder = CudaGraphs() if runs == "graphs" or (compiled and cuda) else None
         if compiled and self._compiler is None:
             self._compiler = StepCompiler(
                 self.spec, warm=lambda step, batch: warm_step(step, batch, self.parts, self.device)
@@ -418,7 +447,7 @@ class Stepper:
     ) -> list[str]:
         """Why a decode step of this batch runs on the layer loop (`step_notes.OffFast`): the mode,
         or the plug-ins' reasons (`hooks.layer_loop_reasons`), observers, taps the step cannot feed."""
-        if self._mode == "layers":
+        if self.runs == "layers":
             return [OffFast.LAYERS_MODE.value]
         found = layer_loop_reasons(hooks) + [f"{OffFast.OBSERVER.value} {o.name}" for o in observers]
         if not found and any(not tap.in_step for tap in ctx.taps):
@@ -446,7 +475,7 @@ class Stepper:
     ) -> bool:
         """Whether this forward can be the fixed-shape step: a decode step (one token or none per
         row) that nothing keeps on the layer loop (`blockers`)."""
-        return self._mode != "layers" and is_decode_step(feeds) and not self.blockers(ctx, hooks, observers)
+        return self.runs != "layers" and is_decode_step(feeds) and not self.blockers(ctx, hooks, observers)
 
     @torch.inference_mode()
     def forward(

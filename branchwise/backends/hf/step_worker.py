@@ -8,7 +8,7 @@ each kind it is sent (a JSON line on stdin naming a small batch of that kind, `s
 `StepGraph.computed` with `torch.compile(...).aot_compile` and writes the compiled step where it was
 asked, then answers on stdout. It exits when stdin closes or after an idle period.
 
-Run by `step_compiler._Worker` as ``python -m branchwise.backends.hf.step_worker SPEC IDLE_S``.
+Run by `compile_worker.Worker` as ``python -m branchwise.backends.hf.step_worker SPEC IDLE_S``.
 """
 
 from __future__ import annotations

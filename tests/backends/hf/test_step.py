@@ -8,6 +8,8 @@ past their first capacity, prompts copied into tails — and say which step each
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -125,6 +127,59 @@ def test_bad_decode_step_names_the_field(tiny_llama_dir) -> None:
         with pytest.raises(ValueError, match=r"decode_step='graphs' needs a CUDA device"):
             HFBackend(tiny_llama_dir, decode_step="graphs")
     assert backend.decode_step == "auto"
+
+
+def test_auto_compiles_unless_the_environment_names_another_mode(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`auto` runs the compiled step on every device (no step waits for its compiler: a kind not
+    compiled yet runs eagerly); `$BRANCHWISE_DECODE_STEP` names what it runs as instead (this
+    suite's CPU session sets eager), a bad value names the variable and the choices, and the
+    backend still says `auto` (what was asked)."""
+    from branchwise.backends.hf.step import AUTO_ENV
+
+    monkeypatch.delenv(AUTO_ENV, raising=False)
+    backend = HFBackend(tiny_llama_dir)
+    stepper = backend.engine.stepper
+    assert backend.decode_step == "auto" and stepper.runs == "compiled" and stepper.compiler is not None
+    monkeypatch.setenv(AUTO_ENV, "eager")
+    backend.decode_step = "auto"
+    assert stepper.runs == "eager" and stepper.compiler is None
+    monkeypatch.setenv(AUTO_ENV, "fast")
+    with pytest.raises(
+        ValueError, match=r"\$BRANCHWISE_DECODE_STEP='fast' is not one of 'compiled', 'graphs'"
+    ):
+        backend.decode_step = "auto"
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(AUTO_ENV, "graphs")
+        with pytest.raises(ValueError, match=r"\$BRANCHWISE_DECODE_STEP='graphs' needs a CUDA device"):
+            backend.decode_step = "auto"
+
+
+def test_a_worker_that_would_not_fit_the_memory_left_is_not_started(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Where a compile worker's copy of the weights would not fit the host memory available, a new
+    kind of batch runs eagerly for good and says why (no worker process is started); the spec
+    counts the model's weight bytes."""
+    from branchwise.backends.hf import compile_worker
+
+    backend = HFBackend(tiny_llama_dir, decode_step="compiled")
+    compiler = backend.engine.stepper.compiler
+    assert compiler is not None and compiler.spec is not None
+    model_bytes = sum(p.numel() * p.element_size() for p in backend.model.parameters())
+    assert compiler.spec.weight_bytes == model_bytes > 0
+    monkeypatch.setattr(compile_worker, "available_memory", lambda: 1 << 20)
+    started: list[object] = []
+    monkeypatch.setattr(compile_worker.Worker, "__init__", lambda *a: started.append(a))
+    compiler.folder = tmp_path  # nothing cached to load
+    root = backend.prefill(backend.encode(PROMPT))
+    backend.extend([root], DecodeParams(max_tokens=6, min_tokens=6))
+    extra = backend.kv_stats().as_dict()
+    assert started == [] and extra["decode_steps_uncompiled"] >= 5
+    (why,) = compiler.status()["uncompiled"]
+    assert why.startswith("a compile worker would take") and "GiB of memory is available" in why
+    backend.release([root])
 
 
 def _as_the_layer_loop(backend: HFBackend, mode: str, params: DecodeParams) -> dict[str, float]:

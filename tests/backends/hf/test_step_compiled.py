@@ -390,7 +390,7 @@ def test_the_compiled_step_recorded_as_cuda_does(tiny_llama_dir, monkeypatch: py
 def test_a_stopped_worker_ends_when_its_process_is_killed(tmp_path: Path) -> None:
     """The worker is held stopped while its process computes; that process killed then (SIGKILL)
     must not leave it stopped for good. A child process spawns a worker-like process as the engine
-    does (`step_compiler.spawn`), stops it, and is killed: the worker ends within seconds."""
+    does (`compile_worker.spawn`), stops it, and is killed: the worker ends within seconds."""
     import os
     import signal
     import subprocess
@@ -399,7 +399,7 @@ def test_a_stopped_worker_ends_when_its_process_is_killed(tmp_path: Path) -> Non
     script = tmp_path / "parent.py"
     script.write_text(
         "import os, signal, sys\n"
-        "from branchwise.backends.hf.step_compiler import spawn\n"
+        "from branchwise.backends.hf.compile_worker import spawn\n"
         f"log = open({str(tmp_path / 'worker.log')!r}, 'ab')\n"
         "worker = spawn([sys.executable, '-c', 'import sys; sys.stdin.read()'], log, dict(os.environ))\n"
         "os.kill(worker.pid, signal.SIGSTOP)\n"

@@ -147,6 +147,7 @@ class Worker:
         self.paused_s = 0.0
         """Seconds the worker was held stopped while this process computed."""
         self._paused_at: float | None = None
+        self._closed = False
         threading.Thread(target=self._read, name="step-worker-replies", daemon=True).start()
         _LIVE.add(self)
         # On a CPU the worker shares the cores with the steps it compiles for: a compiling process
@@ -208,6 +209,8 @@ class Worker:
         self._proc.wait()
         with self._lock:  # the worker ended: whatever it had not answered failed
             left, self._jobs = self._jobs, {}
+        if self._closed:  # stopped by this process (its exit, its engine gone): nothing failed
+            return
         for kind, done in left.items():
             done(
                 kind,
@@ -218,6 +221,7 @@ class Worker:
             )
 
     def close(self) -> None:
+        self._closed = True
         if self._unwatch is not None:
             self._unwatch()
         if self.alive():

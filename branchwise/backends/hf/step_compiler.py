@@ -317,7 +317,11 @@ class StepCompiler:
                 self._trouble[kind] = f"the step compiled ahead refused this batch ({reason[:200]})"
             self.unused = self._trouble[kind]
             return None
-        self.unused = "its kind of batch is compiling in the background"
+        self.unused = "its kind of batch is compiling in the background" + (
+            " (on a CPU, while this process idles)"
+            if self.spec is not None and self.spec.device == "cpu"
+            else ""
+        )
         if not pending:
             self._start(kind, graph)
         return None

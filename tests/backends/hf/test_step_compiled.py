@@ -423,3 +423,37 @@ def test_a_stopped_worker_ends_when_its_process_is_killed(tmp_path: Path) -> Non
     if not ended():
         os.kill(pid, signal.SIGKILL)  # leave nothing behind, then fail
         pytest.fail("the worker was left stopped after its process was killed")
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["died", "closed"])
+def test_a_worker_that_dies_fails_its_kinds_and_one_closed_fails_none(closed: bool) -> None:
+    """A worker that ends by itself (a crash, the OOM killer) fails every kind it had not answered,
+    so they run eagerly and say why; one this process stops (its exit, its engine gone) fails none:
+    a one-off run used to end with a warning per kind that its compilation had failed."""
+    import io
+    import subprocess
+    import threading
+
+    from branchwise.backends.hf.compile_worker import Worker
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    worker = object.__new__(Worker)  # its replies and its end alone, around a stand-in process
+    worker._proc, worker._closed, worker._unwatch = proc, False, None
+    worker._lock, worker._log = threading.Lock(), io.BytesIO()
+    failed: list[tuple[str, str]] = []
+    worker._jobs = {"a-kind": lambda kind, reply: failed.append((kind, reply["error"]))}
+    reader = threading.Thread(target=worker._read)
+    reader.start()
+    if closed:
+        worker.close()
+    else:
+        proc.kill()
+    reader.join(30)
+    assert not reader.is_alive()
+    if closed:
+        assert failed == []
+    else:
+        assert failed == [("a-kind", "the compile worker exited (-9); see worker.log")]
+    proc.wait()

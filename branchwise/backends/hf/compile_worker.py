@@ -49,16 +49,23 @@ class ModelSpec:
     dtype: str
     device: str
     prepacked: bool
-    weight_bytes: int = 0
-    """Bytes of the model's weights: what the worker's copy of them takes (`worker_room`); no part
-    of the fingerprint (the config decides it)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, prepacked: bool) -> ModelSpec:
         param = next(model.parameters())
         config = json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[union-attr,operator]
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        return cls(config, str(param.dtype).removeprefix("torch."), str(param.device), prepacked, weights)
+        return cls(config, str(param.dtype).removeprefix("torch."), str(param.device), prepacked)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the worker builds: a model of this config and dtype, built on the
+        meta device (nothing allocated). Why not the engine's own parameters: packed products are
+        no parameters (`prepack.py`), so the live model under-counts what the worker will hold."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        dtype = getattr(torch, self.dtype)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**self.config), dtype=dtype)
+        return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
     def fingerprint(self) -> str:
         """Everything a compiled step depends on besides the kind of batch: a change of any of these
@@ -110,7 +117,7 @@ def worker_room(spec: ModelSpec) -> str | None:
     On CUDA the copy is on the device: not checked here."""
     if spec.device != "cpu" or (available := available_memory()) is None:
         return None
-    need = spec.weight_bytes + WORKER_BASE_BYTES
+    need = spec.weight_bytes() + WORKER_BASE_BYTES
     if available >= need:
         return None
     return (

@@ -161,14 +161,14 @@ def test_a_worker_that_would_not_fit_the_memory_left_is_not_started(
 ) -> None:
     """Where a compile worker's copy of the weights would not fit the host memory available, a new
     kind of batch runs eagerly for good and says why (no worker process is started); the spec
-    counts the model's weight bytes."""
+    counts the weights of the model the worker would build."""
     from branchwise.backends.hf import compile_worker
 
     backend = HFBackend(tiny_llama_dir, decode_step="compiled")
     compiler = backend.engine.stepper.compiler
     assert compiler is not None and compiler.spec is not None
-    model_bytes = sum(p.numel() * p.element_size() for p in backend.model.parameters())
-    assert compiler.spec.weight_bytes == model_bytes > 0
+    plain = HFBackend(tiny_llama_dir, prepack=False).model  # a packed product is no parameter
+    assert compiler.spec.weight_bytes() == sum(p.numel() * p.element_size() for p in plain.parameters()) > 0
     monkeypatch.setattr(compile_worker, "available_memory", lambda: 1 << 20)
     started: list[object] = []
     monkeypatch.setattr(compile_worker.Worker, "__init__", lambda *a: started.append(a))

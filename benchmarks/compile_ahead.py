@@ -68,7 +68,7 @@ def child(args: Any) -> dict[str, Any]:
     compiler = backend.engine.stepper.compiler
     assert compiler is not None
     t = time.perf_counter()
-    preloaded = compiler.preload()  # as `branchwise serve` does before it listens (`warm_up`)
+    preloaded = backend.preload_steps()  # as `branchwise serve` does before it listens (`warm_up`)
     preload_s = time.perf_counter() - t
     params = DecodeParams(max_tokens=args.tokens, min_tokens=args.tokens)
     prompt = backend.encode(PROMPT)

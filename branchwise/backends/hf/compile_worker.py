@@ -89,7 +89,8 @@ STEP_SOURCES = (
 
 WORKER_BASE_BYTES = 1 << 30
 """Host memory a compile worker takes besides its copy of the weights: torch, transformers and
-inductor imported, and a compilation's tracing (`worker_room`)."""
+inductor imported, and a compilation's tracing (`worker_room`). Measured: a peak of 1.33 GiB for
+the embedded 135M model's three first kinds in fp32, 0.50 GiB of it weights."""
 
 
 def available_memory() -> int | None:

@@ -82,7 +82,7 @@ def auto_mode() -> StepMode:
     process has compiled them, and on a CPU the worker is held stopped while this process computes:
     `compile_worker.Worker`), and compiled steps persist across processes, so a one-off run loses
     nothing to it and every later run, or the rest of a long one, decodes at the compiled speed
-    (1.14x one row, 1.5x eight, over the eager step on 2 cores: `benchmarks/compile_ahead.py`).
+    (1.37x one row, 1.28x eight, over the eager step on 2 cores: `benchmarks/compile_ahead.py`).
     Where a worker's copy of the weights would not fit the memory left, kinds not compiled before
     run eagerly and say why (`compile_worker.worker_room`). A test session names `eager` (a worker
     per test backend would compile in the suite's idle moments)."""

@@ -29,6 +29,7 @@ import torch
 import transformers
 
 from branchwise.backends.compute_thread import COMPUTE
+from branchwise.backends.hf.pool import free_memory
 
 WORKER_NICENESS = 10
 """How much lower the worker's scheduling priority is than the process it compiles for, from its
@@ -93,31 +94,16 @@ inductor imported, and a compilation's tracing (`worker_room`). Measured: a peak
 the embedded 135M model's three first kinds in fp32, 0.50 GiB of it weights."""
 
 
-def available_memory() -> int | None:
-    """Bytes of host memory available to a new process now (Linux's `MemAvailable`: free memory and
-    what the kernel can reclaim), else free physical pages; None where neither can be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def worker_room(spec: ModelSpec) -> str | None:
     """Why a compile worker for `spec` would not fit in the host memory available now (None: it
-    fits, or the memory cannot be read). Why ask: the worker builds a copy of the model (packed as
+    fits). Why ask: the worker builds a copy of the model (packed as
     the engine's, so every byte of it is touched) beside the engine's own, and a model that fills
     half a machine would push both into swap or the OOM killer; its kinds run eagerly instead, and
     compiled steps an earlier process left in the cache are still loaded (that needs no worker).
     On CUDA the copy is on the device: not checked here."""
-    if spec.device != "cpu" or (available := available_memory()) is None:
+    if spec.device != "cpu":
         return None
+    available = free_memory(torch.device("cpu"))
     need = spec.weight_bytes() + WORKER_BASE_BYTES
     if available >= need:
         return None

@@ -169,7 +169,7 @@ def test_a_worker_that_would_not_fit_the_memory_left_is_not_started(
     assert compiler is not None and compiler.spec is not None
     plain = HFBackend(tiny_llama_dir, prepack=False).model  # a packed product is no parameter
     assert compiler.spec.weight_bytes() == sum(p.numel() * p.element_size() for p in plain.parameters()) > 0
-    monkeypatch.setattr(compile_worker, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(compile_worker, "free_memory", lambda device: 1 << 20)
     started: list[object] = []
     monkeypatch.setattr(compile_worker.Worker, "__init__", lambda *a: started.append(a))
     compiler.folder = tmp_path  # nothing cached to load

@@ -274,7 +274,7 @@ class Intake:
         if self.policy == SWAP:
             assert self.capture is not None, "Intake.capture is set with its batch"
             self.capture(pos, row)
-            self._swap_out(seg)
+            self._swap_out(seg, self.host.tree.readers())
             self.host.stats.bump("swapped_rows")
         elif prompts := self.host.tree.drop_row(seg):  # and its prompt, once no row reads it
             self.host.stats.bump("preempted_prompts", prompts)
@@ -359,12 +359,13 @@ class Intake:
                 break
         return victims
 
-    def _swap_out(self, seg: Segment) -> int:
+    def _swap_out(self, seg: Segment, readers: dict[int, list[Segment]]) -> int:
         """Swap `seg`'s KV out of the budget, with the ancestors no row outside the swap reads then
-        (`KVTree.idle_ancestors`: a request's prompt goes with its last row); the bytes moved."""
+        (`KVTree.idle_ancestors` over the tree's `readers`, which a swap leaves as they are: a
+        request's prompt goes with its last row); the bytes moved."""
         tree = self.host.tree
         nbytes = self.swap.out(seg, tree)
-        for anc in tree.idle_ancestors(seg, tree.readers(), set(self.swap.segs)):
+        for anc in tree.idle_ancestors(seg, readers, set(self.swap.segs)):
             nbytes += self.swap.out(anc, tree)
             self.host.stats.bump("swapped_prompts")
         self.host.stats.bump("swapped_bytes", nbytes)
@@ -389,12 +390,12 @@ class Intake:
         moved = 0
         readers = tree.readers()
         for sid in ended:
-            seg = tree.find(sid)
             if moved >= over:
                 break
-            if seg is None or sid in self.swap.segs or not tree.idle(seg, readers, set(self.swap.segs)):
+            seg = tree.find(sid)  # a swapped node holds no KV: not `idle`
+            if seg is None or not tree.idle(seg, readers, set(self.swap.segs)):
                 continue
-            if nbytes := self._swap_out(seg):
+            if nbytes := self._swap_out(seg, readers):
                 moved += nbytes
                 self.host.stats.bump("swapped_ended_rows")
         return moved

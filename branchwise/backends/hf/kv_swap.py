@@ -58,9 +58,9 @@ class KVSwap:
 
     def back(self, seg: Segment, tree: KVTree) -> None:
         """Put a swapped node's KV back into the tree (a no-op for a node not swapped)."""
-        held = self.held.pop(seg.id, None)
-        if held is None:
+        if seg.id not in self.held:
             return
+        held = self._take(seg.id)
         if isinstance(held, Path):
             keys, values = torch.load(held, weights_only=True)
             held.unlink()
@@ -68,18 +68,19 @@ class KVSwap:
             keys = [k.to(self.device) for k in held[0]]
             values = [v.to(self.device) for v in held[1]]
         tree.set_kv(seg, keys, values)
-        self.tokens.pop(seg.id)
-        self.segs.pop(seg.id)
-        self.nbytes -= self._sizes.pop(seg.id)
 
     def forget(self, node: int) -> None:
         """Drop a swapped node's KV unread (its node was released: nothing will read it)."""
-        held = self.held.pop(node)
+        held = self._take(node)
         if isinstance(held, Path):
             held.unlink(missing_ok=True)
+
+    def _take(self, node: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | Path:
+        """A swapped node's KV (or its file), no longer counted as swapped."""
         self.tokens.pop(node)
         self.segs.pop(node)
         self.nbytes -= self._sizes.pop(node)
+        return self.held.pop(node)
 
     def close(self) -> None:
         """Remove the swap files (every row came back before: nothing is lost)."""

@@ -403,11 +403,10 @@ class Stepper:
     def mode(self, mode: StepMode) -> None:
         if mode not in STEP_MODES:
             raise ValueError(f"decode_step={mode!r} is not one of {', '.join(map(repr, STEP_MODES))}")
-        if mode == "graphs" and self.device.type != "cuda":
-            raise ValueError(f"decode_step='graphs' needs a CUDA device; this backend runs on {self.device}")
         runs = auto_mode() if mode == "auto" else mode
         if runs == "graphs" and self.device.type != "cuda":
-            raise ValueError(f"${AUTO_ENV}='graphs' needs a CUDA device; this backend runs on {self.device}")
+            named = "decode_step" if mode == "graphs" else f"${AUTO_ENV}"
+            raise ValueError(f"{named}='graphs' needs a CUDA device; this backend runs on {self.device}")
         self._mode, self.runs = mode, runs
         self._graph = None
         cuda = self.device.type == "cuda"

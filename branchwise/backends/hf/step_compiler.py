@@ -219,6 +219,10 @@ class StepCompiler:
         """Why nothing compiles for this engine (None while it works)."""
         self.unused: str | None = None
         """Why the last call ran no compiled code (None when it did)."""
+        cpu = spec is not None and spec.device == "cpu"  # there the worker runs while this process idles
+        self._compiling = "its kind of batch is compiling in the background" + (
+            " (on a CPU, while this process idles)" if cpu else ""
+        )
         self._steps: dict[str, Any] = {}  # kind -> its loaded compiled step
         self._trouble: dict[str, str] = {}  # kind -> why it runs eagerly for good
         self._pending: set[str] = set()
@@ -317,11 +321,7 @@ class StepCompiler:
                 self._trouble[kind] = f"the step compiled ahead refused this batch ({reason[:200]})"
             self.unused = self._trouble[kind]
             return None
-        self.unused = "its kind of batch is compiling in the background" + (
-            " (on a CPU, while this process idles)"
-            if self.spec is not None and self.spec.device == "cpu"
-            else ""
-        )
+        self.unused = self._compiling
         if not pending:
             self._start(kind, graph)
         return None

@@ -228,8 +228,8 @@ def add_decode_step_option(parser: argparse.ArgumentParser, default: str = "auto
         "--decode-step",
         choices=STEP_MODES,
         default=default,
-        help="HFBackend's decode_step ('auto': compiled and captured as CUDA graphs on CUDA, the "
-        f"fixed-shape step eagerly elsewhere){why}",
+        help="HFBackend's decode_step ('auto': compiled, and captured as CUDA graphs on CUDA; kinds of "
+        f"batch not compiled yet run eagerly while a worker compiles them){why}",
     )
 
 

@@ -14,7 +14,8 @@ elsewhere the same function runs eagerly (what the CPU tests exercise, and what 
 When it applies (`Stepper.applies`): every row feeds at most one token, and no plug-in of the run
 needs the layer loop's hook points (`hooks.needs_layer_loop`). Accelerations that act inside a step
 hand it inputs instead (`step_inputs.py`): SkipKV's steering (a table of vectors, a slot and a
-scale per row), taps the step feeds in place (SkipKV's query window, RSBCM's attention mass),
+scale per row), taps fed what each layer read once the step has run (SkipKV's query window,
+RSBCM's attention mass: `StaticAttention.feed_taps`),
 River's exits (the step as segments, `step_replay.ExitSegments`) and ReasonCache's block pool (one
 more shared segment). Otherwise the step runs through the layer loop, and the run's statistics
 count it with its reasons (`decode_steps_layer_loop`, `decode_steps_off_fast`, `step_notes`), so
@@ -29,7 +30,8 @@ with batch size, tail capacity (pages: their count and the table's width) and sp
 compilation serves every layout of the same kind (a batch of one row, each own-KV layout, and each
 count of shared segments are kinds of their own: in tails up to `step_compiler.SEGMENTS`, deeper
 batches running uncompiled; read in place by the paged kernel, each power of two up to
-`step_compiler.HANDED_MOST`, the segments padded to it). What it buys is fusion: the eager step is
+`step_compiler.HANDED_MOST`, the segments padded to it; so is each set of acceleration inputs:
+a steered layer, fed taps, a block pool; River's exits run uncompiled). What it buys is fusion: the eager step is
 ~40 kernels a layer (norms, rotary, residual adds one elementwise kernel each), which on a GPU sets the replayed graph's length and on a CPU its
 per-operation overhead; inductor fuses each run of elementwise work into one kernel. On CUDA the
 compiled step is then recorded as CUDA graphs like the eager one. A compilation costs tens of
@@ -100,10 +102,9 @@ SPAN = 128
 COMPILED_SPAN = 16
 """Compiled steps that are not recorded read the tails in multiples of this many slots: the span is
 a symbolic size there, so a finer multiple costs no compilation and saves reading masked slots."""
-ACCELERATED_UNCOMPILED = (
-    "an acceleration's step inputs (steering, attention taps, exits, a block pool) are not compiled ahead"
-)
-"""Why a step an acceleration reads or feeds runs uncompiled where steps are compiled."""
+EXITS_UNCOMPILED = "an early exit runs the step as segments (River's exits), which are not compiled ahead"
+"""Why a step under an early exit runs uncompiled where steps are compiled (steering, taps and a
+block pool compile: they are inputs and outputs of the one step)."""
 At = tuple[Any, AttentionContext]
 """Where a step's layers run: the rotary tables at the tokens' positions (`arch.Rope`), and attention."""
 WARMUP = 1
@@ -131,7 +132,7 @@ class StepGraph:
     replay: Callable[[], None] | None = None
     logits: torch.Tensor | None = None
     runs: int = 0
-    ahead: Callable[[StepGraph], torch.Tensor] | None = None
+    ahead: Callable[[StepGraph], tuple[torch.Tensor, torch.Tensor]] | None = None
     """The compiled step that accepted this layout (`StepCompiler`: its guards checked once)."""
     ahead_span: int = 0
     """The span `ahead` was checked at (a new span is checked again)."""
@@ -166,17 +167,22 @@ class StepGraph:
 
     @property
     def accelerated(self) -> bool:
-        """Whether an acceleration reads or feeds this step (steering, query taps): it then runs the
-        uncompiled step, which also gives the hidden states its plug-ins read (`ctx.last_hidden`);
-        the compiled step is compiled ahead without them, and such steps are counted uncompiled."""
+        """Whether an acceleration reads or feeds this step (steering, query taps, a block pool,
+        exits): the step then keeps the hidden states its plug-ins read (`ctx.last_hidden`)."""
         taps, pool = bool(self.attention.taps), self.ctx.pool is not None
         return self.steer is not None or taps or pool or self.segments is not None
 
     @property
     def uncompilable(self) -> str | None:
         """Why this layout's steps run uncompiled where steps are compiled (None: they may run
-        compiled once their kind is)."""
-        return ACCELERATED_UNCOMPILED if self.accelerated else None
+        compiled once their kind is): only an early exit's segments. Steering is an input of the
+        compiled step, taps are fed after it from what it kept (`StaticAttention.feed_taps`), a
+        block pool is one more shared segment."""
+        return EXITS_UNCOMPILED if self.segments is not None else None
+
+    def feed_taps(self) -> None:
+        """Hand the batch's taps what the step (or the segment) just run read (`step_attention`)."""
+        self.attention.feed_taps()
 
     def begin(self) -> torch.Tensor:
         """The first layer's input (the step's attention and rotary prepared; `step_exits.py`)."""
@@ -205,26 +211,26 @@ class StepGraph:
         self.attention.prepare(h.dtype)
         return self.blocks(h, range(parts.n_layers), parts.layers, (parts.rotary(h, pos), attention))
 
-    def computed(self) -> torch.Tensor:
-        """The step itself, uncompiled: logits `[B, V]` from the loaded inputs (what the compiler
-        compiles, and what runs where it is off or failed)."""
-        return self.parts.logits(self._hidden())
+    def computed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step itself, uncompiled: logits `[B, V]` and the final-norm hidden states `[B, d]`
+        from the loaded inputs (what the compiler compiles, and what runs where it is off or
+        failed); what the taps are fed is left in `attention.fed`."""
+        hidden = self._hidden()
+        return self.parts.logits(hidden), hidden
 
     def _hidden(self) -> torch.Tensor:
         """The final-norm hidden state at each row's token `[B, d]`."""
         return self.parts.norm(self._layers(self.ids, self.pos, self.attention)[:, -1])
 
     def _step(self) -> torch.Tensor:
-        if self.accelerated:  # its hidden states kept for the plug-ins (`hidden`)
-            self.hidden = self._hidden()
-            return self.parts.logits(self.hidden)
-        if (
-            self.compiler is not None
-            and self.uncompilable is None
-            and (logits := self.compiler(self)) is not None
-        ):
-            return logits
-        return self.computed()
+        ran = None
+        if self.compiler is not None and self.uncompilable is None:
+            ran = self.compiler(self)
+        logits, hidden = ran if ran is not None else self.computed()
+        if self.accelerated:  # its hidden states kept for the plug-ins
+            self.hidden = hidden
+        self.feed_taps()
+        return logits
 
     def _load(self, ids: torch.Tensor, fed: torch.Tensor | None = None) -> None:
         """The step's inputs: each row's token `ids` `[B]` (and how many it feeds, `fed`), and the
@@ -256,6 +262,7 @@ class StepGraph:
             [self.pos.view(1, -1), c.pos_next[:, None] + torch.arange(n, device=c.pos_next.device)], dim=1
         )
         h = self._layers(ids_all, pos, MixedAttention(self.attention, c))
+        self.feed_taps()
         logits = self.parts.logits(self.parts.norm(torch.cat([h[0, :b], h[0, -1:]])))
         c.lens = c.lens + n
         c.pos_next = c.pos_next + n
@@ -331,14 +338,20 @@ def from_skeleton(batch: dict[str, Any], parts: DecoderParts, device: torch.devi
         pos_next=made(batch["pos_next"]),
         n_groups=batch["n_groups"],
     )
+    if (steer := batch["steer"]) is not None:
+        table, idx, scale = made(steer["table"]), made(steer["idx"]), made(steer["scale"])
+        assert table is not None and idx is not None and scale is not None
+        ctx.steer = Steer(steer["layer"], table, idx, scale)
     with torch.inference_mode():  # as `Stepper.forward` makes its graphs
         graph = StepGraph(parts, ctx, (), None)
         graph.attention.span = batch["span"]
+    graph.attention.feeds = batch["feeds"]  # the taps run in the engine, after the step
+    graph.attention.scored = batch["scored"]
     return graph
 
 
 def warm_step(
-    step: Callable[[StepGraph], torch.Tensor],
+    step: Callable[[StepGraph], tuple[torch.Tensor, torch.Tensor]],
     batch: dict[str, Any],
     parts: DecoderParts,
     device: torch.device,

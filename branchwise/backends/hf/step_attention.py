@@ -128,7 +128,15 @@ class StaticAttention:
         (ReasonCache's pool, read as one more segment masked per row: `batch.BlockPool`)."""
         self.merged = [seg for seg in self.shared if seg.mask is not None]
         self.taps = [tap for tap in ctx.taps if tap.in_step]
-        """Taps the step feeds each layer's queries (`AttentionTap.in_step`)."""
+        """Taps the step feeds each layer's queries (`AttentionTap.in_step`), after it (`feed_taps`)."""
+        self.feeds = bool(self.taps)
+        """Whether each layer keeps what it read for the taps (`fed`). Why a flag and a list rather
+        than calling the taps inside the step: a compiled step is traced without them (the worker
+        has none), so it keeps their inputs as outputs of its own, and the taps' code runs after it
+        (`feed_taps`, inside the step a recorder records, so a replay feeds them too)."""
+        self.fed: list[tuple[int, torch.Tensor, float, bool, torch.Tensor | None, torch.Tensor | None]] = []
+        """Per layer this step ran: the layer, its queries, the scaling, whether the paged kernel read
+        the layer (and then the scores and log-sum-exp it returned, where a tap reads them)."""
         self.copied = pages_copied(ctx, any(tap.reads_keys for tap in self.taps))
         """Why this step reads a gathered copy of its rows' pages (None: tails, or pages in place)."""
         self.scored = any(tap.reads_scores for tap in self.taps)
@@ -158,6 +166,7 @@ class StaticAttention:
         j <= its length (the slot it is written to). Boolean `[B, 1, 1, span]` for one SDPA when no
         row reads a shared segment, else an additive bias `[B, 1, G, span]` for the cascade."""
         ctx = self.ctx
+        self.fed = []
         self.where = ctx.kv.locate(self.lens[:, None])
         visible = self.visible = self.slots[None, :] <= self.lens[:, None]
         if self.in_place:  # the kernel masks by length itself (`visible`: a soft-capped or windowed layer's)
@@ -195,17 +204,13 @@ class StaticAttention:
         windowed = window is not None and self.windowed
         if self.in_place and softcap is None and not windowed:
             out, scores, lse = self._paged(layer, query, scaling)
-            # no tap reads the keys (`pages_copied`); some may read their scores
-            keys = None if scores is None else StepKeys(None, self.visible, self.shared, scaling, scores, lse)
-            for tap in self.taps:
-                tap.on_step(layer, query, keys)
+            if self.feeds:  # no tap reads the keys (`pages_copied`); some may read their scores
+                self.fed.append((layer, query, scaling, True, scores, lse))
             return out
         span = self.slots.shape[0]
         k_own, v_own = ctx.kv.read(layer, span)
-        if self.taps:
-            keys = StepKeys(k_own, self.visible, self.shared, scaling)
-            for tap in self.taps:
-                tap.on_step(layer, query, keys)
+        if self.feeds:
+            self.fed.append((layer, query, scaling, False, None, None))
         if softcap is not None or windowed:  # what the fused kernels cannot do (`attention.exact_attention`)
             spec = None
             if windowed and window is not None:
@@ -222,6 +227,24 @@ class StaticAttention:
             return out.transpose(1, 2)
         assert self.bias is not None, "attend() before prepare()"
         return fused_cascade(query, k_own, v_own, self.bias, self.shared, layer, scaling)
+
+    def feed_taps(self) -> None:
+        """Hand the taps what each layer of the step just run read (`fed`): its queries, and the
+        keys as a `StepKeys` (over tails the rows' own keys, read again: the step wrote them before
+        it attended; pages read in place hand the scores instead, None where no tap reads them)."""
+        fed, self.fed = self.fed, []
+        span = self.slots.shape[0]
+        for layer, query, scaling, paged, scores, lse in fed:
+            if paged:
+                keys = (
+                    None
+                    if scores is None
+                    else StepKeys(None, self.visible, self.shared, scaling, scores, lse)
+                )
+            else:
+                keys = StepKeys(self.ctx.kv.read(layer, span)[0], self.visible, self.shared, scaling)
+            for tap in self.taps:
+                tap.on_step(layer, query, keys)
 
     def _paged(
         self, layer: int, query: torch.Tensor, scaling: float

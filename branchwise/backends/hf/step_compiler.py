@@ -59,8 +59,9 @@ HANDED_MOST = 32
 padded to a power of two: one kind per padded count); a batch reading more runs uncompiled and says
 so (`not_compiled`)."""
 
-SKELETON_CAPACITY, SKELETON_SPAN, SKELETON_SEGMENT, SKELETON_PAGES = 48, 32, 24, 5
-"""Sizes of the small batch a kind is compiled on (tail capacity, span read, shared segment length).
+SKELETON_CAPACITY, SKELETON_SPAN, SKELETON_SEGMENT, SKELETON_PAGES, SKELETON_VECTORS = 48, 32, 24, 5, 3
+"""Sizes of the small batch a kind is compiled on (tail capacity, span read, shared segment length,
+pages, steering vectors).
 Each of these sizes is symbolic in the compiled step (`mark_sizes`), so any value serves, as long
 as it is above 1 (0 and 1 are specialised) and the span stays below the capacity (`step.Stepper.span`
 keeps it there for real batches too)."""
@@ -84,12 +85,17 @@ def mark_sizes(graph: Any) -> None:
             mark(t, 0)
         mark(ctx.kv.table, 0)
         mark(ctx.kv.table, 1)
-    for seg in ctx.shared:
+    for seg in graph.attention.shared:  # a block pool's masked segment too
         for t in (*seg.keys, *seg.values):
             mark(t, 1)
         for extra in (seg.rows, seg.mask):
             if extra is not None:
                 mark(extra, 0)
+        if seg.mask is not None:
+            mark(seg.mask, 1)
+    if (steer := graph.steer) is not None:  # its rows, and the table's count of vectors
+        for t in (steer.table, steer.idx, steer.scale):
+            mark(t, 0)
     handed = graph.attention.handed  # as the paged kernel takes them: the padding segments too
     for t in (*itertools.chain(*handed.keys), *itertools.chain(*handed.values)):
         mark(t, 1)
@@ -99,14 +105,20 @@ def mark_sizes(graph: Any) -> None:
 
 def kind_of(graph: Any) -> str:
     """A kind of batch: what the compiler specialises on besides the symbolic sizes: one row or
-    several, the layout, and the shared segments. Read in place by the paged kernel, those are the
-    padded count it is handed and which of them hold one token (`step_attention.KernelSegments`);
-    otherwise, per segment, whether it is read by all rows, by one, and through a mask."""
+    several, the layout, the shared segments, and what accelerations hand the step. Read in place
+    by the paged kernel, the segments are the padded count it is handed, which of them hold one
+    token (`step_attention.KernelSegments`) and how many masked ones are merged after (a block
+    pool); otherwise, per segment, whether it is read by all rows, by one, and through a mask. The
+    accelerations' part: the layer steering enters (None: none), whether the taps are fed the
+    step's queries, and the paged kernel's scores."""
     attention = graph.attention
+    steer = None if graph.steer is None else graph.steer.layer
+    accel = (steer, attention.feeds, attention.scored)
     if attention.in_place:
         segs: list[Any] = [
             len(attention.handed.rows),
             [keys[0].shape[1] == 1 for keys in attention.handed.keys],
+            len(attention.merged),
         ]
     else:
         segs = [
@@ -116,11 +128,11 @@ def kind_of(graph: Any) -> str:
                 s.mask is not None,
                 s.keys[0].shape[1] == 1,
             )
-            for s in graph.ctx.shared
+            for s in attention.shared
         ]
     layout = type(graph.ctx.kv).__name__
     return hashlib.sha256(
-        repr((graph.ctx.batch == 1, graph.ctx.n_groups, segs, layout)).encode()
+        repr((graph.ctx.batch == 1, graph.ctx.n_groups, segs, layout, accel)).encode()
     ).hexdigest()[:16]
 
 
@@ -139,7 +151,7 @@ def not_compiled(graph: Any) -> str | None:
         return None
     if attention.copied is not None:
         return f"its pages are read as a copy ({attention.copied})"
-    if len(graph.ctx.shared) > SEGMENTS:
+    if len(attention.shared) > SEGMENTS:
         return f"more than {SEGMENTS} shared segments (each count would compile anew)"
     return None
 
@@ -147,7 +159,9 @@ def not_compiled(graph: Any) -> str | None:
 def skeleton(graph: Any) -> dict[str, Any]:
     """A small batch of `graph`'s kind, on the CPU, for the worker to compile on: the same rows, the
     same tensors' types and inference flags (a compiled step's guards check both), zeroed, with
-    every symbolic size cut to a skeleton size."""
+    every symbolic size cut to a skeleton size. A block pool comes as the masked segment the step
+    reads it as; steering as its layer and a table; taps as the flags of what the step keeps for
+    them (the taps themselves run after the step, in the engine)."""
     ctx = graph.ctx
 
     def cut(t: torch.Tensor, dim: int, n: int) -> dict[str, Any]:
@@ -183,8 +197,18 @@ def skeleton(graph: Any) -> dict[str, Any]:
                 "rows": keep(s.rows),
                 "mask": None if s.mask is None else cut(s.mask, 1, SKELETON_SEGMENT),
             }
-            for s in ctx.shared
+            for s in graph.attention.shared
         ],
+        "steer": None
+        if (steer := graph.steer) is None
+        else {
+            "layer": steer.layer,
+            "table": cut(steer.table, 0, SKELETON_VECTORS),
+            "idx": cut(steer.idx, 0, ctx.batch),
+            "scale": cut(steer.scale, 0, ctx.batch),
+        },
+        "feeds": graph.attention.feeds,
+        "scored": graph.attention.scored,
     }
 
 
@@ -286,9 +310,9 @@ class StepCompiler:
         with self._ready:
             return self._ready.wait_for(lambda: not self._pending, timeout)
 
-    def __call__(self, graph: Any) -> torch.Tensor | None:
-        """The step's logits, compiled; None where no compiled code ran (`unused` says why: run it
-        uncompiled)."""
+    def __call__(self, graph: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's logits and hidden states, compiled (`StepGraph.computed`); None where no
+        compiled code ran (`unused` says why: run it uncompiled)."""
         self.unused = self.failed
         if self.failed is not None:
             return None
@@ -301,8 +325,8 @@ class StepCompiler:
             graph.ahead_span = span
             if graph.ahead is None:
                 return None
-        logits: torch.Tensor = graph.ahead(graph)
-        return logits
+        out: tuple[torch.Tensor, torch.Tensor] = graph.ahead(graph)
+        return out
 
     def _accepting(self, graph: Any) -> Any:
         """The loaded compiled step whose guards accept `graph`; None (with `unused`) where there is

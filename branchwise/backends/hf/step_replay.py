@@ -89,6 +89,10 @@ class SegmentHost(Protocol):
         """`h` through `modules[i]` for each i of `indices` (steered where the batch steers)."""
         ...
 
+    def feed_taps(self) -> None:
+        """Hand the batch's taps what the piece just run read."""
+        ...
+
 
 class ExitSegments:
     """The segments of one layout's step under an early exit (see the module docstring): each
@@ -128,6 +132,7 @@ class ExitSegments:
 
     def _run(self, key: Hashable, piece: Callable[[], torch.Tensor], record: bool) -> torch.Tensor:
         recorder = self.host.recorder
+        piece = self._feeding(piece)
         if not record or recorder is None:
             return piece()
         if key not in self._recorded:
@@ -135,6 +140,16 @@ class ExitSegments:
         replay, out = self._recorded[key]
         replay()
         return out
+
+    def _feeding(self, piece: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """`piece`, then the taps fed what its layers read (inside what a recorder records)."""
+
+        def fed() -> torch.Tensor:
+            out = piece()
+            self.host.feed_taps()
+            return out
+
+        return fed
 
     def _start(self) -> torch.Tensor:
         host = self.host

@@ -20,7 +20,7 @@ from branchwise.backends import DecodeParams, Generation
 from branchwise.backends.accel import Accel, RiverConfig
 from branchwise.backends.hf import HFBackend
 from branchwise.backends.hf.hooks import layer_loop_reasons
-from branchwise.backends.hf.step import ACCELERATED_UNCOMPILED
+from branchwise.backends.hf.step import EXITS_UNCOMPILED
 from branchwise.backends.step_notes import OffFast, off_fast_counts, step_notes
 
 PROMPT = "What is 12 + 7? Think step by step."
@@ -139,7 +139,7 @@ def test_each_fallback_reason_is_counted_and_said(backend: HFBackend) -> None:
         backend.decode_step = "eager"
         backend.accel = Accel()
     fixed = int(stats["decode_steps_fixed"])
-    assert off_fast_counts(stats) == {f"{OffFast.UNCOMPILED.value}: {ACCELERATED_UNCOMPILED}": fixed}
+    assert off_fast_counts(stats) == {f"{OffFast.UNCOMPILED.value}: {EXITS_UNCOMPILED}": fixed}
     assert fixed >= 10 and stats["river_exits"] >= 10
     _said(stats, gens, river)
 

@@ -26,6 +26,8 @@ from torch._inductor.utils import run_and_get_code
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel
 from branchwise.backends.hf import HFBackend, step_attention, step_compiler
+from branchwise.backends.hf.reasoncache import ReasonCache, StepBoundaries
+from branchwise.backends.hf.skipkv_steering import SteeringVector, steering_path
 from branchwise.backends.hf.step import COMPILED_SPAN, SPAN, StepGraph, from_skeleton
 from branchwise.backends.hf.step_compiler import SEGMENTS, StepCompiler, skeleton
 from branchwise.backends.hf.step_worker import aot_step, compile_kind
@@ -259,6 +261,57 @@ def test_trees_on_pages_compile_one_kind_per_padded_count(tiny_llama_dir) -> Non
         stats = backend.kv_stats().as_dict()
         assert stats.get("decode_steps_compiled", 0) >= params.max_tokens - 2, stats
     assert compiler.compiles + compiler.loaded == made and compiler.pending == 0
+
+
+@pytest.mark.parametrize("name", ["skipkv", "rsbcm", "reasoncache"])
+def test_accelerated_steps_compile_and_give_the_uncompiled_steps_tokens(tiny_llama_dir, name: str) -> None:
+    """An acceleration that acts inside a step compiles with it: SkipKV's steering is an input of
+    the compiled step and its query window is fed after it, RSBCM's attention-mass tap is fed the
+    paged kernel's scores the compiled step kept, ReasonCache's block pool is one more (masked)
+    segment (every token ends a step here, so rows point at blocks from the first steps on). Each,
+    acting on the tiny model with its declared settings, gives the uncompiled step's greedy tokens
+    and the same decisions (its statistics), and once its kinds are compiled every step runs
+    compiled."""
+    backend = HFBackend(tiny_llama_dir, kv_layout="pages", cache_bytes=0)
+    if name == "skipkv":  # its declared settings steer with the model's saved vector
+        d = backend.parts.embed.embedding_dim
+        vector = SteeringVector(layer=1, vector=torch.full((d,), 0.05), n_exec=2, n_nonexec=1, model="tiny")
+        vector.save(steering_path(backend.model_name))
+    config = Accel.configs()[name]
+    assert config.examples is not None
+    accel = Accel(**{name: config.model_validate(dict(config.examples.acting))})
+    params = DecodeParams(max_tokens=12, min_tokens=12)
+
+    def run(mode: str) -> tuple[list[list[int]], dict[str, Any]]:
+        backend.decode_step = mode
+        session = backend.session(accel=accel)
+        if (plugin := session.plugin(ReasonCache)) is not None:
+            vocab = frozenset(range(len(backend.tokenizer)))
+            plugin.boundaries = StepBoundaries(
+                closes=vocab, sentence_end=frozenset(), space_start=frozenset()
+            )
+        root = session.prefill(backend.encode(PROMPT))
+        kids = session.fork(root, 3)
+        session.append(kids, [backend.encode(h) for h in ("", " a b", " hint")])
+        gens = session.extend(kids, params)
+        stats = session.kv_stats().as_dict()
+        session.release([*kids, root])
+        return [g.token_ids for g in gens], stats
+
+    def acted(stats: dict[str, Any]) -> dict[str, Any]:
+        assert config.examples is not None
+        return {key: stats.get(key) for key in config.examples.acted}
+
+    eager, eager_stats = run("eager")
+    assert any(acted(eager_stats).values()), f"{name} did not act: {eager_stats}"
+    run("compiled")
+    compiler = _compiler(backend)
+    assert compiler.wait(WAIT_S), "the compile worker did not finish"
+    tokens, stats = run("compiled")
+    assert tokens == eager and acted(stats) == acted(eager_stats)
+    assert stats.get("decode_steps_compiled", 0) >= params.max_tokens - 1, stats
+    assert "decode_steps_uncompiled" not in stats and "decode_steps_layer_loop" not in stats, stats
+    assert compiler.status()["uncompiled"] == []
 
 
 def test_pages_read_as_a_copy_are_never_compiled_and_say_so(

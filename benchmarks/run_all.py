@@ -80,6 +80,7 @@ SCRIPTS = [
     "kv_admission",
     "compile_ahead",
     "accel_step",
+    "sampling",
 ]
 
 PROFILES: dict[str, list[Run]] = {
@@ -117,6 +118,7 @@ PROFILES: dict[str, list[Run]] = {
         Run("kv_admission", "kv_admission"),
         Run("compile_ahead", "compile_ahead"),
         Run("accel_step", "accel_step"),
+        Run("sampling", "sampling"),
     ],
     "gpu-check": [
         Run(
@@ -265,6 +267,7 @@ HEADLINES: dict[str, list[str]] = {
         "workloads.river.river.audit.next_token_match",
         "decode_step",
     ],
+    "sampling": ["candidates_vs_sorted", "pick_speedup", "same_tokens"],
     "paged_admission": [
         "workloads.*.*.paged_vs_tails.tokens_per_step",
         "workloads.*.*.paged_vs_tails.max_rows_at_once",

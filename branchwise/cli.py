@@ -61,6 +61,14 @@ STRATEGY_HELP = (
 )
 
 
+COMPILING = "compiling in the background"
+"""What a note says of steps that ran uncompiled while their kind compiled (`step_compiler`)."""
+COMPILE_HINT = (
+    "a short run ends before its decode step compiles: `branchwise models compile` (same --model, "
+    "--device, --dtype) compiles it once for every later run"
+)
+
+
 class Share(str, Enum):
     none = "none"
     exact = "exact"
@@ -230,6 +238,8 @@ def _print_result(result: Result, *, cgee: bool) -> None:
     console.print(_summary(result, cgee=cgee))
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
+    if any(COMPILING in note for note in result.notes):
+        console.print(f"[yellow]note:[/yellow] {COMPILE_HINT}")
 
 
 def _summary(result: Result, *, cgee: bool) -> Table:
@@ -386,7 +396,8 @@ def steering_build(
 
 
 models_app = typer.Typer(
-    help="Models that come through the package index: list them, build one into the cache.",
+    help="Models that come through the package index (list them, build one into the cache), and any "
+    "model's decode step compiled ahead.",
     no_args_is_help=True,
     rich_markup_mode=None,
 )
@@ -426,6 +437,49 @@ def models_build(
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from err
     console.print(f"built: {folder}")
+
+
+@models_app.command("compile")
+def models_compile(
+    model: ModelOption = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    timeout: Annotated[
+        float, typer.Option(min=1.0, max=86_400.0, help="seconds to wait for the compilations at most.")
+    ] = 3600.0,
+) -> None:
+    """Compile a model's decode step now, for the kinds of batch runs meet first (one row, several
+    rows, several over a shared prompt), into the cache, showing progress. Why: a run meets a kind
+    not compiled yet by running it uncompiled while a worker compiles it in the background, and
+    a short `branchwise run` ends before the worker does (its note says so); compiled here once,
+    every later run, eval or server on the same model, device, dtype and torch loads them. Kinds
+    met later (an acceleration's inputs, a deeper tree) still compile in the background."""
+    import time
+
+    backend = cli_backend.load_backend(model, device, dtype)
+    compiler = backend.engine.stepper.compiler
+    if compiler is None:
+        console.print(
+            f"decode steps are not compiled here (decode_step={backend.decode_step!r}): nothing to do"
+        )
+        return
+    started = time.monotonic()
+    with console.status("starting: a few tokens of each kind, run uncompiled…") as shown:
+        backend.warm_up(wait=0)
+        while not compiler.wait(1.0):
+            if time.monotonic() - started > timeout:
+                break
+            done = compiler.status()
+            shown.update(
+                f"compiling {done['compiling']} kind(s) of batch ({done['compiled']} compiled, "
+                f"{done['loaded']} from the cache), {time.monotonic() - started:.0f} s"
+            )
+    status = compiler.status()
+    console.print_json(json.dumps({**status, "seconds": round(time.monotonic() - started, 1)}))
+    if status["compiling"] or status["uncompiled"]:
+        why = "; ".join(status["uncompiled"]) or f"not done within {timeout:g} s"
+        err_console.print(f"[red]some kinds were not compiled: {why}[/red]")
+        raise typer.Exit(1)
 
 
 from branchwise.evals.cli import eval_command, report_command  # noqa: E402 - registered last, kept apart

@@ -495,6 +495,21 @@ def test_accel_step_quick(quick_run: dict[str, Any]) -> None:
     assert out["workloads"]["skipkv"]["skipkv"]["counters"]["skipkv_evicted_tokens"] > 0
 
 
+@quick("sampling.py")
+def test_sampling_quick(quick_run: dict[str, Any]) -> None:
+    """Top-p among each row's most likely tokens against a sort of the vocabulary: both arms generate
+    the same tokens, each arm's figure is the median of its rounds, the ratios their quotients."""
+    out = quick_run
+    assert out["same_tokens"] is True
+    arms = out["arms"]
+    for arm in arms.values():
+        assert arm["tokens_per_s"] == statistics.median(arm["rounds"]) > 0 and arm["pick_ms"] > 0
+    assert out["candidates_vs_sorted"] == ratio(
+        arms["candidates"]["tokens_per_s"], arms["sorted"]["tokens_per_s"]
+    )
+    assert out["pick_speedup"] == ratio(arms["sorted"]["pick_ms"], arms["candidates"]["pick_ms"])
+
+
 @quick("kv_admission.py")
 def test_kv_admission_quick(quick_run: dict[str, Any]) -> None:
     """Both layouts run each workload under one budget and stay within it; every ratio is the

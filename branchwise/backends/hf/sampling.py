@@ -74,13 +74,29 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     return tokens.squeeze(-1)
 
 
+NUCLEUS_CANDIDATES = 256
+"""The most likely tokens `_nucleus` looks at first: where they hold top_p of every row's mass, the
+nucleus lies among them, and it is found without sorting the vocabulary (on 2 CPU cores, sorting
+8 rows of a 49,152-token vocabulary took 17 ms a step, 13 % of a sampled decode step of the
+embedded model; their 256 most likely tokens 0.8 ms). A row whose nucleus is wider (a flat
+distribution) sorts the whole vocabulary, as before; 0 always sorts (the baseline of
+`benchmarks/sampling.py`)."""
+
+
 def _nucleus(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of tokens whose mass reaches top_p (always at least the top token)."""
     if not isinstance(top_p, torch.Tensor) and top_p >= 1.0:
         return probs
+    limit = top_p[:, None] if isinstance(top_p, torch.Tensor) else top_p
+    if 0 < NUCLEUS_CANDIDATES < probs.shape[-1]:
+        top, order = probs.topk(NUCLEUS_CANDIDATES, dim=-1)  # sorted, most likely first
+        cumulative = top.cumsum(dim=-1)
+        # a token after these is kept only if the mass before it is below top_p: none is
+        if bool((cumulative[:, -1:] >= limit).all()):
+            kept = top.masked_fill(cumulative - top >= limit, 0.0)
+            return torch.zeros_like(probs).scatter_(-1, order, kept)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     cumulative = sorted_p.cumsum(dim=-1)
-    limit = top_p[:, None] if isinstance(top_p, torch.Tensor) else top_p
     sorted_p = sorted_p.masked_fill(cumulative - sorted_p >= limit, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 

@@ -376,6 +376,36 @@ def test_rows_with_their_own_temperature_and_top_p() -> None:
     assert len(seen) > 5  # the hot row really samples
 
 
+@pytest.mark.parametrize("sharpness", [8.0, 0.5], ids=["peaked", "flat"])
+def test_the_nucleus_is_the_sorted_vocabularys_whether_or_not_its_candidates_hold_it(
+    sharpness: float,
+) -> None:
+    """Top-p keeps the smallest set of most likely tokens whose mass reaches p. Peaked rows (a
+    trained model's) find it among their `NUCLEUS_CANDIDATES` most likely tokens without a sort of
+    the vocabulary; flat rows (mass spread past those) sort it all. Both keep exactly what a sort
+    of the whole vocabulary keeps, per row and with each row's own p."""
+    import torch
+
+    from branchwise.backends.hf.sampling import NUCLEUS_CANDIDATES, _nucleus
+
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(4, 4096) * sharpness, dim=-1)
+    top = probs.topk(NUCLEUS_CANDIDATES, dim=-1).values.sum(-1)
+    assert bool((top > 0.97).all()) if sharpness > 1 else bool((top < 0.5).all())
+
+    def sorted_reference(p: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+        values, order = p.sort(dim=-1, descending=True)
+        cumulative = values.cumsum(dim=-1)
+        return torch.zeros_like(p).scatter_(-1, order, values.masked_fill(cumulative - values >= limit, 0.0))
+
+    for top_p in (0.5, 0.9, torch.tensor([0.3, 0.6, 0.9, 0.95])):
+        limit = top_p[:, None] if isinstance(top_p, torch.Tensor) else torch.tensor(top_p)
+        kept = _nucleus(probs, top_p)
+        reference = sorted_reference(probs, limit)
+        assert torch.equal(kept > 0, reference > 0)
+        assert torch.allclose(kept, reference)
+
+
 def test_draw_samples_each_token_with_its_probability_and_never_a_masked_one() -> None:
     """The sampler inverts each row's cumulative distribution: over many draws each token's
     frequency matches its probability (a chi-square test at 0.1 %), tokens of probability 0 are

@@ -14,6 +14,7 @@ next, as it would in a second server. Tests that need nothing cached use a folde
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -510,3 +511,35 @@ def test_a_worker_that_dies_fails_its_kinds_and_one_closed_fails_none(closed: bo
     else:
         assert failed == [("a-kind", "the compile worker exited (-9); see worker.log")]
     proc.wait()
+
+
+def test_models_compile_compiles_the_first_kinds_for_later_runs(
+    tiny_llama_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short `branchwise run` ends before its kinds compile, and says how to compile them ahead;
+    `branchwise models compile` then compiles the kinds runs meet first, printing its status, and
+    the next run decodes compiled, with neither the compiling note nor the hint; a new engine on
+    the same model (as a new process would) loads every kind from the cache."""
+    from typer.testing import CliRunner
+
+    from branchwise.backends.hf.step import AUTO_ENV
+    from branchwise.cli import app
+
+    monkeypatch.setenv("BRANCHWISE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(AUTO_ENV, "compiled")
+    runner = CliRunner()
+    run = ["run", "What is 12 + 7?", "--n", "3", "--max-tokens", "8", "--model", str(tiny_llama_dir)]
+    first = runner.invoke(app, run)
+    assert first.exit_code == 0, first.output
+    assert "branchwise models compile" in " ".join(first.output.split())
+    made = runner.invoke(app, ["models", "compile", "--model", str(tiny_llama_dir)])
+    assert made.exit_code == 0, made.output
+    status = json.loads(made.stdout[made.stdout.index("{") :])
+    assert status["compiled"] + status["loaded"] >= 3 and status["uncompiled"] == [], status
+    again = runner.invoke(app, [*run, "--json"])
+    assert again.exit_code == 0, again.output
+    stats = json.loads(again.stdout.strip().splitlines()[-1])["kv_stats"]
+    assert stats.get("decode_steps_compiled", 0) > 0 and "decode_steps_uncompiled" not in stats, stats
+    fresh = HFBackend(tiny_llama_dir)
+    fresh.decode_step = "compiled"
+    assert fresh.preload_steps() >= 3

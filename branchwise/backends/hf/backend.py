@@ -508,26 +508,21 @@ class HFBackend:
 
     @property
     def decode_compile(self) -> dict[str, Any] | None:
-        """Where compiling the decode step stands (`StepCompiler.status`: kinds compiled, loaded
-        from the cache, compiling now, left uncompiled and why); None where steps do not compile."""
-        compiler = self.engine.stepper.compiler
-        return None if compiler is None else compiler.status()
+        """Where compiling the decode step stands (`StepCompiler.status`); None where it does not."""
+        return None if (compiler := self.engine.stepper.compiler) is None else compiler.status()
 
     @on_compute_thread
     def preload_steps(self) -> int:
         """`StepCompiler.preload` on the compute thread: loading runs each step once, and from a
         script's main thread every later step of the process ran 1.3x slower, eager or compiled."""
-        compiler = self.engine.stepper.compiler
-        return 0 if compiler is None else compiler.preload()
+        return 0 if (compiler := self.engine.stepper.compiler) is None else compiler.preload()
 
     def warm_up(self, wait: float | None = 0.0) -> dict[str, Any]:
         """Start compiling the decode step for the kinds of batch a server meets first (one row,
-        several rows, several rows over a shared prompt) by decoding a few tokens of each, which run
-        eagerly while the kinds compile in the background (`step_compiler.py`); kinds compiled by
-        an earlier process are loaded from the cache first (`StepCompiler.preload`). `wait`
-        seconds (None: until done; the default 0: not at all) to block for them, which a benchmark
-        or a test may want and a server does not. A no-op where steps are not compiled
-        (`decode_step`). Returns the compiler's `status`."""
+        several, several over a shared prompt, over a prompt under a cached lead-in) by decoding a
+        few tokens of each, run eagerly while the kinds compile in the background
+        (`step_compiler.py`); kinds an earlier process compiled are loaded first. `wait` seconds
+        (None: until done; 0: not at all) to block for them. Returns the compiler's `status`."""
         compiler = self.engine.stepper.compiler
         if compiler is None:
             return StepCompiler.idle_status()
@@ -535,14 +530,18 @@ class HFBackend:
         session = self.session(share="exact")  # its own statistics: the default session's stay clean
         params = DecodeParams(max_tokens=WARMUP + 3, min_tokens=WARMUP + 3)  # past the eager warm-up step
         roots = [session.prefill(self.encode(text)) for text in ("Hello", "Good morning")]
-        kids: list[NodeId] = []
+        made: list[NodeId] = []
         try:
             session.extend(roots[:1], params)
             session.extend(roots, params)
-            kids = session.fork(roots[1], 2)
-            session.extend(kids, params)
+            made += session.fork(roots[0], 2)  # prompts under a lead-in: one token (a repeated one), more
+            session.append(made[:1], [self.encode(" there")[-1:]])
+            session.append(made[1:2], [self.encode(" there and everywhere")])
+            for parent in (roots[1], made[0], made[1]):
+                made += session.fork(parent, 2)
+                session.extend(made[-2:], params)
         finally:
-            session.release([*roots, *kids])
+            session.release([*roots, *made])
         if wait is None or wait > 0:
             compiler.wait(wait)
         return compiler.status()

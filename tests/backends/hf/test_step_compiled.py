@@ -338,7 +338,7 @@ def test_pages_read_as_a_copy_are_never_compiled_and_say_so(
 
 def test_warm_up_starts_the_first_kinds_and_can_wait(tiny_llama_dir) -> None:
     """`warm_up` (what `branchwise serve` calls as it starts) decodes a few tokens of one row,
-    several rows and rows over a shared prompt in a session of its own (the backend's statistics
+    several rows and rows over shared prompts in a session of its own (the backend's statistics
     stay clean), which starts their compilation; with `wait` it blocks until they are ready, and
     the next steps run compiled. Where steps are not compiled it does nothing."""
     assert HFBackend(tiny_llama_dir).warm_up()["compiled"] == 0  # eager on the CPU
@@ -535,11 +535,12 @@ def test_models_compile_compiles_the_first_kinds_for_later_runs(
     made = runner.invoke(app, ["models", "compile", "--model", str(tiny_llama_dir)])
     assert made.exit_code == 0, made.output
     status = json.loads(made.stdout[made.stdout.index("{") :])
-    assert status["compiled"] + status["loaded"] >= 3 and status["uncompiled"] == [], status
+    assert status["compiled"] + status["loaded"] >= 6 and status["uncompiled"] == [], status
     again = runner.invoke(app, [*run, "--json"])
     assert again.exit_code == 0, again.output
     stats = json.loads(again.stdout.strip().splitlines()[-1])["kv_stats"]
+    # its prompt cached but for its last token: the kinds of a repeated prompt, compiled too
     assert stats.get("decode_steps_compiled", 0) > 0 and "decode_steps_uncompiled" not in stats, stats
     fresh = HFBackend(tiny_llama_dir)
     fresh.decode_step = "compiled"
-    assert fresh.preload_steps() >= 3
+    assert fresh.preload_steps() >= 6

@@ -73,6 +73,12 @@ class BenchParser(argparse.ArgumentParser):
                 self.set_defaults(**defaults)
         return parsed
 
+    def at_least_one(self, args: argparse.Namespace, *names: str) -> None:
+        """A usage error naming the first of the options `names` (counts, sizes, rounds) below 1."""
+        for name in names:
+            if getattr(args, name) < 1:
+                self.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
 
 def _shown(value: Any) -> str:
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)

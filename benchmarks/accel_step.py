@@ -183,10 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_decode_step_option(parser, why="; 'layers' shows the layer loop every acceleration left")
     args = parser.parse_args(argv)
-    for option in ("long_tokens", "n", "branch_tokens", "skipkv_budget", "skipkv_interval", "width", "depth",
-                   "step_tokens", "repeats"):  # fmt: skip
-        if getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} must be >= 1, got {getattr(args, option)}")
+    parser.at_least_one(args, "long_tokens", "n", "branch_tokens", "skipkv_budget", "skipkv_interval", "width",
+                        "depth", "step_tokens", "repeats")  # fmt: skip
     if not 0.0 <= args.rsbcm_track_from <= 1.0:
         parser.error(f"--rsbcm-track-from must be within 0..1, got {args.rsbcm_track_from}")
     bench = start("accel_step", args, decode_step=args.decode_step)

@@ -229,18 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.set_defaults(alloc_every=1 << 30)  # `kv_budget.run_arm`'s allocation walks: once per run
     args = parser.parse_args(argv)
-    for name in (
-        "questions",
-        "n",
-        "max_tokens",
-        "beam_questions",
-        "width",
-        "depth",
-        "step_tokens",
-        "repeats",
-    ):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    parser.at_least_one(
+        args, "questions", "n", "max_tokens", "beam_questions", "width", "depth", "step_tokens", "repeats"
+    )
     for name in ("budget_fraction", "beam_budget_fraction"):
         if not 0.0 < getattr(args, name) <= 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")

@@ -469,9 +469,7 @@ def add_arm_options(
 
 def check_arm_options(parser: BenchParser, args: argparse.Namespace, positive: Sequence[str]) -> None:
     """Refuse, naming the option, what `add_arm_options` and the `positive` options may not be."""
-    for name in (*positive, "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    parser.at_least_one(args, *positive, "repeats")
     if not 0.0 < args.budget_fraction <= 1.0:
         parser.error(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
     if min(args.skipkv_budgets) < 2:

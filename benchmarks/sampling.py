@@ -35,9 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus mass")
     parser.add_argument("--repeats", type=int, default=3, help="rounds, arm order alternated")
     args = parser.parse_args(argv)
-    for option in ("n", "tokens", "repeats"):
-        if getattr(args, option) < 1:
-            parser.error(f"--{option} must be >= 1, got {getattr(args, option)}")
+    parser.at_least_one(args, "n", "tokens", "repeats")
     if not 0.0 < args.top_p < 1.0:
         parser.error(f"--top-p must be within (0, 1) for a nucleus to be cut, got {args.top_p}")
     bench = start("sampling", args)

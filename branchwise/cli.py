@@ -449,7 +449,8 @@ def models_compile(
     ] = 3600.0,
 ) -> None:
     """Compile a model's decode step now, for the kinds of batch runs meet first (one row, several
-    rows, several over a shared prompt), into the cache, showing progress. Why: a run meets a kind
+    rows, several over a shared prompt, over a prompt under a cached lead-in), into the cache,
+    showing progress. Why: a run meets a kind
     not compiled yet by running it uncompiled while a worker compiles it in the background, and
     a short `branchwise run` ends before the worker does (its note says so); compiled here once,
     every later run, eval or server on the same model, device, dtype and torch loads them. Kinds

@@ -65,7 +65,7 @@ COMPILING = "compiling in the background"
 """What a note says of steps that ran uncompiled while their kind compiled (`step_compiler`)."""
 COMPILE_HINT = (
     "a short run ends before its decode step compiles: `branchwise models compile` (same --model, "
-    "--device, --dtype) compiles it once for every later run"
+    "--device, --dtype) compiles it once, for servers and longer runs, which load it while they idle"
 )
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from branchwise.backends.compute_thread import COMPUTE, ProcessExiting
 from branchwise.backends.hf.compile_worker import ModelSpec, Worker, stop_workers, worker_room
 from branchwise.backends.hf.embedded import branchwise_cache_dir
 from branchwise.backends.hf.own_kv import Tails
@@ -228,10 +229,10 @@ class StepCompiler:
     ) -> None:
         self.spec = spec
         self.warm = warm
-        """Runs a loaded step once on its kind's skeleton batch (`step.warm_step`), off the request
-        path: a compiled step's first call loads its kernels, or builds them where this machine's
-        compiler cache lacks them (25-40 s of a busy 2-core machine, measured inside a request
-        before this existed)."""
+        """Runs a loaded step once on its kind's skeleton batch (`step.warm_step`), on the compute
+        thread between calls, before the step is used: a compiled step's first call loads its
+        kernels, or builds them where this machine's compiler cache lacks them (25-40 s of a busy
+        2-core machine, measured inside a request before this existed)."""
         self.folder = (cache or branchwise_cache_dir() / "steps") / (spec.fingerprint() if spec else "none")
         self.compiles = 0
         """Kinds the worker compiled for this engine."""
@@ -247,6 +248,7 @@ class StepCompiler:
         self._compiling = "its kind of batch is compiling in the background" + (
             " (on a CPU, while this process idles)" if cpu else ""
         )
+        self._loading = "its kind of batch, compiled earlier, loads from the cache while this process idles"
         self._steps: dict[str, Any] = {}  # kind -> its loaded compiled step
         self._trouble: dict[str, str] = {}  # kind -> why it runs eagerly for good
         self._pending: set[str] = set()
@@ -345,7 +347,7 @@ class StepCompiler:
                 self._trouble[kind] = f"the step compiled ahead refused this batch ({reason[:200]})"
             self.unused = self._trouble[kind]
             return None
-        self.unused = self._compiling
+        self.unused = self._loading if (self.folder / f"{kind}.step").exists() else self._compiling
         if not pending:
             self._start(kind, graph)
         return None
@@ -357,7 +359,7 @@ class StepCompiler:
             self._pending.add(kind)
         path = self.folder / f"{kind}.step"
         if path.exists():
-            _loader(self._load, (kind, path, 0.0, True))
+            _loader(self._load, (kind, path, 0.0, True, True))
             return
         try:
             if self._worker is None or not self._worker.alive():
@@ -375,22 +377,37 @@ class StepCompiler:
         if not reply.get("ok"):
             self._give_up(kind, f"compiling it failed: {reply.get('error', 'the worker ended')}")
             return
-        # a thread of its own, ended after: loading warms the step, and a thread that ever computed
-        # keeps its OpenMP workers, which slows every computing thread of the process (the reader
-        # thread lives as long as the worker)
-        args = (kind, Path(reply["path"]), float(reply.get("seconds", 0.0)), False)
+        # a thread of its own, ended after: loading is seconds of Python, then a wait for the
+        # compute thread to warm the step (`_load`), while the reader goes on reading replies
+        args = (kind, Path(reply["path"]), float(reply.get("seconds", 0.0)), False, True)
         _loader(self._load, args)
 
-    def _load(self, kind: str, path: Path, seconds: float, cached: bool) -> None:
+    def _load(self, kind: str, path: Path, seconds: float, cached: bool, when_idle: bool = False) -> None:
+        """Load a kind's compiled step and warm it; with `when_idle` (a background loader), only once
+        the compute thread is idle: loading is seconds of Python, and beside a decode it slowed the
+        decode more than the compiled step then saved (a one-off run with its kinds in the cache:
+        11-13 s against 7-8.5 s uncompiled); so a short run never loads, and a server loads between
+        its requests, as the worker compiles."""
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
+        if when_idle:
+            _when_idle()
         try:
             with torch.inference_mode():  # a step's inputs are inference tensors (guards check it)
                 step = AOTCompiledFunction.deserialize(path.read_bytes())
             step.disable_guard_check()  # checked once per batch layout instead (`_accepting`)
-            batch = path.with_suffix(".batch")
-            if self.warm is not None and batch.exists():
-                self.warm(step, torch.load(batch, weights_only=False))
+            batch, warm = path.with_suffix(".batch"), self.warm
+            if warm is not None and batch.exists():
+                sample = torch.load(batch, weights_only=False)
+                # on the compute thread, once it is free: a thread that ever computed keeps OpenMP
+                # workers that slow every later step of the process (a one-off run whose kinds
+                # loaded and warmed on this thread decoded 1.3-1.5x slower than without them)
+                COMPUTE.run(lambda: warm(step, sample))
+        except ProcessExiting:  # the process ends: nothing to load it for
+            with self._ready:
+                self._pending.discard(kind)
+                self._ready.notify_all()
+            return
         except Exception as exc:  # a file from an incompatible build, a truncated write, ...
             if cached:  # an old file: compile the kind anew
                 path.unlink(missing_ok=True)
@@ -432,6 +449,16 @@ _LOADERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 LOADER_EXIT_WAIT_S = 60.0
 """Longest wait at exit for the steps being loaded and warmed (seconds of Python, and one step)."""
+
+
+def _when_idle() -> None:
+    """Return once the compute thread is idle (`COMPUTE.watch`; at once where it is)."""
+    idle = threading.Event()
+    unwatch = COMPUTE.watch(lambda busy: idle.clear() if busy else idle.set())
+    try:
+        idle.wait()
+    finally:
+        unwatch()
 
 
 def _loader(load: Callable[..., None], args: tuple[Any, ...]) -> None:

@@ -518,8 +518,8 @@ def test_models_compile_compiles_the_first_kinds_for_later_runs(
 ) -> None:
     """A short `branchwise run` ends before its kinds compile, and says how to compile them ahead;
     `branchwise models compile` then compiles the kinds runs meet first, printing its status, and
-    the next run decodes compiled, with neither the compiling note nor the hint; a new engine on
-    the same model (as a new process would) loads every kind from the cache."""
+    the next run on the same engine decodes compiled; a new engine on the same model (a server as
+    it starts, `HFBackend.preload_steps`) loads every kind from the cache."""
     from typer.testing import CliRunner
 
     from branchwise.backends.hf.step import AUTO_ENV

@@ -18,7 +18,7 @@ from typing import Any
 
 from branchwise.backends.base import DecodeParams, Generation
 
-__all__ = ["FakeBackend", "GatedBackend", "Lines", "fail_forward", "wait_until"]
+__all__ = ["FakeBackend", "GatedBackend", "Lines", "Rerun", "fail_forward", "wait_until"]
 
 
 class Lines(logging.Handler):
@@ -156,3 +156,27 @@ class GatedBackend(FakeBackend):
         self.in_extend.set()
         assert self.gate.wait(30), "the test never opened the gate"
         return super().extend(nodes, params)
+
+
+class Rerun:
+    """A `step.Recorder` for the CPU: "replaying" runs the recorded step again into the recorded
+    outputs (a tensor, or a tuple of them: an early exit's pieces), so the capture-and-replay flow
+    (when a layout or a piece is recorded, how often, what a replay returns) is checked where there
+    is no CUDA."""
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.replays = 0
+
+    def record(self, step: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        self.records += 1
+        out = step()
+
+        def replay() -> None:
+            self.replays += 1
+            again = step()
+            pairs = zip(out, again, strict=True) if isinstance(out, tuple) else [(out, again)]
+            for kept, new in pairs:
+                kept.copy_(new)
+
+        return replay, out

@@ -260,7 +260,7 @@ class Computation:
             self.stats.bump("decode_steps_compiled")
         else:
             self.stats.bump("decode_steps_uncompiled")
-            why = self.engine.stepper.uncompilable or compiler.unused
+            why = self.engine.stepper.unused
             self.stats.extra[f"uncompiled_by {why}"] = 1.0
 
     def _count_layer_loop_step(self, batch: Batch, observers: Sequence[Acceleration]) -> None:

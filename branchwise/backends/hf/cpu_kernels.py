@@ -35,7 +35,6 @@ what the tests and the benchmark compare the kernel against, never a fallback on
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -410,13 +409,20 @@ def int8_linear_ready() -> bool:
     """Whether `int8_linear` runs here now, vectorized: the extension is built (never waited for)
     and torch dispatches to AVX2 or AVX-512 on this CPU (elsewhere the op is a scalar loop, slower
     than torch's own kernel for the same layer)."""
-    return _vectorized() and ready_now() is None
+    return VECTORIZED and ready_now() is None
 
 
-@functools.cache
-def _vectorized() -> bool:
-    """Whether torch dispatches to AVX2 or AVX-512 here: asked once, not on every product."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+def int8_linear_pending() -> str | None:
+    """Why `int8_linear_ready` may still change its answer in this process (the extension still
+    building, or it could not be built); None where it never will. A compiled step traced where it
+    was ready calls the op, one traced where it was not calls torch's kernel instead, so a step
+    with int8 layers compiles only once the answer is final (`step_compiler.not_compiled`)."""
+    return ready_now() if VECTORIZED else None
+
+
+VECTORIZED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+"""Whether torch dispatches to AVX2 or AVX-512 here: asked once, as a constant (a compiled step is
+traced through `int8_linear_ready`, and torch's question returns a string a trace cannot hold)."""
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -189,7 +191,7 @@ class River(Acceleration):
         path = setup.cached(
             "river",
             ("river", weights_key(cfg, host.parts, host.device)),
-            lambda: RiverPath(host.parts, cfg, host.device),
+            lambda: river_path(host.parts, cfg, host.device),
         )
         return cls(cfg, path, host.stats)
 
@@ -206,7 +208,7 @@ class River(Acceleration):
     def on_batch(self, batch: Batch) -> None:
         """The batch's decode steps exit on the fixed-shape step (the layer loop ignores this and
         exits through the forward hooks below)."""
-        batch.ctx.exits = RiverExits(self)
+        batch.ctx.exits = RiverExits(self.path, self.cfg.threshold, self)
 
     def begin_forward(self, fwd: Forward) -> None:
         self._active = fwd.decode_step or self.cfg.prefill
@@ -274,18 +276,53 @@ class River(Acceleration):
             bump("river_audit_kl_sum", float(kl.sum()))
 
 
+WEIGHT_FIELDS = ("entry_layer", "bits", "group_size", "kernel", "head", "head_top_k")
+"""The `RiverConfig` fields a river's modules depend on (`weights_key` reads them resolved): what
+another process needs to build the same river (`RiverExits.describe`)."""
+
+_PATHS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[object, ...], RiverPath]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Rivers built in this process, per backbone (its layer list, held weakly) and weights key."""
+
+
+def river_path(parts: DecoderParts, cfg: RiverConfig, device: torch.device) -> RiverPath:
+    """The river of `parts` for `cfg`'s weight fields: built once per process, so the plug-in and
+    a compiled piece warmed on a skeleton batch (`exits_of`) use the same modules."""
+    built = _PATHS.setdefault(parts.layers, {})
+    key = weights_key(cfg, parts, device)
+    if key not in built:
+        built[key] = RiverPath(parts, cfg, device)
+    return built[key]
+
+
 class RiverExits:
     """River's exit as the fixed-shape step runs it (`step_inputs.Exits`, `step_replay.ExitSegments`):
-    the same candidate layers, test and river as the forward hooks, with the run's threshold."""
+    the same candidate layers, score and river as the forward hooks, with the run's threshold; the
+    exits are counted by `plugin` (None: a batch built to compile or warm a piece)."""
 
-    def __init__(self, plugin: River) -> None:
+    def __init__(self, path: RiverPath, threshold: float, plugin: River | None = None) -> None:
+        self.path = path
         self.plugin = plugin
-        self.entry = plugin.path.cfg.entry_layer
-        self.river = plugin.path.layers
-        self.head = plugin.path.head
+        self.threshold = threshold
+        self.entry = path.cfg.entry_layer
+        self.river = path.layers
+        self.head = path.head
 
-    def passes(self, h_in: Tensor, h_out: Tensor, fed: Tensor) -> Tensor:
-        return (transition_similarity(h_in, h_out, fed) >= self.plugin.cfg.threshold).all()
+    def similarity(self, h_in: Tensor, h_out: Tensor, fed: Tensor) -> Tensor:
+        return transition_similarity(h_in, h_out, fed)
 
     def exited(self, at: int | None, tokens: int) -> None:
-        self.plugin.account(at, tokens, True, None, None)
+        if self.plugin is not None:
+            self.plugin.account(at, tokens, True, None, None)
+
+    def describe(self) -> dict[str, Any]:
+        fields = self.path.cfg.model_dump(include=set(WEIGHT_FIELDS), mode="json")
+        return {"build": f"{__name__}:exits_of", "config": fields}
+
+
+def exits_of(config: dict[str, Any], parts: DecoderParts, device: torch.device) -> RiverExits:
+    """The exit a `RiverExits.describe` names, on `parts` (the compile worker's model, or this
+    process's when a loaded piece is warmed): its river shared with any plug-in of the same weights."""
+    cfg = RiverConfig.model_validate(config)
+    return RiverExits(river_path(parts, cfg, device), cfg.threshold)

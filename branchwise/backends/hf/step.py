@@ -44,6 +44,7 @@ say why (`step_compiler.py`).
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ from branchwise.backends.hf.own_kv import OwnKV, Pages, Tails
 from branchwise.backends.hf.step_attention import Chunk, MixedAttention, StaticAttention
 from branchwise.backends.hf.step_compiler import StepCompiler
 from branchwise.backends.hf.step_inputs import Steer
-from branchwise.backends.hf.step_replay import CudaGraphs, ExitSegments, Modules, Recorder, signature
+from branchwise.backends.hf.step_replay import CudaGraphs, ExitSegments, Modules, Piece, Recorder, signature
 from branchwise.backends.step_notes import OffFast
 
 StepMode = Literal["auto", "compiled", "graphs", "eager", "layers"]
@@ -102,9 +103,6 @@ SPAN = 128
 COMPILED_SPAN = 16
 """Compiled steps that are not recorded read the tails in multiples of this many slots: the span is
 a symbolic size there, so a finer multiple costs no compilation and saves reading masked slots."""
-EXITS_UNCOMPILED = "an early exit runs the step as segments (River's exits), which are not compiled ahead"
-"""Why a step under an early exit runs uncompiled where steps are compiled (steering, taps and a
-block pool compile: they are inputs and outputs of the one step)."""
 At = tuple[Any, AttentionContext]
 """Where a step's layers run: the rotary tables at the tokens' positions (`arch.Rope`), and attention."""
 WARMUP = 1
@@ -132,13 +130,22 @@ class StepGraph:
     replay: Callable[[], None] | None = None
     logits: torch.Tensor | None = None
     runs: int = 0
-    ahead: Callable[[StepGraph], tuple[torch.Tensor, torch.Tensor]] | None = None
-    """The compiled step that accepted this layout (`StepCompiler`: its guards checked once)."""
-    ahead_span: int = 0
-    """The span `ahead` was checked at (a new span is checked again)."""
-    recorded_compiled: bool = False
-    """Whether the recording replays compiled code (a layout recorded before its kind was compiled
-    is recorded again once it is)."""
+    accepted: dict[Piece | None, tuple[Callable[[StepGraph], tuple[torch.Tensor, torch.Tensor]], int]] = (
+        field(default_factory=dict)
+    )
+    """Per piece (None: the whole step), the compiled step that accepted this layout and the span it
+    was checked at (`StepCompiler`: its guards checked once per layout and span)."""
+    unused: str | None = None
+    """Why the last step (any piece of it) ran uncompiled where steps are compiled; None: it ran
+    compiled, or nothing compiles (`StepCompiler.unused`)."""
+    recorded_unused: str | None = None
+    """`unused` when the recording was taken (a layout recorded before its kind was compiled is
+    recorded again once it is)."""
+    piece: Piece | None = None
+    """The piece of the step `computed` computes under an early exit (`step_replay.ExitSegments`);
+    None: the whole step."""
+    carry: torch.Tensor | None = None
+    """The hidden states `[B, 1, d]` a piece after the first starts from (its predecessor's)."""
     steer: Steer | None = None
     """The batch's steering (`batch.Steer`) read at fixed addresses: the plug-in's persistent table,
     and this graph's own slot and scale buffers, loaded at every step."""
@@ -148,8 +155,7 @@ class StepGraph:
     fed: torch.Tensor = field(init=False)
     """`[B]` tokens each row feeds this step (an early exit's test skips rows that feed none)."""
     segments: ExitSegments | None = None
-    _at: At = field(init=False)
-    """The step as segments under the batch's early exit (`step_exits.py`; None: one piece)."""
+    """The step as pieces under the batch's early exit (`step_replay.ExitSegments`; None: one)."""
 
     def __post_init__(self) -> None:
         b, device = self.ctx.batch, self.ctx.lens.device
@@ -172,29 +178,10 @@ class StepGraph:
         taps, pool = bool(self.attention.taps), self.ctx.pool is not None
         return self.steer is not None or taps or pool or self.segments is not None
 
-    @property
-    def uncompilable(self) -> str | None:
-        """Why this layout's steps run uncompiled where steps are compiled (None: they may run
-        compiled once their kind is): only an early exit's segments. Steering is an input of the
-        compiled step, taps are fed after it from what it kept (`StaticAttention.feed_taps`), a
-        block pool is one more shared segment."""
-        return EXITS_UNCOMPILED if self.segments is not None else None
-
-    def feed_taps(self) -> None:
-        """Hand the batch's taps what the step (or the segment) just run read (`step_attention`)."""
-        self.attention.feed_taps()
-
-    def begin(self) -> torch.Tensor:
-        """The first layer's input (the step's attention and rotary prepared; `step_exits.py`)."""
-        h = self.parts.embed(self.ids)
-        self.attention.prepare(h.dtype)
-        self._at = (self.parts.rotary(h, self.pos), self.attention)
-        return h
-
-    def blocks(self, h: torch.Tensor, indices: range, modules: Modules, at: At | None = None) -> torch.Tensor:
+    def blocks(self, h: torch.Tensor, indices: range, modules: Modules, at: At) -> torch.Tensor:
         """`h` through `modules[i]` for each i of `indices`, steered where the batch steers, at
-        `at` (the rotary tables at the tokens' positions, the attention; None: those `begin` set)."""
-        rope, attention = self._at if at is None else at
+        `at` (the rotary tables at the tokens' positions, the attention)."""
+        rope, attention = at
         for index in indices:
             block = modules[index]
             assert block is not None, f"no module for layer {index}"
@@ -213,23 +200,66 @@ class StepGraph:
 
     def computed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step itself, uncompiled: logits `[B, V]` and the final-norm hidden states `[B, d]`
-        from the loaded inputs (what the compiler compiles, and what runs where it is off or
-        failed); what the taps are fed is left in `attention.fed`."""
+        from the loaded inputs, or under an early exit the `piece` asked for (`_piece`): what the
+        compiler compiles, and what runs where it is off or failed; what the taps are fed is left
+        in `attention.fed`."""
+        if self.piece is not None:
+            return self._piece(*self.piece)
         hidden = self._hidden()
         return self.parts.logits(hidden), hidden
+
+    def _piece(self, name: str, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One piece of the step under an early exit (`step_replay.ExitSegments`). "start" embeds
+        the tokens and runs layers 0 .. `index`, "layer" runs layer `index` from `carry`: each
+        returns the hidden states and each row's exit score at that layer (`Exits.similarity`).
+        "river" and "backbone" run the stack from layer `index` on, on the river's modules or the
+        backbone's, then the final norm and the head (the river's after an exit): logits and
+        final-norm hidden states. Each piece prepares the step's attention and rotary again (a few
+        small operations on the lengths and positions), so each is a function of the step's
+        inputs and `carry` alone, compiled as a kind of its own."""
+        exits, parts = self.ctx.exits, self.parts
+        assert exits is not None, "a piece of a step without an early exit"
+        h = parts.embed(self.ids) if name == "start" else self.carry
+        assert h is not None, f"the {name} piece has no hidden states to start from"
+        self.attention.prepare(h.dtype)
+        at = (parts.rotary(h, self.pos), self.attention)
+        if name in ("start", "layer"):
+            h_in = self.blocks(h, range(index), parts.layers, at) if name == "start" else h
+            h = self.blocks(h_in, range(index, index + 1), parts.layers, at)
+            return h, exits.similarity(h_in, h, self.fed)
+        river = name == "river"
+        h = self.blocks(h, range(index, parts.n_layers), exits.river if river else parts.layers, at)
+        normed = parts.norm(h[:, -1])
+        return parts.logits(normed, exits.head if river else None), normed
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`computed`, compiled where its kind is (the whole step, or the `piece` asked for), then
+        the taps fed; where it ran uncompiled though steps compile, `unused` says why (the first
+        reason a step meets)."""
+        compiler = self.compiler
+        ran = None if compiler is None else compiler(self)
+        if ran is None and compiler is not None and self.unused is None:
+            self.unused = compiler.unused
+        out = ran if ran is not None else self.computed()
+        self.feed_taps()
+        return out
+
+    def ready(self) -> bool:
+        """Whether the compiled step of this layout's kind (of its `piece`) is loaded."""
+        return self.compiler is not None and self.compiler.ready(self)
+
+    def feed_taps(self) -> None:
+        """Hand the batch's taps what the step (or the piece) just run read (`step_attention`)."""
+        self.attention.feed_taps()
 
     def _hidden(self) -> torch.Tensor:
         """The final-norm hidden state at each row's token `[B, d]`."""
         return self.parts.norm(self._layers(self.ids, self.pos, self.attention)[:, -1])
 
     def _step(self) -> torch.Tensor:
-        ran = None
-        if self.compiler is not None and self.uncompilable is None:
-            ran = self.compiler(self)
-        logits, hidden = ran if ran is not None else self.computed()
+        logits, hidden = self.run()
         if self.accelerated:  # its hidden states kept for the plug-ins
             self.hidden = hidden
-        self.feed_taps()
         return logits
 
     def _load(self, ids: torch.Tensor, fed: torch.Tensor | None = None) -> None:
@@ -276,6 +306,7 @@ class StepGraph:
         each of its segments on first use)."""
         self._load(ids, fed)
         self.runs += 1
+        self.unused = None
         if self.segments is not None:
             record = self.recorder is not None and self.runs > WARMUP
             logits = self.segments.step(record, tokens)
@@ -286,18 +317,13 @@ class StepGraph:
             logits = self._step()
             self.ctx.last_hidden = self.hidden
             return logits
-        compiler = self.compiler
-        if (
-            self.replay is not None
-            and not self.recorded_compiled
-            and compiler is not None
-            and compiler.ready(self)
-        ):
+        if self.replay is not None and self.recorded_unused is not None and self.ready():
             self.replay = None  # its kind compiled since it was recorded: record it anew
         if self.replay is None:
             self.replay, self.logits = self.recorder.record(self._step)
-            self.recorded_compiled = self.compiler is not None and self.compiler.unused is None
+            self.recorded_unused = self.unused
         assert self.logits is not None
+        self.unused = self.recorded_unused
         self.replay()
         if self.hidden is not None:
             self.ctx.last_hidden = self.hidden.clone()
@@ -321,8 +347,8 @@ def from_skeleton(batch: dict[str, Any], parts: DecoderParts, device: torch.devi
     assert lens is not None
     own = batch["own"]
     table = made(own.get("table"))
-    if table is not None:  # a compiler's or a warm-up's batch, never a request's: it may wait for the kernel
-        cpu_kernels.build()
+    if device.type == "cpu" and (table is not None or batch.get("exits") is not None):
+        cpu_kernels.build()  # a compiler's or a warm-up's batch, never a request's: it may wait for it
     kv: OwnKV = (
         Tails(tensors(own["keys"]), tensors(own["values"]))
         if table is None
@@ -342,9 +368,14 @@ def from_skeleton(batch: dict[str, Any], parts: DecoderParts, device: torch.devi
         table, idx, scale = made(steer["table"]), made(steer["idx"]), made(steer["scale"])
         assert table is not None and idx is not None and scale is not None
         ctx.steer = Steer(steer["layer"], table, idx, scale)
+    if (exits := batch.get("exits")) is not None:  # built by what its description names
+        module, name = exits["build"].split(":")
+        ctx.exits = getattr(importlib.import_module(module), name)(exits["config"], parts, device)
     with torch.inference_mode():  # as `Stepper.forward` makes its graphs
         graph = StepGraph(parts, ctx, (), None)
         graph.attention.span = batch["span"]
+    graph.piece = None if batch.get("piece") is None else tuple(batch["piece"])
+    graph.carry = made(batch.get("carry"))
     graph.attention.feeds = batch["feeds"]  # the taps run in the engine, after the step
     graph.attention.scored = batch["scored"]
     return graph
@@ -403,8 +434,8 @@ class Stepper:
         """Whether the last step was a replay of a recording (else it ran eagerly)."""
         self.compiled = False
         """Whether the last step ran compiled code (replayed or not)."""
-        self.uncompilable: str | None = None
-        """Why the last step's layout runs uncompiled whatever the compiler has (`StepGraph.uncompilable`)."""
+        self.unused: str | None = None
+        """Why the last step ran uncompiled where steps are compiled (`StepGraph.unused`)."""
         self.copied: str | None = None
         """Why the last step read a gathered copy of its batch's pages (`step_attention.pages_copied`)."""
 
@@ -474,7 +505,7 @@ class Stepper:
         if carried and (self.compiler is not None or self.recorder is not None):
             return [OffFast.PREFILL_CHUNK.value, *copied]
         if self.compiler is not None and not self.compiled:
-            why = self.uncompilable or self.compiler.unused
+            why = self.unused
             return [f"{OffFast.UNCOMPILED.value}: {why}", *copied]
         return copied
 
@@ -517,17 +548,15 @@ class Stepper:
         if chunk is not None:
             logits = graph.mixed(ids.to(self.device, non_blocking=True), chunk)
             self.replayed = self.compiled = False
-            self.uncompilable = None
+            self.unused = None
         else:
             logits = graph(ids.to(self.device, non_blocking=True), advance, sum(fed))
             self.replayed = graph.replay is not None or (
                 graph.segments is not None and graph.recorder is not None and graph.runs > WARMUP
             )
             self.captures += int(self.replayed and not recorded)
-            self.uncompilable = graph.uncompilable
-            self.compiled = (
-                self.compiler is not None and self.compiler.unused is None and self.uncompilable is None
-            )
+            self.unused = graph.unused
+            self.compiled = self.compiler is not None and self.unused is None
             for tap in graph.attention.taps:
                 tap.count_step()
         ctx.lens = ctx.lens + advance

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from branchwise.backends.compute_thread import COMPUTE, ProcessExiting
+from branchwise.backends.hf import cpu_kernels
 from branchwise.backends.hf.compile_worker import ModelSpec, Worker, stop_workers, worker_room
 from branchwise.backends.hf.embedded import branchwise_cache_dir
 from branchwise.backends.hf.own_kv import Tails
@@ -97,6 +98,9 @@ def mark_sizes(graph: Any) -> None:
     if (steer := graph.steer) is not None:  # its rows, and the table's count of vectors
         for t in (steer.table, steer.idx, steer.scale):
             mark(t, 0)
+    for t in (graph.fed, graph.carry):  # an early exit's piece: its rows
+        if t is not None:
+            mark(t, 0)
     handed = graph.attention.handed  # as the paged kernel takes them: the padding segments too
     for t in (*itertools.chain(*handed.keys), *itertools.chain(*handed.values)):
         mark(t, 1)
@@ -111,10 +115,13 @@ def kind_of(graph: Any) -> str:
     token (`step_attention.KernelSegments`) and how many masked ones are merged after (a block
     pool); otherwise, per segment, whether it is read by all rows, by one, and through a mask. The
     accelerations' part: the layer steering enters (None: none), whether the taps are fed the
-    step's queries, and the paged kernel's scores."""
+    step's queries, and the paged kernel's scores; under an early exit, the piece and the exit's
+    description (what builds its river: `step_inputs.Exits.describe`)."""
     attention = graph.attention
     steer = None if graph.steer is None else graph.steer.layer
-    accel = (steer, attention.feeds, attention.scored)
+    accel: tuple[Any, ...] = (steer, attention.feeds, attention.scored)
+    if (exits := graph.ctx.exits) is not None:
+        accel = (*accel, graph.piece, sorted(exits.describe()["config"].items()))
     if attention.in_place:
         segs: list[Any] = [
             len(attention.handed.rows),
@@ -139,11 +146,15 @@ def kind_of(graph: Any) -> str:
 
 def not_compiled(graph: Any) -> str | None:
     """Why `graph`'s batch runs uncompiled whatever is compiled (None: its kind may compile): it
-    reads more shared segments than a compiled step takes, or its pages are read as a copy. Why not
+    reads more shared segments than a compiled step takes, its pages are read as a copy, or an early
+    exit's river would trace another int8 kernel than it runs later (`cpu_kernels.int8_linear_pending`). Why not
     compile the copy: it is what a batch reads while the paged kernel is still being built (or
     where it cannot be), a passing state whose kinds no later step would use (a second process
     compiled again every kind the first had met only while its kernel was building)."""
     attention = graph.attention
+    river = graph.ctx.exits is not None and graph.ctx.lens.device.type == "cpu"
+    if river and (pending := cpu_kernels.int8_linear_pending()) is not None:
+        return f"the river's int8 kernel is not ready ({pending})"
     if attention.in_place:
         if attention.handed.real > HANDED_MOST:
             return (
@@ -162,7 +173,8 @@ def skeleton(graph: Any) -> dict[str, Any]:
     same tensors' types and inference flags (a compiled step's guards check both), zeroed, with
     every symbolic size cut to a skeleton size. A block pool comes as the masked segment the step
     reads it as; steering as its layer and a table; taps as the flags of what the step keeps for
-    them (the taps themselves run after the step, in the engine)."""
+    them (the taps themselves run after the step, in the engine); an early exit as its description
+    (`step_inputs.Exits.describe`), with the piece to compile and the hidden states it starts from."""
     ctx = graph.ctx
 
     def cut(t: torch.Tensor, dim: int, n: int) -> dict[str, Any]:
@@ -210,6 +222,9 @@ def skeleton(graph: Any) -> dict[str, Any]:
         },
         "feeds": graph.attention.feeds,
         "scored": graph.attention.scored,
+        "exits": None if (exits := ctx.exits) is None else exits.describe(),
+        "piece": graph.piece,
+        "carry": None if graph.carry is None else cut(graph.carry, 0, ctx.batch),
     }
 
 
@@ -321,13 +336,14 @@ class StepCompiler:
         if (why := not_compiled(graph)) is not None:
             self.unused = why
             return None
-        span = graph.attention.span
-        if graph.ahead is None or graph.ahead_span != span:
-            graph.ahead = self._accepting(graph)
-            graph.ahead_span = span
-            if graph.ahead is None:
+        span, piece = graph.attention.span, graph.piece
+        accepted = graph.accepted.get(piece)
+        if accepted is None or accepted[1] != span:
+            step = self._accepting(graph)
+            if step is None:
                 return None
-        out: tuple[torch.Tensor, torch.Tensor] = graph.ahead(graph)
+            accepted = graph.accepted[piece] = (step, span)
+        out: tuple[torch.Tensor, torch.Tensor] = accepted[0](graph)
         return out
 
     def _accepting(self, graph: Any) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -42,15 +42,21 @@ class Steer:
 
 
 class Exits(Protocol):
-    """An early exit the fixed-shape step runs as segments (River's, §4): after each candidate layer
-    (`entry` .. the last but one) one host read of whether every row passes (`passes`); on an exit
+    """An early exit the fixed-shape step runs as pieces (River's, §4: `step_replay.ExitSegments`):
+    after each candidate layer (`entry` .. the last but one) a piece returns each row's
+    `similarity` `[B]`, and one host read decides whether every row reaches `threshold`; on an exit
     the rest of the stack runs on `river` (whose layers write the skipped layers' K/V into the same
-    tail slots) and the logits come from `head` (None: the backbone's). One read per candidate
-    layer reached bounds the step's syncs; each segment is captured once. `exited` is told each
-    step's exit layer (None: none) and how many tokens it fed, on the host."""
+    KV slots) and the logits come from `head` (None: the backbone's). Why the threshold is compared
+    on the host, not in the piece: a compiled piece then serves every threshold. `exited` is told
+    each step's exit layer (None: none) and how many tokens it fed. `describe` is what another
+    process (the compile worker) builds the same exit from (`build`, a `module:function` taking it,
+    the decoder parts and the device), and what a compiled piece's kind names."""
 
     @property
     def entry(self) -> int: ...
+
+    @property
+    def threshold(self) -> float: ...
 
     @property
     def river(self) -> Sequence[nn.Module | None]: ...
@@ -58,11 +64,13 @@ class Exits(Protocol):
     @property
     def head(self) -> nn.Module | None: ...
 
-    def passes(self, h_in: torch.Tensor, h_out: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
-        """A 0-d bool tensor: every row (`fed` [B] tokens each; 0 always passes) may exit here."""
+    def similarity(self, h_in: torch.Tensor, h_out: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
+        """`[B]` float32: each row's exit score (`fed` [B] tokens each; a row fed none scores 1)."""
         ...
 
     def exited(self, at: int | None, tokens: int) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
 
 
 @dataclass

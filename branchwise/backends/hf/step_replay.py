@@ -1,24 +1,27 @@
 """How the fixed-shape step (`step.py`) is recorded and replayed: CUDA graphs (`CudaGraphs`, a
-`Recorder`), and an early exit's step as segments with one host read per candidate exit layer
+`Recorder`), and an early exit's step as pieces with one host read per candidate exit layer
 (River's exits, §4: `ExitSegments`).
 
-Why segments: whether a batch exits after layer i is known only once layer i has run, and a
-captured step cannot branch on a tensor. Cut at the candidate layers, the step is a chain of
-fixed-shape pieces (the layers up to the first candidate; each candidate layer with its exit test;
-the rest of the stack on the river, or on the backbone, with its head), each captured once on CUDA
-and replayed; between two pieces the host reads one flag. The decision is the batch's, as River's
-rule is (every row passes, §4.2), so a step reads at most one flag per candidate layer it reaches
-and the rows never regroup. An exit runs the rest of the stack on the river's quantized layers,
-which write the skipped layers' K/V into the same tail slots (the river keeps each layer's index),
-so later tokens read a complete cache, as on the layer loop.
+Why pieces: whether a batch exits after layer i is known only once layer i has run, and neither a
+captured step nor a compiled one can branch on a tensor (`torch.cond` could, but its branches may
+not write the KV). Cut at the candidate layers, the step is a chain of fixed-shape pieces (the
+layers up to the first candidate with its exit score; each later candidate layer with its score;
+the rest of the stack on the river, or on the backbone, with its head); between two pieces the host
+reads one flag. Each piece is a function of the step's inputs and its predecessor's output
+(`step.StepGraph._piece`), so it is compiled ahead as a kind of batch of its own (the kind names
+the piece and the river: `step_compiler.kind_of`) and, on CUDA, recorded once and replayed. The
+decision is the batch's, as River's rule is (every row passes, §4.2), so a step reads at most one
+flag per candidate layer it reaches and the rows never regroup; where most tokens exit at the first
+candidate, two pieces make a step. An exit runs the rest of the stack on the river's quantized
+layers, which write the skipped layers' K/V into the same KV slots (the river keeps each layer's
+index), so later tokens read a complete cache, as on the layer loop.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable, Sequence
-from functools import partial
-from typing import Protocol, cast
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -31,10 +34,15 @@ Modules = Sequence[nn.Module | None] | nn.ModuleList
 """The layers a segment runs: the backbone's, or a river's (None where none was built)."""
 
 
-class Recorder(Protocol):
-    """Records a step once and gives back how to replay it and where its output lands."""
+Piece = tuple[str, int]
+"""A piece of a step under an early exit and the layer it starts or tests at (`step.StepGraph._piece`)."""
+T = TypeVar("T")
 
-    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]: ...
+
+class Recorder(Protocol):
+    """Records a step once and gives back how to replay it and where its outputs land."""
+
+    def record(self, step: Callable[[], T]) -> tuple[Callable[[], None], T]: ...
 
 
 class CudaGraphs:
@@ -42,7 +50,7 @@ class CudaGraphs:
     on a side stream (the step rewrites the same K/V to the same slots), then the recording, which
     runs no kernel. Capture errors are thread-local: a server has other threads."""
 
-    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+    def record(self, step: Callable[[], T]) -> tuple[Callable[[], None], T]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -73,108 +81,86 @@ def signature(ctx: BatchContext) -> tuple[object, ...]:
 
 
 class SegmentHost(Protocol):
-    """What the segments run on: the step's layout (`step.StepGraph`)."""
+    """What the pieces run on: the step of one layout (`step.StepGraph`)."""
 
     parts: DecoderParts
     recorder: Recorder | None
-    fed: torch.Tensor
-    """`[B]` tokens each row feeds this step (0: an ended row, which never holds back an exit)."""
+    piece: Piece | None
+    carry: torch.Tensor | None
     hidden: torch.Tensor | None
+    unused: str | None
 
-    def begin(self) -> torch.Tensor:
-        """Embed the step's tokens, prepare its attention and rotary: the first layer's input."""
+    def run(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute `piece` from `carry` (compiled where its kind is; `unused` says why not), the
+        taps fed what it read: its two outputs (`StepGraph._piece`)."""
         ...
 
-    def blocks(self, h: torch.Tensor, indices: range, modules: Modules) -> torch.Tensor:
-        """`h` through `modules[i]` for each i of `indices` (steered where the batch steers)."""
-        ...
-
-    def feed_taps(self) -> None:
-        """Hand the batch's taps what the piece just run read."""
+    def ready(self) -> bool:
+        """Whether the compiled step of `piece`'s kind is loaded."""
         ...
 
 
 class ExitSegments:
-    """The segments of one layout's step under an early exit (see the module docstring): each
-    keyed, run eagerly or recorded once and replayed; each piece reads its predecessor's output
-    where that one's recording left it."""
+    """The pieces of one layout's step under an early exit (see the module docstring), each run
+    through its host (compiled where its kind is, eagerly otherwise), or recorded once and replayed;
+    each piece reads its predecessor's output where that one's run or recording left it."""
 
     def __init__(self, host: SegmentHost, exits: Exits) -> None:
         # by weak reference: the host holds these segments, and a cycle between them would keep an
-        # ended batch's tails alive (and counted against the KV budget) until the next collection
+        # ended batch's KV alive (and counted against the KV budget) until the next collection
         self.host = cast(SegmentHost, weakref.proxy(host))
         self.exits = exits
         n = host.parts.n_layers
-        self.first = min(max(exits.entry, 0), n - 1)
+        assert n >= 2, "an early exit needs a layer after its first candidate"
+        self.first = min(max(exits.entry, 0), n - 2)
         """The first candidate exit layer (candidates: `first` .. the last but one)."""
-        self._recorded: dict[Hashable, tuple[Callable[[], None], torch.Tensor]] = {}
-        self._h: dict[Hashable, torch.Tensor] = {}
-        """Each piece's output hidden states (a recorded piece's: where its replays write)."""
-        self._normed: dict[Hashable, torch.Tensor] = {}
+        self._recorded: dict[
+            Piece, tuple[Callable[[], None], tuple[torch.Tensor, torch.Tensor], str | None]
+        ] = {}
+        """Per piece recorded: its replay, where its outputs land, why it was recorded uncompiled."""
 
     def step(self, record: bool, tokens: int) -> torch.Tensor:
         """Logits `[B, V]` of one step (the host's inputs loaded); with `record`, pieces are
         recorded on first use and replayed. `tokens`: how many the rows fed (River's statistics)."""
-        n = self.host.parts.n_layers
-        self._run("start", self._start, record)
-        prev: Hashable = "start"
-        for i in range(self.first, n - 1):
-            key = ("layer", i)
-            passed = self._run(key, partial(self._layer, i, prev), record)
-            prev = key
-            if bool(passed):  # the one host read at this candidate layer
-                logits = self._finish(("river", i + 1), prev, i + 1, record)
-                self.exits.exited(i, tokens)
+        last = self.host.parts.n_layers - 1
+        at = self.first
+        h, score = self._run(("start", at), None, record)
+        while True:  # `at`: the layer just run, a candidate (`first` <= at < last)
+            if bool((score >= self.exits.threshold).all()):  # the one host read at this layer
+                logits = self._finish(("river", at + 1), h, record)
+                self.exits.exited(at, tokens)
                 return logits
-        logits = self._finish(("backbone", n - 1), prev, max(self.first, n - 1), record)
-        self.exits.exited(None, tokens)
+            if at + 1 == last:
+                logits = self._finish(("backbone", last), h, record)
+                self.exits.exited(None, tokens)
+                return logits
+            at += 1
+            h, score = self._run(("layer", at), h, record)
+
+    def _finish(self, piece: Piece, h: torch.Tensor, record: bool) -> torch.Tensor:
+        logits, normed = self._run(piece, h, record)
+        self.host.hidden = normed
         return logits
 
-    def _run(self, key: Hashable, piece: Callable[[], torch.Tensor], record: bool) -> torch.Tensor:
-        recorder = self.host.recorder
-        piece = self._feeding(piece)
-        if not record or recorder is None:
-            return piece()
-        if key not in self._recorded:
-            self._recorded[key] = recorder.record(piece)
-        replay, out = self._recorded[key]
+    def _run(
+        self, piece: Piece, carry: torch.Tensor | None, record: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`piece` from `carry`: run, or replayed where recorded (recorded again once its kind is
+        compiled where it was recorded uncompiled)."""
+        host = self.host
+        host.piece, host.carry = piece, carry
+        if not record or host.recorder is None:
+            return host.run()
+        got = self._recorded.get(piece)
+        if got is not None and got[2] is not None and host.ready():
+            got = None  # its kind compiled since it was recorded: record it anew
+        if got is None:
+            before = host.unused
+            host.unused = None
+            replay, out = host.recorder.record(host.run)
+            got = self._recorded[piece] = (replay, out, host.unused)
+            host.unused = before
+        replay, out, why = got
+        host.unused = host.unused or why
         replay()
         return out
-
-    def _feeding(self, piece: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        """`piece`, then the taps fed what its layers read (inside what a recorder records)."""
-
-        def fed() -> torch.Tensor:
-            out = piece()
-            self.host.feed_taps()
-            return out
-
-        return fed
-
-    def _start(self) -> torch.Tensor:
-        host = self.host
-        h = self._h["start"] = host.blocks(host.begin(), range(self.first), host.parts.layers)
-        return h
-
-    def _layer(self, index: int, prev: Hashable) -> torch.Tensor:
-        h_in = self._h[prev]
-        h = self._h[("layer", index)] = self.host.blocks(
-            h_in, range(index, index + 1), self.host.parts.layers
-        )
-        return self.exits.passes(h_in, h, self.host.fed)
-
-    def _finish(self, key: tuple[str, int], prev: Hashable, start: int, record: bool) -> torch.Tensor:
-        """The rest of the stack from layer `start` (the river's after an exit), the final norm and
-        the head (the river's where it has one)."""
-        parts, exited = self.host.parts, key[0] == "river"
-        modules = self.exits.river if exited else parts.layers
-        head = self.exits.head if exited else None
-
-        def piece() -> torch.Tensor:
-            h = self.host.blocks(self._h[prev], range(start, parts.n_layers), modules)
-            normed = self._normed[key] = parts.norm(h[:, -1])
-            return parts.logits(normed, head)
-
-        logits = self._run(key, piece, record)
-        self.host.hidden = self._normed[key]
-        return logits

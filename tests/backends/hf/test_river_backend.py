@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from testkit import Rerun
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RiverConfig
@@ -215,18 +216,6 @@ def test_dequantize_per_call_fallback_is_a_note(tiny_llama_dir, monkeypatch) -> 
     assert "branchwise[gpu]" in note
 
 
-class _Rerun:
-    """A `step.Recorder` for the CPU: a recorded segment "replays" by running again into its output."""
-
-    def __init__(self) -> None:
-        self.records = 0
-
-    def record(self, step):
-        self.records += 1
-        out = step()
-        return (lambda: out.copy_(step())), out
-
-
 @pytest.mark.parametrize("threshold", [-1.0, 0.7])
 def test_exits_on_the_fast_step_match_the_layer_loop(tiny_llama_dir, threshold: float) -> None:
     """River's exits on the fixed-shape step, as segments with one host read per candidate layer
@@ -236,7 +225,7 @@ def test_exits_on_the_fast_step_match_the_layer_loop(tiny_llama_dir, threshold: 
     backend = HFBackend(tiny_llama_dir)
     backend.accel = Accel(river=RiverConfig(threshold=threshold, entry_layer=0))
     runs = {}
-    for mode, recorder in (("layers", None), ("eager", None), ("eager", _Rerun())):
+    for mode, recorder in (("layers", None), ("eager", None), ("eager", Rerun())):
         backend.decode_step = mode
         if recorder is not None:
             backend.engine.stepper.recorder = recorder

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit import Rerun
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RiverConfig, SkipKVConfig
@@ -212,26 +213,6 @@ def test_steps_off_the_fast_step_are_noted_once_with_their_reasons() -> None:
         "skipkv_reads (12)"
     ]
     assert not [n for n in accel.notes({"decode_steps_fixed": 12}) if "fast step" in n]
-
-
-class Rerun:
-    """A `step.Recorder` for the CPU: "replaying" runs the recorded step again into the recorded
-    output, so the capture-and-replay flow (when a layout is recorded, how often, what a replay
-    returns) is checked where there is no CUDA."""
-
-    def __init__(self) -> None:
-        self.records = 0
-        self.replays = 0
-
-    def record(self, step):
-        self.records += 1
-        out = step()
-
-        def replay() -> None:
-            self.replays += 1
-            out.copy_(step())
-
-        return replay, out
 
 
 def test_recorded_steps_replay_the_layer_loops_tokens(backend: HFBackend) -> None:

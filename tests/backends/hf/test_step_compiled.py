@@ -264,15 +264,27 @@ def test_trees_on_pages_compile_one_kind_per_padded_count(tiny_llama_dir) -> Non
     assert compiler.compiles + compiler.loaded == made and compiler.pending == 0
 
 
-@pytest.mark.parametrize("name", ["skipkv", "rsbcm", "reasoncache"])
-def test_accelerated_steps_compile_and_give_the_uncompiled_steps_tokens(tiny_llama_dir, name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "example"),
+    [
+        ("skipkv", "acting"),
+        ("rsbcm", "acting"),
+        ("reasoncache", "acting"),
+        ("river", "acting"),
+        ("river", "lossless"),
+    ],
+)
+def test_accelerated_steps_compile_and_give_the_uncompiled_steps_tokens(
+    tiny_llama_dir, name: str, example: str
+) -> None:
     """An acceleration that acts inside a step compiles with it: SkipKV's steering is an input of
     the compiled step and its query window is fed after it, RSBCM's attention-mass tap is fed the
     paged kernel's scores the compiled step kept, ReasonCache's block pool is one more (masked)
-    segment (every token ends a step here, so rows point at blocks from the first steps on). Each,
-    acting on the tiny model with its declared settings, gives the uncompiled step's greedy tokens
-    and the same decisions (its statistics), and once its kinds are compiled every step runs
-    compiled."""
+    segment (every token ends a step here, so rows point at blocks from the first steps on), River's
+    exits are pieces compiled each as a kind (acting: every step exits onto the river at the first
+    candidate; lossless: none does, each candidate layer is a piece, then the backbone's rest). Each,
+    on the tiny model with its declared settings, gives the uncompiled step's greedy tokens and the
+    same decisions (its statistics), and once its kinds are compiled every step runs compiled."""
     backend = HFBackend(tiny_llama_dir, kv_layout="pages", cache_bytes=0)
     if name == "skipkv":  # its declared settings steer with the model's saved vector
         d = backend.parts.embed.embedding_dim
@@ -280,7 +292,7 @@ def test_accelerated_steps_compile_and_give_the_uncompiled_steps_tokens(tiny_lla
         vector.save(steering_path(backend.model_name))
     config = Accel.configs()[name]
     assert config.examples is not None
-    accel = Accel(**{name: config.model_validate(dict(config.examples.acting))})
+    accel = Accel(**{name: config.model_validate(dict(getattr(config.examples, example)))})
     params = DecodeParams(max_tokens=12, min_tokens=12)
 
     def run(mode: str) -> tuple[list[list[int]], dict[str, Any]]:
@@ -304,7 +316,7 @@ def test_accelerated_steps_compile_and_give_the_uncompiled_steps_tokens(tiny_lla
         return {key: stats.get(key) for key in config.examples.acted}
 
     eager, eager_stats = run("eager")
-    assert any(acted(eager_stats).values()), f"{name} did not act: {eager_stats}"
+    assert any(acted(eager_stats).values()) == (example == "acting"), f"{name}: {eager_stats}"
     run("compiled")
     compiler = _compiler(backend)
     assert compiler.wait(WAIT_S), "the compile worker did not finish"

@@ -65,7 +65,15 @@ from branchwise.backends.hf.own_kv import OwnKV, Pages, Tails
 from branchwise.backends.hf.step_attention import Chunk, MixedAttention, StaticAttention
 from branchwise.backends.hf.step_compiler import StepCompiler
 from branchwise.backends.hf.step_inputs import Steer
-from branchwise.backends.hf.step_replay import CudaGraphs, ExitSegments, Modules, Piece, Recorder, signature
+from branchwise.backends.hf.step_replay import (
+    CudaGraphs,
+    ExitSegments,
+    Modules,
+    Piece,
+    Recorder,
+    river_end,
+    signature,
+)
 from branchwise.backends.step_notes import OffFast
 
 StepMode = Literal["auto", "compiled", "graphs", "eager", "layers"]
@@ -212,9 +220,10 @@ class StepGraph:
         """One piece of the step under an early exit (`step_replay.ExitSegments`). "start" embeds
         the tokens and runs layers 0 .. `index`, "layer" runs layer `index` from `carry`: each
         returns the hidden states and each row's exit score at that layer (`Exits.similarity`).
-        "river" and "backbone" run the stack from layer `index` on, on the river's modules or the
-        backbone's, then the final norm and the head (the river's after an exit): logits and
-        final-norm hidden states. Each piece prepares the step's attention and rotary again (a few
+        "river" runs the river's layers from `index` to `river_end` (its hidden states, twice),
+        and from the last such start the rest with the final norm and the river's head, as
+        "backbone" does on the backbone's from layer `index`: logits and final-norm hidden
+        states. Each piece prepares the step's attention and rotary again (a few
         small operations on the lengths and positions), so each is a function of the step's
         inputs and `carry` alone, compiled as a kind of its own."""
         exits, parts = self.ctx.exits, self.parts
@@ -227,8 +236,11 @@ class StepGraph:
             h_in = self.blocks(h, range(index), parts.layers, at) if name == "start" else h
             h = self.blocks(h_in, range(index, index + 1), parts.layers, at)
             return h, exits.similarity(h_in, h, self.fed)
-        river = name == "river"
-        h = self.blocks(h, range(index, parts.n_layers), exits.river if river else parts.layers, at)
+        river, end = name == "river", parts.n_layers
+        if river and (end := river_end(index, end)) < parts.n_layers:
+            h = self.blocks(h, range(index, end), exits.river, at)
+            return h, h
+        h = self.blocks(h, range(index, end), exits.river if river else parts.layers, at)
         normed = parts.norm(h[:, -1])
         return parts.logits(normed, exits.head if river else None), normed
 

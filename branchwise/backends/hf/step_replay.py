@@ -37,6 +37,18 @@ Modules = Sequence[nn.Module | None] | nn.ModuleList
 Piece = tuple[str, int]
 """A piece of a step under an early exit and the layer it starts or tests at (`step.StepGraph._piece`)."""
 T = TypeVar("T")
+RIVER_CHUNK = 8
+"""The river's rest of the stack runs in pieces that end at multiples of this many layers
+(`river_end`). Why: a piece that ran from its exit layer to the last would be a kind of its own per
+exit layer, each as long as the rest of the stack (about 8x the compilation of one whole step for
+every kind of batch, on a 30-layer model); cut at fixed boundaries, the pieces after the first are
+shared by every exit before them, for two or three more calls a step."""
+
+
+def river_end(start: int, layers: int) -> int:
+    """Where the river's piece that starts at layer `start` ends (exclusive): the next multiple of
+    `RIVER_CHUNK`, or the last layer (that piece also runs the final norm and the head)."""
+    return min(layers, (start // RIVER_CHUNK + 1) * RIVER_CHUNK)
 
 
 class Recorder(Protocol):
@@ -127,19 +139,24 @@ class ExitSegments:
         h, score = self._run(("start", at), None, record)
         while True:  # `at`: the layer just run, a candidate (`first` <= at < last)
             if bool((score >= self.exits.threshold).all()):  # the one host read at this layer
-                logits = self._finish(("river", at + 1), h, record)
+                logits = self._river(at + 1, h, record)
                 self.exits.exited(at, tokens)
                 return logits
             if at + 1 == last:
-                logits = self._finish(("backbone", last), h, record)
+                logits, self.host.hidden = self._run(("backbone", last), h, record)
                 self.exits.exited(None, tokens)
                 return logits
             at += 1
             h, score = self._run(("layer", at), h, record)
 
-    def _finish(self, piece: Piece, h: torch.Tensor, record: bool) -> torch.Tensor:
-        logits, normed = self._run(piece, h, record)
-        self.host.hidden = normed
+    def _river(self, start: int, h: torch.Tensor, record: bool) -> torch.Tensor:
+        """The rest of the stack from layer `start` on the river, piece by piece (`river_end`), the
+        last with the final norm and the river's head: the logits."""
+        layers = self.host.parts.n_layers
+        while (end := river_end(start, layers)) < layers:
+            h, _ = self._run(("river", start), h, record)
+            start = end
+        logits, self.host.hidden = self._run(("river", start), h, record)
         return logits
 
     def _run(

@@ -10,7 +10,7 @@ from testkit import Rerun
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import Accel, RiverConfig
-from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf import HFBackend, step_replay
 from branchwise.backends.hf.river import River
 from branchwise.backends.hf.river_quant import torchao_available
 from branchwise.reasoners import Reasoner
@@ -216,12 +216,16 @@ def test_dequantize_per_call_fallback_is_a_note(tiny_llama_dir, monkeypatch) -> 
     assert "branchwise[gpu]" in note
 
 
-@pytest.mark.parametrize("threshold", [-1.0, 0.7])
-def test_exits_on_the_fast_step_match_the_layer_loop(tiny_llama_dir, threshold: float) -> None:
-    """River's exits on the fixed-shape step, as segments with one host read per candidate layer
-    (eager, and recorded segment by segment): the layer loop's greedy tokens (fp32), the same exits
+@pytest.mark.parametrize(("threshold", "chunk"), [(-1.0, 8), (0.7, 8), (-1.0, 1)])
+def test_exits_on_the_fast_step_match_the_layer_loop(
+    tiny_llama_dir, threshold: float, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """River's exits on the fixed-shape step, as pieces with one host read per candidate layer
+    (eager, and recorded piece by piece): the layer loop's greedy tokens (fp32), the same exits
     at the same layers, and no decode step on the layer loop or off the fast step. At 0.7 the tiny
-    model's steps exit at layer 0, at layer 1 or not at all."""
+    model's steps exit at layer 0, at layer 1 or not at all. With the river cut into pieces of one
+    layer (`step_replay.RIVER_CHUNK`), an exit's rest of the stack is a chain of pieces."""
+    monkeypatch.setattr(step_replay, "RIVER_CHUNK", chunk)
     backend = HFBackend(tiny_llama_dir)
     backend.accel = Accel(river=RiverConfig(threshold=threshold, entry_layer=0))
     runs = {}

@@ -16,7 +16,7 @@ needs the layer loop's hook points (`hooks.needs_layer_loop`). Accelerations tha
 hand it inputs instead (`step_inputs.py`): SkipKV's steering (a table of vectors, a slot and a
 scale per row), taps fed what each layer read once the step has run (SkipKV's query window,
 RSBCM's attention mass: `StaticAttention.feed_taps`),
-River's exits (the step as segments, `step_replay.ExitSegments`) and ReasonCache's block pool (one
+River's exits (the step as pieces, `step_replay.ExitSegments`) and ReasonCache's block pool (one
 more shared segment). Otherwise the step runs through the layer loop, and the run's statistics
 count it with its reasons (`decode_steps_layer_loop`, `decode_steps_off_fast`, `step_notes`), so
 the result's notes say so. A batch whose tails grow, whose rows leave or
@@ -31,7 +31,7 @@ compilation serves every layout of the same kind (a batch of one row, each own-K
 count of shared segments are kinds of their own: in tails up to `step_compiler.SEGMENTS`, deeper
 batches running uncompiled; read in place by the paged kernel, each power of two up to
 `step_compiler.HANDED_MOST`, the segments padded to it; so is each set of acceleration inputs:
-a steered layer, fed taps, a block pool; River's exits run uncompiled). What it buys is fusion: the eager step is
+a steered layer, fed taps, a block pool, and each piece of a step under River's exits). What it buys is fusion: the eager step is
 ~40 kernels a layer (norms, rotary, residual adds one elementwise kernel each), which on a GPU sets the replayed graph's length and on a CPU its
 per-operation overhead; inductor fuses each run of elementwise work into one kernel. On CUDA the
 compiled step is then recorded as CUDA graphs like the eager one. A compilation costs tens of

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from testkit import Rerun
 from torch._inductor.utils import run_and_get_code
 
 from branchwise.backends import DecodeParams
@@ -34,7 +35,7 @@ from branchwise.backends.hf.step_compiler import SEGMENTS, StepCompiler, skeleto
 from branchwise.backends.hf.step_worker import aot_step, compile_kind
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_step import PROMPT, Rerun, _branches
+from test_step import PROMPT, _branches
 
 pytestmark = pytest.mark.slow
 
@@ -295,8 +296,9 @@ def test_accelerated_steps_compile_and_give_the_uncompiled_steps_tokens(
     accel = Accel(**{name: config.model_validate(dict(getattr(config.examples, example)))})
     params = DecodeParams(max_tokens=12, min_tokens=12)
 
-    def run(mode: str) -> tuple[list[list[int]], dict[str, Any]]:
+    def run(mode: str, recorder: Rerun | None = None) -> tuple[list[list[int]], dict[str, Any]]:
         backend.decode_step = mode
+        backend.engine.stepper.recorder = recorder
         session = backend.session(accel=accel)
         if (plugin := session.plugin(ReasonCache)) is not None:
             vocab = frozenset(range(len(backend.tokenizer)))
@@ -325,6 +327,14 @@ def test_accelerated_steps_compile_and_give_the_uncompiled_steps_tokens(
     assert stats.get("decode_steps_compiled", 0) >= params.max_tokens - 1, stats
     assert "decode_steps_uncompiled" not in stats and "decode_steps_layer_loop" not in stats, stats
     assert compiler.status()["uncompiled"] == []
+    if name == "river":  # the path a GPU takes: each compiled piece recorded once, then replayed
+        rerun = Rerun()
+        recorded, stats = run("compiled", rerun)
+        assert recorded == eager and acted(stats) == acted(eager_stats)
+        assert (
+            rerun.replays > rerun.records > 0
+            and stats.get("decode_steps_compiled", 0) >= params.max_tokens - 1
+        )
 
 
 def test_pages_read_as_a_copy_are_never_compiled_and_say_so(

@@ -366,7 +366,9 @@ class RiverConfig(AccelConfig):
         "low-bit CPU kernels are built for a few rows and run long prefills slower than the fp32 layers",
     )
     audit: bool = Field(
-        False, description="also run the backbone for exited tokens to report next-token match and KL (slow)"
+        False,
+        description="also run the backbone's rest for exited tokens (one more piece of the step) to report "
+        "next-token match and KL (slow)",
     )
 
     def notes(self, stats: Mapping[str, float]) -> list[str]:

@@ -179,10 +179,7 @@ class River(Acceleration):
 
     name = "river"
     config = RiverConfig
-    step_inputs = True  # its exits run on the fixed-shape step, as segments (`RiverExits`)
-
-    def layer_loop_reasons(self) -> list[str]:
-        return ["river_audit"]  # the audit finishes each exited forward on the backbone too
+    step_inputs = True  # its exits (and its audit) run on the fixed-shape step, as pieces (`RiverExits`)
 
     @classmethod
     def build(cls, cfg: RiverConfig, setup: Setup) -> River:
@@ -203,7 +200,6 @@ class River(Acceleration):
         self._exited_at: int | None = None  # the backbone layer after which the batch left
         self._audit: Tensor | None = None  # the backbone's own logits for exited tokens
         self._dequantize = path.execution == "dequantize"  # fixed once the river is built
-        self.layer_loop = cfg.audit  # the audit's second finish has no place in the step
 
     def on_batch(self, batch: Batch) -> None:
         """The batch's decode steps exit on the fixed-shape step (the layer loop ignores this and
@@ -305,6 +301,7 @@ class RiverExits:
         self.path = path
         self.plugin = plugin
         self.threshold = threshold
+        self.audit = plugin is not None and plugin.cfg.audit
         self.entry = path.cfg.entry_layer
         self.river = path.layers
         self.head = path.head
@@ -312,9 +309,11 @@ class RiverExits:
     def similarity(self, h_in: Tensor, h_out: Tensor, fed: Tensor) -> Tensor:
         return transition_similarity(h_in, h_out, fed)
 
-    def exited(self, at: int | None, tokens: int) -> None:
+    def exited(
+        self, at: int | None, tokens: int, logits: Tensor | None = None, audit: Tensor | None = None
+    ) -> None:
         if self.plugin is not None:
-            self.plugin.account(at, tokens, True, None, None)
+            self.plugin.account(at, tokens, True, logits, audit)
 
     def describe(self) -> dict[str, Any]:
         fields = self.path.cfg.model_dump(include=set(WEIGHT_FIELDS), mode="json")

@@ -64,11 +64,26 @@ class Exits(Protocol):
     @property
     def head(self) -> nn.Module | None: ...
 
+    @property
+    def audit(self) -> bool:
+        """Whether an exited step also runs the backbone's rest (first, so the river's K/V are what
+        its slots keep) for the logits the exit replaced (River's audit)."""
+        ...
+
     def similarity(self, h_in: torch.Tensor, h_out: torch.Tensor, fed: torch.Tensor) -> torch.Tensor:
         """`[B]` float32: each row's exit score (`fed` [B] tokens each; a row fed none scores 1)."""
         ...
 
-    def exited(self, at: int | None, tokens: int) -> None: ...
+    def exited(
+        self,
+        at: int | None,
+        tokens: int,
+        logits: torch.Tensor | None = None,
+        audit: torch.Tensor | None = None,
+    ) -> None:
+        """Told each step's exit layer (None: none) and the tokens it fed; under `audit`, an exited
+        step's logits and the backbone's for the rows that fed a token."""
+        ...
 
     def describe(self) -> dict[str, Any]: ...
 

@@ -101,6 +101,8 @@ class SegmentHost(Protocol):
     carry: torch.Tensor | None
     hidden: torch.Tensor | None
     unused: str | None
+    fed: torch.Tensor
+    """`[B]` tokens each row feeds this step (0: an ended row)."""
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute `piece` from `carry` (compiled where its kind is; `unused` says why not), the
@@ -139,8 +141,15 @@ class ExitSegments:
         h, score = self._run(("start", at), None, record)
         while True:  # `at`: the layer just run, a candidate (`first` <= at < last)
             if bool((score >= self.exits.threshold).all()):  # the one host read at this layer
+                if not self.exits.audit:
+                    logits = self._river(at + 1, h, record)
+                    self.exits.exited(at, tokens)
+                    return logits
+                # the backbone's rest first: the river's K/V then overwrite its slots, as unaudited
+                audit, _ = self._run(("backbone", at + 1), h, record)
                 logits = self._river(at + 1, h, record)
-                self.exits.exited(at, tokens)
+                live = self.host.fed > 0
+                self.exits.exited(at, tokens, logits[live], audit[live])
                 return logits
             if at + 1 == last:
                 logits, self.host.hidden = self._run(("backbone", last), h, record)

@@ -152,16 +152,33 @@ def test_river_composes_with_prefix_sharing(tiny_llama_dir) -> None:
 
 
 def test_audit_reports_match_and_kl(tiny_llama_dir) -> None:
+    """River's audit (each exited token's river logits against the backbone's own) runs on the fast
+    step as on the layer loop: the backbone's rest is one more piece, run before the river's so the
+    river's K/V are what the slots keep. Both give the same tokens and the same audit, and the step
+    leaves no decode step on the layer loop."""
     backend = HFBackend(tiny_llama_dir)
     backend.accel = Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, audit=True))
-    _, nodes = _decode(backend)
-    stats = backend.kv_stats().extra
-    assert stats["river_audit_rows"] == stats["river_exit_tokens"] > 0  # each exited token, audited
-    matches, rows, kl = stats["river_audit_matches"], stats["river_audit_rows"], stats["river_audit_kl_sum"]
-    assert matches <= rows and math.isfinite(kl)
-    # a token picked differently came from a different distribution: then the divergence is positive
-    assert kl > 0.0 or matches == rows
-    backend.release(nodes)
+    audits = {}
+    for mode in ("layers", "eager"):
+        backend.decode_step = mode
+        backend.reset_stats()
+        tokens, nodes = _decode(backend)
+        stats = backend.kv_stats().extra
+        backend.release(nodes)
+        assert stats["river_audit_rows"] == stats["river_exit_tokens"] > 0  # each exited token, audited
+        matches, rows, kl = (
+            stats["river_audit_matches"],
+            stats["river_audit_rows"],
+            stats["river_audit_kl_sum"],
+        )
+        assert matches <= rows and math.isfinite(kl)
+        # a token picked differently came from a different distribution: then the divergence is positive
+        assert kl > 0.0 or matches == rows
+        audits[mode] = (tokens, rows, matches, kl)
+    stats = backend.kv_stats().as_dict()
+    assert "decode_steps_layer_loop" not in stats and stats["decode_steps_fixed"] >= GREEDY.max_tokens - 1
+    (loop_tokens, *loop), (step_tokens, *step) = audits["layers"], audits["eager"]
+    assert step_tokens == loop_tokens and step[:2] == loop[:2] and step[2] == pytest.approx(loop[2], rel=1e-3)
 
 
 def test_river_under_a_tree_strategy_and_notes(tiny_llama_dir) -> None:

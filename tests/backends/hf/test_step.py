@@ -9,15 +9,18 @@ past their first capacity, prompts copied into tails — and say which step each
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from testkit import Rerun
 
 from branchwise.backends import DecodeParams
-from branchwise.backends.accel import Accel, RiverConfig, SkipKVConfig
+from branchwise.backends.accel import Accel, SkipKVConfig
 from branchwise.backends.hf import HFBackend
+from branchwise.backends.hf.hooks import Acceleration
 from branchwise.backends.hf.step import WARMUP
+from branchwise.backends.step_notes import off_fast_counts
 
 PROMPT = "What is 12 + 7? Think step by step."
 
@@ -105,18 +108,30 @@ def test_sampled_decode_is_the_same_draw(tiny_llama_dir) -> None:
     )
 
 
-def test_accelerated_runs_use_the_layer_loop_and_count_it(tiny_llama_dir) -> None:
-    """A run with an acceleration plug-in that needs the layer loop's hook points (River's audit,
-    which finishes each exited forward on the backbone too): its decode steps go there, counted,
-    so its result can say they left the fast step."""
+class _BetweenLayers(Acceleration):
+    """A plug-in of a user's, reading every layer's output inside the forward (`after_layer`): the
+    fixed-shape step has no place between its layers."""
+
+    name = "between_layers"
+
+    def after_layer(self, fwd: Any, index: int, h_in: torch.Tensor, h: torch.Tensor) -> None:
+        return None
+
+
+def test_a_plug_in_with_forward_hooks_uses_the_layer_loop_and_says_so(tiny_llama_dir) -> None:
+    """A run with a plug-in that overrides a forward hook (none of the shipped accelerations does
+    for decode steps: their work reaches the step as inputs): its decode steps go to the layer
+    loop, each counted off the fast step under the plug-in's name, so its result says so."""
     backend = HFBackend(tiny_llama_dir)
-    session = backend.session(accel=Accel(river=RiverConfig(threshold=-1.0, entry_layer=0, audit=True)))
+    session = backend.session()
+    session.plugins.append(_BetweenLayers())
     root = session.prefill(backend.encode(PROMPT))
     kids = session.fork(root, 2)
     session.extend(kids, DecodeParams(max_tokens=6, min_tokens=6))
     extra = session.kv_stats().as_dict()
     assert extra.get("decode_steps_layer_loop", 0) >= 5
     assert "decode_steps_fixed" not in extra
+    assert off_fast_counts(extra) == {"between_layers": extra["decode_steps_layer_loop"]}
     session.release([root, *kids])
 
 

@@ -129,9 +129,11 @@ class ExitSegments:
         self.first = min(max(exits.entry, 0), n - 2)
         """The first candidate exit layer (candidates: `first` .. the last but one)."""
         self._recorded: dict[
-            Piece, tuple[Callable[[], None], tuple[torch.Tensor, torch.Tensor], str | None]
+            Piece,
+            tuple[Callable[[], None], tuple[torch.Tensor, torch.Tensor], str | None, torch.Tensor | None],
         ] = {}
-        """Per piece recorded: its replay, where its outputs land, why it was recorded uncompiled."""
+        """Per piece recorded: its replay, where its outputs land, why it was recorded uncompiled,
+        and the buffer it reads its input from."""
 
     def step(self, record: bool, tokens: int) -> torch.Tensor:
         """Logits `[B, V]` of one step (the host's inputs loaded); with `record`, pieces are
@@ -181,12 +183,16 @@ class ExitSegments:
         if got is not None and got[2] is not None and host.ready():
             got = None  # its kind compiled since it was recorded: record it anew
         if got is None:
-            before = host.unused
-            host.unused = None
+            # the recording reads its input from a buffer of its own, loaded before each replay: a
+            # predecessor recorded anew (its kind compiled) writes its output somewhere else
+            inp = None if carry is None else carry.clone()
+            before, host.unused, host.carry = host.unused, None, inp
             replay, out = host.recorder.record(host.run)
-            got = self._recorded[piece] = (replay, out, host.unused)
-            host.unused = before
-        replay, out, why = got
+            got = self._recorded[piece] = (replay, out, host.unused, inp)
+            host.unused, host.carry = before, carry
+        replay, out, why, inp = got
+        if inp is not None and carry is not None:
+            inp.copy_(carry)
         host.unused = host.unused or why
         replay()
         return out

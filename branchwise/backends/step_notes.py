@@ -21,10 +21,9 @@ OFF_FAST_BY = "off_fast_by "
 
 
 class OffFast(str, Enum):
-    """Why a decode step left the fast step. An acceleration that needs the layer loop gives reasons
-    of its own (`hf/hooks.py`, `Acceleration.layer_loop_reasons`: `river_exits`, `skipkv_reads`,
-    `rsbcm_mass`, `reasoncache_reads`, ...); a compiled step that could not run compiled adds why
-    (`uncompiled: <why>`)."""
+    """Why a decode step left the fast step. A plug-in that needs the layer loop gives reasons of
+    its own (`hf/hooks.py`, `Acceleration.layer_loop_reasons`: its name by default); a compiled step
+    that could not run compiled adds why (`uncompiled: <why>`)."""
 
     LAYERS_MODE = "decode_step_layers"
     """`decode_step="layers"` asked for the layer loop (the benchmarks' baseline)."""

@@ -301,11 +301,6 @@ class Acceleration:
     """Whether the plug-in needs `broadcast="cascade"`: it reads attention per shared segment, which
     the per-row copies of `broadcast="copy"` do not have. Checked when a session is built
     (`engine.check_broadcast`), so the combination fails at construction, not mid-run."""
-    layer_loop: bool = False
-    """Whether its decode steps need the layer loop (`runner.py`) rather than the fixed-shape step
-    (`step.py`, captured as CUDA graphs on a GPU): a plug-in that overrides a forward-level hook
-    (`FORWARD_HOOKS`) does (`needs_layer_loop`); one that installs an attention tap or points rows at
-    shared blocks from a batch-level hook says so here."""
     step_inputs: bool = False
     """Whether its decode steps' work reaches the fixed-shape step as inputs it sets on the batch
     (`step_inputs.py`: River's exits): its forward hooks then serve only the forwards the layer loop
@@ -320,8 +315,8 @@ class Acceleration:
 
     def layer_loop_reasons(self) -> list[str]:
         """Why this plug-in's decode steps need the layer loop (empty: they need not): the reasons
-        those steps are counted under, off the fast step (`step_notes`). A plug-in that knows which
-        of its parts needs it names them (`river_exits`, `rsbcm_mass`, ...); else its name."""
+        those steps are counted under, off the fast step (`step_notes`): its name, unless it
+        names the parts that need it. No shipped acceleration needs it for a decode step."""
         return [self.name] if needs_layer_loop([self]) else []
 
     @classmethod
@@ -440,11 +435,11 @@ FORWARD_HOOKS = ("begin_forward", "before_layer", "after_layer", "after_forward"
 
 
 def needs_layer_loop(plugins: Sequence[Acceleration]) -> list[str]:
-    """The names of the plug-ins whose decode steps need the layer loop (`Acceleration.layer_loop`)."""
+    """The names of the plug-ins whose decode steps need the layer loop (`runner.py`) rather than
+    the fixed-shape step (`step.py`): those that override a forward-level hook (`FORWARD_HOOKS`)
+    without handing their work to the step as inputs (`Acceleration.step_inputs`)."""
     return [
-        p.name
-        for p in plugins
-        if p.layer_loop or (not p.step_inputs and any(overrides([p], hook) for hook in FORWARD_HOOKS))
+        p.name for p in plugins if not p.step_inputs and any(overrides([p], hook) for hook in FORWARD_HOOKS)
     ]
 
 

@@ -315,7 +315,7 @@ class StepGraph:
         """Logits `[B, V]` after each row's token `ids` `[B]` (`fed` `[B]` of them real, `tokens`
         in all) at the batch's positions and lengths. A recorder records the step on the layout's
         first step after `WARMUP` eager ones, and replays it from then on (under an early exit,
-        each of its segments on first use)."""
+        each of its pieces on first use)."""
         self._load(ids, fed)
         self.runs += 1
         self.unused = None

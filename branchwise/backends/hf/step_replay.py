@@ -31,7 +31,7 @@ from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.step_inputs import Exits
 
 Modules = Sequence[nn.Module | None] | nn.ModuleList
-"""The layers a segment runs: the backbone's, or a river's (None where none was built)."""
+"""The layers a piece runs: the backbone's, or a river's (None where none was built)."""
 
 
 Piece = tuple[str, int]
@@ -120,7 +120,7 @@ class ExitSegments:
     each piece reads its predecessor's output where that one's run or recording left it."""
 
     def __init__(self, host: SegmentHost, exits: Exits) -> None:
-        # by weak reference: the host holds these segments, and a cycle between them would keep an
+        # by weak reference: the host holds these pieces, and a cycle between them would keep an
         # ended batch's KV alive (and counted against the KV budget) until the next collection
         self.host = cast(SegmentHost, weakref.proxy(host))
         self.exits = exits

@@ -19,7 +19,11 @@ arm):
   tracking attention mass from the first batch with `--rsbcm-track-from 0`);
 - reasoncache: a beam search (`--width` x `--depth` steps of `--step-tokens`), ReasonCache's
   defaults.
-Each workload runs `--repeats` rounds, plain then accelerated in odd rounds and the other way in
+The warm-up runs each arm on the new prompt, then each round's seed on the prompt read from the
+prefix cache (the kinds of batch the timed rounds meet), then waits until every kind met compiled,
+so no timed step runs uncompiled (the steps' counters, summed over the rounds, and a goal say
+whether one did). Each workload runs
+`--repeats` rounds, plain then accelerated in odd rounds and the other way in
 even ones, the same seed in both arms of a round. Per arm: generated tokens per second of wall time
 (the median of the rounds, and each round's), its ratio to plain, where its decode steps ran, the
 acceleration's own counters, agreement of its answers with plain's, and the run's notes; for River
@@ -50,6 +54,8 @@ from branchwise.strategies import Strategy, beam_search, self_consistency
 
 STEP_COUNTERS = (
     "decode_steps_fixed",
+    "decode_steps_compiled",
+    "decode_steps_uncompiled",
     "decode_steps_captured",
     "decode_steps_layer_loop",
     "decode_steps_off_fast",
@@ -116,7 +122,7 @@ def arm_row(
     row: dict[str, Any] = {
         "tokens_per_s": round(statistics.median(speeds), 2),
         "rounds": [round(v, 2) for v in speeds],
-        "steps": {k: int(stats[k]) for k in STEP_COUNTERS if stats.get(k)},
+        "steps": {k: n for k in STEP_COUNTERS if (n := int(sum(r.kv_stats.get(k, 0) for _, r in runs)))},
         "off_fast_by": {
             k.removeprefix("off_fast_by "): int(v) for k, v in stats.items() if k.startswith("off_fast_by ")
         },
@@ -194,8 +200,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.only and name not in args.only:
             continue
         warm = {"plain": Accel(), name: accel}
-        for arm in warm.values():  # warm-up outside the timings: plug-in builds, first-call work
-            run_once(bench, strategy_of(args.seed), arm, question)
+        # warm-up outside the timings (plug-in builds, first-call work): every arm once on the new
+        # prompt, then every round's seed on it again (read from the prefix cache but for its last
+        # token), so that every kind of batch a timed round meets (a cached prompt, a batch whose
+        # rows ended but one) is compiled before it: where steps compile, none is timed uncompiled
+        for rnd in range(-1, args.repeats):
+            for arm in warm.values():
+                run_once(bench, strategy_of(args.seed + max(rnd, 0)), arm, question)
         settle(bench.backend)  # where steps compile, the timed ones are compiled
         runs: dict[str, list[tuple[float, ReasoningResult]]] = {arm: [] for arm in warm}
         for rnd in range(args.repeats):
@@ -227,6 +238,11 @@ def main(argv: list[str] | None = None) -> None:
                 },
                 "no step on the layer loop": {
                     name: w["layer_loop_steps"] == 0 for name, w in results.items()
+                },
+                # a fair comparison: no timed step of either arm ran uncompiled where steps compile
+                "every timed step compiled": {
+                    name: all("decode_steps_uncompiled" not in w[arm]["steps"] for arm in ("plain", name))
+                    for name, w in results.items()
                 },
             },
         },

@@ -30,7 +30,8 @@ from branchwise.backends.hf.attention import (
     fused_cascade,
 )
 from branchwise.backends.hf.block_pool import BlockPool
-from branchwise.backends.hf.own_kv import KVLayout, OwnKV, Pages, Tails, Where
+from branchwise.backends.hf.kv_pages import Pages
+from branchwise.backends.hf.own_kv import KVLayout, OwnKV, Tails, Where
 from branchwise.backends.hf.segment import Block, Segment
 from branchwise.backends.hf.step_inputs import Exits, Steer, StepKeys
 from branchwise.backends.hf.tree import KVTree

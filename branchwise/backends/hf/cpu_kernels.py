@@ -23,7 +23,11 @@ the float32 ones, but torch's CPU kernel for them takes bf16 activations and, wi
 (AVX2), streamed its weights at about half oneDNN's float32 speed; this one widens the codes to
 float32 as it streams them (`river_quant.WeightOnlyLinear` uses it where it is built).
 
-Both are compiled on first use (`build`, 20-50 s on 2 cores; then loaded from
+Why `pages_gather` / `pages_move` (`csrc/kv_pages.cpp`): a read of a row's slots out of every
+layer of the pool, or an eviction's compaction of them, is one or four small torch operations per
+layer, keys and values; one call does them all (`kv_pages.Pages.row` and `move` use them).
+
+All are compiled on first use (`build`, 20-50 s on 2 cores; then loaded from
 `$BRANCHWISE_CACHE_DIR/extensions`, well under a second) with torch's `cpp_extension`, and carry
 fake kernels so they sit inside `torch.compile(fullgraph=True)` as opaque operations. Where no
 compiler is found or the build fails, `build()` returns the reason instead of raising, so a caller
@@ -55,7 +59,8 @@ from branchwise.backends.hf.embedded import branchwise_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode.cpp", "int8_linear.cpp")
+    Path(__file__).resolve().parent / "csrc" / name
+    for name in ("paged_decode.cpp", "int8_linear.cpp", "kv_pages.cpp")
 )
 """The kernels' sources, shipped as package data (pyproject's `package-data`)."""
 
@@ -430,6 +435,31 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.
     float32 `scale` `[N]`, accumulated in float32, streaming `w` once for all rows. Only where
     `int8_linear_ready()` says so (its caller keeps another kernel meanwhile)."""
     return torch.ops.branchwise.int8_linear(x, w, scale)
+
+
+def pages_ready() -> bool:
+    """Whether `pages_gather`/`pages_move` run here now (the extension built; never waited for)."""
+    return ready_now() is None
+
+
+def pages_gather(pools: Sequence[torch.Tensor], page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """Slots (`page`, `off`: int64 `[S]`) of every pool (`[N, H, BS, D]`, one per layer) as one
+    `[L, H, S, D]` tensor of its own. Only where `pages_ready()` says so."""
+    return torch.ops.branchwise.pages_gather(list(pools), page, off)
+
+
+def pages_move(
+    pools: Sequence[torch.Tensor],
+    page: torch.Tensor,
+    off: torch.Tensor,
+    index: torch.Tensor,
+    dst_page: torch.Tensor,
+    dst_off: torch.Tensor,
+) -> None:
+    """In every pool, in place: the slots `index` (`[K]`, or `[L, H, K]` per layer and head;
+    positions into `page`/`off` `[S]`) go to `dst_page`/`dst_off` `[K]`, all read before any is
+    written. Only where `pages_ready()` says so."""
+    torch.ops.branchwise.pages_move(list(pools), page, off, index, dst_page, dst_off)
 
 
 def paged_decode_reference(

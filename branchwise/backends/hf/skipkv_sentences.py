@@ -66,9 +66,10 @@ class SentenceTracker:
 
     `append` is called once the tokens' KV is written (the cache grows by as many slots), `evict`
     with the surviving slots after a compression. Labels come from decoding each sentence on its
-    own — only the open sentence is re-decoded, once per `append`, so the cost per step is the
-    length of the current sentence, not of the whole trace. The open sentence is re-labelled each
-    time because growth can both add a keyword and remove one ("again" → "against").
+    own, once when it closes (what the steering strength counts, `n_nonexec`); the open sentence is
+    labelled only when asked for (`sentences`), from its whole text then, because growth can both
+    add a keyword and remove one ("again" → "against"). Labelling it at every `append` decoded a
+    sentence per row per step, most of SkipKV's own cost per step, for a label no step reads.
 
     Optionally `append` also takes the tokens' last-layer hidden states; the tracker then keeps a
     running sum per sentence so `sentence_vectors` gives Eq. 2's means without storing any token's
@@ -96,7 +97,9 @@ class SentenceTracker:
         self._gen_len = 0
         self._n_nonexec = 0
         self._hsum: torch.Tensor | None = None  # [n_sentences(+), d] float32
-        self._hcount: torch.Tensor | None = None  # [n_sentences(+)]
+        self._hcount: list[int] = []  # tokens summed into each sentence's row of _hsum
+        self._head_new = 0  # slots appended since _head_gs was last made whole (`_heads`)
+        self._open_stale = False  # the open sentence grew since it was labelled
 
     # -- updates
     def append(self, token_ids: Sequence[int], hidden: torch.Tensor | None = None) -> None:
@@ -107,8 +110,6 @@ class SentenceTracker:
                 f"hidden must be [len(token_ids), d] = [{len(ids)}, d], got {list(hidden.shape)}"
             )
         sentence_of_token: list[int] = []
-        open_grew = False
-        first = self._gen_len
         for token in ids:
             g = self._gen_len
             if token in self._delimiters:
@@ -121,24 +122,19 @@ class SentenceTracker:
                     self._closed[-1] = True
                     self._label_last()
                     self._open_ids = []
-                    open_grew = False
+                    self._open_stale = False
                 self._ends[-1] = g  # consecutive delimiters merge into the sentence's end
             else:
                 if not self._starts or self._closed[-1]:
                     self._new_sentence(g, closed=False)
                 self._ends[-1] = g
                 self._open_ids.append(token)
-                open_grew = True
+                self._open_stale = True
             if self._head_gs is None:
                 self._slot_gs.append(g)
             self._gen_len += 1
             sentence_of_token.append(len(self._starts) - 1)
-        if self._head_gs is not None and ids:
-            new = torch.arange(first, self._gen_len, dtype=torch.long)
-            grown = new.expand(*self._head_gs.shape[:2], len(ids))
-            self._head_gs = torch.cat([self._head_gs, grown], dim=-1)
-        if open_grew:
-            self._label_last()
+        self._head_new += len(ids) if self._head_gs is not None else 0
         if hidden is not None and ids:
             self._accumulate(hidden, sentence_of_token)
 
@@ -151,7 +147,7 @@ class SentenceTracker:
         if idx and (idx[0] < 0 or idx[-1] >= n):
             raise ValueError(f"keep holds slot indices outside [0, cache_len={n})")
         if self._head_gs is not None:  # the same slots of every head
-            self._head_gs = self._head_gs[..., torch.tensor(idx, dtype=torch.long)]
+            self._head_gs = self._heads()[..., torch.tensor(idx, dtype=torch.long)]
         else:
             self._slot_gs = [self._slot_gs[k] for k in idx]
 
@@ -166,7 +162,7 @@ class SentenceTracker:
             raise ValueError(f"keep holds slot indices outside [0, cache_len={n})")
         if idx.shape[-1] > 1 and not bool((idx[..., 1:] > idx[..., :-1]).all()):
             raise ValueError("keep must be strictly increasing cache slot indices in every head")
-        table = self._head_gs
+        table = self._heads()
         if table is None:
             table = self.positions.expand(idx.shape[0], idx.shape[1], n)
         elif table.shape[:2] != idx.shape[:2]:
@@ -182,6 +178,15 @@ class SentenceTracker:
         self._closed.append(closed)
         self._nonexec.append(False)
 
+    def _heads(self) -> torch.Tensor | None:
+        """The per-head P with the slots appended since made whole (one cat per eviction or read,
+        not per step)."""
+        if self._head_gs is not None and self._head_new:
+            new = torch.arange(self._gen_len - self._head_new, self._gen_len, dtype=torch.long)
+            self._head_gs = torch.cat([self._head_gs, new.expand(*self._head_gs.shape[:2], -1)], dim=-1)
+            self._head_new = 0
+        return self._head_gs
+
     def _label_last(self) -> None:
         """(Re)label the last sentence from its decoded text; count it once it closes as non-exec."""
         text = self._decode(self._open_ids)
@@ -193,22 +198,28 @@ class SentenceTracker:
     def _accumulate(self, hidden: torch.Tensor, sentence_of_token: list[int]) -> None:
         n = len(self._starts)
         h = hidden.detach().float()
-        if self._hsum is None or self._hcount is None:
+        if self._hsum is None:
             self._hsum = h.new_zeros(0, h.shape[1])
-            self._hcount = h.new_zeros(0)
         if self._hsum.shape[1] != h.shape[1]:
             raise ValueError(f"hidden width {h.shape[1]} != earlier appends' {self._hsum.shape[1]}")
         if self._hsum.shape[0] < n:
             grow = max(n - self._hsum.shape[0], self._hsum.shape[0])  # amortised doubling
             self._hsum = torch.cat([self._hsum, self._hsum.new_zeros(grow, h.shape[1])])
-            self._hcount = torch.cat([self._hcount, self._hcount.new_zeros(grow)])
-        index = torch.tensor(sentence_of_token, device=h.device)
-        self._hsum.index_add_(0, index, h.to(self._hsum.device))
-        self._hcount.index_add_(0, index, torch.ones_like(index, dtype=self._hcount.dtype))
+        self._hcount.extend([0] * (n - len(self._hcount)))
+        for i in sentence_of_token:
+            self._hcount[i] += 1
+        if len(sentence_of_token) == 1:  # a decode step's token: one in-place add
+            self._hsum[sentence_of_token[0]].add_(h[0].to(self._hsum.device))
+        else:
+            index = torch.tensor(sentence_of_token, device=self._hsum.device)
+            self._hsum.index_add_(0, index, h.to(self._hsum.device))
 
     # -- views
     @property
     def sentences(self) -> list[Sentence]:
+        if self._open_stale:  # labelled now, from its whole text so far (the class docstring)
+            self._label_last()
+            self._open_stale = False
         return [
             Sentence(s, e, c, x)
             for s, e, c, x in zip(self._starts, self._ends, self._closed, self._nonexec, strict=True)
@@ -236,11 +247,14 @@ class SentenceTracker:
     @property
     def slot_positions(self) -> torch.Tensor:
         """gs index of every held slot: [cache_len] while all heads share them, else [L, H, cache_len]."""
-        return self._head_gs if self._head_gs is not None else self.positions
+        heads = self._heads()
+        return heads if heads is not None else self.positions
 
     @property
     def cache_len(self) -> int:
-        return int(self._head_gs.shape[-1]) if self._head_gs is not None else len(self._slot_gs)
+        if self._head_gs is not None:
+            return int(self._head_gs.shape[-1]) + self._head_new
+        return len(self._slot_gs)
 
     @property
     def gen_len(self) -> int:
@@ -273,10 +287,12 @@ class SentenceTracker:
         """Eq. 2: mean hidden state per sentence [n_sentences, d] (float32), over every token appended
         with `hidden` (evicted ones included, as Alg. 2 scores sentences in gs); zero for sentences
         without any, so their cosine with anything is 0 and they are never flagged redundant."""
-        if self._hsum is None or self._hcount is None:
+        if self._hsum is None:
             raise ValueError("no hidden states recorded: pass hidden= to SentenceTracker.append")
         n = len(self._starts)
-        sums, counts = self._hsum[:n], self._hcount[:n]
+        sums = self._hsum[:n]
+        have = self._hcount[:n]
+        counts = torch.tensor(have + [0] * (sums.shape[0] - len(have)), dtype=sums.dtype, device=sums.device)
         if sums.shape[0] < n:  # sentences begun by appends without hidden states
             sums = torch.cat([sums, sums.new_zeros(n - sums.shape[0], sums.shape[1])])
             counts = torch.cat([counts, counts.new_zeros(n - counts.shape[0])])

@@ -61,7 +61,8 @@ from branchwise.backends.hf.attention import (
 from branchwise.backends.hf.batch import BatchContext
 from branchwise.backends.hf.compile_worker import ModelSpec
 from branchwise.backends.hf.hooks import Acceleration, layer_loop_reasons, needs_layer_loop
-from branchwise.backends.hf.own_kv import OwnKV, Pages, Tails
+from branchwise.backends.hf.kv_pages import Pages
+from branchwise.backends.hf.own_kv import OwnKV, Tails
 from branchwise.backends.hf.step_attention import Chunk, MixedAttention, StaticAttention
 from branchwise.backends.hf.step_compiler import StepCompiler
 from branchwise.backends.hf.step_inputs import Steer

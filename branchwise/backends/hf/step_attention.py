@@ -23,7 +23,7 @@ from branchwise.backends.hf.attention import (
     merge_shared,
 )
 from branchwise.backends.hf.batch import BatchContext
-from branchwise.backends.hf.own_kv import Pages
+from branchwise.backends.hf.kv_pages import Pages
 from branchwise.backends.hf.step_inputs import StepKeys
 
 

@@ -406,3 +406,59 @@ def test_a_lock_left_by_a_builder_that_died_is_taken_over() -> None:
         stale.unlink(missing_ok=True)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
     assert "removed the build lock a process left" in done.stderr
+
+
+def _pools(
+    layers: int = 3, pages: int = 6, heads: int = 2, block: int = 4, dim: int = 5
+) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(pages, heads, block, dim, generator=gen) for _ in range(layers)]
+
+
+@pytest.mark.usefixtures("kernel")
+def test_pages_gather_reads_every_layers_slots_in_one_call() -> None:
+    pools = _pools()
+    page, off = torch.tensor([4, 4, 1, 0, 5]), torch.tensor([3, 0, 2, 2, 1])
+    got = cpu_kernels.pages_gather(pools, page, off)
+    want = torch.stack([p.transpose(0, 1)[:, page, off] for p in pools])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("per_head", [False, True])
+def test_pages_move_packs_kept_slots_reading_all_before_writing(per_head: bool) -> None:
+    """A row over pages [2, 5, 0] keeps some of its 12 slots, packed from its slot 1: sources and
+    destinations overlap, so every slot must be read before any is written (as torch's gather then
+    scatter does)."""
+    pools = _pools()
+    held = torch.tensor([2, 5, 0])
+    slots = torch.arange(12)
+    page, off = held[slots // 4], slots % 4
+    index = torch.tensor([1, 2, 6, 9, 11])
+    if per_head:
+        index = index.expand(3, 2, -1).clone()
+        index[1, 0] = torch.tensor([3, 4, 5, 6, 7])
+    dst = torch.arange(1, 6)
+    want = [p.clone() for p in pools]
+    for layer, p in enumerate(want):
+        for h in range(2):
+            idx = index[layer, h] if per_head else index
+            moved = p[page[idx], h, off[idx]].clone()
+            p[held[dst // 4], h, dst % 4] = moved
+    cpu_kernels.pages_move(pools, page, off, index, held[dst // 4], dst % 4)
+    for got, expected in zip(pools, want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_pages_copies_refuse_slots_outside_the_pool() -> None:
+    pools = _pools()
+    with pytest.raises(RuntimeError, match=r"page\[1\] = 6 is outside 0\.\.5"):
+        cpu_kernels.pages_gather(pools, torch.tensor([0, 6]), torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match=r"off\[0\] = 4 is outside 0\.\.3"):
+        cpu_kernels.pages_gather(pools, torch.tensor([0]), torch.tensor([4]))
+    page, off = torch.tensor([0, 1]), torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="index 2 outside the row's 2 slots"):
+        cpu_kernels.pages_move(pools, page, off, torch.tensor([2]), torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"index must be \[K\] or \[L, H, K\]"):
+        cpu_kernels.pages_move(pools, page, off, torch.zeros(2, 2, 1, dtype=torch.long), page[:1], off[:1])

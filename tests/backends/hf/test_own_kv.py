@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from branchwise.backends.base import DecodeParams
-from branchwise.backends.hf import HFBackend
-from branchwise.backends.hf.own_kv import BLOCK, GROW_SLOTS, OwnKV, Pages, Tails, check_layout
+from branchwise.backends.hf import HFBackend, cpu_kernels
+from branchwise.backends.hf.kv_pages import Pages
+from branchwise.backends.hf.own_kv import BLOCK, GROW_SLOTS, OwnKV, Tails, check_layout
 from branchwise.backends.step_notes import OFF_FAST_BY, OffFast
 
 L, H, D = 2, 2, 4
@@ -42,6 +43,18 @@ def _same(a: OwnKV, b: OwnKV, lens: list[int]) -> None:
     for ra, rb in zip(_rows(a, lens), _rows(b, lens), strict=True):
         for x, y in zip(ra, rb, strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.fixture(params=["one call", "per layer"])
+def copies(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Pages copy a row's slots over every layer in one kernel call where it is built, else layer by
+    layer in torch: both must answer alike (the tests taking this run with each)."""
+    if request.param == "one call":
+        if (reason := cpu_kernels.build()) is not None:
+            pytest.skip(f"the CPU kernels cannot be built here: {reason}")
+    else:
+        monkeypatch.setattr(Pages, "_in_one_call", lambda self: False)
+    return request.param
 
 
 def test_pages_hold_each_rows_own_length() -> None:
@@ -77,7 +90,7 @@ def test_growth_is_amortised_up_to_the_budgets_limit() -> None:
     assert grown == {None: 3 + 2 + 2 * GROW_SLOTS // BLOCK, 5: 5, 2: 5}
 
 
-def test_writes_reads_and_rows_agree() -> None:
+def test_writes_reads_and_rows_agree(copies: str) -> None:
     lens = [5, 33, 16]
     tails, pages = _pair(lens, 2, 48)
     for kv in (tails, pages):
@@ -131,7 +144,7 @@ def test_an_ended_rows_pages_go_back_at_once_and_leaving_rows_shrink_the_storage
 
 
 @pytest.mark.parametrize("per_head", [False, True])
-def test_an_eviction_moves_alike_and_frees_whole_pages(per_head: bool) -> None:
+def test_an_eviction_moves_alike_and_frees_whole_pages(per_head: bool, copies: str) -> None:
     lens = [45, 12]
     tails, pages = _pair(lens, 1, 64)
     for kv in (tails, pages):

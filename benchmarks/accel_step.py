@@ -12,7 +12,7 @@ without it.
 Workloads (one question of `--task`, the embedded model by default, exact prefix sharing in every
 arm):
 - river: a long greedy answer (n = 1, `--long-tokens`), River at its default threshold;
-- skipkv: self-consistency, `--n` branches x `--branch-tokens`, SkipKV at a per-branch budget that
+- skipkv: self-consistency, `--n` branches of exactly `--branch-tokens` each, SkipKV at a per-branch budget that
   evicts (`--skipkv-budget`, compressing every `--skipkv-interval` steps);
 - rsbcm: the same self-consistency under RSBCM (it evicts between decodes, so inside one decode
   what shows is its tracking cost: dormant far below its capacity at its default `track_from`,
@@ -50,7 +50,7 @@ from _common import (
 
 from branchwise.backends.accel import Accel, ReasonCacheConfig, RiverConfig, RSBCMConfig, SkipKVConfig
 from branchwise.reasoners import Reasoner, ReasoningResult
-from branchwise.strategies import Strategy, beam_search, self_consistency
+from branchwise.strategies import GenerateNode, Strategy, beam_search, self_consistency
 
 STEP_COUNTERS = (
     "decode_steps_fixed",
@@ -74,7 +74,16 @@ def workloads(args: Any) -> dict[str, tuple[Callable[[int], Strategy], Accel]]:
     """Each acceleration's workload (a strategy for a round's seed) and its `Accel`."""
 
     def sc(seed: int) -> Strategy:
-        return self_consistency(n=args.n, max_tokens=args.branch_tokens, seed=seed)
+        """Every branch exactly `--branch-tokens` long (end of sequence masked until then): where
+        branches end by their text, the arms' runs differ in how many rows each step carries (a
+        step of one row costs most of a step of eight), which the tokens per second then measure
+        instead of the acceleration."""
+        strategy = self_consistency(n=args.n, max_tokens=args.branch_tokens, seed=seed)
+        nodes = [
+            n.model_copy(update={"min_tokens": args.branch_tokens}) if isinstance(n, GenerateNode) else n
+            for n in strategy.nodes
+        ]
+        return strategy.model_copy(update={"nodes": nodes})
 
     return {
         "river": (
@@ -168,7 +177,12 @@ def main(argv: list[str] | None = None) -> None:
         "random weights, whose similarities mean nothing, can show)",
     )
     parser.add_argument("--n", type=int, default=8, help="self-consistency branches (SkipKV, RSBCM)")
-    parser.add_argument("--branch-tokens", type=int, default=256, help="tokens per branch at most")
+    parser.add_argument(
+        "--branch-tokens",
+        type=int,
+        default=256,
+        help="tokens per branch (SkipKV, RSBCM: every branch this long)",
+    )
     parser.add_argument(
         "--skipkv-budget", type=int, default=64, help="SkipKV's per-branch KV budget (tokens)"
     )

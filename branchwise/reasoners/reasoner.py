@@ -310,6 +310,7 @@ class Reasoner:
             temperature=node.temperature,
             top_p=node.top_p,
             max_tokens=node.max_tokens,
+            min_tokens=node.min_tokens,
             stop=tuple(node.stop),
             step_delimiter=node.step_delimiter if node.until == "step" else None,
             seed=node.seed,

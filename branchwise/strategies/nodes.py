@@ -100,6 +100,13 @@ class GenerateNode(_NodeBase):
     temperature: float = Field(default=0.7, ge=0.0, le=5.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(default=256, ge=1, le=131072)
+    min_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=131072,
+        description="end of sequence is masked until a branch has this many tokens (vLLM's min_tokens): "
+        "branches of one length, as a benchmark of decoding speed wants",
+    )
     stop: list[str] = Field(default_factory=list)
     until: Literal["answer", "step"] = "answer"
     step_delimiter: str = Field(default="\n\n", min_length=1)
@@ -110,6 +117,12 @@ class GenerateNode(_NodeBase):
         "object ({type: json_object} / {type: json_schema, json_schema: {schema: ...}}); the backend "
         "decodes under its grammar",
     )
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> GenerateNode:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be within 0..max_tokens={self.max_tokens}")
+        return self
 
     @field_validator("stop")
     @classmethod

@@ -112,6 +112,25 @@ class SkipState:
     """The branch's query window when its last batch let it go (`QueryWindow.save`)."""
 
 
+@dataclass
+class _Candidates:
+    """One row's eviction candidates (`SkipKV._candidates`), gathered before any row is scored:
+    the row's pieces in path order (its exclusive ancestors' generated KV, then its own), each as
+    (first evictable slot, tracker) with its size; the ancestors' segments; every piece's keys
+    `[L, H_kv, N, D]`; which slots may go and which the recent window keeps (`[N]` each); each
+    slot's sentence penalty λ (`[N]`, or `[L, H_kv, N]` per head; None without sentence scoring)."""
+
+    pos: int
+    row: Row
+    pieces: list[tuple[int, SentenceTracker]]
+    sizes: list[int]
+    ancestors: list[Segment]
+    keys: torch.Tensor
+    evictable: torch.Tensor
+    protected: torch.Tensor
+    penalty: torch.Tensor | None
+
+
 class QueryWindow(AttentionTap):
     """Per layer, each row's last `size` post-RoPE decode queries `[B, H, size, D]`; `filled[b]` of
     them are real (Eq. 4's observation window).
@@ -168,6 +187,14 @@ class QueryWindow(AttentionTap):
     def of_row(self, layer: int, pos: int) -> torch.Tensor:
         """Row `pos`'s real queries at `layer`, `[H, filled, D]`, oldest first."""
         return self.windows[layer][pos].index_select(1, self._slots(self.filled[pos]))
+
+    def of_rows(self, rows: Sequence[int]) -> torch.Tensor:
+        """Rows' real queries at every layer, `[R, L, H, filled, D]`, oldest first (the rows must
+        have as many: `filled`)."""
+        n = {self.filled[pos] for pos in rows}
+        assert len(n) == 1, "of_rows: the rows hold different numbers of queries"
+        index, slots = torch.tensor(list(rows), device=self.slot.device), self._slots(n.pop())
+        return torch.stack([w.index_select(0, index).index_select(2, slots) for w in self.windows], dim=1)
 
     def save(self, pos: int) -> list[torch.Tensor]:
         """Row `pos`'s window, per layer (to carry it into the row's next batch)."""
@@ -352,8 +379,12 @@ class SkipKV(Acceleration):
     def _check(self, batch: Batch, rows: Sequence[Row], only: set[int] | None = None) -> None:
         """Compress each row (of the present `rows`; with `only`, those of these nodes) above budget
         once `interval` more tokens were generated on its path since its last check (the count
-        survives `extend` calls), or at once when it holds more than `budget + interval`."""
+        survives `extend` calls), or at once when it holds more than `budget + interval`. The rows
+        due at one step are scored together (`_scored`): branches of one batch generate in step, so
+        most compressions fall on the same steps, and one product per term for all of them costs
+        what one row's did."""
         compressions, evicted, held_max = 0, 0, 0
+        due_rows: list[tuple[int, Row]] = []
         for pos, r in enumerate(rows):
             if only is not None and r.seg.id not in only:
                 continue
@@ -366,12 +397,17 @@ class SkipKV(Acceleration):
             if r.finish is None and (due or over):
                 state.checked = state.generated
                 if held > self.cfg.budget:
-                    compressions += 1
-                    evicted += self._compress(batch, pos, r)
-                    held = self._held(batch, r)
-                    self.stats.extra["skipkv_branch_kv_max"] = max(
-                        self.stats.extra.get("skipkv_branch_kv_max", 0), held
-                    )
+                    due_rows.append((pos, r))
+                    continue
+            held_max = max(held_max, held)
+        candidates = [self._candidates(batch, pos, r) for pos, r in due_rows]
+        for cands, (scores, shared) in self._scored(batch, candidates):
+            compressions += 1
+            evicted += self._evict(batch, cands, scores, shared)
+            held = self._held(batch, cands.row)
+            self.stats.extra["skipkv_branch_kv_max"] = max(
+                self.stats.extra.get("skipkv_branch_kv_max", 0), held
+            )
             held_max = max(held_max, held)
         if held_max > self.stats.extra.get("skipkv_branch_kv_peak", 0):
             self.stats.extra["skipkv_branch_kv_peak"] = held_max
@@ -410,33 +446,31 @@ class SkipKV(Acceleration):
         own = self.states[row.seg.id].tracker.cache_len
         return own + sum(s.tracker.cache_len for _, s in self.exclusive_ancestors(batch, row))
 
-    def _compress(self, batch: Batch, pos: int, row: Row) -> int:
-        """Evict the branch's lowest Eq. 6 tokens down to the budget, in place; returns how many.
-
-        The candidates are the row's own generated slots and those of its exclusive ancestors, scored
-        together (importance from the row's recent queries, redundancy over all of them, each
-        segment's own sentence penalty). With `per_head`, each (layer, KV head) keeps its own best
-        slots; how many each segment keeps comes from the head-averaged selection, so every head
-        keeps as many slots of a segment and its KV stays rectangular."""
-        cfg, state, window = self.cfg, self.states[row.seg.id], self._windows.get(id(batch))
-        assert window is not None
-        g0 = state.gen_start
+    def _candidates(self, batch: Batch, pos: int, row: Row) -> _Candidates:
+        """The row's eviction candidates: its own generated slots and those of its exclusive
+        ancestors, in path order (importance from the row's recent queries, redundancy over all of
+        them, each segment's own sentence penalty)."""
+        cfg, state = self.cfg, self.states[row.seg.id]
         ancestors = self.exclusive_ancestors(batch, row)
         # pieces in path order: (keys per layer, first evictable slot, tracker)
         pieces: list[tuple[list[torch.Tensor], int, SentenceTracker]] = []
         for anc, anc_state in ancestors:
             assert anc.keys is not None
             pieces.append((list(anc.keys), anc_state.gen_start, anc_state.tracker))
-        pieces.append((batch.own_kv(pos, row)[0], g0, state.tracker))
-        keys = [torch.cat([p[0][layer] for p in pieces], dim=1) for layer in range(self.parts.n_layers)]
+        pieces.append((batch.own_kv(pos, row)[0], state.gen_start, state.tracker))
+        layers = range(self.parts.n_layers)
+        keys = torch.stack([torch.cat([p[0][layer] for p in pieces], dim=1) for layer in layers])
         sizes = [int(p[0][0].shape[1]) for p in pieces]
         total = sum(sizes)
-        device = keys[0].device
-        grid = (self.parts.n_layers, int(keys[0].shape[0]))  # (L, H_kv)
+        device = keys.device
+        grid = (self.parts.n_layers, int(keys.shape[1]))  # (L, H_kv)
         evictable = torch.zeros(total, dtype=torch.bool, device=device)
         # λ per slot ([N]), or per (layer, head) slot when heads may hold different slots
-        shape = (*grid, total) if cfg.per_head else (total,)
-        penalty = torch.zeros(shape, device=device) if cfg.sentence_scoring else None
+        penalty = (
+            torch.zeros((*grid, total) if cfg.per_head else (total,), device=device)
+            if cfg.sentence_scoring
+            else None
+        )
         offset = 0
         for (_, start, tracker), size in zip(pieces, sizes, strict=True):
             evictable[offset + start : offset + size] = True
@@ -444,50 +478,94 @@ class SkipKV(Acceleration):
                 lam = sentence_redundancy(tracker.sentence_vectors(), cfg.tau)
                 penalty[..., offset + start : offset + size] = tracker.sentence_penalty(lam).to(device)
             offset += size
-        protected = newest_mask(evictable, cfg.window)
-        if cfg.recency_only:  # the window is the whole budget: no score decides anything
-            scores = torch.zeros(*grid, total, device=device)
-            shared = scores[0, 0]
-        else:
-            scale = self.parts.head_dim**-0.5
-            # every layer in one product (a step's worth of small ones cost more than the scores)
-            queries, stacked = (
-                torch.stack([window.of_row(layer, pos) for layer in range(len(keys))]),
-                torch.stack(keys),
-            )
-            importance = token_importance(queries, stacked, scale, cfg.pool_kernel)
-            redundancy = key_redundancy(stacked) if cfg.redundancy else None
+        return _Candidates(
+            pos,
+            row,
+            [(start, tracker) for _, start, tracker in pieces],
+            sizes,
+            [anc for anc, _ in ancestors],
+            keys,
+            evictable,
+            newest_mask(evictable, cfg.window),
+            penalty,
+        )
+
+    def _scored(
+        self, batch: Batch, rows: list[_Candidates]
+    ) -> list[tuple[_Candidates, tuple[torch.Tensor, torch.Tensor]]]:
+        """Eq. 6 for each row's candidates: per (layer, head) `[L, H, N]` and head-averaged `[N]`.
+        Rows with as many candidates and queries are scored in one product per term, stacked along
+        a leading dim (each term is computed per row, so each row's scores are its own)."""
+        cfg, window = self.cfg, self._windows.get(id(batch))
+        assert window is not None
+        groups: dict[tuple[int, int], list[_Candidates]] = {}
+        for c in rows:
+            groups.setdefault((int(c.keys.shape[2]), window.filled[c.pos]), []).append(c)
+        out = []
+        for group in groups.values():
+            keys = torch.stack([c.keys for c in group])  # [R, L, H, N, D]
+            if cfg.recency_only:  # the window is the whole budget: no score decides anything
+                scores = keys.new_zeros(keys.shape[:-1], dtype=torch.float32)
+                out += [(c, (scores[r], scores[r, 0, 0])) for r, c in enumerate(group)]
+                continue
+            queries = window.of_rows([c.pos for c in group])  # [R, L, H_q, α, D]
+            importance = token_importance(queries, keys, self.parts.head_dim**-0.5, cfg.pool_kernel)
+            redundancy = key_redundancy(keys) if cfg.redundancy else None
+            penalty = None
+            if cfg.sentence_scoring:
+                penalty = torch.stack([c.penalty for c in group if c.penalty is not None])
+                if penalty.dim() == 2:  # [R, N]: every head's alike
+                    penalty = penalty[:, None, None].expand_as(importance)
             scores = eviction_scores(importance, redundancy, penalty, cfg.sigma, per_head=True)
-            shared = eviction_scores(importance, redundancy, penalty, cfg.sigma)
-        keep = select_keep(shared, cfg.budget, evictable=evictable, protected=protected)
+
+            def mean(t: torch.Tensor | None) -> torch.Tensor | None:  # over layers and heads: Eq. 6 is linear
+                return None if t is None else t.float().mean(dim=(1, 2))
+
+            shared = eviction_scores(
+                mean(importance), mean(redundancy), mean(penalty), cfg.sigma, per_head=True
+            )
+            out += [(c, (scores[r], shared[r])) for r, c in enumerate(group)]
+        return out
+
+    def _evict(self, batch: Batch, c: _Candidates, scores: torch.Tensor, shared: torch.Tensor) -> int:
+        """Evict the row's lowest Eq. 6 slots down to the budget, in place; returns how many. With
+        `per_head`, each (layer, KV head) keeps its own best slots; how many each segment keeps comes
+        from the head-averaged selection, so every head keeps as many slots of a segment and its KV
+        stays rectangular."""
+        cfg = self.cfg
+        keep = select_keep(shared, cfg.budget, evictable=c.evictable, protected=c.protected)
         offset = 0
-        for i, ((_, start, tracker), size) in enumerate(zip(pieces, sizes, strict=True)):
+        for i, ((start, tracker), size) in enumerate(zip(c.pieces, c.sizes, strict=True)):
             local = keep[(keep >= offset) & (keep < offset + size)] - offset
             n_kept = int(local.numel())
             heads = None
+            part = slice(offset, offset + size)
             if n_kept < size and cfg.per_head:
-                part = slice(offset, offset + size)
                 heads = select_keep_per_head(
-                    scores[..., part], n_kept - start, evictable=evictable[part], protected=protected[part]
+                    scores[..., part],
+                    n_kept - start,
+                    evictable=c.evictable[part],
+                    protected=c.protected[part],
                 )
                 if bool((heads == heads[:1, :1]).all()):  # every head chose alike (e.g. recency only)
                     local, heads = heads[0, 0], None
+            ancestor = c.ancestors[i] if i < len(c.ancestors) else None
             if heads is not None:
-                if i < len(ancestors):
-                    self.kv.keep_per_head(ancestors[i][0], heads, batch)
+                if ancestor is not None:
+                    self.kv.keep_per_head(ancestor, heads, batch)
                 else:
-                    self.kv.keep_row_per_head(batch, pos, row, heads)
+                    self.kv.keep_row_per_head(batch, c.pos, c.row, heads)
                 tracker.evict_per_head(heads[..., start:] - start)
             elif n_kept < size:
-                if i < len(ancestors):
-                    self.kv.keep(ancestors[i][0], local, batch)
+                if ancestor is not None:
+                    self.kv.keep(ancestor, local, batch)
                 else:
-                    self.kv.keep_row(batch, pos, row, local)
+                    self.kv.keep_row(batch, c.pos, c.row, local)
                 tracker.evict((local[local >= start] - start).tolist())
-            if n_kept < size and i < len(ancestors):
+            if n_kept < size and ancestor is not None:
                 self.stats.bump("skipkv_ancestor_evicted_tokens", size - n_kept)
             offset += size
-        return total - int(keep.numel())
+        return sum(c.sizes) - int(keep.numel())
 
     def on_release(self, seg: Segment) -> None:
         self.states.pop(seg.id, None)

@@ -68,7 +68,9 @@ def token_importance(
             raise ValueError(f"valid must be [N={n}] or [α={alpha}, N={n}], got {list(mask.shape)}")
         logits = logits.masked_fill(~mask, float("-inf"))
         key_ok = mask if mask.dim() == 1 else mask.any(0)
-    attn = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # a query with no valid key → 0
+    attn = torch.softmax(logits, dim=-1)
+    if key_ok is not None:
+        attn = torch.nan_to_num(attn, nan=0.0)  # a query with no valid key → 0
     scores = attn.mean(dim=-2).amax(dim=-2)  # [..., H_kv, N]
     if pool_kernel > 1:
         pooled = F.max_pool1d(scores.reshape(-1, 1, n), pool_kernel, stride=1, padding=pool_kernel // 2)
@@ -94,21 +96,26 @@ def key_redundancy(
     *lead, h_kv, n, d = keys.shape
     k = keys.float()
     k = (k / (k.norm(dim=-1, keepdim=True) + _EPS)).reshape(-1, n, d)
-    mask = torch.ones(n, dtype=torch.bool, device=k.device)
+    mask = None
     if valid is not None:
         if valid.shape != (n,):
             raise ValueError(f"valid must be [N={n}], got {list(valid.shape)}")
         mask = valid.to(device=k.device, dtype=torch.bool)
-    exclude = ~mask.unsqueeze(0) | torch.eye(n, dtype=torch.bool, device=k.device)
-    rows = mask.sum().clamp_min(1).float()
+    rows = float(n) if mask is None else mask.sum().clamp_min(1).float()
     out = torch.empty(k.shape[0], n, device=k.device)
     per = max(1, max_bytes // max(n * n * 4, 1))
     for i in range(0, k.shape[0], per):
         part = k[i : i + per]
-        sim = (part @ part.transpose(-1, -2)).masked_fill_(exclude, float("-inf"))
+        sim = part @ part.transpose(-1, -2)
+        sim.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))  # a key is not its own duplicate
+        if mask is None:  # every key valid: no masking (with n > 1 every softmax row has a finite entry)
+            out[i : i + per] = (torch.softmax(sim, dim=-1) if n > 1 else sim.zero_()).sum(dim=1) / rows
+            continue
+        sim.masked_fill_(~mask, float("-inf"))
         probs = torch.nan_to_num(torch.softmax(sim, dim=-1), nan=0.0)  # a lone valid key has no others
         out[i : i + per] = probs[:, mask].sum(dim=1) / rows
-    return out.view(*lead, h_kv, n).masked_fill_(~mask, 0.0)
+    out = out.view(*lead, h_kv, n)
+    return out if mask is None else out.masked_fill_(~mask, 0.0)
 
 
 @torch.no_grad()

@@ -69,6 +69,37 @@ def test_budget_holds_per_row_and_frees_memory(tiny_llama_dir) -> None:
     assert backend.kv_stats().bytes_held == 0
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_rows_due_together_evict_as_each_scored_alone(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch, per_head: bool
+) -> None:
+    """The rows due at one step are scored in one product per term: each row must keep exactly the
+    slots it keeps when scored on its own (its scores are its own, never another row's)."""
+    backend = HFBackend(tiny_llama_dir)
+    backend.accel = Accel(skipkv=SMALL.model_copy(update={"per_head": per_head}))
+    scored = SkipKV._scored
+    together: list[int] = []
+
+    def batched(self: SkipKV, batch: Batch, rows: list) -> list:  # type: ignore[type-arg]
+        together.append(len(rows))
+        return scored(self, batch, rows)
+
+    def alone(self: SkipKV, batch: Batch, rows: list) -> list:  # type: ignore[type-arg]
+        return [x for c in rows for x in scored(self, batch, [c])]
+
+    kept = []
+    for how in (batched, alone):
+        monkeypatch.setattr(SkipKV, "_scored", how)
+        root, kids = _extend(backend, 3, 13, temperature=1.0)
+        skip = backend.acceleration(SkipKV)
+        assert isinstance(skip, SkipKV)
+        kept.append([skip.state(k).tracker.slot_positions.tolist() for k in kids])  # type: ignore[union-attr]
+        backend.release([root, *kids])
+    assert together and max(together) == 3  # the three rows were due at the same steps
+    assert kept[0] == kept[1]
+    assert len({str(k) for k in kept[0]}) > 1  # and chose differently
+
+
 def test_positions_after_eviction_match_masked_reference(tiny_llama_dir, masked_reference) -> None:
     """New tokens keep their logical positions and only stop seeing the evicted keys."""
     backend = HFBackend(tiny_llama_dir)

@@ -162,6 +162,11 @@ def test_generate_parameter_ranges_name_field_and_bound(field: str, value: Any, 
     assert f"nodes.0.generate.{field}" in str(excinfo.value)
 
 
+def test_min_tokens_past_max_tokens_names_both() -> None:
+    with pytest.raises(ValidationError, match=r"min_tokens=9 must be within 0\.\.max_tokens=8"):
+        GenerateNode(id="g", max_tokens=8, min_tokens=9)
+
+
 def test_empty_stop_string_rejected() -> None:
     with pytest.raises(ValidationError, match="stop strings must be non-empty"):
         GenerateNode(id="g", stop=["ok", ""])

@@ -251,7 +251,7 @@ class Pages:
             for pools in [self.keys, self.values] if index.dim() == 3 else [[*self.keys, *self.values]]:
                 cpu_kernels.pages_move(pools, page, off, index, dst_page, dst_off)
         else:
-            self._move_each_layer(page, off, index, dst_page, dst_off)
+            self._move_each_layer((page, off), index, (dst_page, dst_off))
         keep_pages = -(-total // self.block)
         freed = self.held[pos][keep_pages:]
         if freed:  # whole pages past what the row keeps go back at once, for any row
@@ -259,16 +259,10 @@ class Pages:
             self.free.extend(freed)
             self.table[pos, keep_pages : keep_pages + len(freed)] = 0
 
-    def _move_each_layer(
-        self,
-        page: torch.Tensor,
-        off: torch.Tensor,
-        index: torch.Tensor,
-        dst_page: torch.Tensor,
-        dst_off: torch.Tensor,
-    ) -> None:
+    def _move_each_layer(self, src: Where, index: torch.Tensor, dst: Where) -> None:
         """`move`'s copies in torch, a few operations per layer (`cpu_kernels.pages_move` does them
         in one call where it is built)."""
+        (page, off), (dst_page, dst_off) = src, dst
         if index.dim() == 1:
             index = index.to(page.device)
             page, off = page[index], off[index]

@@ -459,7 +459,10 @@ class SkipKV(Acceleration):
             pieces.append((list(anc.keys), anc_state.gen_start, anc_state.tracker))
         pieces.append((batch.own_kv(pos, row)[0], state.gen_start, state.tracker))
         layers = range(self.parts.n_layers)
-        keys = torch.stack([torch.cat([p[0][layer] for p in pieces], dim=1) for layer in layers])
+        if len(pieces) == 1:  # its own slots only: no concatenation per layer
+            keys = torch.stack(pieces[0][0])
+        else:
+            keys = torch.stack([torch.cat([p[0][layer] for p in pieces], dim=1) for layer in layers])
         sizes = [int(p[0][0].shape[1]) for p in pieces]
         total = sum(sizes)
         device = keys.device

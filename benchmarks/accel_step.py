@@ -19,9 +19,9 @@ arm):
   tracking attention mass from the first batch with `--rsbcm-track-from 0`);
 - reasoncache: a beam search (`--width` x `--depth` steps of `--step-tokens`), ReasonCache's
   defaults.
-The warm-up runs each arm on the new prompt, then each round's seed on the prompt read from the
-prefix cache (the kinds of batch the timed rounds meet), then waits until every kind met compiled,
-so no timed step runs uncompiled (the steps' counters, summed over the rounds, and a goal say
+The warm-up runs each arm with each round's seed (the kinds of batch the timed rounds meet: a
+round whose branches end but one meets the one-row kind), then waits until every kind met
+compiled, so no timed step runs uncompiled (the steps' counters, summed over the rounds, and a goal say
 whether one did). Each workload runs
 `--repeats` rounds, plain then accelerated in odd rounds and the other way in
 even ones, the same seed in both arms of a round. Per arm: generated tokens per second of wall time
@@ -214,13 +214,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.only and name not in args.only:
             continue
         warm = {"plain": Accel(), name: accel}
-        # warm-up outside the timings (plug-in builds, first-call work): every arm once on the new
-        # prompt, then every round's seed on it again (read from the prefix cache but for its last
-        # token), so that every kind of batch a timed round meets (a cached prompt, a batch whose
-        # rows ended but one) is compiled before it: where steps compile, none is timed uncompiled
-        for rnd in range(-1, args.repeats):
+        # warm-up outside the timings (plug-in builds, first-call work): every arm with every
+        # round's seed, so that every kind of batch a timed round meets (a batch whose rows ended
+        # but one, say) compiles before it: where steps compile, none is timed uncompiled (a kind
+        # compiles only while the process idles, which a benchmark's timed rounds never do)
+        for rnd in range(args.repeats):
             for arm in warm.values():
-                run_once(bench, strategy_of(args.seed + max(rnd, 0)), arm, question)
+                run_once(bench, strategy_of(args.seed + rnd), arm, question)
         settle(bench.backend)  # where steps compile, the timed ones are compiled
         runs: dict[str, list[tuple[float, ReasoningResult]]] = {arm: [] for arm in warm}
         for rnd in range(args.repeats):

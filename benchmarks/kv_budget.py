@@ -35,7 +35,9 @@ eviction's pages go back at once to any row and admission prices what rows hold,
 memory-saving papers' effects show on; `tails` prices every row at its worst case, as before pages
 (`kv_admission.py` compares layouts). The arms differ by their methods only.
 
-Protocol: one warm-up per arm outside the timings (plug-in builds: River's quantized layers); then
+Protocol: one warm-up round of every arm on the whole workload outside the timings (plug-in builds:
+River's quantized layers), then a wait until every kind of batch it met compiled (where steps
+compile: no timed step waits for or runs without the compiler because its arm met a kind first); then
 `--repeats` rounds, each running every arm once, in an order rotated per round (so no arm always
 runs first or last on a machine whose load drifts); round r samples with seed `--seed` + r in every
 arm. Reported per arm: the median and the individual values of completed branches/s and generated
@@ -66,7 +68,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
-from _common import Bench, BenchParser, add_decode_step_option, load_problems, start, sync
+from _common import Bench, BenchParser, add_decode_step_option, load_problems, settle, start, sync
 
 from branchwise.backends import DecodeParams
 from branchwise.backends.accel import (
@@ -546,9 +548,14 @@ def main(argv: list[str] | None = None) -> None:
         f"shots), budget {budget / 2**20:.1f} MiB = {args.budget_fraction} of exact's {exact_all / 2**20:.1f} MiB"
     )
 
-    short = prompts[0][-48:]
-    for name, accel in arms.items():  # warm-up outside the timings: lazy init, plug-in builds
-        run_arm(bench, accel, share_of(name), [short], 2, DecodeParams(max_tokens=4))
+    # warm-up outside the timings (lazy init, plug-in builds): each arm on the whole workload once,
+    # then wait for the compiler, so that where steps compile the kinds of batch the timed rounds
+    # meet (continuous batching makes many: one row, a few, each count of shared prompts) are
+    # compiled in every arm, not only in the arms that happened to meet them first
+    warm = DecodeParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    for name, accel in arms.items():
+        run_arm(bench, accel, share_of(name), prompts, args.n, warm)
+    settle(backend)
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ARMS}
     sampled: dict[str, list[list[list[str | None]]]] = {name: [] for name in ARMS}

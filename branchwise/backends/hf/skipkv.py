@@ -524,9 +524,8 @@ class SkipKV(Acceleration):
             def mean(t: torch.Tensor | None) -> torch.Tensor | None:  # over layers and heads: Eq. 6 is linear
                 return None if t is None else t.float().mean(dim=(1, 2))
 
-            shared = eviction_scores(
-                mean(importance), mean(redundancy), mean(penalty), cfg.sigma, per_head=True
-            )
+            averaged = importance.float().mean(dim=(1, 2))
+            shared = eviction_scores(averaged, mean(redundancy), mean(penalty), cfg.sigma, per_head=True)
             out += [(c, (scores[r], shared[r])) for r, c in enumerate(group)]
         return out
 

@@ -146,8 +146,8 @@ class SentenceTracker:
             raise ValueError("keep must be strictly increasing cache slot indices")
         if idx and (idx[0] < 0 or idx[-1] >= n):
             raise ValueError(f"keep holds slot indices outside [0, cache_len={n})")
-        if self._head_gs is not None:  # the same slots of every head
-            self._head_gs = self._heads()[..., torch.tensor(idx, dtype=torch.long)]
+        if (heads := self._heads()) is not None:  # the same slots of every head
+            self._head_gs = heads[..., torch.tensor(idx, dtype=torch.long)]
         else:
             self._slot_gs = [self._slot_gs[k] for k in idx]
 

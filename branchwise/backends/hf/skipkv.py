@@ -520,12 +520,7 @@ class SkipKV(Acceleration):
                 if penalty.dim() == 2:  # [R, N]: every head's alike
                     penalty = penalty[:, None, None].expand_as(importance)
             scores = eviction_scores(importance, redundancy, penalty, cfg.sigma, per_head=True)
-
-            def mean(t: torch.Tensor | None) -> torch.Tensor | None:  # over layers and heads: Eq. 6 is linear
-                return None if t is None else t.float().mean(dim=(1, 2))
-
-            averaged = importance.float().mean(dim=(1, 2))
-            shared = eviction_scores(averaged, mean(redundancy), mean(penalty), cfg.sigma, per_head=True)
+            shared = scores.mean(dim=(1, 2))  # Eq. 6 is linear: the head-averaged score, [R, N]
             out += [(c, (scores[r], shared[r])) for r, c in enumerate(group)]
         return out
 

@@ -21,10 +21,9 @@ arm):
   defaults.
 The warm-up runs each arm with each round's seed (the kinds of batch the timed rounds meet: a
 round whose branches end but one meets the one-row kind), then waits until every kind met
-compiled, so no timed step runs uncompiled (the steps' counters, summed over the rounds, and a goal say
-whether one did). Each workload runs
-`--repeats` rounds, plain then accelerated in odd rounds and the other way in
-even ones, the same seed in both arms of a round. Per arm: generated tokens per second of wall time
+compiled, so no timed step runs uncompiled (the steps' counters, summed over the rounds, and a
+goal say whether one did). Each workload runs `--repeats` rounds, plain then accelerated in odd
+rounds and the other way in even ones, the same seed in both arms of a round. Per arm: generated tokens per second of wall time
 (the median of the rounds, and each round's), its ratio to plain, where its decode steps ran, the
 acceleration's own counters, agreement of its answers with plain's, and the run's notes; for River
 also its next-token agreement with the backbone (an untimed run with its audit on).
@@ -50,7 +49,7 @@ from _common import (
 
 from branchwise.backends.accel import Accel, ReasonCacheConfig, RiverConfig, RSBCMConfig, SkipKVConfig
 from branchwise.reasoners import Reasoner, ReasoningResult
-from branchwise.strategies import GenerateNode, Strategy, beam_search, self_consistency
+from branchwise.strategies import Strategy, beam_search, self_consistency
 
 STEP_COUNTERS = (
     "decode_steps_fixed",
@@ -78,12 +77,9 @@ def workloads(args: Any) -> dict[str, tuple[Callable[[int], Strategy], Accel]]:
         branches end by their text, the arms' runs differ in how many rows each step carries (a
         step of one row costs most of a step of eight), which the tokens per second then measure
         instead of the acceleration."""
-        strategy = self_consistency(n=args.n, max_tokens=args.branch_tokens, seed=seed)
-        nodes = [
-            n.model_copy(update={"min_tokens": args.branch_tokens}) if isinstance(n, GenerateNode) else n
-            for n in strategy.nodes
-        ]
-        return strategy.model_copy(update={"nodes": nodes})
+        return self_consistency(
+            n=args.n, max_tokens=args.branch_tokens, min_tokens=args.branch_tokens, seed=seed
+        )
 
     return {
         "river": (

@@ -181,9 +181,7 @@ def test_decode_params_forwarded(backend: HFBackend) -> None:
 
 def test_min_tokens_makes_every_branch_that_long(backend: HFBackend) -> None:
     """`GenerateNode.min_tokens` reaches the backend: end of sequence is masked until then."""
-    strategy = self_consistency(n=3, max_tokens=12)
-    nodes = [n.model_copy(update={"min_tokens": 12}) if n.kind == "generate" else n for n in strategy.nodes]
-    result = Reasoner(strategy.model_copy(update={"nodes": nodes}), backend=backend).run("x")
+    result = Reasoner(self_consistency(n=3, max_tokens=12, min_tokens=12), backend=backend).run("x")
     assert [b.n_tokens for b in result.branches] == [12, 12, 12]
 
 

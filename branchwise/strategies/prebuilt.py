@@ -55,14 +55,17 @@ def self_consistency(
     aggregate: Literal["majority", "weighted_majority", "best_score"] = "majority",
     extractor: str = "auto",
     seed: int | None = None,
+    min_tokens: int = 0,
 ) -> Strategy:
-    """Sample ``n`` full answers and vote: ``generate -> aggregate`` (Wang et al., 2022)."""
+    """Sample ``n`` full answers and vote: ``generate -> aggregate`` (Wang et al., 2022).
+    ``min_tokens`` masks the end of sequence until each answer is that long (`GenerateNode`)."""
     generate = GenerateNode(
         id="generate",
         n=n,
         temperature=temperature,
         top_p=top_p,
         max_tokens=max_tokens,
+        min_tokens=min_tokens,
         stop=list(stop or []),
         until="answer",
         seed=seed,

@@ -2,7 +2,7 @@
 // slots out of every layer, `pages_move` packs a row's kept slots (the same ones in every layer and
 // head, or each (layer, head) its own) towards the front of the row in place.
 //
-// Why a kernel of our own: the pool is one tensor per layer (`own_kv.Pages`), so in torch a read of
+// Why a kernel of our own: the pool is one tensor per layer (`kv_pages.Pages`), so in torch a read of
 // a row's slots over every layer is one indexing per layer and a per-head compaction four per layer,
 // keys and values: about 300 small operations per eviction of one row, 18 ms of SkipKV's eviction
 // on 2 cores against well under a millisecond of bytes to copy. Here one call does them all.

@@ -79,10 +79,11 @@ class AttentionTap:
     """Whether `on_step` reads the keys (`StepKeys`): a batch in pages then reads a gathered copy
     of them at each step (`step_attention.pages_copied`); a tap that reads only the queries is
     given None there, and the pages are read in place."""
-    reads_scores: bool = False
-    """Whether what `on_step` needs of its rows' own keys is their scores (`StepKeys.scores`): a
-    batch in pages then reads them in place, the paged kernel returning each slot's score beside
-    its output (`cpu_kernels.paged_decode_scored`), and such a tap says `reads_keys = False`."""
+    reads_mass: bool = False
+    """Whether what `on_step` needs of its rows' own keys is the attention each slot got
+    (`StepKeys.mass`): a batch in pages then reads them in place, the paged kernel returning each
+    slot's mass beside its output (`cpu_kernels.paged_decode_mass`), and such a tap says
+    `reads_keys = False`."""
 
     def on_query(self, layer: int, query: torch.Tensor, q_len: int) -> None:
         """Post-RoPE queries `[B, H, q, D]` of layer `layer`, before attention."""

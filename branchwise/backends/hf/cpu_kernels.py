@@ -13,10 +13,11 @@ torch's own `at::vec` for the instruction set torch itself dispatches to on this
 The shared segments a tree's rows read (their ancestors) go to the same call: each is read once
 for all its rows, in the same softmax as each row's own blocks, where merging each segment's
 attention by log-sum-exp in Python cost a dozen small operations per segment per layer (30 % of a
-beam search's step on 2 cores). `paged_decode_scored` is the same op returning every score it
-computed too: RSBCM's attention mass
-is each slot's `exp(score - lse)`, and a tap that scored the keys itself read every key twice and
-made the step read a gathered copy of the pages.
+beam search's step on 2 cores). `paged_decode_mass` is the same op returning the attention mass
+each own slot got too (RSBCM's: each slot's `exp(score - lse)`, summed over the heads): a tap that
+scored the keys itself read every key twice and made the step read a gathered copy of the pages,
+and one handed the scores exponentiated a grid of them in six operations per layer (0.985x the
+plain step; 1.03x with the mass from the kernel).
 
 Why `int8_linear` (`csrc/int8_linear.cpp`): River's quantized layers read a quarter of the bytes of
 the float32 ones, but torch's CPU kernel for them takes bf16 activations and, without native bf16
@@ -309,13 +310,13 @@ def _register_fake() -> None:
         lse = q.new_empty(q.shape[:2], dtype=torch.float32)
         return out, lse
 
-    @torch.library.register_fake("branchwise::paged_decode_scored")
+    @torch.library.register_fake("branchwise::paged_decode_mass")
     def _(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`paged_decode`'s shapes (the same arguments), and the scores `[B, Hq, M * BS]`."""
+        """`paged_decode`'s shapes (the same arguments), and the mass `[B, M * BS]`."""
         q, k_pool, block_table = args[0], args[1], args[3]
         out, lse = torch.ops.branchwise.paged_decode(*args)
         slots = block_table.shape[1] * k_pool.shape[2]
-        return out, lse, q.new_empty((*q.shape[:2], slots), dtype=torch.float32)
+        return out, lse, q.new_empty((q.shape[0], slots), dtype=torch.float32)
 
     @torch.library.register_fake("branchwise::int8_linear")
     def _(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -379,7 +380,7 @@ def paged_decode(
     return out, lse
 
 
-def paged_decode_scored(
+def paged_decode_mass(
     q: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -389,17 +390,18 @@ def paged_decode_scored(
     chunk_blocks: int = 0,
     segments: Segments = NO_SEGMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`paged_decode`, and every score it computed over the rows' own blocks: `[B, Hq, M * BS]`
-    float32, `scale * q.k` at each of a row's slots (slot j of a row: its table's block j // BS,
-    offset j % BS), -inf past its length. What an attention-mass tap reads (a slot's mass is
-    `exp(score - lse)` against the log-sum-exp of all the query read) without scoring the keys a
-    second time."""
+    """`paged_decode`, and the attention mass each of a row's own slots got: `[B, M * BS]` float32,
+    `exp(score - lse)` summed over the query heads, against the log-sum-exp of all the query read
+    (its segments' included), 0 past the row's length. What an attention-mass tap adds up, with the
+    exponentials taken inside the kernel rather than over a `[B, Hq, M * BS]` grid of scores in
+    every layer (valid only where nothing is merged into the output after the kernel: a masked
+    pool of blocks would change the log-sum-exp; `step_attention.pages_copied`)."""
     _ensure_built()
     s = segments
-    out, lse, scores = torch.ops.branchwise.paged_decode_scored(
+    out, lse, mass = torch.ops.branchwise.paged_decode_mass(
         q, k_pool, v_pool, block_table, lens, list(s.keys), list(s.values), list(s.rows), scale, chunk_blocks
     )
-    return out, lse, scores
+    return out, lse, mass
 
 
 def _ensure_built() -> None:

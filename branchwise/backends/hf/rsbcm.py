@@ -79,15 +79,16 @@ class MassTap(AttentionTap):
     On the layer loop it reads the explicit softmax's statistics (`on_weights`). On the fixed-shape
     step (`on_step`), each key's mass is `exp(score − lse_total)`, added in place to buffers that
     keep their address, so the step stays fused (its attention never materialises weights) and
-    captured. Where the step reads pages in place it hands over each own slot's score (the paged
-    kernel's) and the total log-sum-exp (its cascade's merge), so the tap scores only the shared
-    segments it tracks; over tails it scores the tail's keys and every shared segment's in a
-    small pass of its own and merges their log-sum-exps into the total."""
+    captured. Where the step reads pages in place the paged kernel hands over each own slot's mass
+    itself and the total log-sum-exp (its cascade's merge), so the tap adds one small tensor per
+    layer and scores only the shared segments it tracks; over tails it scores the tail's keys and
+    every shared segment's in a small pass of its own and merges their log-sum-exps into the
+    total."""
 
     wants_weights = True
     in_step = True
-    reads_keys = False  # the own slots' scores are enough (`reads_scores`); tails give keys anyway
-    reads_scores = True
+    reads_keys = False  # the own slots' mass is enough (`reads_mass`); tails give keys anyway
+    reads_mass = True
 
     def __init__(self, own: torch.Tensor, tracked: set[int]) -> None:
         self.own = own
@@ -115,26 +116,25 @@ class MassTap(AttentionTap):
                 self.segments[seg.key] = total
 
     def on_step(self, layer: int, query: torch.Tensor, keys: StepKeys | None) -> None:
-        assert keys is not None, "the attention mass is the queries against the keys (`reads_scores`)"
+        assert keys is not None, "the attention mass is the queries against the keys (`reads_mass`)"
         b, h, _, d = query.shape
-        # the own slots' scores [B, H_kv, G, span] and the log-sum-exp of all a query read
-        # [B, H_kv, G]: pages read in place hand over both (the paged kernel's scores, -inf past
-        # each row's length, and the step's merged total); over tails they are computed here
+        # the log-sum-exp of all a query read [B, H_kv, G]: pages read in place hand it over with
+        # each own slot's mass (the step's merged total); over tails both are computed here
         known = keys.own is None
-        grid = keys.scores if keys.own is None else keys.own  # [B, H_kv, ...]
-        assert grid is not None, "pages in place hand over their scores (`reads_scores`)"
-        h_kv = int(grid.shape[1])
+        if keys.own is None:
+            assert keys.mass is not None and keys.lse is not None, "pages in place hand over the mass"
+            lse, h_kv = keys.lse, int(keys.lse.shape[1])
+            self.own[:, : keys.mass.shape[-1]] += keys.mass
+        else:
+            h_kv = int(keys.own.shape[1])
         qg = query.reshape(b, h_kv, h // h_kv, d).float()  # query head j*G.. reads KV head j
 
         def scores(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
             sc = torch.matmul(q, k.float().transpose(-1, -2)) * keys.scaling
             return sc if visible is None else sc.masked_fill(~visible[:, None, None, :], float("-inf"))
 
-        if keys.own is None:
-            own, lse = grid, keys.lse
-            assert lse is not None, "pages in place hand over the total log-sum-exp with their scores"
-        else:
-            own = scores(qg, keys.own, keys.visible)
+        own = None if keys.own is None else scores(qg, keys.own, keys.visible)
+        if own is not None:
             lse = torch.logsumexp(own, -1)
         parts = []
         for seg in keys.shared:
@@ -150,8 +150,8 @@ class MassTap(AttentionTap):
                 lse = torch.logaddexp(lse, part)
             else:
                 lse = lse.index_copy(0, seg.rows, torch.logaddexp(lse.index_select(0, seg.rows), part))
-        span = own.shape[-1]
-        self.own[:, :span] += torch.exp(own - lse[..., None]).sum(dim=(1, 2))
+        if own is not None:
+            self.own[:, : own.shape[-1]] += torch.exp(own - lse[..., None]).sum(dim=(1, 2))
         for seg, sc in parts:
             if seg.key not in self.tracked:
                 continue

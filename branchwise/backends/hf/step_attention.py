@@ -27,10 +27,10 @@ from branchwise.backends.hf.kv_pages import Pages
 from branchwise.backends.hf.step_inputs import StepKeys
 
 
-def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
+def pages_copied(ctx: BatchContext, tap: str | None) -> str | None:
     """Why a step of this batch cannot read its rows' pages in place (None: it can, or the batch
     keeps tails): the paged kernel reads float32 and bfloat16 on a CPU, one query per row, nothing
-    for a tap to see (what a tap reads is a rectangle of keys), and once it is built: a step never
+    a tap needs as a rectangle of keys (`tap`: why one does), and once it is built: a step never
     waits for its build (`cpu_kernels.ready_now`)."""
     kv = ctx.kv
     if not isinstance(kv, Pages):
@@ -40,8 +40,8 @@ def pages_copied(ctx: BatchContext, taps: bool) -> str | None:
         return f"no paged decode kernel wired for {like.device.type} (the reference path reads a copy)"
     if like.dtype not in (torch.float32, torch.bfloat16):
         return f"the paged decode kernel reads float32 and bfloat16, not {like.dtype}"
-    if taps:
-        return "an acceleration's attention tap reads the keys as a rectangle"
+    if tap is not None:
+        return tap
     return cpu_kernels.ready_now()
 
 
@@ -136,11 +136,16 @@ class StaticAttention:
         (`feed_taps`, inside the step a recorder records, so a replay feeds them too)."""
         self.fed: list[tuple[int, torch.Tensor, float, bool, torch.Tensor | None, torch.Tensor | None]] = []
         """Per layer this step ran: the layer, its queries, the scaling, whether the paged kernel read
-        the layer (and then the scores and log-sum-exp it returned, where a tap reads them)."""
-        self.copied = pages_copied(ctx, any(tap.reads_keys for tap in self.taps))
+        the layer (and then the own slots' mass and the log-sum-exp, where a tap reads them)."""
+        self.scored = any(tap.reads_mass for tap in self.taps)
+        """Whether the paged kernel returns each own slot's attention mass too (a tap reads it)."""
+        why = None
+        if any(tap.reads_keys for tap in self.taps):
+            why = "an acceleration's attention tap reads the keys as a rectangle"
+        elif self.scored and self.merged:  # the kernel's mass is against its own log-sum-exp
+            why = "an attention-mass tap under a masked pool of blocks merged after the paged kernel"
+        self.copied = pages_copied(ctx, why)
         """Why this step reads a gathered copy of its rows' pages (None: tails, or pages in place)."""
-        self.scored = any(tap.reads_scores for tap in self.taps)
-        """Whether the paged kernel returns each own slot's score too (a tap reads them)."""
         self.in_place = isinstance(ctx.kv, Pages) and self.copied is None
         """Whether each layer reads the rows' pages where they lie (`cpu_kernels.paged_decode`)."""
         handed = [seg for seg in self.shared if seg.mask is None] if self.in_place else []
@@ -203,9 +208,9 @@ class StaticAttention:
         ctx.kv.write(layer, key, value, self.where)  # each row's new K/V at its length
         windowed = window is not None and self.windowed
         if self.in_place and softcap is None and not windowed:
-            out, scores, lse = self._paged(layer, query, scaling)
-            if self.feeds:  # no tap reads the keys (`pages_copied`); some may read their scores
-                self.fed.append((layer, query, scaling, True, scores, lse))
+            out, mass, lse = self._paged(layer, query, scaling)
+            if self.feeds:  # no tap reads the keys (`pages_copied`); some may read their mass
+                self.fed.append((layer, query, scaling, True, mass, lse))
             return out
         span = self.slots.shape[0]
         k_own, v_own = ctx.kv.read(layer, span)
@@ -231,16 +236,12 @@ class StaticAttention:
     def feed_taps(self) -> None:
         """Hand the taps what each layer of the step just run read (`fed`): its queries, and the
         keys as a `StepKeys` (over tails the rows' own keys, read again: the step wrote them before
-        it attended; pages read in place hand the scores instead, None where no tap reads them)."""
+        it attended; pages read in place hand the mass instead, None where no tap reads it)."""
         fed, self.fed = self.fed, []
         span = self.slots.shape[0]
-        for layer, query, scaling, paged, scores, lse in fed:
+        for layer, query, scaling, paged, mass, lse in fed:
             if paged:
-                keys = (
-                    None
-                    if scores is None
-                    else StepKeys(None, self.visible, self.shared, scaling, scores, lse)
-                )
+                keys = None if mass is None else StepKeys(None, self.visible, self.shared, scaling, mass, lse)
             else:
                 keys = StepKeys(self.ctx.kv.read(layer, span)[0], self.visible, self.shared, scaling)
             for tap in self.taps:
@@ -250,9 +251,11 @@ class StaticAttention:
         self, layer: int, query: torch.Tensor, scaling: float
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Attention over the rows' pages read in place and the segments handed to the kernel with
-        them (output and log-sum-exp per query), a masked pool merged after by log-sum-exp: `[B, 1, H, D]`, each own slot's score
-        `[B, H_kv, G, slots]` where a tap reads them (`scored`, else None), and the merged
-        log-sum-exp `[B, H_kv, G]`."""
+        them (output and log-sum-exp per query), a masked pool merged after by log-sum-exp: `[B, 1, H, D]`,
+        each own slot's attention mass `[B, slots]` where a tap reads it (`scored`, else None), and
+        the merged log-sum-exp `[B, H_kv, G]` (the kernel's mass is against its own log-sum-exp:
+        a batch merging a masked pool after it reads a copy where a tap reads the mass,
+        `pages_copied`)."""
         kv = self.ctx.kv
         assert isinstance(kv, Pages)
         b, h, _, d = query.shape
@@ -268,10 +271,9 @@ class StaticAttention:
             0,
             self.handed.at(layer),
         )
-        scores = None
+        mass = None
         if self.scored:
-            out, lse, flat = cpu_kernels.paged_decode_scored(*args)
-            scores = flat.view(b, h_kv, g, -1)
+            out, lse, mass = cpu_kernels.paged_decode_mass(*args)
         else:
             out, lse = cpu_kernels.paged_decode(*args)
         total = lse.view(b, h_kv, g)
@@ -280,7 +282,7 @@ class StaticAttention:
                 query.reshape(b, h_kv, g, d), out.view(b, h_kv, g, d), total, self.merged, layer, scaling
             )
             out = merged.reshape(b, h, d)
-        return out[:, None], scores, total
+        return out[:, None], mass, total
 
 
 @dataclass

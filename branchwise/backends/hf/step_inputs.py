@@ -93,13 +93,13 @@ class StepKeys:
     """What a decode step's attention reads at one layer, for taps the fixed-shape step feeds:
     `own` `[B, H_kv, span, D]` each row's tail keys (this step's written), `visible` `[B, span]`
     which of them each row sees, and the batch's shared segments. Where the step reads pages in
-    place, `own` is None, `scores` `[B, H_kv, G, slots]` holds what the paged kernel scored
-    (`scaling * q.k` at each of a row's own slots, -inf past its length: `AttentionTap.reads_scores`)
-    and `lse` `[B, H_kv, G]` the log-sum-exp of everything each query read (own and shared)."""
+    place, `own` is None, `mass` `[B, slots]` holds the attention each of a row's own slots got,
+    summed over the query heads (`AttentionTap.reads_mass`, 0 past the row's length) and `lse`
+    `[B, H_kv, G]` the log-sum-exp of everything each query read (own and shared)."""
 
     own: torch.Tensor | None
     visible: torch.Tensor
     shared: Sequence[SharedSegment]
     scaling: float
-    scores: torch.Tensor | None = None
+    mass: torch.Tensor | None = None
     lse: torch.Tensor | None = None

@@ -22,8 +22,8 @@ from branchwise.backends.hf.cpu_kernels import (
     PagedKernelUnavailable,
     Segments,
     paged_decode,
+    paged_decode_mass,
     paged_decode_reference,
-    paged_decode_scored,
 )
 
 
@@ -106,27 +106,32 @@ def test_rows_split_into_chunks_merge_to_the_same_result(chunk_blocks: int) -> N
 @pytest.mark.parametrize(
     ("chunk_blocks", "dtype"), [(0, torch.float32), (1, torch.float32), (0, torch.bfloat16)]
 )
-def test_scored_returns_each_slots_score_beside_the_same_output(
+def test_mass_is_each_slots_attention_summed_over_heads_against_all_read(
     chunk_blocks: int, dtype: torch.dtype
 ) -> None:
-    """Every slot a row reads gets `scale * q.k` at its place in the row (block j // BS, offset
-    j % BS), -inf past the row's length; the output and LSE are `paged_decode`'s, split or not."""
-    q, k_pool, v_pool, table, lens = make_case([0, 5, 16, 37, 300], heads=4, kv_heads=2, dim=64, block=16)
+    """`paged_decode_mass`: `paged_decode`'s output and LSE, split or not, and per own slot (block
+    j // BS, offset j % BS of the row's table) `exp(scale * q.k - lse)` summed over the query heads,
+    where the LSE covers the shared segments too, 0 past each row's length: a row under no segment
+    gives its own slots all the mass (one per query head), a row under one less."""
+    lens = [0, 5, 16, 37, 300]
+    q, k_pool, v_pool, table, lens_t = make_case(lens, heads=6, kv_heads=3, dim=64, block=16)
     q, k_pool, v_pool = q.to(dtype), k_pool.to(dtype), v_pool.to(dtype)
+    segments = make_segments([[1, 3], [4]], [40, 7], dtype=dtype)
     scale = 0.125
-    out, lse, scores = paged_decode_scored(q, k_pool, v_pool, table, lens, scale, chunk_blocks)
-    want_out, want_lse = paged_decode(q, k_pool, v_pool, table, lens, scale, chunk_blocks)
+    out, lse, mass = paged_decode_mass(q, k_pool, v_pool, table, lens_t, scale, chunk_blocks, segments)
+    want_out, want_lse = paged_decode(q, k_pool, v_pool, table, lens_t, scale, chunk_blocks, segments)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
-    assert scores.shape == (5, 4, table.shape[1] * 16) and scores.dtype == torch.float32
-    for row, n in enumerate(lens.tolist()):
+    assert mass.shape == (5, table.shape[1] * 16) and mass.dtype == torch.float32
+    _, ref_lse = paged_decode_reference(q, k_pool, v_pool, table, lens_t, scale, segments)
+    for row, n in enumerate(lens):
+        assert not mass[row, n:].any()
         blocks = table[row, : -(-n // 16)].long()
-        keys = k_pool[blocks].float().transpose(0, 1).reshape(2, -1, 64)[:, :n]  # [H_kv, n, D]
-        want = (q[row].float().view(2, 2, 64) @ keys.transpose(1, 2) * scale).reshape(4, n)
-        torch.testing.assert_close(scores[row, :, :n], want, rtol=0, atol=1e-4)
-        assert torch.isneginf(scores[row, :, n:]).all()
-    # the scores and the LSE agree: a row's slots' masses sum to one per query head
-    mass = torch.exp(scores - lse[..., None]).sum(-1)
-    torch.testing.assert_close(mass[1:], torch.ones(4, 4), rtol=0, atol=1e-4)
+        keys = k_pool[blocks].float().transpose(0, 1).reshape(3, -1, 64)[:, :n]  # [H_kv, n, D]
+        scores = (q[row].float().view(3, 2, 64) @ keys.transpose(1, 2) * scale).reshape(6, n)
+        want = torch.exp(scores - ref_lse[row][:, None]).sum(0)
+        torch.testing.assert_close(mass[row, :n], want, rtol=1e-4, atol=1e-5)
+    assert mass[2].sum().item() == pytest.approx(6.0, abs=1e-3)
+    assert mass[0].sum().item() == 0.0 and mass[1].sum().item() < 6.0 - 1e-3
 
 
 @pytest.mark.usefixtures("kernel")
@@ -243,28 +248,11 @@ def test_padding_readers_and_unread_segments_change_nothing() -> None:
             *noise.rows,
         ],
     )
-    for run in (paged_decode, paged_decode_scored):
+    for run in (paged_decode, paged_decode_mass):
         want = run(q, k_pool, v_pool, table, lens, 0.125, 0, real)
         got = run(q, k_pool, v_pool, table, lens, 0.125, 0, padded)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
-
-
-@pytest.mark.usefixtures("kernel")
-def test_scored_with_segments_scores_own_slots_against_the_total() -> None:
-    """With segments the scores stay each own slot's, and the LSE is the total over everything the
-    query read: the own slots' masses sum to what the segments leave."""
-    q, k_pool, v_pool, table, lens = make_case([40, 70], seed=6)
-    segments = make_segments([[0, 1], [1]], [64, 20])
-    out, lse, scores = paged_decode_scored(q, k_pool, v_pool, table, lens, 0.125, 0, segments)
-    want_out, want_lse = paged_decode(q, k_pool, v_pool, table, lens, 0.125, 0, segments)
-    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
-    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
-    _, own_lse, own_scores = paged_decode_scored(q, k_pool, v_pool, table, lens, 0.125)
-    torch.testing.assert_close(scores, own_scores, rtol=0, atol=1e-6)
-    own_mass = torch.exp(scores - lse[..., None]).sum(-1)
-    torch.testing.assert_close(own_mass, torch.exp(own_lse - lse), rtol=0, atol=1e-5)
-    assert bool((own_mass < 0.999).all())  # the segments took some of every query's mass
 
 
 @pytest.mark.usefixtures("kernel")
@@ -290,24 +278,24 @@ def test_bad_inputs_are_refused() -> None:
 
 
 @pytest.mark.usefixtures("kernel")
-@pytest.mark.parametrize("scored", [False, True])
-def test_inside_torch_compile_fullgraph(scored: bool) -> None:
+@pytest.mark.parametrize("mass", [False, True])
+def test_inside_torch_compile_fullgraph(mass: bool) -> None:
     """The fake kernels give inductor the ops' shapes: a compiled function around either is one
     graph, and computes what the eager op computes."""
     q, k_pool, v_pool, table, lens = make_case([9, 64, 100], seed=4)
     segments = make_segments([[0, 2]], [30])
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if scored:
-            out, lse, scores = paged_decode_scored(q * 2.0, k, v, table, lens, 0.125, 0, segments)
-            return out.sum(-1) + 1.0, lse.exp(), scores.clamp(min=-1e4) * 2.0
+        if mass:
+            out, lse, got = paged_decode_mass(q * 2.0, k, v, table, lens, 0.125, 0, segments)
+            return out.sum(-1) + 1.0, lse.exp(), got * 2.0
         out, lse = paged_decode(q * 2.0, k, v, table, lens, 0.125, 0, segments)
         return out.sum(-1) + 1.0, lse.exp()
 
     compiled = torch.compile(attend, fullgraph=True)
     got = compiled(q, k_pool, v_pool)
     want = attend(q, k_pool, v_pool)
-    assert len(got) == len(want) == 2 + scored
+    assert len(got) == len(want) == 2 + mass
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 

@@ -12,10 +12,12 @@
 // its keys once); block_table `[B, M]` int32, lens `[B]` int32 (a row's tokens are its first
 // ceil(len / BS) blocks' first `len` slots). Out `[B, Hq, D]` in q's dtype, lse `[B, Hq]` float32
 // (natural log of the sum of exp(scale * q.k)); a row of length 0 gives zeros and -inf.
-// `paged_decode_scored` also returns every score it computed, `[B, Hq, M * BS]` float32 (scale * q.k
-// at each of a row's slots, -inf past its length): what an attention-mass tap needs (each slot's
-// mass is exp(score - lse of everything the query read)), for the price of one store per score,
-// where a tap scoring the keys itself would read every key a second time.
+// `paged_decode_mass` also returns the attention mass each own slot got, `[B, M * BS]` float32:
+// exp(scale * q.k - lse of everything the query read) summed over the query heads, 0 past a row's
+// length. What an attention-mass tap needs: the scores stay in the kernel's scratch and are
+// exponentiated once the total log-sum-exp is known, where a tap scoring the keys itself would read
+// every key a second time, and a tap handed the scores would exponentiate a `[B, Hq, M * BS]` grid
+// in half a dozen operations of its own per layer.
 //
 // Shared segments: `seg_keys[i]` / `seg_values[i]` `[H_kv, T_i, D]` (contiguous head dim), read by
 // the rows `seg_rows[i]` (int32; a negative entry names no row, and a segment no row reads is
@@ -294,11 +296,84 @@ struct Chunk {
   int64_t cost;             // queries x tokens: the longest first
 };
 
+// Rows read in parts (split into chunks, or a shared segment besides their own blocks): each (row,
+// head)'s partial results `part_o` / `part_l` merged by log-sum-exp into `out` and `lse`.
+template <typename scalar_t>
+void merge_parts(const std::vector<Chunk>& chunks, const std::vector<Product>& products,
+                 const std::vector<Segment<scalar_t>>& segments, const at::Tensor& part_o, const at::Tensor& part_l,
+                 int64_t B, int64_t H, int64_t G, int64_t D, scalar_t* out_p, float* lse_p) {
+  const float* po = part_o.data_ptr<float>();
+  const float* pl = part_l.data_ptr<float>();
+  const int64_t Hq = H * G;
+  std::vector<std::vector<int64_t>> parts(B * H);
+  for (const Product& p : products) {
+    const auto& rows = segments[p.seg].rows;
+    const int64_t r = static_cast<int64_t>(rows.size());
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t j = 0; j < r; ++j) parts[rows[j] * H + h].push_back(p.slot + h * r + j);
+    }
+  }
+  for (const Chunk& c : chunks) {
+    if (c.slot < 0) continue;
+    if (c.seg < 0) {
+      parts[c.row * H + c.head].push_back(c.slot);
+    } else {
+      const auto& rows = segments[c.seg].rows;
+      for (int64_t j = 0; j < static_cast<int64_t>(rows.size()); ++j) parts[rows[j] * H + c.head].push_back(c.slot + j);
+    }
+  }
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t key = begin; key < end; ++key) {
+      const auto& mine = parts[key];
+      if (mine.empty()) continue;
+      const int64_t b = key / H, h = key % H;
+      for (int64_t g = 0; g < G; ++g) {
+        float top = kNegInf;
+        for (int64_t slot : mine) top = std::max(top, pl[slot * G + g]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float sum = 0.f;
+        if (top != kNegInf) {
+          for (int64_t slot : mine) {
+            const float w = std::exp(pl[slot * G + g] - top);
+            sum += w;
+            axpy(acc.data(), w, po + (slot * G + g) * D, D);
+          }
+        }
+        const int64_t qh = h * G + g;
+        store(out_p + b * Hq * D + qh * D, acc.data(), sum > 0.f ? 1.f / sum : 0.f, D);
+        lse_p[b * Hq + qh] = sum > 0.f ? top + std::log(sum) : kNegInf;
+      }
+    }
+  });
+}
+
+// Each own slot's attention mass, summed over the query heads: exp(score - lse) against the
+// log-sum-exp of everything the query read, into `mass` `[B, S]` (zero past a row's length).
+inline void add_mass(const float* scores, const float* lse, const int32_t* len_of, int64_t B, int64_t Hq,
+                     int64_t S, float* mass) {
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> e(S);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = len_of[b];
+      float* dst = mass + b * S;
+      std::fill(dst, dst + S, 0.f);
+      for (int64_t qh = 0; qh < Hq; ++qh) {
+        const float top = lse[b * Hq + qh];
+        if (top == kNegInf || n == 0) continue;
+        const float* src = scores + (b * Hq + qh) * S;
+        at::vec::map([top](Vec x) { return (x - Vec(top)).exp_u20(); }, e.data(), src, n);
+        at::vec::map2([](Vec a, Vec x) { return a + x; }, dst, dst, e.data(), n);
+      }
+    }
+  });
+}
+
 template <typename scalar_t>
 void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                        const at::Tensor& block_table, const at::Tensor& lens,
                        const std::vector<Segment<scalar_t>>& segments, double scale, int64_t chunk_blocks,
-                       at::Tensor& out, at::Tensor& lse, float* scores_p) {
+                       at::Tensor& out, at::Tensor& lse, float* scores_p, float* mass_p) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t H = k_pool.size(1), BS = k_pool.size(2);
   const int64_t G = Hq / H;
@@ -459,51 +534,10 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_pool, const at::
       }
     }
   });
-  if (slots == 0) return;
-  // rows read in parts (split into chunks, or a shared segment besides their own blocks): merge
-  // each (row, head)'s partial results by log-sum-exp
-  std::vector<std::vector<int64_t>> parts(B * H);
-  for (const Product& p : products) {
-    const auto& rows = segments[p.seg].rows;
-    const int64_t r = static_cast<int64_t>(rows.size());
-    for (int64_t h = 0; h < H; ++h) {
-      for (int64_t j = 0; j < r; ++j) parts[rows[j] * H + h].push_back(p.slot + h * r + j);
-    }
-  }
-  for (const Chunk& c : chunks) {
-    if (c.slot < 0) continue;
-    if (c.seg < 0) {
-      parts[c.row * H + c.head].push_back(c.slot);
-    } else {
-      const auto& rows = segments[c.seg].rows;
-      for (int64_t j = 0; j < static_cast<int64_t>(rows.size()); ++j) parts[rows[j] * H + c.head].push_back(c.slot + j);
-    }
-  }
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
-    for (int64_t key = begin; key < end; ++key) {
-      const auto& mine = parts[key];
-      if (mine.empty()) continue;
-      const int64_t b = key / H, h = key % H;
-      for (int64_t g = 0; g < G; ++g) {
-        float top = kNegInf;
-        for (int64_t slot : mine) top = std::max(top, pl[slot * G + g]);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        float sum = 0.f;
-        if (top != kNegInf) {
-          for (int64_t slot : mine) {
-            const float w = std::exp(pl[slot * G + g] - top);
-            sum += w;
-            axpy(acc.data(), w, po + (slot * G + g) * D, D);
-          }
-        }
-        const int64_t qh = h * G + g;
-        store(out_p + b * Hq * D + qh * D, acc.data(), sum > 0.f ? 1.f / sum : 0.f, D);
-        lse_p[b * Hq + qh] = sum > 0.f ? top + std::log(sum) : kNegInf;
-      }
-    }
-  });
+  if (slots > 0) merge_parts(chunks, products, segments, part_o, part_l, B, H, G, D, out_p, lse_p);
+  if (mass_p != nullptr) add_mass(scores_p, lse_p, len_of, B, Hq, S, mass_p);
 }
+
 
 // The shared segments as the kernel reads them, each checked against the pool's heads and dtype.
 template <typename scalar_t>
@@ -536,13 +570,12 @@ std::vector<Segment<scalar_t>> segments_of(const at::TensorList seg_keys, const 
   return segments;
 }
 
-// Checks the inputs, then runs the kernel; `scores`, where given, takes every own slot's score
-// (-inf filled).
+// Checks the inputs, then runs the kernel; `mass`, where given, takes every own slot's attention mass.
 std::tuple<at::Tensor, at::Tensor> run_checked(const at::Tensor& q_in, const at::Tensor& k_pool,
                                                const at::Tensor& v_pool, const at::Tensor& block_table,
                                                const at::Tensor& lens, const at::TensorList seg_keys,
                                                const at::TensorList seg_values, const at::TensorList seg_rows,
-                                               double scale, int64_t chunk_blocks, at::Tensor* scores) {
+                                               double scale, int64_t chunk_blocks, at::Tensor* mass) {
   TORCH_CHECK(q_in.dim() == 3, "paged_decode: q must be [B, Hq, D]");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.dim() == 4, "paged_decode: pools must be [N, H_kv, BS, D]");
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "paged_decode: k_pool and v_pool differ in shape");
@@ -576,18 +609,25 @@ std::tuple<at::Tensor, at::Tensor> run_checked(const at::Tensor& q_in, const at:
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   at::Tensor lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
   float* scores_p = nullptr;
-  if (scores != nullptr) {
-    *scores = at::full({B, Hq, M * BS}, kNegInf, q.options().dtype(at::kFloat));
-    scores_p = scores->data_ptr<float>();
+  float* mass_p = nullptr;
+  at::Tensor scores;
+  if (mass != nullptr) {  // the scores are written as far as each row's length, and read by `add_mass`
+    scores = at::empty({B, Hq, M * BS}, q.options().dtype(at::kFloat));
+    scores_p = scores.data_ptr<float>();
+    *mass = at::empty({B, M * BS}, q.options().dtype(at::kFloat));  // zeroed by `add_mass`
+    mass_p = mass->data_ptr<float>();
   }
   if (q.scalar_type() == at::kFloat) {
     const auto segments = segments_of<float>(seg_keys, seg_values, seg_rows, k_pool, B);
-    if (B > 0) paged_decode_impl<float>(q, k_pool, v_pool, block_table, lens_c, segments, scale, chunk_blocks, out, lse, scores_p);
+    if (B > 0) {
+      paged_decode_impl<float>(q, k_pool, v_pool, block_table, lens_c, segments, scale, chunk_blocks, out, lse,
+                               scores_p, mass_p);
+    }
   } else {
     const auto segments = segments_of<at::BFloat16>(seg_keys, seg_values, seg_rows, k_pool, B);
     if (B > 0) {
       paged_decode_impl<at::BFloat16>(q, k_pool, v_pool, block_table, lens_c, segments, scale, chunk_blocks, out,
-                                      lse, scores_p);
+                                      lse, scores_p, mass_p);
     }
   }
   return {out, lse};
@@ -602,14 +642,14 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
                      nullptr);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_scored(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> paged_decode_mass(
     const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_table,
     const at::Tensor& lens, const at::TensorList seg_keys, const at::TensorList seg_values,
     const at::TensorList seg_rows, double scale, int64_t chunk_blocks) {
-  at::Tensor scores;
+  at::Tensor mass;
   auto [out, lse] = run_checked(q, k_pool, v_pool, block_table, lens, seg_keys, seg_values, seg_rows, scale,
-                                chunk_blocks, &scores);
-  return {out, lse, scores};
+                                chunk_blocks, &mass);
+  return {out, lse, mass};
 }
 
 }  // namespace
@@ -620,12 +660,12 @@ TORCH_LIBRARY_FRAGMENT(branchwise, m) {
       "Tensor[] seg_keys, Tensor[] seg_values, Tensor[] seg_rows, float scale, int chunk_blocks=0) "
       "-> (Tensor out, Tensor lse)");
   m.def(
-      "paged_decode_scored(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor lens, "
+      "paged_decode_mass(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor lens, "
       "Tensor[] seg_keys, Tensor[] seg_values, Tensor[] seg_rows, float scale, int chunk_blocks=0) "
-      "-> (Tensor out, Tensor lse, Tensor scores)");
+      "-> (Tensor out, Tensor lse, Tensor mass)");
 }
 
 TORCH_LIBRARY_IMPL(branchwise, CPU, m) {
   m.impl("paged_decode", &paged_decode);
-  m.impl("paged_decode_scored", &paged_decode_scored);
+  m.impl("paged_decode_mass", &paged_decode_mass);
 }
